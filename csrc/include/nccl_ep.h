@@ -1,0 +1,177 @@
+/*
+ * nccl_ep.h: public C API of megatron_nccl_ep, an expert-parallel dispatch/combine library over
+ * NCCL, in the style of the NCCL EP paper. See shared DESIGN (layout §3, arithmetic §4, handles §5).
+ *
+ * NOTES:
+ *  - Every call returns ncclResult_t. On failure, ncclEpGetLastError() returns a readable reason
+ *    (thread-local) naming the argument and the expected value. No call aborts the process.
+ *  - Every device operation is stream-ordered on the cudaStream_t it is given; none synchronizes
+ *    the host except where documented (exact-mode handle creation reads the receive count once).
+ *  - Collective calls (group/handle create, dispatch, combine) must be made by every rank of the
+ *    group in the same order, like NCCL collectives.
+ *  - Config structs are versioned: set .size = sizeof(struct) and .version = NCCL_EP_API_VERSION
+ *    (the *_INITIALIZER macros do), so a newer library can accept an older caller.
+ *  - The library never allocates user-visible output memory: outputs are caller tensors. Internal
+ *    buffers come from alloc_fn/free_fn when given (symmetric buffers always come from NCCL).
+ */
+#ifndef NCCL_EP_H_
+#define NCCL_EP_H_
+
+#include <stddef.h>
+#include <stdint.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define NCCL_EP_API_VERSION 1
+#define NCCL_EP_MAX_NDIM 4
+
+typedef struct ncclEpGroup* ncclEpGroup_t;
+typedef struct ncclEpHandle* ncclEpHandle_t;
+
+typedef enum {
+  ncclEpModeHighThroughput = 0, /* HT: 2D expert-major layout, [total_recv_tokens, hidden] */
+  ncclEpModeLowLatency = 1      /* LL: 3D layout; reserved, returns ncclInvalidUsage today */
+} ncclEpMode_t;
+
+typedef enum {
+  ncclEpRecvCountExact = 0,    /* N_d read to the host once, at handle creation */
+  ncclEpRecvCountCapacity = 1  /* outputs sized by max_recv_tokens_per_rank; no host sync */
+} ncclEpRecvCountMode_t;
+
+/* Role of a tensor in an operation (DESIGN §6). */
+typedef enum {
+  NCCL_EP_TENSOR_TOKENS = 0,                      /* [T, H] or [N, H] token rows */
+  NCCL_EP_TENSOR_TOPK_IDX = 1,                    /* [T, K] int32/int64, -1 = masked slot */
+  NCCL_EP_TENSOR_TOPK_WEIGHTS = 2,                /* [T, K] routing probs, or [N] received probs */
+  NCCL_EP_TENSOR_SCALES = 3,                      /* FP8 scales (reserved) */
+  NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_DEVICE = 4,  /* [L] int64 on device */
+  NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_HOST = 5,    /* [L] int64 in host memory */
+  NCCL_EP_TENSOR_TOKENS_PER_EXPERT = 6            /* [L] int64 on device (alias role) */
+} ncclEpTensorTag_t;
+
+/* A strided tensor view. Sizes/strides in elements, row-major conventions. */
+typedef struct {
+  void* data;
+  int ndim;
+  int64_t sizes[NCCL_EP_MAX_NDIM];
+  int64_t strides[NCCL_EP_MAX_NDIM];
+  ncclDataType_t dtype;
+  ncclEpTensorTag_t tag;
+} ncclEpTensor_t;
+
+/* Memory callbacks for internal, non-symmetric device buffers. Return 0 on success. */
+typedef int (*ncclEpAllocFn_t)(void** ptr, size_t bytes, void* ctx);
+typedef int (*ncclEpFreeFn_t)(void* ptr, void* ctx);
+
+typedef struct {
+  size_t size;              /* sizeof(ncclEpGroupConfig_t) */
+  unsigned int version;     /* NCCL_EP_API_VERSION */
+  ncclEpMode_t mode;
+  int num_experts;          /* E, multiple of the group size */
+  int hidden;               /* H */
+  int max_tokens_per_rank;  /* upper bound on T per call; buffers are chunked to this */
+  int max_topk;             /* upper bound on K */
+  ncclDataType_t token_dtype;     /* ncclBfloat16, ncclFloat16, ncclFloat32 */
+  ncclEpRecvCountMode_t recv_count_mode;
+  int64_t max_recv_tokens_per_rank; /* capacity mode: rows of every dispatch output */
+  int expert_alignment;     /* A >= 1: pad each expert block to a multiple of A rows */
+  int num_sms;              /* SM budget per operation (0 = library default) */
+  int64_t timeout_ms;       /* device-side waits fail with ncclSystemError after this */
+  ncclEpAllocFn_t alloc_fn; /* NULL = cudaMalloc */
+  ncclEpFreeFn_t free_fn;   /* NULL = cudaFree */
+  void* alloc_ctx;
+} ncclEpGroupConfig_t;
+
+#define NCCL_EP_GROUP_CONFIG_INITIALIZER                                                  \
+  {                                                                                       \
+    sizeof(ncclEpGroupConfig_t), NCCL_EP_API_VERSION, ncclEpModeHighThroughput, 0, 0, 0, \
+        0, ncclBfloat16, ncclEpRecvCountExact, 0, 1, 0, 100000, NULL, NULL, NULL          \
+  }
+
+/* Dispatch: tokens (and optionally their routing weights) to the expert-major layout. */
+typedef struct {
+  ncclEpTensor_t tokens;        /* TOKENS [T, H], T as in the handle */
+  ncclEpTensor_t topk_weights;  /* TOPK_WEIGHTS [T, K]; data NULL = no weights */
+} ncclEpDispatchInputs_t;
+
+typedef struct {
+  ncclEpTensor_t recv_tokens;        /* TOKENS [N, H] (N = num recv tokens, or capacity) */
+  ncclEpTensor_t recv_topk_weights;  /* TOPK_WEIGHTS [N], dtype of topk_weights; NULL if none */
+} ncclEpDispatchOutputs_t;
+
+/* Combine: expert outputs in the layout back to the source tokens, unweighted (DESIGN §4). */
+typedef struct {
+  ncclEpTensor_t expert_tokens;  /* TOKENS [N, H] */
+} ncclEpCombineInputs_t;
+
+typedef struct {
+  ncclEpTensor_t tokens;  /* TOKENS [T, H] */
+} ncclEpCombineOutputs_t;
+
+typedef struct {
+  size_t size;           /* sizeof(ncclEpOpConfig_t) */
+  unsigned int version;  /* NCCL_EP_API_VERSION */
+  int send_only;         /* LL staged mode (reserved): finish with ncclEpComplete */
+} ncclEpOpConfig_t;
+
+#define NCCL_EP_OP_CONFIG_INITIALIZER { sizeof(ncclEpOpConfig_t), NCCL_EP_API_VERSION, 0 }
+
+/* Reason for the last failed call on this thread ("" if none). */
+const char* ncclEpGetLastError(void);
+/* Library version, NCCL_EP_API_VERSION at build time. */
+ncclResult_t ncclEpGetVersion(int* version);
+
+/* Collective over comm: checks the config is identical on every rank, allocates the symmetric
+ * buffers, maps the NVLink peers. comm stays owned by the caller and must outlive the group. */
+ncclResult_t ncclEpCreateGroup(ncclEpGroup_t* group, ncclComm_t comm,
+                               const ncclEpGroupConfig_t* config, cudaStream_t stream);
+/* Frees everything the group and its live handles hold. Not collective; call after the last op. */
+ncclResult_t ncclEpGroupDestroy(ncclEpGroup_t group);
+
+/* Collective: exchanges the routing of one forward pass and builds the row maps (DESIGN §3/§4).
+ * topk_idx: TOPK_IDX [T, K], T <= max_tokens_per_rank, K <= max_topk. Exact mode: reads the
+ * receive count to the host (one device-to-host copy). Bad routing (expert out of range, duplicate
+ * expert in a token) returns ncclInvalidArgument in exact mode; in capacity mode it is reported by
+ * the next call that synchronizes (ncclEpHandleGetNumRecvTokens, ncclEpGroupCheckErrors). */
+ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t group,
+                                const ncclEpTensor_t* topk_idx, const ncclEpOpConfig_t* config,
+                                cudaStream_t stream);
+ncclResult_t ncclEpHandleDestroy(ncclEpHandle_t handle);
+
+/* Rows of this rank's dispatch output: exact mode N_d (no sync, read at creation); capacity mode
+ * max_recv_tokens_per_rank. */
+ncclResult_t ncclEpHandleGetNumRecvTokens(ncclEpHandle_t handle, int64_t* num_recv_tokens);
+/* Copies tokens_per_expert [L] int64 into out (RECV_EXPERT_COUNTER_DEVICE or _HOST), stream-ordered
+ * for the device tag. */
+ncclResult_t ncclEpHandleGetTokensPerExpert(ncclEpHandle_t handle, ncclEpTensor_t* out,
+                                            cudaStream_t stream);
+
+/* Collective, stream-ordered. Writes every row of outputs (padding rows zero, prob 0). */
+ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispatchInputs_t* inputs,
+                            ncclEpDispatchOutputs_t* outputs, const ncclEpOpConfig_t* config,
+                            cudaStream_t stream);
+/* Collective, stream-ordered. y[t] = sum over ranks ascending of (sum over slots ascending). */
+ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombineInputs_t* inputs,
+                           ncclEpCombineOutputs_t* outputs, const ncclEpOpConfig_t* config,
+                           cudaStream_t stream);
+/* Collective, stream-ordered. Reverse of dispatch for the routing weights (autograd of probs):
+ * grad_topk_weights[t, k] = grad_recv_topk_weights[row(s, t, k)], 0 for masked slots. */
+ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
+                                      const ncclEpTensor_t* grad_recv_topk_weights,
+                                      ncclEpTensor_t* grad_topk_weights, cudaStream_t stream);
+/* LL staged mode (send_only): completes the receive side. HT: no-op returning ncclSuccess. */
+ncclResult_t ncclEpComplete(ncclEpHandle_t handle, cudaStream_t stream);
+
+/* Synchronizes the group's error word: returns the first device-side error (timeout, capacity
+ * overflow, bad routing) raised since the last check, with its reason, and clears it. */
+ncclResult_t ncclEpGroupCheckErrors(ncclEpGroup_t group);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* NCCL_EP_H_ */
