@@ -1,0 +1,288 @@
+"""Pythonic front of the library: ``Group`` (one per EP process group and shape class) and
+``Handle`` (one forward pass's routing). Backends implement the arithmetic of shared DESIGN §3/§4:
+
+* ``torch``: the reference (``reference.py``), over any torch.distributed backend;
+* ``cuda``: our CUDA kernels behind the C API (``cuda_backend.py``);
+* ``auto``: ``cuda`` when the tensors live on a GPU and the extension is built, else ``torch``.
+
+This module owns what both backends share: configuration, its cross-rank consistency check, and
+the argument checks on shapes, dtypes and devices. Checks on routing *values* (expert out of
+range, duplicate expert, capacity overflow) belong to the backends: the CUDA one does them on the
+device so that capacity mode never synchronizes the host.
+
+Backend protocol (both backends implement it; ``state`` is backend-private):
+
+* ``Backend(config: GroupConfig, process_group)``: collective;
+* ``create_handle(topk_idx) -> state``: collective; ``state.num_recv_tokens`` (int: N_d in exact
+  mode, the capacity in capacity mode), ``state.tokens_per_expert`` (int64 ``[L]``: CPU tensor in
+  exact mode, on the group's device in capacity mode);
+* ``dispatch(state, x, probs) -> (recv_x [N, H], recv_probs [N] or None)``: collective;
+* ``combine(state, expert_out [N, H]) -> y [T, H]``: collective;
+* ``combine_probs(state, grad_recv_probs [N]) -> grad_probs [T, K]``: collective;
+* ``destroy_handle(state)``, ``destroy()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+class NcclEpError(RuntimeError):
+    """A runtime failure: device-side timeout, capacity overflow, transport error."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupConfig:
+    """Everything a group fixes for all its layers. Identical on every rank (checked)."""
+
+    num_experts: int
+    hidden: int
+    max_tokens_per_rank: int
+    max_topk: int
+    dtype: torch.dtype = torch.bfloat16
+    recv_mode: str = "exact"  # "exact" | "capacity"
+    max_recv_tokens_per_rank: Optional[int] = None  # capacity mode: rows of each dispatch output
+    expert_alignment: int = 1  # pad each expert block to a multiple of this many rows
+    num_sms: int = 24  # SM budget per CUDA operation
+    timeout_s: float = 100.0  # device-side waits turn into NcclEpError after this
+
+    def validate(self, world_size: int) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(f"GroupConfig: {what}")
+
+        need(self.num_experts > 0, f"num_experts must be > 0, got {self.num_experts}")
+        need(self.num_experts % world_size == 0,
+             f"num_experts ({self.num_experts}) must be a multiple of the group size ({world_size})")
+        need(self.hidden > 0, f"hidden must be > 0, got {self.hidden}")
+        need(self.max_tokens_per_rank >= 0,
+             f"max_tokens_per_rank must be >= 0, got {self.max_tokens_per_rank}")
+        need(1 <= self.max_topk <= self.num_experts,
+             f"max_topk must be in [1, num_experts={self.num_experts}], got {self.max_topk}")
+        need(self.dtype in TOKEN_DTYPES, f"dtype must be one of {TOKEN_DTYPES}, got {self.dtype}")
+        need(self.recv_mode in ("exact", "capacity"),
+             f"recv_mode must be 'exact' or 'capacity', got {self.recv_mode!r}")
+        if self.recv_mode == "capacity":
+            need(self.max_recv_tokens_per_rank is not None and self.max_recv_tokens_per_rank >= 0,
+                 "capacity mode needs max_recv_tokens_per_rank >= 0 "
+                 f"(or a capacity_factor), got {self.max_recv_tokens_per_rank}")
+        need(self.expert_alignment >= 1,
+             f"expert_alignment must be >= 1, got {self.expert_alignment}")
+        need(self.num_sms >= 1, f"num_sms must be >= 1, got {self.num_sms}")
+        need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+def capacity_from_factor(capacity_factor: float, max_tokens_per_rank: int, max_topk: int,
+                         num_local_experts: int, expert_alignment: int) -> int:
+    """Rows for capacity mode: capacity_factor times the balanced share of rows per rank
+    (T * K), plus the worst-case alignment padding of every local expert."""
+    rows = math.ceil(capacity_factor * max_tokens_per_rank * max_topk)
+    return rows + num_local_experts * (expert_alignment - 1)
+
+
+def _check_config_across_ranks(config: GroupConfig, process_group, world_size: int) -> None:
+    if world_size == 1:
+        return
+    mine = dataclasses.asdict(config)
+    mine["dtype"] = str(config.dtype)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=process_group)
+    for rank, theirs in enumerate(everyone):
+        for key, value in mine.items():
+            if theirs[key] != value:
+                raise ValueError(
+                    f"inconsistent configuration across ranks: {key}={theirs[key]!r} on rank "
+                    f"{rank} but {value!r} on rank {dist.get_rank(process_group)}; every rank of "
+                    "the EP group must create its Group with the same configuration")
+
+
+def _resolve_backend(name: str, device: torch.device):
+    if name == "torch":
+        from .reference import ReferenceBackend
+
+        return ReferenceBackend
+    if name in ("cuda", "auto"):
+        if device.type == "cuda":
+            from . import cuda_backend
+
+            if cuda_backend.available():
+                return cuda_backend.CudaBackend
+            if name == "cuda":
+                raise RuntimeError(
+                    f"backend='cuda' but the CUDA extension is not usable: "
+                    f"{cuda_backend.unavailable_reason()}")
+        elif name == "cuda":
+            raise ValueError(f"backend='cuda' needs device of type 'cuda', got {device}")
+        from .reference import ReferenceBackend
+
+        return ReferenceBackend
+    raise ValueError(f"backend must be 'auto', 'torch' or 'cuda', got {name!r}")
+
+
+class Group:
+    """One EP group: a process group, a configuration, and the backend's shared resources.
+
+    Collective: every rank of ``process_group`` constructs it with the same arguments.
+    ``process_group=None`` uses the default group, or a single-rank group when torch.distributed
+    is not initialized.
+    """
+
+    def __init__(self, process_group=None, *, num_experts: int, hidden: int,
+                 max_tokens_per_rank: int, max_topk: int, dtype: torch.dtype = torch.bfloat16,
+                 backend: str = "auto", device=None, recv_mode: str = "exact",
+                 max_recv_tokens_per_rank: Optional[int] = None,
+                 capacity_factor: Optional[float] = None, expert_alignment: int = 1,
+                 num_sms: int = 24, timeout_s: float = 100.0):
+        if dist.is_available() and dist.is_initialized():
+            self.process_group = process_group if process_group is not None else dist.group.WORLD
+            self.rank = dist.get_rank(self.process_group)
+            self.world_size = dist.get_world_size(self.process_group)
+        else:
+            if process_group is not None:
+                raise ValueError("process_group given but torch.distributed is not initialized")
+            self.process_group, self.rank, self.world_size = None, 0, 1
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = torch.device(device)
+        if recv_mode == "capacity" and max_recv_tokens_per_rank is None and capacity_factor:
+            max_recv_tokens_per_rank = capacity_from_factor(
+                capacity_factor, max_tokens_per_rank, max_topk,
+                num_experts // self.world_size, expert_alignment)
+        self.config = GroupConfig(
+            num_experts=num_experts, hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
+            max_topk=max_topk, dtype=dtype, recv_mode=recv_mode,
+            max_recv_tokens_per_rank=max_recv_tokens_per_rank, expert_alignment=expert_alignment,
+            num_sms=num_sms, timeout_s=timeout_s)
+        self.config.validate(self.world_size)
+        _check_config_across_ranks(self.config, self.process_group, self.world_size)
+        self.num_local_experts = num_experts // self.world_size
+        self.backend_name = backend
+        self._backend = _resolve_backend(backend, self.device)(self.config, self.process_group)
+        self.backend_name = self._backend.name
+
+    # -- argument checks shared by every backend -------------------------------------------------
+    def _check_tensor(self, name: str, t, ndim: int, dtypes, shape=None) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must have dtype in {tuple(dtypes)}, got {t.dtype}")
+        if t.device != self.device:
+            raise ValueError(f"{name} must be on {self.device}, got {t.device}")
+        if shape is not None:
+            for i, want in enumerate(shape):
+                if want is not None and t.shape[i] != want:
+                    raise ValueError(
+                        f"{name} must have shape {tuple('*' if s is None else s for s in shape)},"
+                        f" got {tuple(t.shape)}")
+
+    def create_handle(self, topk_idx: torch.Tensor) -> "Handle":
+        """Collective: exchange the routing ``topk_idx [T, K]`` (int64/int32, -1 = masked)."""
+        self._require_alive()
+        self._check_tensor("topk_idx", topk_idx, 2, INDEX_DTYPES)
+        tokens, topk = topk_idx.shape
+        if tokens > self.config.max_tokens_per_rank:
+            raise ValueError(f"topk_idx has {tokens} tokens, more than max_tokens_per_rank="
+                             f"{self.config.max_tokens_per_rank} of this group")
+        if not 1 <= topk <= self.config.max_topk:
+            raise ValueError(
+                f"topk_idx has top-k {topk}, expected 1 <= top-k <= max_topk={self.config.max_topk}")
+        return Handle(self, self._backend.create_handle(topk_idx.contiguous()), tokens, topk)
+
+    def destroy(self) -> None:
+        """Frees the backend's shared resources. Handles must not be used afterwards."""
+        if self._backend is not None:
+            self._backend.destroy()
+            self._backend = None
+
+    def _require_alive(self) -> None:
+        if self._backend is None:
+            raise RuntimeError("this Group was destroyed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
+
+    def __del__(self):
+        try:
+            self.destroy()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class Handle:
+    """The routing of one forward pass (one layer, one micro-batch); reused by the backward pass.
+
+    ``num_recv_tokens``: rows of this rank's dispatch output. ``tokens_per_expert``: int64 ``[L]``
+    (a CPU tensor in exact mode, read once at creation; on the device in capacity mode).
+    """
+
+    def __init__(self, group: Group, state, num_tokens: int, topk: int):
+        self.group, self._state = group, state
+        self.num_tokens, self.topk = num_tokens, topk
+        self.num_recv_tokens = int(state.num_recv_tokens)
+        self.tokens_per_expert = state.tokens_per_expert
+
+    def _check_x(self, name: str, x: torch.Tensor) -> None:
+        cfg = self.group.config
+        self.group._check_tensor(name, x, 2, (cfg.dtype,), (self.num_tokens, cfg.hidden))
+
+    def _check_rows(self, name: str, t: torch.Tensor) -> None:
+        cfg = self.group.config
+        self.group._check_tensor(name, t, 2, (cfg.dtype,), (self.num_recv_tokens, cfg.hidden))
+
+    def dispatch(self, x: torch.Tensor, probs: Optional[torch.Tensor] = None):
+        """``x [T, H]``, ``probs [T, K]`` (any float dtype, optional) -> ``(recv_x [N, H],
+        recv_probs [N] or None)`` in the expert-major layout of DESIGN §3. Not differentiable:
+        use ``megatron_nccl_ep.dispatch`` for autograd."""
+        self._require_alive()
+        self._check_x("x", x)
+        if probs is not None:
+            self.group._check_tensor("probs", probs, 2,
+                                     (torch.float32, torch.bfloat16, torch.float16, torch.float64),
+                                     (self.num_tokens, self.topk))
+            probs = probs.contiguous()
+        return self.group._backend.dispatch(self._state, x.contiguous(), probs)
+
+    def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
+        """``expert_out [N, H]`` in the layout -> ``y [T, H]``, the unweighted, ordered sum of
+        DESIGN §4."""
+        self._require_alive()
+        self._check_rows("expert_out", expert_out)
+        return self.group._backend.combine(self._state, expert_out.contiguous())
+
+    def combine_probs(self, grad_recv_probs: torch.Tensor) -> torch.Tensor:
+        """Reverse of the probs dispatch: ``[N] -> [T, K]`` (0 at masked slots)."""
+        self._require_alive()
+        self.group._check_tensor("grad_recv_probs", grad_recv_probs, 1,
+                                 (torch.float32, torch.bfloat16, torch.float16, torch.float64),
+                                 (self.num_recv_tokens,))
+        return self.group._backend.combine_probs(self._state, grad_recv_probs.contiguous())
+
+    def destroy(self) -> None:
+        if self._state is not None and self.group._backend is not None:
+            self.group._backend.destroy_handle(self._state)
+        self._state = None
+
+    def _require_alive(self) -> None:
+        if self._state is None:
+            raise RuntimeError("this Handle was destroyed")
+        self.group._require_alive()
+
+    def __del__(self):
+        try:
+            self.destroy()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
