@@ -1,0 +1,54 @@
+"""Autograd over a Handle (DESIGN §5): the backward pass reuses the forward's routing.
+
+* dispatch: grad x = combine(grad recv_x); grad probs = combine_probs(grad recv_probs);
+* combine: grad expert_out = dispatch(grad y).
+
+The Function's context holds the Handle, so the handle lives exactly as long as the autograd graph
+that needs it. Every rank runs the same collectives in the same order: gradients are materialized
+(zeros) rather than skipped, so no rank skips a collective its peers enter.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .api import Handle
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, handle: Handle, x: torch.Tensor, probs: Optional[torch.Tensor]):
+        ctx.handle = handle
+        ctx.has_probs = probs is not None
+        recv_x, recv_probs = handle.dispatch(x, probs)
+        return recv_x, recv_probs
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, grad_recv_probs):
+        grad_x = ctx.handle.combine(grad_recv_x)
+        grad_probs = ctx.handle.combine_probs(grad_recv_probs) if ctx.has_probs else None
+        return None, grad_x, grad_probs
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, handle: Handle, expert_out: torch.Tensor):
+        ctx.handle = handle
+        return handle.combine(expert_out)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        grad_expert_out, _ = ctx.handle.dispatch(grad_y.contiguous(), None)
+        return None, grad_expert_out
+
+
+def dispatch(handle: Handle, x: torch.Tensor, probs: Optional[torch.Tensor] = None):
+    """Differentiable ``handle.dispatch``: ``(recv_x [N, H], recv_probs [N] or None)``."""
+    return _Dispatch.apply(handle, x, probs)
+
+
+def combine(handle: Handle, expert_out: torch.Tensor) -> torch.Tensor:
+    """Differentiable ``handle.combine``: ``y [T, H]``, the unweighted sum of DESIGN §4."""
+    return _Combine.apply(handle, expert_out)

@@ -1,0 +1,243 @@
+"""The reference backend: DESIGN §3 (layout) and §4 (arithmetic) in plain PyTorch over
+torch.distributed. It is the oracle of every CUDA test (bitwise), and the path of machines without
+a GPU (gloo on CPU).
+
+Its transport mirrors the CUDA one: a token travels once to each rank that owns one of its experts
+(``all_to_all_single`` of byte rows), then the destination expands it into its expert rows; combine
+reduces a token's rows on each rank, sends one partial per (token, rank) back, and the source sums
+the partials in rank order. Every sum starts from +0.0 and adds in the order of the contract, one
+elementwise IEEE add at a time, so the bits do not depend on the device that runs it.
+
+NOTES: errors that one rank detects (bad routing, capacity overflow) are agreed on by every rank
+before anyone raises, so no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .api import GroupConfig, NcclEpError
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 tokens accumulate in float64, every other token dtype in float32 (DESIGN §4)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def routing_error(topk_idx: torch.Tensor, num_experts: int) -> Optional[str]:
+    """The first problem with one rank's routing, or None: an expert id outside [-1, E), or a
+    token naming the same expert twice."""
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    if bool(bad.any()):
+        t, k = (int(v) for v in bad.nonzero()[0])
+        return (f"topk_idx[{t}, {k}] = {int(topk_idx[t, k])} is out of range: expert ids must be "
+                f"in [-1, {num_experts}) (-1 = masked slot)")
+    if topk_idx.shape[1] > 1:
+        ordered = topk_idx.sort(dim=1).values
+        dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+        if bool(dup.any()):
+            t, k = (int(v) for v in dup.nonzero()[0])
+            return (f"topk_idx token {t} names expert {int(ordered[t, k])} twice: a token may "
+                    "route to each expert at most once")
+    return None
+
+
+@dataclasses.dataclass
+class ReferenceHandleState:
+    num_recv_tokens: int
+    tokens_per_expert: torch.Tensor  # [L] int64
+    topk_idx: torch.Tensor  # [T, K] int64, this rank's routing
+    send_tokens: List[torch.Tensor]  # per destination rank: token indices with a slot there, asc.
+    recv_counts: List[int]  # per source rank: tokens received (one per token, not per slot)
+    recv_rows: torch.Tensor  # [sum(recv_counts), K] int64: output row of each slot here, or -1
+
+
+class ReferenceBackend:
+    name = "torch"
+
+    def __init__(self, config: GroupConfig, process_group):
+        self.config = config
+        self.group = process_group
+        self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
+        self.rank = 0 if process_group is None else dist.get_rank(process_group)
+        self.num_local_experts = config.num_experts // self.world_size
+
+    # -- collectives (identity with a single rank) -------------------------------------------------
+    def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return t.unsqueeze(0)
+        out = torch.empty((self.world_size, *t.shape), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
+        return out
+
+    def _all_to_all_rows(self, rows: torch.Tensor, send_counts: List[int],
+                         recv_counts: List[int]) -> torch.Tensor:
+        """Sends ``rows`` (grouped by destination rank) and returns the received rows grouped by
+        source rank. Rows travel as bytes so any dtype works on any backend."""
+        width = rows.shape[1]
+        if self.world_size == 1:
+            return rows.clone()
+        out = torch.empty((sum(recv_counts), width), dtype=rows.dtype, device=rows.device)
+        if width == 0:
+            return out
+        dist.all_to_all_single(out.view(torch.uint8), rows.contiguous().view(torch.uint8),
+                               output_split_sizes=recv_counts, input_split_sizes=send_counts,
+                               group=self.group)
+        return out
+
+    def _agree_on_error(self, error: Optional[str], exc_type) -> None:
+        """Raise ``exc_type`` on every rank if any rank found an error."""
+        flags = self._all_gather(torch.tensor([error is not None], dtype=torch.int64,
+                                              device=self._device))
+        if not bool(flags.any()):
+            return
+        messages = [error] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(messages, error, group=self.group)
+        first = next(r for r, m in enumerate(messages) if m is not None)
+        where = "" if self.world_size == 1 else f" (rank {first})"
+        raise exc_type(messages[first] + where)
+
+    # -- handle ------------------------------------------------------------------------------------
+    def create_handle(self, topk_idx: torch.Tensor) -> ReferenceHandleState:
+        cfg, R, L = self.config, self.world_size, self.num_local_experts
+        self._device = topk_idx.device
+        topk_idx = topk_idx.to(torch.int64)
+        tokens, topk = topk_idx.shape
+        self._agree_on_error(routing_error(topk_idx, cfg.num_experts), ValueError)
+
+        shapes = self._all_gather(torch.tensor([tokens, topk], dtype=torch.int64,
+                                               device=self._device)).tolist()
+        if any(k != topk for _, k in shapes):
+            raise ValueError(f"topk_idx top-k differs across ranks: {[k for _, k in shapes]}; "
+                             "every rank must route with the same top-k")
+        padded = torch.full((cfg.max_tokens_per_rank, topk), -1, dtype=torch.int64,
+                            device=self._device)
+        padded[:tokens] = topk_idx
+        routing = self._all_gather(padded)  # [R, Tmax, K]: every rank's routing
+
+        # Rows per (destination rank, local expert), then the expert-major bases of every rank.
+        owner = torch.where(routing >= 0, routing // L, -1)
+        counts = torch.zeros((R, cfg.num_experts), dtype=torch.int64, device=self._device)
+        valid = routing >= 0
+        src = torch.arange(R, device=self._device).view(R, 1, 1).expand_as(routing)
+        counts.index_put_((src[valid], routing[valid]),
+                          torch.ones_like(routing[valid]), accumulate=True)
+        per_expert = counts.sum(0).view(R, L)  # [dest, local expert]
+        align = cfg.expert_alignment
+        blocks = (per_expert + align - 1) // align * align
+        recv_totals = blocks.sum(1)
+        if cfg.recv_mode == "capacity":
+            over = [(d, int(n)) for d, n in enumerate(recv_totals.tolist())
+                    if n > cfg.max_recv_tokens_per_rank]
+            if over:
+                d, n = over[0]
+                raise NcclEpError(
+                    f"capacity overflow: rank {d} would receive {n} rows but "
+                    f"max_recv_tokens_per_rank={cfg.max_recv_tokens_per_rank}; raise the capacity "
+                    "(or capacity factor) or use exact mode")
+        me = self.rank
+        base = torch.cumsum(blocks[me], 0) - blocks[me]  # [L] first row of each local expert
+
+        # Output row of every slot owned here: ordered by (local expert, source rank, token).
+        s_idx, t_idx, k_idx = (owner == me).nonzero(as_tuple=True)
+        local_expert = routing[s_idx, t_idx, k_idx] - me * L
+        order = torch.argsort((local_expert * R + s_idx) * cfg.max_tokens_per_rank + t_idx)
+        le_sorted = local_expert[order]
+        first_of_expert = torch.cumsum(per_expert[me], 0) - per_expert[me]
+        rows_sorted = base[le_sorted] + torch.arange(len(order), device=self._device) \
+            - first_of_expert[le_sorted]
+        slot_rows = torch.full_like(routing, -1)
+        slot_rows[s_idx[order], t_idx[order], k_idx[order]] = rows_sorted
+
+        # Tokens received: one per (source, token) with a slot here, source-major, token order.
+        has_slot_here = (owner == me).any(2)  # [R, Tmax]
+        recv_counts = has_slot_here.sum(1).tolist()
+        recv_rows = slot_rows[has_slot_here]  # [n_recv, K], (s, t) order
+        send_tokens = [(owner[me, :tokens] == d).any(1).nonzero().flatten() for d in range(R)]
+
+        num_recv = (cfg.max_recv_tokens_per_rank if cfg.recv_mode == "capacity"
+                    else int(recv_totals[me]))
+        tokens_per_expert = per_expert[me].clone()
+        tokens_per_expert = (tokens_per_expert.cpu() if cfg.recv_mode == "exact"
+                             else tokens_per_expert.to(self._device))
+        return ReferenceHandleState(num_recv, tokens_per_expert, topk_idx, send_tokens,
+                                    recv_counts, recv_rows)
+
+    def destroy_handle(self, state: ReferenceHandleState) -> None:
+        pass
+
+    def destroy(self) -> None:
+        pass
+
+    # -- operations --------------------------------------------------------------------------------
+    def dispatch(self, state: ReferenceHandleState, x: torch.Tensor,
+                 probs: Optional[torch.Tensor]):
+        hidden_bytes = x.shape[1] * x.element_size()
+        send_idx = torch.cat(state.send_tokens)
+        payload = [x[send_idx].view(torch.uint8)]
+        if probs is not None:
+            payload.append(probs[send_idx].view(torch.uint8))
+        received = self._all_to_all_rows(torch.cat(payload, 1), self._send_counts(state),
+                                         state.recv_counts)
+        recv_tokens = received[:, :hidden_bytes].contiguous().view(x.dtype)
+
+        recv_x = torch.zeros((state.num_recv_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
+        slot_valid = state.recv_rows >= 0
+        token_of_slot = torch.arange(len(state.recv_rows),
+                                     device=x.device).unsqueeze(1).expand_as(state.recv_rows)
+        rows = state.recv_rows[slot_valid]
+        recv_x[rows] = recv_tokens[token_of_slot[slot_valid]]
+        if probs is None:
+            return recv_x, None
+        recv_slot_probs = received[:, hidden_bytes:].contiguous().view(probs.dtype)
+        recv_probs = torch.zeros(state.num_recv_tokens, dtype=probs.dtype, device=x.device)
+        recv_probs[rows] = recv_slot_probs[slot_valid]
+        return recv_x, recv_probs
+
+    def combine(self, state: ReferenceHandleState, expert_out: torch.Tensor) -> torch.Tensor:
+        acc_dtype = accumulation_dtype(expert_out.dtype)
+        hidden = expert_out.shape[1]
+        # Stage 1, here: one partial per received token, slots in ascending k, rounded.
+        partial = torch.zeros((len(state.recv_rows), hidden), dtype=acc_dtype,
+                              device=expert_out.device)
+        for k in range(state.recv_rows.shape[1]):
+            slot = state.recv_rows[:, k]
+            has = (slot >= 0).nonzero().flatten()
+            partial[has] = partial[has] + expert_out[slot[has]].to(acc_dtype)
+        partial = partial.to(expert_out.dtype)
+        returned = self._all_to_all_rows(partial, state.recv_counts, self._send_counts(state))
+        # Stage 2, at the source: partials summed over ranks in ascending order, rounded.
+        tokens = state.topk_idx.shape[0]
+        y = torch.zeros((tokens, hidden), dtype=acc_dtype, device=expert_out.device)
+        start = 0
+        for idx in state.send_tokens:
+            y[idx] = y[idx] + returned[start:start + len(idx)].to(acc_dtype)
+            start += len(idx)
+        return y.to(expert_out.dtype)
+
+    def combine_probs(self, state: ReferenceHandleState,
+                      grad_recv_probs: torch.Tensor) -> torch.Tensor:
+        slot_valid = state.recv_rows >= 0
+        per_slot = torch.zeros(state.recv_rows.shape, dtype=grad_recv_probs.dtype,
+                               device=grad_recv_probs.device)
+        per_slot[slot_valid] = grad_recv_probs[state.recv_rows[slot_valid]]
+        returned = self._all_to_all_rows(per_slot, state.recv_counts, self._send_counts(state))
+        grad = torch.zeros(state.topk_idx.shape, dtype=grad_recv_probs.dtype,
+                           device=grad_recv_probs.device)
+        L, start = self.num_local_experts, 0
+        for d, idx in enumerate(state.send_tokens):
+            owned = state.topk_idx[idx] // L == d  # masked slots: -1 // L == -1
+            block = grad[idx]
+            block[owned] = returned[start:start + len(idx)][owned]
+            grad[idx] = block
+            start += len(idx)
+        return grad
+
+    @staticmethod
+    def _send_counts(state: ReferenceHandleState) -> List[int]:
+        return [len(idx) for idx in state.send_tokens]
