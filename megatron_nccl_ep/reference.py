@@ -70,9 +70,9 @@ class ReferenceBackend:
     def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return t.unsqueeze(0)
-        out = torch.empty((self.world_size, *t.shape), dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
-        return out
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.stack(parts)
 
     def _all_to_all_rows(self, rows: torch.Tensor, send_counts: List[int],
                          recv_counts: List[int]) -> torch.Tensor:
