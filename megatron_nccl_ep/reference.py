@@ -89,11 +89,10 @@ class ReferenceBackend:
                                group=self.group)
         return out
 
-    def _agree_on_error(self, error: Optional[str], exc_type) -> None:
-        """Raise ``exc_type`` on every rank if any rank found an error."""
-        flags = self._all_gather(torch.tensor([error is not None], dtype=torch.int64,
-                                              device=self._device))
-        if not bool(flags.any()):
+    def _raise_agreed_error(self, error: Optional[str], any_error: bool, exc_type) -> None:
+        """Raise ``exc_type`` on every rank when any rank found an error (``any_error``, agreed
+        by a collective the caller already made); the message is the first failing rank's."""
+        if not any_error:
             return
         messages = [error] * self.world_size
         if self.world_size > 1:
@@ -105,26 +104,26 @@ class ReferenceBackend:
     # -- handle ------------------------------------------------------------------------------------
     def create_handle(self, topk_idx: torch.Tensor) -> ReferenceHandleState:
         cfg, R, L = self.config, self.world_size, self.num_local_experts
-        self._device = topk_idx.device
+        device = topk_idx.device
         topk_idx = topk_idx.to(torch.int64)
         tokens, topk = topk_idx.shape
-        self._agree_on_error(routing_error(topk_idx, cfg.num_experts), ValueError)
-
-        shapes = self._all_gather(torch.tensor([tokens, topk], dtype=torch.int64,
-                                               device=self._device)).tolist()
-        if any(k != topk for _, k in shapes):
-            raise ValueError(f"topk_idx top-k differs across ranks: {[k for _, k in shapes]}; "
+        error = routing_error(topk_idx, cfg.num_experts)
+        shapes = self._all_gather(torch.tensor([tokens, topk, error is not None],
+                                               dtype=torch.int64, device=device)).tolist()
+        self._raise_agreed_error(error, any(bad for _, _, bad in shapes), ValueError)
+        if any(k != topk for _, k, _ in shapes):
+            raise ValueError(f"topk_idx top-k differs across ranks: {[k for _, k, _ in shapes]}; "
                              "every rank must route with the same top-k")
         padded = torch.full((cfg.max_tokens_per_rank, topk), -1, dtype=torch.int64,
-                            device=self._device)
+                            device=device)
         padded[:tokens] = topk_idx
         routing = self._all_gather(padded)  # [R, Tmax, K]: every rank's routing
 
         # Rows per (destination rank, local expert), then the expert-major bases of every rank.
         owner = torch.where(routing >= 0, routing // L, -1)
-        counts = torch.zeros((R, cfg.num_experts), dtype=torch.int64, device=self._device)
+        counts = torch.zeros((R, cfg.num_experts), dtype=torch.int64, device=device)
         valid = routing >= 0
-        src = torch.arange(R, device=self._device).view(R, 1, 1).expand_as(routing)
+        src = torch.arange(R, device=device).view(R, 1, 1).expand_as(routing)
         counts.index_put_((src[valid], routing[valid]),
                           torch.ones_like(routing[valid]), accumulate=True)
         per_expert = counts.sum(0).view(R, L)  # [dest, local expert]
@@ -149,7 +148,7 @@ class ReferenceBackend:
         order = torch.argsort((local_expert * R + s_idx) * cfg.max_tokens_per_rank + t_idx)
         le_sorted = local_expert[order]
         first_of_expert = torch.cumsum(per_expert[me], 0) - per_expert[me]
-        rows_sorted = base[le_sorted] + torch.arange(len(order), device=self._device) \
+        rows_sorted = base[le_sorted] + torch.arange(len(order), device=device) \
             - first_of_expert[le_sorted]
         slot_rows = torch.full_like(routing, -1)
         slot_rows[s_idx[order], t_idx[order], k_idx[order]] = rows_sorted
@@ -164,7 +163,7 @@ class ReferenceBackend:
                     else int(recv_totals[me]))
         tokens_per_expert = per_expert[me].clone()
         tokens_per_expert = (tokens_per_expert.cpu() if cfg.recv_mode == "exact"
-                             else tokens_per_expert.to(self._device))
+                             else tokens_per_expert.to(device))
         return ReferenceHandleState(num_recv, tokens_per_expert, topk_idx, send_tokens,
                                     recv_counts, recv_rows)
 
