@@ -1,0 +1,188 @@
+"""``NcclEpTokenDispatcher``: Megatron-Core's ``MoETokenDispatcher`` interface over a ``Handle``.
+
+Dispatch writes the expert-major layout of shared DESIGN §3 directly, so there is no permute step:
+``dispatch_postprocess`` hands the received rows to Megatron's experts as they are, and combine is
+the unweighted sum of DESIGN §4 (Megatron's experts apply the probs themselves).
+
+Plugin options (``NcclEpOptions``) come from ``config.nccl_ep_options`` when a TransformerConfig
+carries one, else from the process-wide options set by ``set_options()`` or by the ``--nccl-ep-*``
+flags (``megatron_nccl_ep.megatron``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+import torch
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from .api import Group
+from .autograd import combine, dispatch
+
+BACKENDS = ("auto", "torch", "cuda")
+RECV_MODES = ("exact", "capacity")
+
+
+@dataclasses.dataclass(frozen=True)
+class NcclEpOptions:
+    """What the dispatcher needs beyond Megatron's TransformerConfig."""
+
+    backend: str = "auto"  # "auto" | "torch" | "cuda"
+    recv_mode: str = "exact"  # "exact" | "capacity"
+    # Capacity mode: rows per rank = factor * tokens per rank * top-k (the balanced share).
+    capacity_factor: float = 2.0
+    num_sms: int = 24
+    # Tokens per rank the group is sized for; None: the next power of two of the first batch.
+    max_tokens_per_rank: Optional[int] = None
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"nccl_ep backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.recv_mode not in RECV_MODES:
+            raise ValueError(
+                f"nccl_ep recv_mode must be one of {RECV_MODES}, got {self.recv_mode!r}")
+        if not self.capacity_factor > 0:
+            raise ValueError(f"nccl_ep capacity_factor must be > 0, got {self.capacity_factor}")
+        if self.num_sms < 1:
+            raise ValueError(f"nccl_ep num_sms must be >= 1, got {self.num_sms}")
+        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
+            raise ValueError(
+                f"nccl_ep max_tokens_per_rank must be >= 1 or None, got {self.max_tokens_per_rank}")
+
+
+_options = NcclEpOptions()
+
+
+def set_options(options: Optional[NcclEpOptions] = None, **fields) -> NcclEpOptions:
+    """Sets the process-wide options: a whole ``NcclEpOptions``, or some fields of the current
+    ones. Dispatchers read them at each forward, so set them before training starts."""
+    global _options
+    _options = dataclasses.replace(options or _options, **fields)
+    return _options
+
+
+def get_options() -> NcclEpOptions:
+    return _options
+
+
+# One Group per EP process group and shape class, shared by every layer of that class.
+_groups: dict = {}
+
+
+def _group_for(ep_group, num_experts: int, topk: int, tokens: torch.Tensor,
+               options: NcclEpOptions) -> Group:
+    num_tokens = tokens.shape[0]
+    # Equal token counts on every rank give the same size class without any communication.
+    max_tokens = options.max_tokens_per_rank or 1 << max(num_tokens - 1, 0).bit_length()
+    key = (ep_group, num_experts, topk, tokens.shape[1], tokens.dtype, tokens.device, max_tokens,
+           options)
+    group = _groups.get(key)
+    if group is None:
+        group = Group(ep_group, num_experts=num_experts, hidden=tokens.shape[1],
+                      max_tokens_per_rank=max_tokens, max_topk=topk, dtype=tokens.dtype,
+                      backend=options.backend, device=tokens.device, recv_mode=options.recv_mode,
+                      capacity_factor=(options.capacity_factor
+                                       if options.recv_mode == "capacity" else None),
+                      num_sms=options.num_sms)
+        _groups[key] = group
+    return group
+
+
+def destroy_groups() -> None:
+    """Destroys every cached Group (collective over each group's ranks), e.g. before
+    ``torch.distributed.destroy_process_group``."""
+    while _groups:
+        _groups.popitem()[1].destroy()
+
+
+def routing_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
+    """Dense router output ``routing_map [T, E]`` (bool), ``probs [T, E]`` -> ``topk_idx [T, K]``
+    (int64, each token's experts ascending, -1 in unused slots) and ``topk_probs [T, K]`` gathered
+    from ``probs`` (so the dense probs receive the gradient; 0 in unused slots)."""
+    num_experts = routing_map.shape[1]
+    expert_ids = torch.arange(num_experts, device=routing_map.device)
+    # Routed experts sort first, in ascending order; unrouted ones after them.
+    sort_key = torch.where(routing_map, expert_ids, expert_ids + num_experts)
+    chosen = torch.topk(sort_key, topk, dim=1, largest=False, sorted=True).values
+    routed = chosen < num_experts
+    expert = torch.where(routed, chosen, chosen - num_experts)
+    topk_idx = torch.where(routed, expert, -1)
+    topk_probs = torch.where(routed, probs.gather(1, expert), 0)
+    return topk_idx, topk_probs
+
+
+class NcclEpTokenDispatcher(MoETokenDispatcher):
+    """Token dispatcher for ``--moe-token-dispatcher-type nccl_ep``.
+
+    Each forward creates one Handle (one routing exchange); the autograd functions keep it for the
+    backward pass, and the dispatcher drops its own reference at combine, so nothing accumulates
+    across steps.
+    """
+
+    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config,
+                 pg_collection=None) -> None:
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        super().__init__(config=config, pg_collection=pg_collection)
+        if self.tp_size > 1:
+            raise NotImplementedError(
+                "nccl_ep dispatcher: expert tensor parallelism is not supported "
+                f"(expert_tensor_parallel_size={self.tp_size}); use "
+                "--expert-tensor-parallel-size 1 (attention tensor parallelism with sequence "
+                "parallelism is fine)")
+        for flag in ("moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm"):
+            if getattr(config, flag, False):
+                raise NotImplementedError(f"nccl_ep dispatcher: {flag} is not supported")
+        num_experts = config.num_moe_experts
+        if num_local_experts * self.ep_size != num_experts or list(local_expert_indices) != list(
+                range(self.ep_rank * num_local_experts, (self.ep_rank + 1) * num_local_experts)):
+            raise ValueError(
+                f"nccl_ep dispatcher: rank {self.ep_rank} of {self.ep_size} must own experts "
+                f"[{self.ep_rank * num_local_experts}, {(self.ep_rank + 1) * num_local_experts}) "
+                f"of {num_experts}, got {list(local_expert_indices)}")
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = local_expert_indices
+        self.num_experts = num_experts
+        self.topk = config.moe_router_topk
+        self.hidden_shape = None
+        self._topk_idx = None
+        self._handle = None
+
+    def options(self) -> NcclEpOptions:
+        return getattr(self.config, "nccl_ep_options", None) or get_options()
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
+                            probs: torch.Tensor):
+        """[S, B, H] -> [T, H]; dense routing -> (topk_idx, topk_probs). No communication."""
+        self.hidden_shape = hidden_states.shape
+        hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
+        self._topk_idx, topk_probs = routing_to_topk(
+            routing_map.reshape(-1, self.num_experts), probs.reshape(-1, self.num_experts),
+            self.topk)
+        return hidden_states, topk_probs
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Creates this forward's Handle (the routing exchange) and dispatches tokens and probs."""
+        group = _group_for(self.ep_group, self.num_experts, self.topk, hidden_states,
+                           self.options())
+        self._handle = group.create_handle(self._topk_idx)
+        self._topk_idx = None
+        return dispatch(self._handle, hidden_states, probs)
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """The rows are already expert-major: (rows, tokens_per_expert, 1-D probs)."""
+        return hidden_states, self._handle.tokens_per_expert, probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        return hidden_states
+
+    def token_combine(self, hidden_states: torch.Tensor):
+        """Unweighted combine; from here on only the autograd graph holds the Handle."""
+        handle, self._handle = self._handle, None
+        return combine(handle, hidden_states)
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        return hidden_states.view(self.hidden_shape)
+

@@ -1,0 +1,125 @@
+"""``register()``: makes Megatron-Core 0.19 accept ``--moe-token-dispatcher-type nccl_ep``.
+
+Megatron is patched in memory only (its files on disk are never touched):
+
+* ``TransformerConfig.moe_token_dispatcher_type``'s Literal gains ``"nccl_ep"``; Megatron's
+  argparse builds the flag's choices from that annotation;
+* ``MoELayer.__init__`` builds ``NcclEpTokenDispatcher`` when the config asks for ``nccl_ep``;
+* ``megatron.training.arguments`` gets the ``--nccl-ep-*`` flags, and ``parse_args`` turns them
+  into the process-wide ``NcclEpOptions`` (``dispatcher.set_options``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import typing
+
+from .dispatcher import BACKENDS, RECV_MODES, NcclEpOptions, NcclEpTokenDispatcher, set_options
+
+DISPATCHER_TYPE = "nccl_ep"
+
+_registered = False
+
+
+def _allow_dispatcher_type() -> None:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    # Subclasses (MLA, heterogeneous configs) share this Field object.
+    field = TransformerConfig.__dataclass_fields__["moe_token_dispatcher_type"]
+    choices = typing.get_args(field.type)
+    if DISPATCHER_TYPE not in choices:
+        field.type = typing.Literal[choices + (DISPATCHER_TYPE,)]
+        TransformerConfig.__annotations__["moe_token_dispatcher_type"] = field.type
+
+
+def _patch_moe_layer() -> None:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    original_init = MoELayer.__init__
+    signature = inspect.signature(original_init)
+
+    @functools.wraps(original_init)
+    def init(self, config, *args, **kwargs):
+        if config.moe_token_dispatcher_type != DISPATCHER_TYPE:
+            return original_init(self, config, *args, **kwargs)
+        # MoELayer picks its dispatcher in an if/elif chain inside __init__: let it build the
+        # cheap, communication-free allgather one, then replace it.
+        config.moe_token_dispatcher_type = "allgather"
+        try:
+            original_init(self, config, *args, **kwargs)
+        finally:
+            config.moe_token_dispatcher_type = DISPATCHER_TYPE
+        bound = signature.bind(self, config, *args, **kwargs)
+        # None: the dispatcher takes Megatron's default groups, as MoELayer did.
+        self.token_dispatcher = NcclEpTokenDispatcher(
+            self.num_local_experts, self.local_expert_indices, config=self.config,
+            pg_collection=bound.arguments.get("pg_collection"))
+
+    MoELayer.__init__ = init
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``--nccl-ep-*`` flags (defaults: ``NcclEpOptions``)."""
+    defaults = NcclEpOptions()
+    group = parser.add_argument_group(title="nccl_ep token dispatcher")
+    group.add_argument("--nccl-ep-backend", choices=BACKENDS, default=defaults.backend,
+                       help="auto: CUDA kernels on GPUs when built, else the torch reference.")
+    group.add_argument("--nccl-ep-recv-mode", choices=RECV_MODES, default=defaults.recv_mode,
+                       help="exact: receive counts read once per layer (one host sync); "
+                            "capacity: fixed-size outputs, no host sync.")
+    group.add_argument("--nccl-ep-capacity-factor", type=float, default=defaults.capacity_factor,
+                       help="capacity mode: received rows per rank = factor x tokens x top-k.")
+    group.add_argument("--nccl-ep-num-sms", type=int, default=defaults.num_sms,
+                       help="SM budget of each dispatch/combine kernel.")
+    group.add_argument("--nccl-ep-max-tokens-per-rank", type=int,
+                       default=defaults.max_tokens_per_rank,
+                       help="tokens per rank the groups are sized for (default: the next power "
+                            "of two of the first batch).")
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> NcclEpOptions:
+    return NcclEpOptions(backend=args.nccl_ep_backend, recv_mode=args.nccl_ep_recv_mode,
+                         capacity_factor=args.nccl_ep_capacity_factor,
+                         num_sms=args.nccl_ep_num_sms,
+                         max_tokens_per_rank=args.nccl_ep_max_tokens_per_rank)
+
+
+def _patch_arguments() -> None:
+    from megatron.training import arguments
+
+    add_megatron_arguments, parse_args = arguments.add_megatron_arguments, arguments.parse_args
+
+    @functools.wraps(add_megatron_arguments)
+    def add_all_arguments(parser):
+        return add_arguments(add_megatron_arguments(parser))
+
+    @functools.wraps(parse_args)
+    def parse_args_and_set_options(*args, **kwargs):
+        parsed = parse_args(*args, **kwargs)
+        set_options(options_from_args(parsed))
+        return parsed
+
+    # parse_args looks add_megatron_arguments up in its module at call time; the training
+    # entry points (parse_and_validate_args, ft_integration) do the same for parse_args.
+    arguments.add_megatron_arguments = add_all_arguments
+    arguments.parse_args = parse_args_and_set_options
+
+
+def register() -> None:
+    """Idempotent. Patches Megatron-Core (in memory) to know ``nccl_ep``; ``megatron.training``
+    is patched too when it can be imported (it is optional for users of megatron.core alone)."""
+    global _registered
+    if _registered:
+        return
+    _allow_dispatcher_type()
+    _patch_moe_layer()
+    try:
+        import megatron.training.arguments  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        _patch_arguments()
+    _registered = True

@@ -1,0 +1,180 @@
+"""NcclEpTokenDispatcher inside Megatron-Core's MoELayer, on gloo with the reference backend.
+
+Parity: the same MoELayer weights and inputs through Megatron's own ``allgather`` dispatcher and
+through ``nccl_ep`` give equal outputs and gradients (input, router, experts), in float64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import weakref
+
+import pytest
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+from megatron.core.transformer import TransformerConfig
+
+import dist
+import megatron_nccl_ep
+from megatron_nccl_ep.dispatcher import (NcclEpOptions, NcclEpTokenDispatcher, destroy_groups,
+                                         routing_to_topk)
+from megatron_nccl_ep.router import DeviceLocalTopKRouter
+
+megatron_nccl_ep.register()
+
+HIDDEN, FFN, SEQ, BATCH = 16, 24, 6, 3
+
+
+@contextlib.contextmanager
+def megatron_on_cpu(ep: int, etp: int = 1):
+    """Megatron's model-parallel state for this test, torn down afterwards (the pool's processes
+    run other tests too). Megatron-Core 0.19.2's allgather dispatcher allocates its gather outputs
+    on ``torch.cuda.current_device()``: the baseline needs that pointed at the CPU."""
+    current_device = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp)
+    try:
+        yield
+    finally:
+        destroy_groups()
+        parallel_state.destroy_model_parallel()
+        torch.cuda.current_device = current_device
+
+
+def moe_layer(dispatcher_type: str, num_experts: int, topk: int, **config_fields):
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=2,
+        num_moe_experts=num_experts, moe_router_topk=topk,
+        moe_token_dispatcher_type=dispatcher_type, use_cpu_initialization=True,
+        add_bias_linear=False, params_dtype=torch.float64, hidden_dropout=0.0,
+        attention_dropout=0.0, **config_fields)
+    spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
+    submodules = dataclasses.replace(spec.keywords["submodules"], router=DeviceLocalTopKRouter)
+    return spec.func(config=config, submodules=submodules)
+
+
+def run_layer(layer, x, grad_out):
+    x = x.clone().requires_grad_()
+    out, bias = layer(x)
+    assert bias is None
+    out.backward(grad_out)
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    layer.zero_grad()
+    return out.detach(), x.grad, grads
+
+
+def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact",
+                **config_fields):
+    rank = torch.distributed.get_rank()
+    ep = torch.distributed.get_world_size()
+    with megatron_on_cpu(ep):
+        torch.manual_seed(seed)  # same weights on every rank and in both layers
+        baseline = moe_layer("allgather", num_experts, topk, **config_fields)
+        ours = moe_layer("nccl_ep", num_experts, topk, **config_fields)
+        ours.config.nccl_ep_options = NcclEpOptions(backend="torch", recv_mode=recv_mode)
+        ours.load_state_dict(baseline.state_dict())
+        assert isinstance(ours.token_dispatcher, NcclEpTokenDispatcher)
+
+        torch.manual_seed(seed + rank + 1)  # each rank has its own tokens
+        x = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64)
+        grad_out = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64)
+        want_out, want_dx, want_grads = run_layer(baseline, x, grad_out)
+        got_out, got_dx, got_grads = run_layer(ours, x, grad_out)
+
+        torch.testing.assert_close(got_out, want_out, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got_dx, want_dx, rtol=0, atol=1e-6)
+        assert got_grads.keys() == want_grads.keys() and "router.weight" in got_grads
+        for name in want_grads:
+            assert want_grads[name].abs().sum() > 0, f"{name} got no gradient in the baseline"
+            torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0, atol=1e-6,
+                                       msg=lambda m: f"{name}: {m}")
+
+        # Rerun: bitwise the same.
+        again_out, again_dx, again_grads = run_layer(ours, x, grad_out)
+        assert torch.equal(again_out, got_out) and torch.equal(again_dx, got_dx)
+        assert all(torch.equal(again_grads[n], got_grads[n]) for n in got_grads)
+    return True
+
+
+@pytest.mark.parametrize("ep,num_experts,topk", [(1, 4, 2), (2, 4, 2), (2, 8, 3), (4, 8, 2)])
+def test_parity_with_allgather(ep, num_experts, topk, seed):
+    assert all(dist.run(ep, parity_case, num_experts, topk, seed))
+
+
+def test_parity_capacity_mode(seed):
+    # One local expert: Megatron's SequentialMLP takes the whole fixed-size buffer, whose unused
+    # tail rows have prob 0.
+    assert all(dist.run(2, parity_case, 2, 2, seed, recv_mode="capacity"))
+
+
+def test_parity_with_dropped_tokens(seed):
+    # Megatron's capacity dropping leaves some tokens with fewer than top-k experts (-1 slots).
+    assert all(dist.run(2, parity_case, 4, 2, seed, moe_expert_capacity_factor=0.5,
+                        moe_router_load_balancing_type="aux_loss"))
+
+
+def handle_lifetime_case(seed: int):
+    with megatron_on_cpu(torch.distributed.get_world_size()):
+        torch.manual_seed(seed)
+        layer = moe_layer("nccl_ep", 4, 2)
+        layer.config.nccl_ep_options = NcclEpOptions(backend="torch")
+        dispatcher = layer.token_dispatcher
+        handles = []
+
+        def token_combine(original, hidden_states):
+            handles.append(weakref.ref(dispatcher._handle))
+            return original(hidden_states)
+
+        dispatcher.token_combine = functools.partial(token_combine, dispatcher.token_combine)
+        x = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64, requires_grad=True)
+        for _ in range(3):
+            out, _ = layer(x)
+            assert dispatcher._handle is None, "the dispatcher kept the handle after combine"
+            assert handles[-1]() is not None, "the autograd graph must keep the handle"
+            out.sum().backward()
+            del out
+            assert handles[-1]() is None, "the handle outlived its autograd graph"
+    return len(handles)
+
+
+def test_handle_lives_as_long_as_the_graph(seed):
+    assert dist.run(2, handle_lifetime_case, seed) == [3, 3]
+
+
+def expert_tensor_parallel_case():
+    with megatron_on_cpu(ep=1, etp=2):
+        with pytest.raises(NotImplementedError, match="expert tensor parallelism"):
+            moe_layer("nccl_ep", 4, 2)
+    return True
+
+
+def test_expert_tensor_parallel_is_refused():
+    assert all(dist.run(2, expert_tensor_parallel_case))
+
+
+def test_routing_to_topk_matches_a_loop(seed):
+    torch.manual_seed(seed)
+    tokens, experts, topk = 40, 10, 4
+    scores = torch.rand(tokens, experts, dtype=torch.float64)
+    # Between 0 and top-k experts per token, at random positions.
+    counts = torch.randint(0, topk + 1, (tokens,))
+    ranks = scores.argsort(dim=1, descending=True).argsort(dim=1)
+    routing_map = ranks < counts[:, None]
+    probs = (scores * routing_map).requires_grad_()
+    topk_idx, topk_probs = routing_to_topk(routing_map, probs, topk)
+    for t in range(tokens):
+        experts_t = routing_map[t].nonzero().flatten().tolist()
+        assert topk_idx[t].tolist() == experts_t + [-1] * (topk - len(experts_t))
+        want = [probs[t, e].item() for e in experts_t] + [0.0] * (topk - len(experts_t))
+        assert topk_probs[t].tolist() == want
+    weights = torch.randn(tokens, topk, dtype=torch.float64)
+    (topk_probs * weights).sum().backward()
+    want_grad = torch.zeros(tokens, experts, dtype=torch.float64)
+    valid = topk_idx >= 0
+    want_grad[torch.arange(tokens)[:, None].expand(-1, topk)[valid], topk_idx[valid]] = \
+        weights[valid]
+    assert torch.equal(probs.grad, want_grad)

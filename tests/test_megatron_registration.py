@@ -1,0 +1,91 @@
+"""register(): Megatron's own argparse and TransformerConfig accept ``nccl_ep``; the launcher runs a
+training script unchanged with it registered. Subprocesses: registration patches Megatron for the
+whole process, and the "before" half needs a process where it has not happened."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Stands for a user's Megatron training script: it knows nothing about megatron_nccl_ep.
+TRAINING_SCRIPT = textwrap.dedent("""
+    import sys
+    from megatron.training import arguments
+
+    args = arguments.parse_args()
+    print("PARSED", args.moe_token_dispatcher_type, args.num_experts, args.nccl_ep_recv_mode,
+          args.nccl_ep_capacity_factor, sys.argv[0].endswith("train_stub.py"))
+""")
+
+MEGATRON_ARGS = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
+                 "--num-experts", "4", "--moe-token-dispatcher-type", "nccl_ep"]
+
+
+def run_python(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def training_script(tmp_path_factory):
+    path = tmp_path_factory.mktemp("script") / "train_stub.py"
+    path.write_text(TRAINING_SCRIPT)
+    return str(path)
+
+
+def test_megatron_rejects_nccl_ep_without_registration(training_script):
+    result = run_python(training_script, *MEGATRON_ARGS)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "invalid choice: 'nccl_ep'" in result.stderr
+
+
+def test_launcher_registers_and_runs_the_script(training_script):
+    result = run_python("-m", "megatron_nccl_ep.launch", training_script, *MEGATRON_ARGS,
+                        "--nccl-ep-recv-mode", "capacity", "--nccl-ep-capacity-factor", "1.5")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PARSED nccl_ep 4 capacity 1.5 True" in result.stdout
+
+
+def test_register_is_idempotent_and_sets_options_from_flags():
+    code = textwrap.dedent(f"""
+        import sys
+        import megatron_nccl_ep
+        from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+        from megatron.training import arguments
+        from megatron_nccl_ep.dispatcher import get_options
+
+        megatron_nccl_ep.register()
+        init, parse_args = MoELayer.__init__, arguments.parse_args
+        megatron_nccl_ep.register()
+        assert MoELayer.__init__ is init and arguments.parse_args is parse_args, "patched twice"
+        field = TransformerConfig.__dataclass_fields__["moe_token_dispatcher_type"]
+        assert str(field.type).count("nccl_ep") == 1, field.type
+
+        sys.argv = ["train"] + {MEGATRON_ARGS!r} + ["--nccl-ep-backend", "torch",
+                                                    "--nccl-ep-num-sms", "16"]
+        args = parse_args()
+        options = get_options()
+        assert (options.backend, options.num_sms, options.recv_mode) == ("torch", 16, "exact"), \\
+            options
+        config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                   num_moe_experts=4, moe_token_dispatcher_type="nccl_ep")
+        print("OK", args.moe_token_dispatcher_type, config.moe_token_dispatcher_type)
+    """)
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK nccl_ep nccl_ep" in result.stdout
+
+
+def test_bad_flag_value_is_rejected(training_script):
+    result = run_python("-m", "megatron_nccl_ep.launch", training_script, *MEGATRON_ARGS,
+                        "--nccl-ep-backend", "nvshmem")
+    assert result.returncode == 2
+    assert "--nccl-ep-backend: invalid choice: 'nvshmem'" in result.stderr
