@@ -1,0 +1,256 @@
+/*
+ * nccl_ep_py.cc: the pybind11 module megatron_nccl_ep._C, a thin wrapper of nccl_ep.h.
+ * Pointers, communicators, groups, handles and streams travel as Python ints; no torch here.
+ * Failures raise ValueError (ncclInvalidArgument / ncclInvalidUsage) or RuntimeError (others)
+ * with ncclEpGetLastError()'s text. Blocking calls release the GIL.
+ */
+#include <pybind11/pybind11.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "../include/nccl_ep.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// std::invalid_argument becomes ValueError, std::runtime_error RuntimeError (pybind11's standard
+// translation, done once the GIL is back, so throwing inside gil_scoped_release is fine).
+struct ValueErrorEx : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+void check(ncclResult_t r, const char* what) {
+  if (r == ncclSuccess) return;
+  std::string msg = ncclEpGetLastError();
+  if (msg.empty()) msg = std::string(what) + " failed: " + ncclGetErrorString(r);
+  if (r == ncclInvalidArgument || r == ncclInvalidUsage) throw ValueErrorEx(msg);
+  throw std::runtime_error(msg);
+}
+
+void check_nccl(ncclResult_t r, const char* what) {
+  if (r == ncclSuccess) return;
+  const char* last = ncclGetLastError(nullptr);
+  throw std::runtime_error(std::string(what) + " failed: " + ncclGetErrorString(r) +
+                           (last != nullptr && *last ? std::string(": ") + last : std::string()));
+}
+
+template <typename T>
+T* as_ptr(uintptr_t v) {
+  return reinterpret_cast<T*>(v);
+}
+
+cudaStream_t as_stream(uintptr_t v) { return reinterpret_cast<cudaStream_t>(v); }
+
+ncclEpTensor_t tensor1d(uintptr_t data, int64_t n, int dtype, ncclEpTensorTag_t tag) {
+  ncclEpTensor_t t{};
+  t.data = reinterpret_cast<void*>(data);
+  t.ndim = 1;
+  t.sizes[0] = n;
+  t.strides[0] = 1;
+  t.dtype = static_cast<ncclDataType_t>(dtype);
+  t.tag = tag;
+  return t;
+}
+
+ncclEpTensor_t tensor2d(uintptr_t data, int64_t rows, int64_t cols, int dtype,
+                        ncclEpTensorTag_t tag) {
+  ncclEpTensor_t t{};
+  t.data = reinterpret_cast<void*>(data);
+  t.ndim = 2;
+  t.sizes[0] = rows;
+  t.sizes[1] = cols;
+  t.strides[0] = cols;
+  t.strides[1] = 1;
+  t.dtype = static_cast<ncclDataType_t>(dtype);
+  t.tag = tag;
+  return t;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "megatron_nccl_ep CUDA backend: bindings of the nccl_ep.h C API";
+  m.attr("API_VERSION") = NCCL_EP_API_VERSION;
+  m.attr("NCCL_BUILD_VERSION") = NCCL_VERSION_CODE;
+  py::dict dtypes;
+  dtypes["int32"] = (int)ncclInt32;
+  dtypes["int64"] = (int)ncclInt64;
+  dtypes["float16"] = (int)ncclFloat16;
+  dtypes["bfloat16"] = (int)ncclBfloat16;
+  dtypes["float32"] = (int)ncclFloat32;
+  dtypes["float64"] = (int)ncclFloat64;
+  m.attr("DTYPES") = dtypes;
+
+  m.def("get_last_error", []() { return std::string(ncclEpGetLastError()); });
+  m.def("nccl_version", []() {
+    int v = 0;
+    check_nccl(ncclGetVersion(&v), "ncclGetVersion");
+    return v;
+  });
+
+  // --- the communicator the library runs on --------------------------------------------------
+  m.def("get_unique_id", []() {
+    ncclUniqueId id;
+    check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    return py::bytes(id.internal, sizeof(id.internal));
+  });
+  m.def(
+      "comm_init_rank",
+      [](int nranks, py::bytes id_bytes, int rank) {
+        std::string s = id_bytes;
+        if (s.size() != sizeof(ncclUniqueId))
+          throw ValueErrorEx("comm_init_rank: the unique id must be " +
+                             std::to_string(sizeof(ncclUniqueId)) + " bytes");
+        ncclUniqueId id;
+        memcpy(id.internal, s.data(), sizeof(id.internal));
+        ncclComm_t comm = nullptr;
+        {
+          py::gil_scoped_release nogil;
+          check_nccl(ncclCommInitRank(&comm, nranks, id, rank), "ncclCommInitRank");
+        }
+        return reinterpret_cast<uintptr_t>(comm);
+      },
+      py::arg("nranks"), py::arg("unique_id"), py::arg("rank"));
+  m.def(
+      "comm_destroy",
+      [](uintptr_t comm) { check_nccl(ncclCommDestroy(as_ptr<ncclComm>(comm)), "ncclCommDestroy"); },
+      py::arg("comm"), py::call_guard<py::gil_scoped_release>());
+
+  // --- group ---------------------------------------------------------------------------------
+  m.def(
+      "create_group",
+      [](uintptr_t comm, int num_experts, int hidden, int max_tokens_per_rank, int max_topk,
+         int token_dtype, int recv_count_mode, int64_t max_recv_tokens_per_rank,
+         int expert_alignment, int num_sms, int64_t timeout_ms, uintptr_t stream) {
+        ncclEpGroupConfig_t cfg = NCCL_EP_GROUP_CONFIG_INITIALIZER;
+        cfg.num_experts = num_experts;
+        cfg.hidden = hidden;
+        cfg.max_tokens_per_rank = max_tokens_per_rank;
+        cfg.max_topk = max_topk;
+        cfg.token_dtype = static_cast<ncclDataType_t>(token_dtype);
+        cfg.recv_count_mode = static_cast<ncclEpRecvCountMode_t>(recv_count_mode);
+        cfg.max_recv_tokens_per_rank = max_recv_tokens_per_rank;
+        cfg.expert_alignment = expert_alignment;
+        cfg.num_sms = num_sms;
+        cfg.timeout_ms = timeout_ms;
+        ncclEpGroup_t g = nullptr;
+        check(ncclEpCreateGroup(&g, as_ptr<ncclComm>(comm), &cfg, as_stream(stream)),
+              "ncclEpCreateGroup");
+        return reinterpret_cast<uintptr_t>(g);
+      },
+      py::arg("comm"), py::arg("num_experts"), py::arg("hidden"), py::arg("max_tokens_per_rank"),
+      py::arg("max_topk"), py::arg("token_dtype"), py::arg("recv_count_mode"),
+      py::arg("max_recv_tokens_per_rank"), py::arg("expert_alignment"), py::arg("num_sms"),
+      py::arg("timeout_ms"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "group_destroy",
+      [](uintptr_t group) {
+        check(ncclEpGroupDestroy(as_ptr<ncclEpGroup>(group)), "ncclEpGroupDestroy");
+      },
+      py::arg("group"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "group_check_errors",
+      [](uintptr_t group) {
+        check(ncclEpGroupCheckErrors(as_ptr<ncclEpGroup>(group)), "ncclEpGroupCheckErrors");
+      },
+      py::arg("group"));
+
+  // --- handle --------------------------------------------------------------------------------
+  m.def(
+      "create_handle",
+      [](uintptr_t group, uintptr_t topk_idx, int64_t num_tokens, int64_t topk, int idx_dtype,
+         uintptr_t stream) {
+        ncclEpTensor_t idx =
+            tensor2d(topk_idx, num_tokens, topk, idx_dtype, NCCL_EP_TENSOR_TOPK_IDX);
+        ncclEpHandle_t h = nullptr;
+        check(ncclEpCreateHandle(&h, as_ptr<ncclEpGroup>(group), &idx, nullptr, as_stream(stream)),
+              "ncclEpCreateHandle");
+        return reinterpret_cast<uintptr_t>(h);
+      },
+      py::arg("group"), py::arg("topk_idx"), py::arg("num_tokens"), py::arg("topk"),
+      py::arg("idx_dtype"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "handle_destroy",
+      [](uintptr_t handle) {
+        check(ncclEpHandleDestroy(as_ptr<ncclEpHandle>(handle)), "ncclEpHandleDestroy");
+      },
+      py::arg("handle"));
+  m.def(
+      "handle_num_recv_tokens",
+      [](uintptr_t handle) {
+        int64_t n = 0;
+        check(ncclEpHandleGetNumRecvTokens(as_ptr<ncclEpHandle>(handle), &n),
+              "ncclEpHandleGetNumRecvTokens");
+        return n;
+      },
+      py::arg("handle"));
+  m.def(
+      "handle_tokens_per_expert",
+      [](uintptr_t handle, uintptr_t out, int64_t num_local_experts, bool on_device,
+         uintptr_t stream) {
+        ncclEpTensor_t t = tensor1d(out, num_local_experts, (int)ncclInt64,
+                                    on_device ? NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_DEVICE
+                                              : NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_HOST);
+        check(ncclEpHandleGetTokensPerExpert(as_ptr<ncclEpHandle>(handle), &t, as_stream(stream)),
+              "ncclEpHandleGetTokensPerExpert");
+      },
+      py::arg("handle"), py::arg("out"), py::arg("num_local_experts"), py::arg("on_device"),
+      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+
+  // --- operations ----------------------------------------------------------------------------
+  m.def(
+      "dispatch",
+      [](uintptr_t handle, uintptr_t x, int64_t num_tokens, int64_t hidden, int dtype,
+         uintptr_t probs, int probs_dtype, int64_t topk, uintptr_t recv_x, int64_t num_recv,
+         uintptr_t recv_probs, uintptr_t stream) {
+        ncclEpDispatchInputs_t in{};
+        ncclEpDispatchOutputs_t out{};
+        in.tokens = tensor2d(x, num_tokens, hidden, dtype, NCCL_EP_TENSOR_TOKENS);
+        in.topk_weights = tensor2d(probs, num_tokens, topk, probs_dtype,
+                                   NCCL_EP_TENSOR_TOPK_WEIGHTS);
+        out.recv_tokens = tensor2d(recv_x, num_recv, hidden, dtype, NCCL_EP_TENSOR_TOKENS);
+        out.recv_topk_weights = tensor1d(recv_probs, num_recv, probs_dtype,
+                                         NCCL_EP_TENSOR_TOPK_WEIGHTS);
+        check(ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, nullptr, as_stream(stream)),
+              "ncclEpDispatch");
+      },
+      py::arg("handle"), py::arg("x"), py::arg("num_tokens"), py::arg("hidden"), py::arg("dtype"),
+      py::arg("probs"), py::arg("probs_dtype"), py::arg("topk"), py::arg("recv_x"),
+      py::arg("num_recv"), py::arg("recv_probs"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "combine",
+      [](uintptr_t handle, uintptr_t expert_out, int64_t num_recv, int64_t hidden, int dtype,
+         uintptr_t y, int64_t num_tokens, uintptr_t stream) {
+        ncclEpCombineInputs_t in{};
+        ncclEpCombineOutputs_t out{};
+        in.expert_tokens = tensor2d(expert_out, num_recv, hidden, dtype, NCCL_EP_TENSOR_TOKENS);
+        out.tokens = tensor2d(y, num_tokens, hidden, dtype, NCCL_EP_TENSOR_TOKENS);
+        check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, nullptr, as_stream(stream)),
+              "ncclEpCombine");
+      },
+      py::arg("handle"), py::arg("expert_out"), py::arg("num_recv"), py::arg("hidden"),
+      py::arg("dtype"), py::arg("y"), py::arg("num_tokens"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "combine_topk_weights",
+      [](uintptr_t handle, uintptr_t grad_recv, int64_t num_recv, int dtype, uintptr_t grad,
+         int64_t num_tokens, int64_t topk, uintptr_t stream) {
+        ncclEpTensor_t in = tensor1d(grad_recv, num_recv, dtype, NCCL_EP_TENSOR_TOPK_WEIGHTS);
+        ncclEpTensor_t out = tensor2d(grad, num_tokens, topk, dtype, NCCL_EP_TENSOR_TOPK_WEIGHTS);
+        check(ncclEpCombineTopkWeights(as_ptr<ncclEpHandle>(handle), &in, &out, as_stream(stream)),
+              "ncclEpCombineTopkWeights");
+      },
+      py::arg("handle"), py::arg("grad_recv"), py::arg("num_recv"), py::arg("dtype"),
+      py::arg("grad"), py::arg("num_tokens"), py::arg("topk"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "complete",
+      [](uintptr_t handle, uintptr_t stream) {
+        check(ncclEpComplete(as_ptr<ncclEpHandle>(handle), as_stream(stream)), "ncclEpComplete");
+      },
+      py::arg("handle"), py::arg("stream"));
+}

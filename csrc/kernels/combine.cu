@@ -1,0 +1,193 @@
+/*
+ * combine.cu: HT combine (DESIGN §4) and the reverse of the probs dispatch.
+ *
+ *   reduce  (rank d, one warp per (s, t) with a slot on d): partial = round(0.0f + acc(row k0)
+ *           + acc(row k1) + ... in ascending k), written into s's staging at [d][t - c0].
+ *   (barrier)
+ *   gather  (rank s, one warp per token): y[t] = round(0.0f + acc(partial[d0][t]) + ... over the
+ *           ranks d ascending that token t has a slot on); a zero row when there is none.
+ *   probs_send / probs_gather: grad[t, k] = grad_recv[row(s, t, k)] written by the owner rank into
+ *           s's prob staging at [t - c0][k]; s copies it out, 0 at masked slots.
+ *
+ * NOTES:
+ *  - acc = float32 for bf16/fp16/fp32 tokens; round = __float2bfloat16_rn / __float2half_rn
+ *    (nearest even). Every sum starts from +0.0f (so -0.0 inputs give +0.0 like the reference)
+ *    and is a chain of single adds in the contract's order; nothing is reordered or fused.
+ *  - Rows >= rows (capacity overflow, already reported) are skipped, never read.
+ */
+#include "api.cuh"
+#include "transport.cuh"
+
+namespace nccl_ep {
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a) {
+  using P = Pack<T, N>;
+  const ExchangeArgs& e = a.ex;
+  __shared__ int rows_sh[kWarps][kMaxTopk];
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  const long long warp = (long long)blockIdx.x * kWarps + wid;
+  const long long num_warps = (long long)gridDim.x * kWarps;
+  const int packs = e.hidden / N;
+  const size_t row_bytes = (size_t)e.hidden * sizeof(T);
+  const long long items = (long long)e.num_ranks * e.chunk;
+  for (long long i = warp; i < items; i += num_warps) {
+    const int s = (int)(i / e.chunk), t = e.c0 + (int)(i % e.chunk);
+    int ts = e.gathered[(size_t)s * e.rec_ints];
+    if (ts > e.max_tokens) ts = e.max_tokens;
+    if (t >= ts) continue;  // warp-uniform
+    const int* slots = e.recv_row + ((size_t)s * e.max_tokens + t) * e.max_topk;
+    const int row = lane < e.topk ? slots[lane] : -1;
+    const unsigned owned = __ballot_sync(0xffffffffu, row >= 0);
+    if (owned == 0) continue;  // no slot of (s, t) here: nothing to send
+    const unsigned usable = __ballot_sync(0xffffffffu, row >= 0 && row < e.rows);
+    if ((usable >> lane) & 1u) rows_sh[wid][__popc(usable & ((1u << lane) - 1u))] = row;
+    __syncwarp();
+    const int n = __popc(usable);
+    const P* src = reinterpret_cast<const P*>(a.expert_out);
+    P* dst = reinterpret_cast<P*>(stage_row(e.peers[s], e.tok_off, e.stage_row_bytes,
+                                            (long long)e.rank * e.chunk + (t - e.c0)));
+    for (int j = lane; j < packs; j += 32) {
+      float acc[N];
+#pragma unroll
+      for (int q = 0; q < N; ++q) acc[q] = 0.0f;
+      for (int k = 0; k < n; ++k) {
+        const P v = src[(size_t)rows_sh[wid][k] * packs + j];
+#pragma unroll
+        for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(v.v[q]);
+      }
+      P out;
+#pragma unroll
+      for (int q = 0; q < N; ++q) out.v[q] = from_float<T>(acc[q]);
+      dst[j] = out;
+    }
+    __syncwarp();  // rows_sh is rewritten by the next item
+    (void)row_bytes;
+  }
+  __threadfence_system();
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads) combine_gather_kernel(CombineArgs a) {
+  using P = Pack<T, N>;
+  const ExchangeArgs& e = a.ex;
+  const int lane = threadIdx.x & 31;
+  const long long warp = (long long)blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const long long num_warps = (long long)gridDim.x * kWarps;
+  const int packs = e.hidden / N;
+  void* self = e.peers[e.rank];
+  int end = e.c0 + e.chunk;
+  if (end > e.num_tokens) end = e.num_tokens;
+  for (long long t = e.c0 + warp; t < end; t += num_warps) {
+    const unsigned long long mask =
+        dest_mask(e.own_routing + (size_t)t * e.topk, e.topk, e.num_local, e.num_ranks);
+    P* dst = reinterpret_cast<P*>(a.y) + (size_t)t * packs;
+    for (int j = lane; j < packs; j += 32) {
+      float acc[N];
+#pragma unroll
+      for (int q = 0; q < N; ++q) acc[q] = 0.0f;
+      for (unsigned long long m = mask; m; m &= m - 1) {
+        const int d = __ffsll((long long)m) - 1;  // ascending rank order
+        const P* part = reinterpret_cast<const P*>(
+            stage_row(self, e.tok_off, e.stage_row_bytes, (long long)d * e.chunk + (t - e.c0)));
+        const P v = part[j];
+#pragma unroll
+        for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(v.v[q]);
+      }
+      P out;
+#pragma unroll
+      for (int q = 0; q < N; ++q) out.v[q] = from_float<T>(acc[q]);
+      dst[j] = out;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) combine_probs_send_kernel(CombineProbsArgs a) {
+  const ExchangeArgs& e = a.ex;
+  const int lane = threadIdx.x & 31;
+  const long long warp = (long long)blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const long long num_warps = (long long)gridDim.x * kWarps;
+  const long long items = (long long)e.num_ranks * e.chunk;
+  for (long long i = warp; i < items; i += num_warps) {
+    const int s = (int)(i / e.chunk), t = e.c0 + (int)(i % e.chunk);
+    int ts = e.gathered[(size_t)s * e.rec_ints];
+    if (ts > e.max_tokens) ts = e.max_tokens;
+    if (t >= ts || lane >= e.topk) continue;
+    const int row = e.recv_row[((size_t)s * e.max_tokens + t) * e.max_topk + lane];
+    if (row < 0 || row >= e.rows) continue;
+    copy_prob(stage_prob(e.peers[s], e.prob_off, (long long)(t - e.c0) * e.max_topk + lane),
+              reinterpret_cast<const char*>(a.grad_recv) + (size_t)row * a.prob_bytes,
+              a.prob_bytes);
+  }
+  __threadfence_system();
+}
+
+__global__ void __launch_bounds__(kThreads) combine_probs_gather_kernel(CombineProbsArgs a) {
+  const ExchangeArgs& e = a.ex;
+  const int lane = threadIdx.x & 31;
+  const long long warp = (long long)blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const long long num_warps = (long long)gridDim.x * kWarps;
+  void* self = e.peers[e.rank];
+  int end = e.c0 + e.chunk;
+  if (end > e.num_tokens) end = e.num_tokens;
+  for (long long t = e.c0 + warp; t < end; t += num_warps) {
+    if (lane >= e.topk) continue;
+    const int ex = e.own_routing[(size_t)t * e.topk + lane];
+    char* dst = reinterpret_cast<char*>(a.grad) + ((size_t)t * e.topk + lane) * a.prob_bytes;
+    if (ex >= 0 && ex / e.num_local < e.num_ranks) {
+      copy_prob(dst, stage_prob(self, e.prob_off, (t - e.c0) * e.max_topk + lane), a.prob_bytes);
+    } else {
+      zero_prob(dst, a.prob_bytes);
+    }
+  }
+}
+
+// Maps the runtime token dtype and path to the (T, N) template: N elements per 16 bytes on the
+// vector path, 1 on the element path.
+#define EP_LAUNCH_BY_DTYPE(kernel, vec, dtype, grid, stream, args)                          \
+  do {                                                                                       \
+    if (dtype == (int)ncclBfloat16) {                                                        \
+      if (vec) kernel<__nv_bfloat16, 8><<<grid, kThreads, 0, stream>>>(args);                \
+      else kernel<__nv_bfloat16, 1><<<grid, kThreads, 0, stream>>>(args);                   \
+    } else if (dtype == (int)ncclFloat16) {                                                  \
+      if (vec) kernel<__half, 8><<<grid, kThreads, 0, stream>>>(args);                       \
+      else kernel<__half, 1><<<grid, kThreads, 0, stream>>>(args);                           \
+    } else {                                                                                 \
+      if (vec) kernel<float, 4><<<grid, kThreads, 0, stream>>>(args);                        \
+      else kernel<float, 1><<<grid, kThreads, 0, stream>>>(args);                            \
+    }                                                                                        \
+  } while (0)
+
+cudaError_t launch_combine_reduce(const CombineArgs& a, cudaStream_t stream) {
+  const long long items = (long long)a.ex.num_ranks * a.ex.chunk;
+  if (items <= 0) return cudaSuccess;
+  const int grid = grid_for(items, a.ex.num_sms);
+  EP_LAUNCH_BY_DTYPE(combine_reduce_kernel, a.ex.vec, a.dtype, grid, stream, a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_combine_gather(const CombineArgs& a, cudaStream_t stream) {
+  long long n = (long long)a.ex.num_tokens - a.ex.c0;
+  if (n > a.ex.chunk) n = a.ex.chunk;
+  if (n <= 0) return cudaSuccess;
+  const int grid = grid_for(n, a.ex.num_sms);
+  EP_LAUNCH_BY_DTYPE(combine_gather_kernel, a.ex.vec, a.dtype, grid, stream, a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_combine_probs_send(const CombineProbsArgs& a, cudaStream_t stream) {
+  const long long items = (long long)a.ex.num_ranks * a.ex.chunk;
+  if (items <= 0) return cudaSuccess;
+  combine_probs_send_kernel<<<grid_for(items, a.ex.num_sms), kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_combine_probs_gather(const CombineProbsArgs& a, cudaStream_t stream) {
+  long long n = (long long)a.ex.num_tokens - a.ex.c0;
+  if (n > a.ex.chunk) n = a.ex.chunk;
+  if (n <= 0) return cudaSuccess;
+  combine_probs_gather_kernel<<<grid_for(n, a.ex.num_sms), kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace nccl_ep

@@ -1,0 +1,219 @@
+/*
+ * layout.cu: the deterministic 2D layout of DESIGN §3, computed on every rank from the
+ * all-gathered routing of all ranks.
+ *
+ * Kernels, in stream order:
+ *   pack      own topk_idx (int32/int64, strided) -> own record [T, K, 0, 0, idx as int32 ...]
+ *   (host)    ncclAllGather of the records
+ *   validate  one thread per (s, t): expert id in [-1, E), no duplicate expert in a token; the
+ *             first error (by rank, then range-before-duplicate, then token, then slot/expert,
+ *             matching the reference's choice) is kept as an atomicMin'd 64-bit key
+ *   count     one block per (local expert l, source s): cnt[s][l] = tokens of s routed to l
+ *   bases     one thread: error decode, tokens_per_expert, aligned expert blocks, off[s][l],
+ *             N_d, capacity check
+ *   scatter   one block per (l, s): block scan over tokens -> recv_row[s][t][k], src_of_row[row]
+ *
+ * NOTES:
+ *  - Row of slot (s, t, k) with local expert l: off[s][l] + #{t' < t : token t' of s routes to l}.
+ *    off[s][l] = base[l] + sum_{s' < s} cnt[s'][l]; base[l] = sum_{l' < l} align(total[l']).
+ *    Only scans decide rows; atomics are used for the error key alone.
+ *  - A token names an expert at most once (validated), so one (s, t) gives at most one row per l;
+ *    with a duplicate (already an error) only the first slot gets the row, so nothing is written
+ *    twice or out of bounds.
+ *  - tokens_per_expert[l] counts the routed rows of l (without alignment padding), like the
+ *    reference backend; N_d includes the padding.
+ */
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include "api.cuh"
+#include "transport.cuh"
+
+namespace nccl_ep {
+
+constexpr int kLayoutThreads = 256;
+
+template <typename IdxT>
+__global__ void pack_routing_kernel(const IdxT* idx, long long stride0, long long stride1,
+                                    int tokens, int topk, int* record) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i == 0) {
+    record[0] = tokens;
+    record[1] = topk;
+    record[2] = 0;
+    record[3] = 0;
+  }
+  if (i < (long long)tokens * topk) {
+    const long long t = i / topk, k = i % topk;
+    long long v = (long long)idx[t * stride0 + k * stride1];
+    // Values that do not fit int32 are out of range anyway; clamp so they stay invalid.
+    if (v > 0x7fffffffll) v = 0x7fffffffll;
+    if (v < -0x7fffffffll) v = -0x7fffffffll;
+    record[kRecordHeader + i] = (int)v;
+  }
+}
+
+cudaError_t launch_pack_routing(const void* topk_idx, int idx_is_64, long long stride0,
+                                long long stride1, int tokens, int topk, int* record,
+                                cudaStream_t stream) {
+  const long long n = (long long)tokens * topk;
+  const int blocks = (int)((n + kLayoutThreads - 1) / kLayoutThreads);
+  const int grid = blocks > 0 ? blocks : 1;  // the header is always written
+  if (idx_is_64) {
+    pack_routing_kernel<long long><<<grid, kLayoutThreads, 0, stream>>>(
+        reinterpret_cast<const long long*>(topk_idx), stride0, stride1, tokens, topk, record);
+  } else {
+    pack_routing_kernel<int><<<grid, kLayoutThreads, 0, stream>>>(
+        reinterpret_cast<const int*>(topk_idx), stride0, stride1, tokens, topk, record);
+  }
+  return cudaGetLastError();
+}
+
+// Error key: rank (bits 48..), kind (bit 47: 0 range, 1 duplicate), token (bits 16..46),
+// minor (bits 0..15: slot for range errors, expert for duplicates).
+__device__ __forceinline__ unsigned long long error_key(int s, int kind, int t, int minor) {
+  return ((unsigned long long)s << 48) | ((unsigned long long)kind << 47) |
+         ((unsigned long long)t << 16) | (unsigned long long)(minor & 0xffff);
+}
+
+__device__ __forceinline__ int clamp_tokens(const int* rec, int max_tokens) {
+  int t = rec[0];
+  return t < 0 ? 0 : (t > max_tokens ? max_tokens : t);
+}
+__device__ __forceinline__ int clamp_topk(const int* rec, int max_topk) {
+  int k = rec[1];
+  return k < 1 ? 1 : (k > max_topk ? max_topk : k);
+}
+
+__global__ void validate_kernel(LayoutArgs a) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)a.num_ranks * a.max_tokens) return;
+  const int s = (int)(i / a.max_tokens), t = (int)(i % a.max_tokens);
+  const int* rec = a.gathered + (size_t)s * a.rec_ints;
+  if (t >= clamp_tokens(rec, a.max_tokens)) return;
+  const int ks = clamp_topk(rec, a.max_topk);
+  const int* row = rec + kRecordHeader + (size_t)t * ks;
+  unsigned long long key = ~0ull;
+  for (int k = 0; k < ks; ++k) {
+    const int v = row[k];
+    if (v < -1 || v >= a.num_experts) {
+      key = error_key(s, 0, t, k);
+      break;
+    }
+  }
+  if (key == ~0ull) {
+    int dup = 0x7fffffff;
+    for (int k = 0; k < ks; ++k)
+      for (int j = k + 1; j < ks; ++j)
+        if (row[k] >= 0 && row[k] == row[j] && row[k] < dup) dup = row[k];
+    if (dup != 0x7fffffff) key = error_key(s, 1, t, dup);
+  }
+  if (key != ~0ull) atomicMin(a.err_key, key);
+}
+
+__global__ void __launch_bounds__(kLayoutThreads) count_kernel(LayoutArgs a) {
+  const int l = blockIdx.x, s = blockIdx.y;
+  const int* rec = a.gathered + (size_t)s * a.rec_ints;
+  const int ts = clamp_tokens(rec, a.max_tokens);
+  const int e = a.rank * a.num_local + l;
+  int c = 0;
+  for (int t = threadIdx.x; t < ts; t += blockDim.x) {
+    const int* row = rec + kRecordHeader + (size_t)t * a.topk;
+    bool hit = false;
+    for (int k = 0; k < a.topk; ++k) hit |= row[k] == e;
+    c += hit;
+  }
+  using Reduce = cub::BlockReduce<int, kLayoutThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const int total = Reduce(tmp).Sum(c);
+  if (threadIdx.x == 0) a.cnt[s * a.num_local + l] = total;
+}
+
+__global__ void bases_kernel(LayoutArgs a) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  LayoutMeta* m = a.meta;
+  for (int s = 0; s < a.num_ranks; ++s) {
+    const int* rec = a.gathered + (size_t)s * a.rec_ints;
+    m->ks[s] = rec[1];
+    m->ts[s] = rec[0];
+  }
+  // Errors, in the reference's order: routing values first, then top-k agreement.
+  const unsigned long long key = *a.err_key;
+  if (key != ~0ull) {
+    const int s = (int)(key >> 48), kind = (int)((key >> 47) & 1);
+    const int t = (int)((key >> 16) & 0x7fffffffull), minor = (int)(key & 0xffff);
+    if (kind == 0) {
+      const int* rec = a.gathered + (size_t)s * a.rec_ints;
+      const int ks = clamp_topk(rec, a.max_topk);
+      raise_error(a.err, kErrExpertRange, s, t, minor, rec[kRecordHeader + (size_t)t * ks + minor],
+                  a.num_experts);
+    } else {
+      raise_error(a.err, kErrDuplicateExpert, s, t, -1, minor, a.num_experts);
+    }
+  } else {
+    for (int s = 0; s < a.num_ranks; ++s) {
+      if (m->ks[s] != a.topk) {
+        raise_error(a.err, kErrTopkMismatch, s, -1, -1, m->ks[s], a.topk);
+        break;
+      }
+    }
+  }
+  long long base = 0;
+  for (int l = 0; l < a.num_local; ++l) {
+    long long run = base;
+    for (int s = 0; s < a.num_ranks; ++s) {
+      a.off[s * a.num_local + l] = (int)run;
+      run += a.cnt[s * a.num_local + l];
+    }
+    const long long total = run - base;
+    m->tokens_per_expert[l] = total;
+    base += (total + a.align - 1) / a.align * a.align;
+  }
+  m->num_rows = base;
+  if (a.capacity >= 0 && base > a.capacity)
+    raise_error(a.err, kErrCapacity, a.rank, -1, -1, base, a.capacity);
+}
+
+__global__ void __launch_bounds__(kLayoutThreads) scatter_kernel(LayoutArgs a) {
+  const int l = blockIdx.x, s = blockIdx.y;
+  const int* rec = a.gathered + (size_t)s * a.rec_ints;
+  const int ts = clamp_tokens(rec, a.max_tokens);
+  const int e = a.rank * a.num_local + l;
+  using Scan = cub::BlockScan<int, kLayoutThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  long long run = a.off[s * a.num_local + l];
+  for (int t0 = 0; t0 < ts; t0 += kLayoutThreads) {
+    const int t = t0 + (int)threadIdx.x;
+    int hit_k = -1;
+    if (t < ts) {
+      const int* row = rec + kRecordHeader + (size_t)t * a.topk;
+      for (int k = a.topk - 1; k >= 0; --k)
+        if (row[k] == e) hit_k = k;  // first slot naming e
+    }
+    int prefix, aggregate;
+    Scan(tmp).ExclusiveSum(hit_k >= 0 ? 1 : 0, prefix, aggregate);
+    if (hit_k >= 0) {
+      const long long r = run + prefix;
+      const int slot = (s * a.max_tokens + t) * a.max_topk + hit_k;
+      a.recv_row[slot] = (int)r;
+      if (r < a.src_rows) a.src_of_row[r] = slot;
+    }
+    run += aggregate;
+    __syncthreads();  // tmp is reused by the next tile
+  }
+}
+
+cudaError_t launch_layout(const LayoutArgs& a, cudaStream_t stream) {
+  const long long tokens = (long long)a.num_ranks * a.max_tokens;
+  if (tokens > 0) {
+    validate_kernel<<<(int)((tokens + kLayoutThreads - 1) / kLayoutThreads), kLayoutThreads, 0,
+                      stream>>>(a);
+  }
+  const dim3 grid(a.num_local, a.num_ranks);
+  count_kernel<<<grid, kLayoutThreads, 0, stream>>>(a);
+  bases_kernel<<<1, 32, 0, stream>>>(a);
+  scatter_kernel<<<grid, kLayoutThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace nccl_ep

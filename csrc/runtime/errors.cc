@@ -1,0 +1,117 @@
+/*
+ * errors.cc: the thread-local last-error message, dtype helpers, and the decoding of device-side
+ * error words into messages (worded like the reference backend's, so both backends read alike).
+ */
+#include <stdio.h>
+
+#include <string>
+
+#include "internal.h"
+
+namespace nccl_ep {
+
+static thread_local std::string g_last_error;
+
+void set_error(const char* fmt, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  g_last_error = buf;
+}
+
+const char* dtype_name(ncclDataType_t dtype) {
+  switch (dtype) {
+    case ncclInt8: return "int8";
+    case ncclUint8: return "uint8";
+    case ncclInt32: return "int32";
+    case ncclUint32: return "uint32";
+    case ncclInt64: return "int64";
+    case ncclUint64: return "uint64";
+    case ncclFloat16: return "float16";
+    case ncclFloat32: return "float32";
+    case ncclFloat64: return "float64";
+    case ncclBfloat16: return "bfloat16";
+    default: return "unsupported dtype";
+  }
+}
+
+int dtype_bytes(ncclDataType_t dtype) {
+  switch (dtype) {
+    case ncclFloat16:
+    case ncclBfloat16: return 2;
+    case ncclFloat32:
+    case ncclInt32: return 4;
+    case ncclFloat64:
+    case ncclInt64: return 8;
+    default: return 0;
+  }
+}
+
+static const char* barrier_name(int tag) {
+  switch (tag) {
+    case 1: return "dispatch entry";
+    case 2: return "dispatch exchange";
+    case 3: return "combine entry";
+    case 4: return "combine exchange";
+    case 5: return "combine_probs entry";
+    case 6: return "combine_probs exchange";
+    default: return "group setup";
+  }
+}
+
+ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& e, const LayoutMeta* meta) {
+  char where[64] = "";
+  if (g->nranks > 1) snprintf(where, sizeof(where), " (rank %d)", e.rank);
+  switch (e.code) {
+    case kErrExpertRange:
+      set_error("topk_idx[%d, %d] = %lld is out of range: expert ids must be in [-1, %lld) "
+                "(-1 = masked slot)%s",
+                e.token, e.slot, e.value, e.extra, where);
+      return ncclInvalidArgument;
+    case kErrDuplicateExpert:
+      set_error("topk_idx token %d names expert %lld twice: a token may route to each expert at "
+                "most once%s",
+                e.token, e.value, where);
+      return ncclInvalidArgument;
+    case kErrTopkMismatch: {
+      std::string ks;
+      if (meta != nullptr) {
+        for (int s = 0; s < g->nranks; ++s) ks += (s ? ", " : "") + std::to_string(meta->ks[s]);
+      } else {
+        ks = "rank " + std::to_string(e.rank) + ": " + std::to_string(e.value) + ", this rank: " +
+             std::to_string(e.extra);
+      }
+      set_error("topk_idx top-k differs across ranks: [%s]; every rank must route with the same "
+                "top-k",
+                ks.c_str());
+      return ncclInvalidArgument;
+    }
+    case kErrCapacity:
+      set_error("capacity overflow: rank %d would receive %lld rows but "
+                "max_recv_tokens_per_rank=%lld; raise the capacity (or capacity factor) or use "
+                "exact mode",
+                e.rank, e.value, e.extra);
+      return ncclSystemError;
+    case kErrTimeout:
+      set_error("device-side wait timed out after %lld ms: rank %d waited for rank %d at the %s "
+                "barrier (epoch %lld); every rank must make the same collective calls in the same "
+                "order (a peer may have failed, exited or be blocked)",
+                e.extra, e.rank, e.token, barrier_name(e.slot), e.value);
+      return ncclSystemError;
+    default:
+      set_error("device-side error code %d (rank %d)", e.code, e.rank);
+      return ncclInternalError;
+  }
+}
+
+}  // namespace nccl_ep
+
+extern "C" const char* ncclEpGetLastError(void) { return nccl_ep::g_last_error.c_str(); }
+
+extern "C" ncclResult_t ncclEpGetVersion(int* version) {
+  EP_CHECK(version != nullptr, ncclInvalidArgument, "ncclEpGetVersion: version is NULL");
+  *version = NCCL_EP_API_VERSION;
+  return ncclSuccess;
+}
