@@ -172,8 +172,18 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         return dispatch(self._handle, hidden_states, probs)
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """The rows are already expert-major: (rows, tokens_per_expert, 1-D probs)."""
-        return hidden_states, self._handle.tokens_per_expert, probs
+        """The rows are already expert-major: (rows, tokens_per_expert, 1-D probs).
+
+        Capacity mode: the counts stay on the device, and the buffer's unused tail (zero rows with
+        prob 0, ignored by combine) is counted as part of the last local expert, so that experts
+        which split their input by the counts (Megatron's SequentialMLP, grouped GEMMs) cover the
+        whole fixed-size buffer. Those rows contribute nothing to outputs or gradients."""
+        tokens_per_expert = self._handle.tokens_per_expert
+        if self._handle.group.config.recv_mode == "capacity":
+            unused_rows = hidden_states.shape[0] - tokens_per_expert.sum()
+            tokens_per_expert = tokens_per_expert.clone()
+            tokens_per_expert[-1] += unused_rows
+        return hidden_states, tokens_per_expert, probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
         return hidden_states

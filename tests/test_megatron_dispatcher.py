@@ -105,10 +105,11 @@ def test_parity_with_allgather(ep, num_experts, topk, seed):
     assert all(dist.run(ep, parity_case, num_experts, topk, seed))
 
 
-def test_parity_capacity_mode(seed):
-    # One local expert: Megatron's SequentialMLP takes the whole fixed-size buffer, whose unused
-    # tail rows have prob 0.
-    assert all(dist.run(2, parity_case, 2, 2, seed, recv_mode="capacity"))
+@pytest.mark.parametrize("num_experts", [2, 4])
+def test_parity_capacity_mode(num_experts, seed):
+    # Megatron's SequentialMLP takes the whole fixed-size buffer; its unused tail rows (prob 0)
+    # count as the last local expert's.
+    assert all(dist.run(2, parity_case, num_experts, 2, seed, recv_mode="capacity"))
 
 
 def test_parity_with_dropped_tokens(seed):
