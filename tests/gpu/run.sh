@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# The one device script (shared/DEVICE.md): on a bare GPU machine, from the repository root,
+#   bash tests/gpu/run.sh [build] [tests] [bench]        (no argument: all three, in this order)
+# builds the extension, runs the GPU tests, runs the benchmark, and leaves under $OUT:
+#   env.txt  build.log  gpu_tests.log  bench.log  bench.json  summary.md
+# (the device tool returns at most 8 files from $OUT). Each stage has its own time limit, so the
+# whole stays inside one 10-minute call: BUILD_TIMEOUT (150 s), TESTS_TIMEOUT (180 s),
+# BENCH_TIMEOUT (180 s). BENCH_ARGS adds benchmark flags, e.g. BENCH_ARGS="--sections kernels".
+# Carried wheels in .whl/ (megatron-core, which the image lacks) are installed first.
+set -u
+cd "$(dirname "$0")/../.." || exit 1
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+
+# NVLink multicast stays off in every process started from here (KINDS.md of the device tool).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PY:-python3}  # the image's python3 (the one that holds torch)
+BUILD_TIMEOUT=${BUILD_TIMEOUT:-150}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-180}
+BENCH_ARGS=${BENCH_ARGS:-}
+JOBS=$(nproc)
+
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(build tests bench)
+for stage in "${STAGES[@]}"; do
+    case "$stage" in
+        build|tests|bench) ;;
+        *) echo "unknown stage '$stage' (choose from: build tests bench)" >&2; exit 2 ;;
+    esac
+done
+wants() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
+
+SUMMARY="$OUT/summary.md"
+{
+    echo "# GPU run $(date -u +%Y-%m-%dT%H:%M:%SZ): stages ${STAGES[*]}"
+    echo
+} >"$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+# -- what this machine is ---------------------------------------------------------------------
+{
+    echo "## nvidia-smi -L"; nvidia-smi -L
+    echo "## nvidia-smi topo -m"; nvidia-smi topo -m
+    echo "## versions"
+    "$PY" --version
+    nvcc --version | tail -n 2
+    "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+"nccl", ".".join(map(str, torch.cuda.nccl.version())), "gpus", torch.cuda.device_count())'
+    git rev-parse HEAD 2>/dev/null || echo "no git metadata in this copy"
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+{
+    echo "- machine: $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s): $(nvidia-smi -L 2>/dev/null | head -n 1 | cut -d'(' -f1)"
+    grep '^torch ' "$OUT/env.txt" | sed 's/^/- /'
+} >>"$SUMMARY"
+
+# -- carried wheels ------------------------------------------------------------------------------
+# --no-deps into a separate folder: the image's torch, numpy and packaging stay in charge.
+if compgen -G ".whl/*.whl" >/dev/null; then
+    if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl; then
+        export PYTHONPATH="$PYTHONPATH:/tmp/site"
+        note "- wheels: $(printf '%s ' .whl/*.whl)"
+        "$PY" -c 'import megatron.core, torch; print("megatron-core", megatron.core.__version__,
+"from", megatron.core.__file__, "| torch from", torch.__file__)' 2>&1 | tee -a "$OUT/env.txt"
+    else
+        note "- wheels: pip install FAILED"
+    fi
+else
+    note "- wheels: none carried (.whl/ absent): the Megatron section of the bench will be skipped"
+fi
+
+# -- stages ----------------------------------------------------------------------------------------
+STATUS=0
+
+if wants build; then
+    start=$SECONDS
+    MAX_JOBS=$JOBS timeout -k 10 "$BUILD_TIMEOUT" \
+        "$PY" setup.py build_ext --inplace -j "$JOBS" >"$OUT/build.log" 2>&1
+    rc=$?
+    if [ $rc -eq 0 ] && "$PY" -c 'import megatron_nccl_ep._C' >>"$OUT/build.log" 2>&1; then
+        note "- build: ok ($((SECONDS - start)) s)"
+    else
+        STATUS=1
+        note "- build: FAILED (rc $rc, $((SECONDS - start)) s; 124 = timed out); first errors, then the tail of build.log:"
+        {
+            echo '```'
+            grep -iE 'error|undefined reference' "$OUT/build.log" | head -n 20
+            echo '...'
+            tail -n 12 "$OUT/build.log"
+            echo '```'
+        } | tee -a "$SUMMARY"
+    fi
+fi
+
+if wants tests; then
+    start=$SECONDS
+    per_test=()
+    # pytest-timeout (in the image) turns a hung test into a traceback instead of a silent kill.
+    "$PY" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=$((TESTS_TIMEOUT - 20)))
+    timeout -k 10 "$TESTS_TIMEOUT" "$PY" -m pytest -x -q -rfE "${per_test[@]}" tests/gpu \
+        >"$OUT/gpu_tests.log" 2>&1
+    rc=$?
+    counts=$(grep -E '[0-9]+ (passed|failed|error|errors|skipped)' "$OUT/gpu_tests.log" | tail -n 1)
+    [ $rc -eq 0 ] || STATUS=1
+    note "- tests: rc $rc ($((SECONDS - start)) s; 124 = timed out): ${counts:-no pytest summary line}"
+    grep -E '^(FAILED|ERROR) ' "$OUT/gpu_tests.log" | head -n 20 | sed 's/^/  - /' | tee -a "$SUMMARY"
+    if [ $rc -ne 0 ]; then
+        { echo '```'; tail -n 30 "$OUT/gpu_tests.log"; echo '```'; } | tee -a "$SUMMARY"
+    fi
+fi
+
+if wants bench; then
+    start=$SECONDS
+    # The bench stops its own sections before the stage limit so that it still writes its JSON.
+    # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
+    timeout -k 10 "$BENCH_TIMEOUT" "$PY" -m megatron_nccl_ep.bench --json "$OUT/bench.json" \
+        --time-budget $((BENCH_TIMEOUT - 20)) $BENCH_ARGS >"$OUT/bench.log" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || STATUS=1
+    note "- bench: rc $rc ($((SECONDS - start)) s; 1 = some item failed, 124 = timed out)"
+    table=$(sed -n '/^== megatron_nccl_ep bench/,$p' "$OUT/bench.log")
+    { echo; echo '```'; echo "${table:-$(tail -n 30 "$OUT/bench.log")}"; echo '```'; } >>"$SUMMARY"
+fi
+
+echo
+echo "================ summary ($OUT/summary.md) ================"
+cat "$SUMMARY"
+exit $STATUS
