@@ -92,7 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--megatron-dispatchers", default="nccl_ep,alltoall",
                    help="Megatron dispatchers to drive: nccl_ep, alltoall, allgather")
-    p.add_argument("--section-timeout", type=float, default=90.0,
+    p.add_argument("--device-timeout", type=float, default=20.0,
+                   help="timeout_s of our Group: a device-side wait fails after this long")
+    p.add_argument("--section-timeout", type=float, default=75.0,
                    help="seconds one section may take before its processes are killed")
     p.add_argument("--time-budget", type=float, default=170.0,
                    help="seconds for the whole bench; later sections get what is left")
@@ -622,7 +624,7 @@ def _section_kernels(me: _Rank) -> None:
     group = Group(num_experts=args.experts, hidden=args.hidden, max_tokens_per_rank=args.tokens,
                   max_topk=args.topk, dtype=me.dtype, backend=args.backend, device=me.device,
                   recv_mode=args.recv_mode, capacity_factor=args.capacity_factor,
-                  num_sms=args.num_sms)
+                  num_sms=args.num_sms, timeout_s=args.device_timeout)
     me.emit("info", data={"backend_resolved": group.backend_name})
     sets = []
     for s in range(args.rotate):
