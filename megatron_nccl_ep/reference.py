@@ -161,7 +161,7 @@ class ReferenceBackend:
 
         num_recv = (cfg.max_recv_tokens_per_rank if cfg.recv_mode == "capacity"
                     else int(recv_totals[me]))
-        tokens_per_expert = per_expert[me].clone()
+        tokens_per_expert = blocks[me].clone()  # padded: sum == N_d (DESIGN §3)
         tokens_per_expert = (tokens_per_expert.cpu() if cfg.recv_mode == "exact"
                              else tokens_per_expert.to(device))
         return ReferenceHandleState(num_recv, tokens_per_expert, topk_idx, send_tokens,
