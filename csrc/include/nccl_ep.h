@@ -13,6 +13,16 @@
  *    (the *_INITIALIZER macros do), so a newer library can accept an older caller.
  *  - The library never allocates user-visible output memory: outputs are caller tensors. Internal
  *    buffers come from alloc_fn/free_fn when given (symmetric buffers always come from NCCL).
+ *  - Limits of this implementation (HT, intranode): group size <= 64, all ranks load/store
+ *    accessible (one NVLink domain: NCCL's LSA team == the communicator, else ncclInvalidUsage),
+ *    max_topk <= 32, num_experts <= 65535, tokens bf16/fp16/fp32, group size x
+ *    max_tokens_per_rank x max_topk < 2^31. The library must run on the NCCL major.minor it was
+ *    compiled against (checked at group creation).
+ *  - Handle buffers come from a per-group pool reused in stream order: use one stream per group
+ *    (or order the streams yourself).
+ *  - Device-side errors (capacity mode routing errors and overflow, barrier timeouts) go to a
+ *    host-mapped error word of the group; every later call checks it without blocking and returns
+ *    the error (sticky) until ncclEpGroupCheckErrors clears it.
  */
 #ifndef NCCL_EP_H_
 #define NCCL_EP_H_
@@ -129,7 +139,8 @@ ncclResult_t ncclEpGetVersion(int* version);
  * buffers, maps the NVLink peers. comm stays owned by the caller and must outlive the group. */
 ncclResult_t ncclEpCreateGroup(ncclEpGroup_t* group, ncclComm_t comm,
                                const ncclEpGroupConfig_t* config, cudaStream_t stream);
-/* Frees everything the group and its live handles hold. Not collective; call after the last op. */
+/* Frees everything the group and its live handles hold (synchronizes the device first). Call it on
+ * every rank after the last op, before destroying comm (the window deregistration is collective). */
 ncclResult_t ncclEpGroupDestroy(ncclEpGroup_t group);
 
 /* Collective: exchanges the routing of one forward pass and builds the row maps (DESIGN §3/§4).
@@ -143,10 +154,12 @@ ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t group,
 ncclResult_t ncclEpHandleDestroy(ncclEpHandle_t handle);
 
 /* Rows of this rank's dispatch output: exact mode N_d (no sync, read at creation); capacity mode
- * max_recv_tokens_per_rank. */
+ * max_recv_tokens_per_rank. Returns a pending device-side error of the group, if any. */
 ncclResult_t ncclEpHandleGetNumRecvTokens(ncclEpHandle_t handle, int64_t* num_recv_tokens);
 /* Copies tokens_per_expert [L] int64 into out (RECV_EXPERT_COUNTER_DEVICE or _HOST), stream-ordered
- * for the device tag. */
+ * for the device tag. Counts the routed rows of each local expert, without the alignment padding
+ * (as the reference backend); N_d = sum of the counts each rounded up to expert_alignment. The
+ * host tag in capacity mode synchronizes the stream. */
 ncclResult_t ncclEpHandleGetTokensPerExpert(ncclEpHandle_t handle, ncclEpTensor_t* out,
                                             cudaStream_t stream);
 
@@ -166,8 +179,9 @@ ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
 /* LL staged mode (send_only): completes the receive side. HT: no-op returning ncclSuccess. */
 ncclResult_t ncclEpComplete(ncclEpHandle_t handle, cudaStream_t stream);
 
-/* Synchronizes the group's error word: returns the first device-side error (timeout, capacity
- * overflow, bad routing) raised since the last check, with its reason, and clears it. */
+/* Returns the first device-side error (timeout, capacity overflow, bad routing) raised since the
+ * last check, with its reason, and clears it. Non-blocking: it reads the host-mapped error word,
+ * so synchronize the stream first for a complete check. */
 ncclResult_t ncclEpGroupCheckErrors(ncclEpGroup_t group);
 
 #ifdef __cplusplus

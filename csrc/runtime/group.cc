@@ -49,7 +49,13 @@ void destroy_group_state(ncclEpGroup* g) {
   g->all_slots.clear();
   g->free_slots.clear();
   if (g->win != nullptr) ncclCommWindowDeregister(g->comm, g->win);
-  if (g->win_buf != nullptr) ncclMemFree(g->win_buf);
+  if (g->win_buf != nullptr) {
+    if (g->win_is_local) {
+      free_device(g, g->win_buf);
+    } else {
+      ncclMemFree(g->win_buf);
+    }
+  }
   if (g->d_peers != nullptr) free_device(g, g->d_peers);
   if (g->d_epoch != nullptr) free_device(g, g->d_epoch);
   if (g->h_err != nullptr) cudaFreeHost(g->h_err);
@@ -284,7 +290,7 @@ static ncclResult_t create_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGr
     }
   }
   for (int r = 0; r < R; ++r) {
-    EP_CHECK(all[r].lsa_size == R, ncclInvalidUsage,
+    EP_CHECK(R == 1 || all[r].lsa_size == R, ncclInvalidUsage,
              "peers not NVLink-connected: rank %d sees an LSA (load/store accessible) team of %lld "
              "of the %d ranks; the PCIe / host fallback is not implemented",
              r, all[r].lsa_size, R);
@@ -302,9 +308,16 @@ static ncclResult_t create_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGr
   g->tok_off = kFlagsBytes;
   g->prob_off = align_up(g->tok_off + (size_t)R * g->chunk * g->stage_row_bytes, 256);
   g->win_bytes = align_up(g->prob_off + (size_t)R * g->chunk * c.max_topk * 8, 1 << 21);
-  EP_NCCL(ncclMemAlloc(&g->win_buf, g->win_bytes));
-  EP_NCCL(ncclCommWindowRegister(comm, g->win_buf, g->win_bytes, &g->win,
-                                 NCCL_WIN_COLL_SYMMETRIC));
+  if (R > 1) {
+    EP_NCCL(ncclMemAlloc(&g->win_buf, g->win_bytes));
+    EP_NCCL(ncclCommWindowRegister(comm, g->win_buf, g->win_bytes, &g->win,
+                                   NCCL_WIN_COLL_SYMMETRIC));
+  } else {
+    // One rank: no peer to map; a plain device buffer plays the window (no NCCL symmetric
+    // registration, which some NCCL versions skip or refuse on a single-rank communicator).
+    EP_RETURN_IF(alloc_device(g, &g->win_buf, g->win_bytes));
+    g->win_is_local = true;
+  }
 
   // Error word (host-mapped), epoch counter, readback buffer.
   EP_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&g->h_err), sizeof(ErrorInfo),
@@ -332,10 +345,16 @@ static ncclResult_t create_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGr
 
   // (4) peer pointers.
   EP_RETURN_IF(alloc_device(g, reinterpret_cast<void**>(&g->d_peers), sizeof(void*) * R));
-  EP_CUDA(launch_resolve_peers(g->win, R, g->d_peers, stream));
   g->peers.resize(R);
-  EP_CUDA(cudaMemcpyAsync(g->peers.data(), g->d_peers, sizeof(void*) * R, cudaMemcpyDeviceToHost,
-                          stream));
+  if (g->win_is_local) {
+    g->peers[0] = g->win_buf;
+    EP_CUDA(cudaMemcpyAsync(g->d_peers, g->peers.data(), sizeof(void*), cudaMemcpyHostToDevice,
+                            stream));
+  } else {
+    EP_CUDA(launch_resolve_peers(g->win, R, g->d_peers, stream));
+    EP_CUDA(cudaMemcpyAsync(g->peers.data(), g->d_peers, sizeof(void*) * R,
+                            cudaMemcpyDeviceToHost, stream));
+  }
   EP_CUDA(cudaStreamSynchronize(stream));
   // NOTE: peers[rank] is this rank's buffer in NCCL's flat LSA mapping, an alias of win_buf at
   // another virtual address; kernels use peers[] only, the host uses win_buf (same memory).

@@ -92,6 +92,7 @@ struct ncclEpGroup {
   void* win_buf = nullptr;
   size_t win_bytes = 0;
   ncclWindow_t win = nullptr;
+  bool win_is_local = false;     // one rank: a plain device buffer, no NCCL window
   size_t flags_off = 0, tok_off = 0, prob_off = 0;
   void** d_peers = nullptr;      // device [R]
   std::vector<void*> peers;
