@@ -1,0 +1,74 @@
+"""Rank-side helpers shared by the distributed tests: this rank's share of a problem, a Group
+sized for it, and the poisoned expert outputs / gradients that combine must ignore."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+import dense
+import megatron_nccl_ep as ep
+
+
+def rank_and_size():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def share(problem: dense.Problem, rank: int, device="cpu", requires_grad: bool = False):
+    """This rank's ``(x, topk_idx, probs)`` on ``device``."""
+    x = problem.x[rank].to(device)
+    idx = problem.topk_idx[rank].to(device)
+    probs = problem.probs[rank]
+    probs = None if probs is None else probs.to(device)
+    if requires_grad:
+        x.requires_grad_(True)
+        if probs is not None:
+            probs.requires_grad_(True)
+    return x, idx, probs
+
+
+def max_rows(problem: dense.Problem, alignment: int = 1) -> int:
+    return max(dense.layout(problem, d, alignment).num_rows for d in range(problem.world_size))
+
+
+def make_group(problem: dense.Problem, *, backend: str = "torch", device="cpu",
+               alignment: int = 1, capacity_slack=None, max_tokens=None, **kwargs):
+    """A Group fitting ``problem``. ``capacity_slack=n``: capacity mode with n rows more than the
+    fullest rank needs (so a tail exists to check)."""
+    tokens = max(x.shape[0] for x in problem.x)
+    if capacity_slack is not None:
+        kwargs.update(recv_mode="capacity",
+                      max_recv_tokens_per_rank=max_rows(problem, alignment) + capacity_slack)
+    return ep.Group(num_experts=problem.num_experts, hidden=problem.hidden,
+                    max_tokens_per_rank=max(1, tokens) if max_tokens is None else max_tokens,
+                    max_topk=problem.topk, dtype=problem.x[0].dtype, backend=backend,
+                    device=device, expert_alignment=alignment, **kwargs)
+
+
+def poisoned_rows(problem: dense.Problem, seed: int, num_rows, alignment: int = 1,
+                  dtype=None, vector: bool = False):
+    """For every rank d, a ``[num_rows[d], H]`` tensor (``[num_rows[d]]`` with vector=True) of
+    order-sensitive values in the rows that carry a (token, slot), NaN in every padding and tail
+    row: whatever combine or combine_probs reads from those rows would show up as NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = dtype or problem.x[0].dtype
+    out = []
+    for d in range(problem.world_size):
+        lay = dense.layout(problem, d, alignment)
+        shape = (num_rows[d],) if vector else (num_rows[d], problem.hidden)
+        t = dense.wide_values(gen, shape, dtype)
+        used = torch.zeros(num_rows[d], dtype=torch.bool)
+        used[:lay.num_rows] = torch.tensor([r is not None for r in lay.rows], dtype=torch.bool)
+        t[~used] = math.nan
+        out.append(t)
+    return out
+
+
+def capacity_or_rows(problem: dense.Problem, alignment: int, capacity):
+    """Rows of each rank's dispatch output: the capacity when given, else the exact count."""
+    return [capacity if capacity is not None else dense.layout(problem, d, alignment).num_rows
+            for d in range(problem.world_size)]
