@@ -157,9 +157,8 @@ ncclResult_t ncclEpHandleDestroy(ncclEpHandle_t handle);
  * max_recv_tokens_per_rank. Returns a pending device-side error of the group, if any. */
 ncclResult_t ncclEpHandleGetNumRecvTokens(ncclEpHandle_t handle, int64_t* num_recv_tokens);
 /* Copies tokens_per_expert [L] int64 into out (RECV_EXPERT_COUNTER_DEVICE or _HOST), stream-ordered
- * for the device tag. Counts the routed rows of each local expert, without the alignment padding
- * (as the reference backend); N_d = sum of the counts each rounded up to expert_alignment. The
- * host tag in capacity mode synchronizes the stream. */
+ * for the device tag. Each count is the expert's block including its alignment padding rows, so
+ * sum == N_d (DESIGN §3). The host tag in capacity mode synchronizes the stream. */
 ncclResult_t ncclEpHandleGetTokensPerExpert(ncclEpHandle_t handle, ncclEpTensor_t* out,
                                             cudaStream_t stream);
 

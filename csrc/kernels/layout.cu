@@ -20,8 +20,8 @@
  *  - A token names an expert at most once (validated), so one (s, t) gives at most one row per l;
  *    with a duplicate (already an error) only the first slot gets the row, so nothing is written
  *    twice or out of bounds.
- *  - tokens_per_expert[l] counts the routed rows of l (without alignment padding), like the
- *    reference backend; N_d includes the padding.
+ *  - tokens_per_expert[l] is the size of expert l's block including its alignment padding, like
+ *    the reference backend, so sum(tokens_per_expert) == N_d.
  */
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -166,8 +166,9 @@ __global__ void bases_kernel(LayoutArgs a) {
       run += a.cnt[s * a.num_local + l];
     }
     const long long total = run - base;
-    m->tokens_per_expert[l] = total;
-    base += (total + a.align - 1) / a.align * a.align;
+    const long long block = (total + a.align - 1) / a.align * a.align;
+    m->tokens_per_expert[l] = block;  // padded block: sum == N_d (DESIGN §3, reference)
+    base += block;
   }
   m->num_rows = base;
   if (a.capacity >= 0 && base > a.capacity)
