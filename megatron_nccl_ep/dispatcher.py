@@ -132,7 +132,10 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
                 f"(expert_tensor_parallel_size={self.tp_size}); use "
                 "--expert-tensor-parallel-size 1 (attention tensor parallelism with sequence "
                 "parallelism is fine)")
-        for flag in ("moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm"):
+        # The padding options route a token to more than top-k experts; the overlap options need
+        # a dispatcher that runs on a side stream.
+        for flag in ("moe_pad_expert_input_to_capacity", "moe_router_padding_for_quantization",
+                     "moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm"):
             if getattr(config, flag, False):
                 raise NotImplementedError(f"nccl_ep dispatcher: {flag} is not supported")
         num_experts = config.num_moe_experts

@@ -157,6 +157,26 @@ def test_expert_tensor_parallel_is_refused():
     assert all(dist.run(2, expert_tensor_parallel_case))
 
 
+def padded_routing_case():
+    with megatron_on_cpu(ep=torch.distributed.get_world_size()):
+        with pytest.raises(NotImplementedError, match="moe_pad_expert_input_to_capacity"):
+            moe_layer("nccl_ep", 4, 2, moe_expert_capacity_factor=1.0,
+                      moe_pad_expert_input_to_capacity=True)
+    return True
+
+
+def test_padded_routing_is_refused():
+    assert all(dist.run(1, padded_routing_case))
+
+
+@pytest.mark.parametrize("field,value", [("backend", "nccl"), ("recv_mode", "dropless"),
+                                         ("capacity_factor", 0.0), ("num_sms", 0),
+                                         ("max_tokens_per_rank", 0)])
+def test_options_reject_bad_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        NcclEpOptions(**{field: value})
+
+
 def test_routing_to_topk_matches_a_loop(seed):
     torch.manual_seed(seed)
     tokens, experts, topk = 40, 10, 4
