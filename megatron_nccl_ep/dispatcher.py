@@ -34,7 +34,8 @@ class NcclEpOptions:
     # Capacity mode: rows per rank = factor * tokens per rank * top-k (the balanced share).
     capacity_factor: float = 2.0
     num_sms: int = 24
-    # Tokens per rank the group is sized for; None: the next power of two of the first batch.
+    # Tokens per rank the group is sized for. None: the next power of two of the batch's token
+    # count, which needs equal counts on the ranks of an EP group (as in Megatron training).
     max_tokens_per_rank: Optional[int] = None
 
     def __post_init__(self):
