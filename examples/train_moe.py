@@ -28,9 +28,14 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
+
+# Megatron warns, per rank, about each optional package it does without (Transformer Engine,
+# Apex, absl); none of them is used here.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
