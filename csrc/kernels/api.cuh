@@ -80,6 +80,8 @@ struct LayoutArgs {
   int* src_of_row;        // [src_rows], -1 = padding (memset by the host)
   long long src_rows;
   unsigned long long* err_key;  // min-key of the first bad routing entry (memset 0xff)
+  int* hist;              // [E] slots per expert over all ranks (memset 0): every rank checks
+                          // every rank's capacity, so all ranks report an overflow together
   LayoutMeta* meta;
   ErrorInfo* err;         // where errors are reported (meta->err or the group's mapped word)
 };

@@ -7,7 +7,8 @@
  *   (host)    ncclAllGather of the records
  *   validate  one thread per (s, t): expert id in [-1, E), no duplicate expert in a token; the
  *             first error (by rank, then range-before-duplicate, then token, then slot/expert,
- *             matching the reference's choice) is kept as an atomicMin'd 64-bit key
+ *             matching the reference's choice) is kept as an atomicMin'd 64-bit key; also the
+ *             per-expert histogram of all ranks' slots (a count: order does not matter)
  *   count     one block per (local expert l, source s): cnt[s][l] = tokens of s routed to l
  *   bases     one thread: error decode, tokens_per_expert, aligned expert blocks, off[s][l],
  *             N_d, capacity check
@@ -16,7 +17,9 @@
  * NOTES:
  *  - Row of slot (s, t, k) with local expert l: off[s][l] + #{t' < t : token t' of s routes to l}.
  *    off[s][l] = base[l] + sum_{s' < s} cnt[s'][l]; base[l] = sum_{l' < l} align(total[l']).
- *    Only scans decide rows; atomics are used for the error key alone.
+ *    Only scans decide rows; atomics are used for the error key and the histogram alone.
+ *  - Capacity mode: every rank checks the receive count of every rank (from the histogram), so
+ *    an overflow anywhere is reported by all ranks, with the first overflowing rank's numbers.
  *  - A token names an expert at most once (validated), so one (s, t) gives at most one row per l;
  *    with a duplicate (already an error) only the first slot gets the row, so nothing is written
  *    twice or out of bounds.
@@ -97,8 +100,9 @@ __global__ void validate_kernel(LayoutArgs a) {
   for (int k = 0; k < ks; ++k) {
     const int v = row[k];
     if (v < -1 || v >= a.num_experts) {
-      key = error_key(s, 0, t, k);
-      break;
+      if (key == ~0ull) key = error_key(s, 0, t, k);
+    } else if (v >= 0 && a.capacity >= 0) {
+      atomicAdd(&a.hist[v], 1);
     }
   }
   if (key == ~0ull) {
@@ -171,8 +175,20 @@ __global__ void bases_kernel(LayoutArgs a) {
     base += block;
   }
   m->num_rows = base;
-  if (a.capacity >= 0 && base > a.capacity)
-    raise_error(a.err, kErrCapacity, a.rank, -1, -1, base, a.capacity);
+  if (a.capacity >= 0) {
+    for (int d = 0; d < a.num_ranks; ++d) {
+      long long rows = 0;
+      for (int l = 0; l < a.num_local; ++l) {
+        const long long n = a.hist[d * a.num_local + l];
+        rows += (n + a.align - 1) / a.align * a.align;
+      }
+      if (d == a.rank && base > rows) rows = base;  // (duplicates: already an error)
+      if (rows > a.capacity) {
+        raise_error(a.err, kErrCapacity, d, -1, -1, rows, a.capacity);
+        break;
+      }
+    }
+  }
 }
 
 __global__ void __launch_bounds__(kLayoutThreads) scatter_kernel(LayoutArgs a) {

@@ -8,7 +8,8 @@
  * rank p writes epoch into flags[p] of every peer with st.release.sys after fence.acq_rel.sys,
  * and waits with ld.acquire.sys until every peer's flag reached the epoch, so no reset is ever
  * needed. Every rank runs the same sequence of barriers, so epochs stay in lockstep even after a
- * timeout (the epoch is bumped either way); after a timeout later barriers do not wait again.
+ * timeout (the epoch is bumped either way); once the group's error word holds any error, later
+ * barriers do not wait (results are void; rebuild the group after a device-side error).
  */
 #include <nccl.h>
 #include <nccl_device.h>
@@ -39,7 +40,10 @@ __global__ void __launch_bounds__(kMaxRanks) barrier_kernel(BarrierArgs a) {
   __shared__ int skip_wait;
   if (threadIdx.x == 0) {
     epoch = *a.epoch + 1;
-    skip_wait = ld_volatile_int(&a.err->code) == kErrTimeout;
+    // Any pending error (a timeout, or a capacity-mode routing error / overflow that every rank
+    // detected on its own) means results are void until the group is rebuilt: do not wait, so
+    // a rank that already raised on the host cannot stall the others.
+    skip_wait = ld_volatile_int(&a.err->code) != kErrNone;
   }
   __syncthreads();
   const int p = threadIdx.x;
@@ -63,7 +67,7 @@ __global__ void __launch_bounds__(kMaxRanks) barrier_kernel(BarrierArgs a) {
                         a.timeout_ns / 1000000);
             break;
           }
-          if (ld_volatile_int(&a.err->code) == kErrTimeout) break;  // another waiter gave up
+          if (ld_volatile_int(&a.err->code) != kErrNone) break;  // gave up elsewhere
         }
       }
       fence_acq_rel_sys();

@@ -171,7 +171,9 @@ ncclResult_t acquire_slot(ncclEpGroup* g, ncclEpHandleSlot** out) {
   const size_t o_off = o;
   o = align_up(o + (size_t)R * L * sizeof(int), 256);
   const size_t o_meta = o;
-  o = align_up(o + layout_meta_bytes(L), 256);
+  o = align_up(o + layout_meta_bytes(L), 16);
+  const size_t o_hist = o;
+  o = align_up(o + sizeof(int) * (size_t)g->cfg.num_experts, 256);
 
   ncclEpHandleSlot* s = new ncclEpHandleSlot();
   ncclResult_t res = alloc_device(g, &s->base, o);
@@ -188,6 +190,8 @@ ncclResult_t acquire_slot(ncclEpGroup* g, ncclEpHandleSlot** out) {
   s->cnt = reinterpret_cast<int*>(b + o_cnt);
   s->off = reinterpret_cast<int*>(b + o_off);
   s->meta = reinterpret_cast<LayoutMeta*>(b + o_meta);
+  s->hist = reinterpret_cast<int*>(b + o_hist);
+  s->zero_bytes = o_hist + sizeof(int) * (size_t)g->cfg.num_experts - o_meta;
   s->ff_bytes = o_key + sizeof(unsigned long long) - o_recv_row;
   g->all_slots.push_back(s);
   *out = s;

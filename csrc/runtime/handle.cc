@@ -62,7 +62,7 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* idx,
   EP_RETURN_IF(acquire_slot(g, &h->slot));
   ncclEpHandleSlot* s = h->slot;
   EP_CUDA(cudaMemsetAsync(s->recv_row, 0xff, s->ff_bytes, stream));
-  EP_CUDA(cudaMemsetAsync(s->meta, 0, g->meta_bytes, stream));
+  EP_CUDA(cudaMemsetAsync(s->meta, 0, s->zero_bytes, stream));
   int* own = s->gathered + (size_t)g->rank * g->rec_ints;
   EP_CUDA(launch_pack_routing(idx->data, idx->dtype == ncclInt64, idx->strides[0],
                               idx->strides[1], (int)T, (int)K, own, stream));
@@ -86,6 +86,7 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* idx,
   a.src_of_row = s->src_of_row;
   a.src_rows = g->src_rows;
   a.err_key = s->err_key;
+  a.hist = s->hist;
   a.meta = s->meta;
   a.err = g->capacity >= 0 ? g->d_err : &s->meta->err;
   EP_CUDA(launch_layout(a, stream));

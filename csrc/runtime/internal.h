@@ -72,7 +72,9 @@ struct ncclEpHandleSlot {
   int* cnt = nullptr;            // [R * L]
   int* off = nullptr;            // [R * L]
   nccl_ep::LayoutMeta* meta = nullptr;
+  int* hist = nullptr;           // [E], right after meta (one zero memset)
   size_t ff_bytes = 0;           // bytes from recv_row to the end of err_key
+  size_t zero_bytes = 0;         // bytes from meta to the end of hist
 };
 
 struct ncclEpGroup {
