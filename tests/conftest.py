@@ -28,3 +28,16 @@ def _shutdown_process_pools():
     yield
     if "dist" in sys.modules:
         sys.modules["dist"].shutdown_all()
+
+
+@pytest.fixture
+def summary_line(request):
+    """Prints one summary line for the test, shown even under -q and output capture."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+
+    def emit(text: str) -> None:
+        print(text)
+        if reporter is not None:
+            reporter.write_line(f"[{request.node.name}] {text}")
+
+    return emit

@@ -61,14 +61,15 @@ def wide_values(gen: torch.Generator, shape, dtype: torch.dtype, min_exp: Option
     # Half the elements sit at the two extreme exponents with one of two mantissas, so that equal
     # magnitudes of opposite signs meet often: an exact cancellation of two large terms exposes
     # whether a small term was added before (absorbed) or after (kept) it.
-    ladder = torch.rand(shape, generator=gen) < 0.5
-    mant = torch.where(ladder,
-                       1.0 + torch.randint(0, 2, shape, generator=gen).to(torch.float64) / 2,
-                       1.0 + torch.rand(shape, generator=gen, dtype=torch.float64))
-    extreme = torch.where(torch.rand(shape, generator=gen) < 0.5, min_exp, max_exp)
-    exp = torch.where(ladder, extreme,
-                      torch.randint(min_exp, max_exp + 1, shape, generator=gen)).to(torch.float64)
-    sign = torch.randint(0, 2, shape, generator=gen).to(torch.float64) * 2 - 1
+    dev = gen.device  # a CUDA generator draws on its GPU (large GPU cases)
+    ladder = torch.rand(shape, generator=gen, device=dev) < 0.5
+    mant = torch.where(
+        ladder, 1.0 + torch.randint(0, 2, shape, generator=gen, device=dev).to(torch.float64) / 2,
+        1.0 + torch.rand(shape, generator=gen, dtype=torch.float64, device=dev))
+    extreme = torch.where(torch.rand(shape, generator=gen, device=dev) < 0.5, min_exp, max_exp)
+    exp = torch.where(ladder, extreme, torch.randint(min_exp, max_exp + 1, shape, generator=gen,
+                                                     device=dev)).to(torch.float64)
+    sign = torch.randint(0, 2, shape, generator=gen, device=dev).to(torch.float64) * 2 - 1
     return (sign * mant * torch.exp2(exp)).to(dtype)
 
 
@@ -77,13 +78,15 @@ def random_routing(gen: torch.Generator, tokens: int, topk: int, num_experts: in
     """``routing``: 'random' (K distinct experts per token), 'masked' (random with about a third
     of the slots -1, and every 5th token fully masked), 'one_expert' (slot 0 -> target_expert,
     the other slots masked)."""
+    dev = gen.device
     if routing == "one_expert":
-        idx = torch.full((tokens, topk), -1, dtype=torch.int64)
+        idx = torch.full((tokens, topk), -1, dtype=torch.int64, device=dev)
         idx[:, 0] = target_expert
         return idx
-    idx = torch.rand(tokens, num_experts, generator=gen).argsort(dim=1)[:, :topk].contiguous()
+    idx = torch.rand(tokens, num_experts, generator=gen, device=dev).argsort(dim=1)[:, :topk]
+    idx = idx.contiguous()
     if routing == "masked":
-        drop = torch.rand(tokens, topk, generator=gen) < 0.35
+        drop = torch.rand(tokens, topk, generator=gen, device=dev) < 0.35
         drop[::5] = True
         idx[drop] = -1
     elif routing != "random":

@@ -56,6 +56,9 @@ _loaded_modules: dict = {}
 def _load_function(path: str, qualname: str):
     module = _loaded_modules.get(path)
     if module is None:
+        # The module's own folder first, as pytest's default import mode does for test modules.
+        if os.path.dirname(path) not in sys.path:
+            sys.path.insert(0, os.path.dirname(path))
         name = "_dist_case_" + os.path.splitext(os.path.basename(path))[0]
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)

@@ -1,0 +1,241 @@
+"""The CUDA backend's resources and errors: 1000 handle create/destroy cycles leave device memory
+unchanged, group destroy returns its memory, and bad input raises the same clear errors as the
+reference, at the latest by the next call after a synchronize (capacity mode never syncs the
+host, so its device-side checks may surface one call later)."""
+
+import gc
+
+import pytest
+import torch
+
+import dense
+import dist
+import ep_cases
+import megatron_nccl_ep as ep
+from gpu_common import rank_inputs, requires_gpus, world_sizes
+
+pytestmark = requires_gpus
+
+CYCLE_CASE = dict(tokens=4096, hidden=1024, topk=8, experts=64, dtype=torch.bfloat16,
+                  routing="masked")
+CYCLES = 1000
+
+
+def device_memory(device):
+    """(bytes held by live torch tensors, bytes the driver reports free), with the caching
+    allocator's unused blocks handed back first so that both are comparable across time."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device), torch.cuda.mem_get_info(device)[0]
+
+
+def cuda_group(case, world, device, **kwargs):
+    return ep.Group(num_experts=case["experts"], hidden=case["hidden"],
+                    max_tokens_per_rank=case["tokens"], max_topk=case["topk"],
+                    dtype=case["dtype"], backend="cuda", device=device, **kwargs)
+
+
+def exercise(group, x, idx, probs):
+    """One handle through dispatch, combine and combine_probs; nothing kept."""
+    h = group.create_handle(idx)
+    recv_x, recv_probs = h.dispatch(x, probs)
+    h.combine(recv_x)
+    h.combine_probs(recv_probs)
+    h.destroy()
+
+
+def check_handle_cycles(recv_mode: str, seed: int) -> str:
+    rank, world = ep_cases.rank_and_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, idx, probs = rank_inputs(CYCLE_CASE, seed, rank, device)
+    extra = {}
+    if recv_mode == "capacity":
+        extra = dict(recv_mode="capacity", capacity_factor=float(world) + 0.5)
+    group = cuda_group(CYCLE_CASE, world, device, **extra)
+    for _ in range(10):  # warm-up: lazy module loading, first-use buffers
+        exercise(group, x, idx, probs)
+    before = device_memory(device)
+    counts = set()
+    for i in range(CYCLES):
+        if i % 100 == 0:
+            exercise(group, x, idx, probs)
+        h = group.create_handle(idx)
+        counts.add(h.num_recv_tokens)
+        h.destroy()
+    after = device_memory(device)
+    group.destroy()
+    assert len(counts) == 1, f"one routing gave several receive counts: {sorted(counts)}"
+    assert after[0] == before[0], (
+        f"torch-allocated bytes {before[0]} -> {after[0]} after {CYCLES} handle cycles")
+    assert after[1] >= before[1], (
+        f"driver free memory dropped by {before[1] - after[1]} bytes after {CYCLES} handle cycles")
+    return (f"{recv_mode} x{world}: {CYCLES} handle cycles, allocated {before[0]} -> {after[0]} B,"
+            f" driver free {before[1]} -> {after[1]} B")
+
+
+@pytest.mark.parametrize("world_size", world_sizes())
+@pytest.mark.parametrize("recv_mode", ["exact", "capacity"])
+def test_handle_cycles_leave_memory_unchanged(recv_mode, world_size, seed, summary_line):
+    summary_line(dist.run(world_size, check_handle_cycles, recv_mode, seed, backend="nccl")[0])
+
+
+def check_group_destroy(seed: int) -> str:
+    rank, world = ep_cases.rank_and_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, idx, probs = rank_inputs(CYCLE_CASE, seed, rank, device)
+    capacity = dict(recv_mode="capacity", capacity_factor=float(world) + 0.5)
+    # Warm-up lifecycle: what the first group loads once per process (kernels, NCCL plugins).
+    for kwargs in ({}, capacity):
+        g = cuda_group(CYCLE_CASE, world, device, **kwargs)
+        exercise(g, x, idx, probs)
+        g.destroy()
+    before = device_memory(device)
+    groups = [cuda_group(CYCLE_CASE, world, device, **kwargs) for kwargs in ({}, capacity)]
+    live_handles = [g.create_handle(idx) for g in groups]  # destroyed by their group
+    for g in groups:
+        exercise(g, x, idx, probs)
+    during = device_memory(device)
+    for g in groups:
+        g.destroy()
+    del live_handles, groups
+    after = device_memory(device)
+    assert during[1] < before[1], "two live groups hold no device memory? (the check would be void)"
+    assert after[0] == before[0], f"torch-allocated bytes {before[0]} -> {after[0]}"
+    assert after[1] >= before[1], (
+        f"group destroy left {before[1] - after[1]} bytes of device memory behind "
+        f"(the groups held {before[1] - during[1]})")
+    return (f"x{world}: 2 groups held {before[1] - during[1]} B; after destroy driver free "
+            f"{before[1]} -> {after[1]} B")
+
+
+@pytest.mark.parametrize("world_size", world_sizes())
+def test_group_destroy_returns_memory(world_size, seed, summary_line):
+    summary_line(dist.run(world_size, check_group_destroy, seed, backend="nccl")[0])
+
+
+ERROR_CASE = dict(tokens=64, hidden=256, topk=4, experts=16, dtype=torch.bfloat16,
+                  routing="random")
+
+
+def run_until_error(group, idx, x, probs):
+    """Every call a training step would make, with synchronizes in between: a deferred device-side
+    error must have surfaced by the end."""
+    h = group.create_handle(idx)
+    assert h.num_recv_tokens >= 0
+    recv_x, recv_probs = h.dispatch(x, probs)
+    torch.cuda.synchronize()
+    h.combine(recv_x)
+    h.combine_probs(recv_probs)
+    torch.cuda.synchronize()
+    h.dispatch(x, probs)
+    torch.cuda.synchronize()
+
+
+def bad_slot(value_of):
+    def edit(idx):
+        idx = idx.clone()
+        idx[3, 1] = value_of(idx[3])
+        return idx
+    return edit
+
+
+E = ERROR_CASE["experts"]
+# name -> (routing edit, exception, message pattern)
+ROUTING_ERRORS = {
+    "expert_out_of_range": (bad_slot(lambda row: E), ValueError,
+                            rf"topk_idx\[3, 1\] = {E} is out of range"),
+    "expert_below_minus_one": (bad_slot(lambda row: -5), ValueError,
+                               r"topk_idx\[3, 1\] = -5 is out of range"),
+    "duplicate_expert": (bad_slot(lambda row: row[0]), ValueError,
+                         r"token 3 names expert \d+ twice"),
+}
+
+
+def check_routing_error(case_name: str, recv_mode: str, bad_ranks, seed: int) -> None:
+    rank, world = ep_cases.rank_and_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, idx, probs = rank_inputs(ERROR_CASE, seed, rank, device)
+    edit, exc, pattern = ROUTING_ERRORS[case_name]
+    extra = dict(timeout_s=20.0)
+    if recv_mode == "capacity":
+        extra.update(recv_mode="capacity", capacity_factor=float(world) + 0.5)
+    group = cuda_group(ERROR_CASE, world, device, **extra)
+    bad = edit(idx) if rank in bad_ranks else idx
+    with pytest.raises(exc, match=pattern):
+        run_until_error(group, bad, x, probs)
+    group.destroy()
+
+
+@pytest.mark.parametrize("world_size", world_sizes())
+@pytest.mark.parametrize("recv_mode", ["exact", "capacity"])
+@pytest.mark.parametrize("who", ["all_ranks", "rank_1_only"])
+@pytest.mark.parametrize("case_name", list(ROUTING_ERRORS))
+def test_cuda_bad_routing_raises(case_name, who, recv_mode, world_size, seed):
+    bad_ranks = tuple(range(world_size)) if who == "all_ranks" else (1,)
+    dist.run(world_size, check_routing_error, case_name, recv_mode, bad_ranks, seed,
+             backend="nccl")
+
+
+def check_capacity_overflow(routing: str, seed: int) -> None:
+    rank, world = ep_cases.rank_and_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    case = dict(ERROR_CASE, routing=routing)
+    x, idx, probs = rank_inputs(case, seed, rank, device)
+    exact = cuda_group(case, world, device)
+    need = torch.tensor([exact.create_handle(idx).num_recv_tokens], device=device)
+    exact.destroy()
+    torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX)
+    group = cuda_group(case, world, device, recv_mode="capacity",
+                       max_recv_tokens_per_rank=int(need) - 1, timeout_s=20.0)
+    with pytest.raises(ep.NcclEpError, match=rf"capacity overflow.*max_recv_tokens_per_rank="
+                                             rf"{int(need) - 1}"):
+        run_until_error(group, idx, x, probs)
+    group.destroy()
+
+
+@pytest.mark.parametrize("world_size", world_sizes())
+@pytest.mark.parametrize("routing", ["random", "one_expert"])
+def test_cuda_capacity_overflow_raises(routing, world_size, seed):
+    dist.run(world_size, check_capacity_overflow, routing, seed, backend="nccl")
+
+
+def check_argument_errors(seed: int) -> None:
+    rank, world = ep_cases.rank_and_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, idx, probs = rank_inputs(ERROR_CASE, seed, rank, device)
+    group = cuda_group(ERROR_CASE, world, device)
+    h = group.create_handle(idx)
+    T, H = x.shape
+    with pytest.raises(TypeError, match=r"x must have dtype .*bfloat16.*got torch\.float32"):
+        h.dispatch(x.float(), probs)
+    with pytest.raises(ValueError, match=rf"x must be on {device}, got cpu"):
+        h.dispatch(x.cpu(), probs)
+    with pytest.raises(ValueError, match=rf"x must have shape \({T}, {H}\)"):
+        h.dispatch(x[:, :-1], probs)
+    with pytest.raises(TypeError, match=r"probs must have dtype"):
+        h.dispatch(x, probs.to(torch.int32))
+    with pytest.raises(ValueError, match=rf"topk_idx must be on {device}, got cpu"):
+        group.create_handle(idx.cpu())
+    with pytest.raises(TypeError, match=r"topk_idx must have dtype"):
+        group.create_handle(idx.to(torch.int16))
+    with pytest.raises(ValueError, match=r"more than max_tokens_per_rank"):
+        group.create_handle(torch.cat([idx, idx[:1]]))
+    with pytest.raises(TypeError, match=r"expert_out must have dtype"):
+        h.combine(torch.ones(h.num_recv_tokens, H, device=device, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"not supported by the cuda backend"):
+        ep.Group(num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=4,
+                 dtype=torch.float64, backend="cuda", device=device)
+    # The handle still works after rejected calls, bitwise as the reference.
+    ref = ep.Group(num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=4,
+                   dtype=torch.bfloat16, backend="torch", device=device)
+    want = ref.create_handle(idx).dispatch(x, probs)
+    got = h.dispatch(x, probs)
+    dense.assert_bitwise_equal(got[0], want[0], "recv_x after rejected calls")
+    dense.assert_bitwise_equal(got[1], want[1], "recv_probs after rejected calls")
+    group.destroy()
+
+
+@pytest.mark.parametrize("world_size", world_sizes())
+def test_cuda_bad_arguments_raise(world_size, seed):
+    dist.run(world_size, check_argument_errors, seed, backend="nccl")
