@@ -102,9 +102,11 @@ class BuildExt(build_ext):
         nccl_inc, nccl_lib = _nccl_dirs()
         cxx = os.environ.get("CXX", "g++")
         cuda_inc = os.path.join(cuda_home, "include")
-        cuda_lib = next((d for d in (os.path.join(cuda_home, "lib64"),
-                                     os.path.join(cuda_home, "targets", "x86_64-linux", "lib"),
-                                     os.path.join(cuda_home, "lib"))
+        lib_dirs = [os.path.join(cuda_home, "lib64"),
+                    os.path.join(cuda_home, "targets", "x86_64-linux", "lib"),
+                    os.path.join(cuda_home, "lib"),
+                    os.path.join(os.path.dirname(nccl_lib), "..", "cu13", "lib")]
+        cuda_lib = next((d for d in lib_dirs
                          if os.path.exists(os.path.join(d, "libcudart_static.a"))), None)
         if cuda_lib is None:
             raise RuntimeError(f"libcudart_static.a not found under {cuda_home}")
