@@ -13,8 +13,8 @@ import dense
 
 def _skip_reason():
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count < 2:
-        return f"GPU tests need >= 2 CUDA devices, found {count}"
+    if count < 1:
+        return f"GPU tests need a CUDA device, found {count}"
     from megatron_nccl_ep import cuda_backend
 
     if not cuda_backend.available():
@@ -27,10 +27,12 @@ requires_gpus = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON o
 
 
 def world_sizes():
-    """2 ranks always; 4 when 4 GPUs exist (2 ranks is a degenerate all-to-all)."""
+    """1 rank (one GPU: the kernels without a peer), 2 ranks, and 4 (2 ranks is a degenerate
+    all-to-all), each where enough GPUs exist: one rank a GPU."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return [2, pytest.param(4, marks=pytest.mark.skipif(
-        count < 4, reason=f"4-rank GPU cases need 4 CUDA devices, found {count}"))]
+    return [pytest.param(n, marks=pytest.mark.skipif(
+        count < n, reason=f"{n}-rank GPU cases need {n} CUDA devices, found {count}"))
+        for n in (1, 2, 4)]
 
 
 def poison_allocator(device, large_bytes: int = 4 << 30, small_blocks: int = 128) -> None:
