@@ -86,20 +86,23 @@ def check_group_destroy(seed: int) -> str:
     device = torch.device("cuda", torch.cuda.current_device())
     x, idx, probs = rank_inputs(CYCLE_CASE, seed, rank, device)
     capacity = dict(recv_mode="capacity", capacity_factor=float(world) + 0.5)
-    # Warm-up lifecycle: what the first group loads once per process (kernels, NCCL plugins).
-    for kwargs in ({}, capacity):
-        g = cuda_group(CYCLE_CASE, world, device, **kwargs)
-        exercise(g, x, idx, probs)
-        g.destroy()
+
+    def two_groups_lifecycle():
+        groups = [cuda_group(CYCLE_CASE, world, device, **kwargs) for kwargs in ({}, capacity)]
+        live_handles = [g.create_handle(idx) for g in groups]  # destroyed by their group
+        for g in groups:
+            exercise(g, x, idx, probs)
+        during = device_memory(device)
+        for g in groups:
+            g.destroy()
+        del live_handles, groups
+        return during
+
+    # Warm-up: the same lifecycle once, so that what CUDA and NCCL load or cache once per
+    # process (kernels, NCCL's own high-water marks for concurrent communicators) is excluded.
+    two_groups_lifecycle()
     before = device_memory(device)
-    groups = [cuda_group(CYCLE_CASE, world, device, **kwargs) for kwargs in ({}, capacity)]
-    live_handles = [g.create_handle(idx) for g in groups]  # destroyed by their group
-    for g in groups:
-        exercise(g, x, idx, probs)
-    during = device_memory(device)
-    for g in groups:
-        g.destroy()
-    del live_handles, groups
+    during = two_groups_lifecycle()
     after = device_memory(device)
     assert during[1] < before[1], "two live groups hold no device memory? (the check would be void)"
     assert after[0] == before[0], f"torch-allocated bytes {before[0]} -> {after[0]}"
