@@ -29,13 +29,14 @@ HIDDEN, FFN, SEQ, BATCH = 16, 24, 6, 3
 
 
 @contextlib.contextmanager
-def megatron_on_cpu(ep: int, etp: int = 1):
+def megatron_on_cpu(ep: int, etp: int = 1, tp: int = 1):
     """Megatron's model-parallel state for this test, torn down afterwards (the pool's processes
     run other tests too). Megatron-Core 0.19.2's allgather dispatcher allocates its gather outputs
     on ``torch.cuda.current_device()``: the baseline needs that pointed at the CPU."""
     current_device = torch.cuda.current_device
     torch.cuda.current_device = lambda: "cpu"
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep,
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             expert_model_parallel_size=ep,
                                              expert_tensor_parallel_size=etp)
     try:
         yield
@@ -67,17 +68,20 @@ def run_layer(layer, x, grad_out):
     return out.detach(), x.grad, grads
 
 
-def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact",
-                **config_fields):
+def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact", tp: int = 1,
+                ep: int = 0, **config_fields):
     rank = torch.distributed.get_rank()
-    ep = torch.distributed.get_world_size()
-    with megatron_on_cpu(ep):
+    ep = ep or torch.distributed.get_world_size()
+    if tp > 1:
+        config_fields.update(tensor_model_parallel_size=tp, sequence_parallel=True)
+    with megatron_on_cpu(ep, tp=tp):
         torch.manual_seed(seed)  # same weights on every rank and in both layers
         baseline = moe_layer("allgather", num_experts, topk, **config_fields)
         ours = moe_layer("nccl_ep", num_experts, topk, **config_fields)
         ours.config.nccl_ep_options = NcclEpOptions(backend="torch", recv_mode=recv_mode)
         ours.load_state_dict(baseline.state_dict())
         assert isinstance(ours.token_dispatcher, NcclEpTokenDispatcher)
+        assert (ours.attn_tp_group.size(), ours.token_dispatcher.ep_size) == (tp, ep)
 
         torch.manual_seed(seed + rank + 1)  # each rank has its own tokens
         x = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64)
@@ -103,6 +107,12 @@ def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact"
 @pytest.mark.parametrize("ep,num_experts,topk", [(1, 4, 2), (2, 4, 2), (2, 8, 3), (4, 8, 2)])
 def test_parity_with_allgather(ep, num_experts, topk, seed):
     assert all(dist.run(ep, parity_case, num_experts, topk, seed))
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_parity_with_tensor_and_sequence_parallel(ep, seed):
+    # TP=2 with sequence parallelism: each rank holds its own slice of the sequence.
+    assert all(dist.run(4, parity_case, 8, 2, seed, tp=2, ep=ep))
 
 
 @pytest.mark.parametrize("num_experts", [2, 4])
