@@ -76,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--nccl-ep-max-tokens-per-rank", type=int,
                        default=defaults.max_tokens_per_rank,
                        help="tokens per rank the groups are sized for (default: the next power "
-                            "of two of the first batch).")
+                            "of two of each batch's token count, which must then be equal on "
+                            "the ranks of an EP group).")
     return parser
 
 
