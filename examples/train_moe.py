@@ -7,8 +7,9 @@ replicas. Synthetic data: sequences from a fixed random Markov chain, so the los
     torchrun --standalone --nproc-per-node 2 examples/train_moe.py            # CPU: gloo
     torchrun --standalone --nproc-per-node 8 examples/train_moe.py --experts 16  # GPUs: NCCL
 
-On CPU it runs on gloo with the torch reference backend; on GPUs on NCCL with backend "auto"
-(the CUDA kernels when built). Runs are deterministic: the last line prints the final loss's bits.
+On CPU it runs on gloo with the torch reference backend, deterministically (the last line prints
+the final loss's bits); on GPUs it takes NCCL and backend "auto" (the CUDA kernels when built; this
+path has not been run yet).
 
 Megatron pieces used as they are: TransformerConfig, parallel_state, GPTModel, the MoE layer,
 router, experts and aux loss. Two stand-ins, both because Megatron-Core 0.19 reaches for CUDA
@@ -37,6 +38,7 @@ import torch.distributed as dist
 # Apex, absl); none of them is used here.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
+# Runs from a checkout whether or not the package is installed.
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
