@@ -265,6 +265,25 @@ def dense_moe_float64(x: torch.Tensor, topk_idx: torch.Tensor, probs: torch.Tens
     return torch.einsum("th,tkhj,tk->tj", x, w, probs * valid)
 
 
+def dense_moe_grads_float64(x: torch.Tensor, topk_idx: torch.Tensor, probs: torch.Tensor,
+                            weights: torch.Tensor, grad_y: torch.Tensor):
+    """Closed-form gradients of ``sum(dense_moe_float64(...) * grad_y)``, written out rather than
+    taken from autograd: ``grad_x[t] = sum over valid k of probs[t, k] * (grad_y[t] @ W_e^T)`` and
+    ``grad_probs[t, k] = (x[t] @ W_e) . grad_y[t]`` for valid slots, 0 at masked ones."""
+    idx = topk_idx.to(torch.int64)
+    T, K = idx.shape
+    grad_x = torch.zeros_like(x, dtype=torch.float64)
+    grad_probs = torch.zeros(T, K, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(idx[t, k])
+            if e < 0:
+                continue
+            grad_x[t] += probs[t, k].double() * (grad_y[t] @ weights[e].T)
+            grad_probs[t, k] = (x[t] @ weights[e]) @ grad_y[t]
+    return grad_x, grad_probs
+
+
 # ----------------------------------------------------------------------------------------------
 # comparisons
 # ----------------------------------------------------------------------------------------------

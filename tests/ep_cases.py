@@ -19,11 +19,12 @@ def rank_and_size():
 
 
 def share(problem: dense.Problem, rank: int, device="cpu", requires_grad: bool = False):
-    """This rank's ``(x, topk_idx, probs)`` on ``device``."""
-    x = problem.x[rank].to(device)
-    idx = problem.topk_idx[rank].to(device)
+    """This rank's ``(x, topk_idx, probs)`` on ``device``: fresh copies, so that gradients and
+    in-place edits never alias the problem (or a second share of it)."""
+    x = problem.x[rank].to(device).clone()
+    idx = problem.topk_idx[rank].to(device).clone()
     probs = problem.probs[rank]
-    probs = None if probs is None else probs.to(device)
+    probs = None if probs is None else probs.to(device).clone()
     if requires_grad:
         x.requires_grad_(True)
         if probs is not None:

@@ -47,11 +47,16 @@ def distributed_moe(group, x, idx, probs, weights, rank):
 
 
 def dense_reference(problem, rank, weights, grad_y):
+    """y and the gradients of one rank's tokens without any dispatch: the closed-form gradients,
+    cross-checked against autograd through the dense float64 forward."""
     x, idx, probs = ep_cases.share(problem, rank, requires_grad=True)
-    w = weights.clone().requires_grad_(True)
-    y = dense.dense_moe_float64(x, idx, probs, w)
+    y = dense.dense_moe_float64(x, idx, probs, weights)
     y.backward(grad_y)
-    return y.detach(), x.grad, probs.grad
+    grad_x, grad_probs = dense.dense_moe_grads_float64(x.detach(), idx, probs.detach(), weights,
+                                                       grad_y)
+    assert_close64(grad_x, x.grad, "closed-form vs autograd dense grad x")
+    assert_close64(grad_probs, probs.grad, "closed-form vs autograd dense grad probs")
+    return y.detach(), grad_x, grad_probs
 
 
 def assert_close64(got, want, what):
