@@ -131,3 +131,42 @@ def test_single_rank_without_torch_distributed(seed):
     assert not (tdist.is_available() and tdist.is_initialized())
     for case_name in ("masked_fp32_probs_bf16_int32", "alignment_16_masked", "capacity_random"):
         print(check_layout(case_name, seed))
+
+
+SUBGROUP_LAYOUTS = {"contiguous": [[0, 1], [2, 3]], "strided": [[0, 2], [1, 3]]}
+
+
+def check_subgroups(layout_name: str, seed: int) -> str:
+    """EP groups smaller than the world (as Megatron builds them): each 2-rank subgroup is its own
+    EP group with its own routing; ranks are numbered inside the subgroup."""
+    import torch.distributed as tdist
+
+    rank, world = ep_cases.rank_and_size()
+    assert world == 4
+    groups = [tdist.new_group(members) for members in SUBGROUP_LAYOUTS[layout_name]]
+    which = next(i for i, m in enumerate(SUBGROUP_LAYOUTS[layout_name]) if rank in m)
+    pg = groups[which]
+    sub_rank = tdist.get_rank(pg)
+    problem = dense.make_problem(seed + 1000 * which, 2, tokens=(13, 8), hidden=16,
+                                 num_experts=8, topk=3, dtype=torch.bfloat16, routing="masked")
+    group = ep_cases.make_group(problem, process_group=pg, alignment=4)
+    assert (group.rank, group.world_size, group.num_local_experts) == (sub_rank, 2, 4)
+    x, idx, probs = ep_cases.share(problem, sub_rank)
+    handle = group.create_handle(idx)
+    recv_x, recv_p = handle.dispatch(x, probs)
+    want_x, want_p, want_tpe, _ = dense.dispatch(problem, sub_rank, 4)
+    dense.assert_bitwise_equal(recv_x, want_x, "recv_x in a subgroup")
+    dense.assert_bitwise_equal(recv_p, want_p, "recv_probs in a subgroup")
+    dense.assert_bitwise_equal(handle.tokens_per_expert, want_tpe, "tokens_per_expert")
+    rows = [dense.layout(problem, d, 4).num_rows for d in range(2)]
+    expert_out = ep_cases.poisoned_rows(problem, seed + 5 + which, rows, 4)
+    dense.assert_bitwise_equal(handle.combine(expert_out[sub_rank]),
+                               dense.combine(problem, expert_out, sub_rank, 4),
+                               "combine in a subgroup")
+    return f"rank {rank} -> subgroup {which} rank {sub_rank}: {recv_x.shape[0]} rows"
+
+
+@pytest.mark.parametrize("layout_name", list(SUBGROUP_LAYOUTS))
+def test_ep_subgroups_of_the_world(layout_name, seed):
+    for line in dist.run(4, check_subgroups, layout_name, seed):
+        print(line)
