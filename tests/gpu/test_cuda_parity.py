@@ -78,7 +78,7 @@ def make_groups(case: dict, x, idx, world: int, device, **extra):
     if case.get("capacity"):
         probe = ep.Group(backend="torch", **common)
         need = torch.tensor([probe.create_handle(idx).num_recv_tokens], device=device)
-        tdist.all_reduce(need, op=tdist.ReduceOp.MAX)
+        tdist.all_reduce(need, op=tdist.ReduceOp.MAX, group=extra.get("process_group"))
         probe.destroy()
         common.update(recv_mode="capacity", max_recv_tokens_per_rank=int(need) + 37)
     return ep.Group(backend="torch", **common), ep.Group(backend="cuda", **common)
@@ -107,12 +107,21 @@ def full_pass(handle, x, probs, grads, device):
             "grad_expert_out": expert_out.grad, "combine_probs": grad_probs_direct}
 
 
-def check_parity(case_name: str, seed: int) -> str:
+def check_parity(case_name: str, seed: int, subgroups=None) -> str:
+    """``subgroups``: member lists partitioning the world; each becomes its own EP group (ranks
+    numbered inside it), as Megatron's expert-parallel groups are."""
     rank, world = ep_cases.rank_and_size()
     device = torch.device("cuda", torch.cuda.current_device())
+    extra = {}
+    if subgroups is not None:
+        pgs = [tdist.new_group(members) for members in subgroups]
+        which = next(i for i, m in enumerate(subgroups) if rank in m)
+        extra["process_group"] = pgs[which]
+        rank, world = tdist.get_rank(pgs[which]), len(subgroups[which])
+        seed += 1000 * which
     case = resolve(case_name, world)
     x, idx, probs = rank_inputs(case, seed, rank, device)
-    ref, cuda = make_groups(case, x, idx, world, device)
+    ref, cuda = make_groups(case, x, idx, world, device, **extra)
     h_ref, h_cuda = ref.create_handle(idx), cuda.create_handle(idx)
 
     n = h_ref.num_recv_tokens
@@ -159,6 +168,21 @@ def test_cuda_equals_reference_bitwise(case_name, world_size, seed, summary_line
     per_rank = dist.run(world_size, check_parity, case_name, seed, backend="nccl")
     summary_line(f"{per_rank[0][0]} T={[r[1] for r in per_rank]} N={[r[2] for r in per_rank]} "
                  f"used={[r[3] for r in per_rank]}: outputs, counts, probs, grads bitwise equal")
+
+
+SUBGROUPS = {"contiguous": [[0, 1], [2, 3]], "strided": [[0, 2], [1, 3]]}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4,
+                    reason="EP subgroups of a 4-rank world need 4 CUDA devices")
+@pytest.mark.parametrize("layout_name", list(SUBGROUPS))
+@pytest.mark.parametrize("case_name", ["t4096_e64_fp16_masked_align16",
+                                       "one_expert_capacity_align16_h7168"])
+def test_cuda_equals_reference_in_ep_subgroups(case_name, layout_name, seed, summary_line):
+    per_rank = dist.run(4, check_parity, case_name, seed, SUBGROUPS[layout_name],
+                        backend="nccl")
+    summary_line(f"{per_rank[0][0]} in {layout_name} subgroups {SUBGROUPS[layout_name]}: "
+                 f"N={[r[2] for r in per_rank]}: bitwise equal")
 
 
 REPEATS = 20
