@@ -122,18 +122,24 @@ ERROR_CASE = dict(tokens=64, hidden=256, topk=4, experts=16, dtype=torch.bfloat1
                   routing="random")
 
 
-def run_until_error(group, idx, x, probs):
+def run_until_error(group, idx, x, probs, steps: list):
     """Every call a training step would make, with synchronizes in between: a deferred device-side
-    error must have surfaced by the end."""
+    error must have surfaced by the end. ``steps`` records how far it got (for the summary)."""
+    steps.append("create_handle")
     h = group.create_handle(idx)
     assert h.num_recv_tokens >= 0
+    steps.append("dispatch")
     recv_x, recv_probs = h.dispatch(x, probs)
     torch.cuda.synchronize()
+    steps.append("combine")
     h.combine(recv_x)
+    steps.append("combine_probs")
     h.combine_probs(recv_probs)
     torch.cuda.synchronize()
+    steps.append("dispatch after sync")
     h.dispatch(x, probs)
     torch.cuda.synchronize()
+    steps.append("never")
 
 
 def bad_slot(value_of):
@@ -156,7 +162,7 @@ ROUTING_ERRORS = {
 }
 
 
-def check_routing_error(case_name: str, recv_mode: str, bad_ranks, seed: int) -> None:
+def check_routing_error(case_name: str, recv_mode: str, bad_ranks, seed: int) -> str:
     rank, world = ep_cases.rank_and_size()
     device = torch.device("cuda", torch.cuda.current_device())
     x, idx, probs = rank_inputs(ERROR_CASE, seed, rank, device)
@@ -166,24 +172,28 @@ def check_routing_error(case_name: str, recv_mode: str, bad_ranks, seed: int) ->
         extra.update(recv_mode="capacity", capacity_factor=float(world) + 0.5)
     group = cuda_group(ERROR_CASE, world, device, **extra)
     bad = edit(idx) if rank in bad_ranks else idx
-    with pytest.raises(exc, match=pattern):
-        run_until_error(group, bad, x, probs)
+    steps = []
+    with pytest.raises(exc, match=pattern) as info:
+        run_until_error(group, bad, x, probs, steps)
     group.destroy()
+    return f"raised at {steps[-1]}: {info.value}"
 
 
 @pytest.mark.parametrize("world_size", world_sizes())
 @pytest.mark.parametrize("recv_mode", ["exact", "capacity"])
 @pytest.mark.parametrize("who", ["all_ranks", "rank_1_only"])
 @pytest.mark.parametrize("case_name", list(ROUTING_ERRORS))
-def test_cuda_bad_routing_raises(case_name, who, recv_mode, world_size, seed):
+def test_cuda_bad_routing_raises(case_name, who, recv_mode, world_size, seed, summary_line):
     if who == "rank_1_only" and world_size < 2:
         pytest.skip("a rank-1-only error needs 2 ranks")
     bad_ranks = tuple(range(world_size)) if who == "all_ranks" else (1,)
-    dist.run(world_size, check_routing_error, case_name, recv_mode, bad_ranks, seed,
-             backend="nccl")
+    per_rank = dist.run(world_size, check_routing_error, case_name, recv_mode, bad_ranks, seed,
+                        backend="nccl")
+    summary_line(f"x{world_size} {recv_mode}, bad on ranks {list(bad_ranks)}: rank 0 "
+                 f"{per_rank[0]}; rank {world_size - 1} {per_rank[-1]}")
 
 
-def check_capacity_overflow(routing: str, seed: int) -> None:
+def check_capacity_overflow(routing: str, seed: int) -> str:
     rank, world = ep_cases.rank_and_size()
     device = torch.device("cuda", torch.cuda.current_device())
     case = dict(ERROR_CASE, routing=routing)
@@ -194,19 +204,22 @@ def check_capacity_overflow(routing: str, seed: int) -> None:
     torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX)
     group = cuda_group(case, world, device, recv_mode="capacity",
                        max_recv_tokens_per_rank=int(need) - 1, timeout_s=20.0)
+    steps = []
     with pytest.raises(ep.NcclEpError, match=rf"capacity overflow.*max_recv_tokens_per_rank="
-                                             rf"{int(need) - 1}"):
-        run_until_error(group, idx, x, probs)
+                                             rf"{int(need) - 1}") as info:
+        run_until_error(group, idx, x, probs, steps)
     group.destroy()
+    return f"raised at {steps[-1]}: {info.value}"
 
 
 @pytest.mark.parametrize("world_size", world_sizes())
 @pytest.mark.parametrize("routing", ["random", "one_expert"])
-def test_cuda_capacity_overflow_raises(routing, world_size, seed):
-    dist.run(world_size, check_capacity_overflow, routing, seed, backend="nccl")
+def test_cuda_capacity_overflow_raises(routing, world_size, seed, summary_line):
+    per_rank = dist.run(world_size, check_capacity_overflow, routing, seed, backend="nccl")
+    summary_line(f"x{world_size}: rank 0 {per_rank[0]}")
 
 
-def check_argument_errors(seed: int) -> None:
+def check_argument_errors(seed: int) -> str:
     rank, world = ep_cases.rank_and_size()
     device = torch.device("cuda", torch.cuda.current_device())
     x, idx, probs = rank_inputs(ERROR_CASE, seed, rank, device)
@@ -240,8 +253,10 @@ def check_argument_errors(seed: int) -> None:
     dense.assert_bitwise_equal(got[0], want[0], "recv_x after rejected calls")
     dense.assert_bitwise_equal(got[1], want[1], "recv_probs after rejected calls")
     group.destroy()
+    return "9 bad arguments rejected with their messages; the handle still matches the reference"
 
 
 @pytest.mark.parametrize("world_size", world_sizes())
-def test_cuda_bad_arguments_raise(world_size, seed):
-    dist.run(world_size, check_argument_errors, seed, backend="nccl")
+def test_cuda_bad_arguments_raise(world_size, seed, summary_line):
+    summary_line(f"x{world_size}: " + dist.run(world_size, check_argument_errors, seed,
+                                               backend="nccl")[0])
