@@ -88,6 +88,17 @@ def capacity_from_factor(capacity_factor: float, max_tokens_per_rank: int, max_t
     return rows + num_local_experts * (expert_alignment - 1)
 
 
+def shape_error(topk_idx: torch.Tensor, config: GroupConfig) -> Optional[str]:
+    """The problem with one rank's ``topk_idx`` shape against the group's bounds, or None."""
+    tokens, topk = topk_idx.shape
+    if tokens > config.max_tokens_per_rank:
+        return (f"topk_idx has {tokens} tokens, more than max_tokens_per_rank="
+                f"{config.max_tokens_per_rank} of this group")
+    if not 1 <= topk <= config.max_topk:
+        return f"topk_idx has top-k {topk}, expected 1 <= top-k <= max_topk={config.max_topk}"
+    return None
+
+
 def _check_config_across_ranks(config: GroupConfig, process_group, world_size: int) -> None:
     if world_size == 1:
         return
@@ -190,13 +201,9 @@ class Group:
         """Collective: exchange the routing ``topk_idx [T, K]`` (int64/int32, -1 = masked)."""
         self._require_alive()
         self._check_tensor("topk_idx", topk_idx, 2, INDEX_DTYPES)
+        # Bounds on T and K are checked by the backends inside the collective (see
+        # shape_error), so that every rank raises together instead of leaving peers waiting.
         tokens, topk = topk_idx.shape
-        if tokens > self.config.max_tokens_per_rank:
-            raise ValueError(f"topk_idx has {tokens} tokens, more than max_tokens_per_rank="
-                             f"{self.config.max_tokens_per_rank} of this group")
-        if not 1 <= topk <= self.config.max_topk:
-            raise ValueError(
-                f"topk_idx has top-k {topk}, expected 1 <= top-k <= max_topk={self.config.max_topk}")
         return Handle(self, self._backend.create_handle(topk_idx.contiguous()), tokens, topk)
 
     def destroy(self) -> None:

@@ -20,7 +20,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .api import GroupConfig, NcclEpError
+from .api import GroupConfig, NcclEpError, shape_error
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -107,7 +107,7 @@ class ReferenceBackend:
         device = topk_idx.device
         topk_idx = topk_idx.to(torch.int64)
         tokens, topk = topk_idx.shape
-        error = routing_error(topk_idx, cfg.num_experts)
+        error = shape_error(topk_idx, cfg) or routing_error(topk_idx, cfg.num_experts)
         shapes = self._all_gather(torch.tensor([tokens, topk, error is not None],
                                                dtype=torch.int64, device=device)).tolist()
         self._raise_agreed_error(error, any(bad for _, _, bad in shapes), ValueError)

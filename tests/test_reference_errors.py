@@ -85,10 +85,6 @@ ARGUMENT_CASES = {
                        r"topk_idx must have dtype .*got torch\.float32"),
     "topk_idx_1d": (lambda s: handle_with(s, lambda i: i[:, 0]), ValueError,
                     r"topk_idx must be 2-D"),
-    "too_many_tokens": (lambda s: handle_with(s, lambda i: torch.cat([i, i[:1]])), ValueError,
-                        rf"{T + 1} tokens, more than max_tokens_per_rank={T}"),
-    "topk_above_max_topk": (lambda s: handle_with(s, lambda i: torch.cat([i, i[:, :1]], 1)),
-                            ValueError, rf"top-k {K + 1}.*max_topk={K}"),
     "backend_unknown": (lambda s: ep.Group(num_experts=E, hidden=H, max_tokens_per_rank=T,
                                            max_topk=K, backend="nccl"),
                         ValueError, r"backend must be 'auto', 'torch' or 'cuda', got 'nccl'"),
@@ -107,11 +103,19 @@ ARGUMENT_CASES = {
                         ValueError, r"dtype must be one of"),
 }
 
-# Routing errors (values, not shapes): the group stays usable afterwards.
+# Routing errors, in values or in the shape against the group's bounds: the group stays usable
+# afterwards. name -> (edit of one rank's topk_idx, pattern the message must contain).
 ROUTING_CASES = {
-    "expert_id_equal_to_num_experts": (lambda row: E, rf"topk_idx\[1, 0\] = {E} is out of range"),
-    "expert_id_below_minus_one": (lambda row: -2, r"topk_idx\[1, 0\] = -2 is out of range"),
-    "duplicate_expert_in_a_token": (lambda row: row[1], r"token 1 names expert \d+ twice"),
+    "expert_id_equal_to_num_experts": (routing_with(lambda row: E),
+                                       rf"topk_idx\[1, 0\] = {E} is out of range"),
+    "expert_id_below_minus_one": (routing_with(lambda row: -2),
+                                  r"topk_idx\[1, 0\] = -2 is out of range"),
+    "duplicate_expert_in_a_token": (routing_with(lambda row: row[1]),
+                                    r"token 1 names expert \d+ twice"),
+    "too_many_tokens": (lambda i: torch.cat([i, i[:1]]),
+                        rf"{T + 1} tokens, more than max_tokens_per_rank={T}"),
+    "topk_above_max_topk": (lambda i: torch.cat([i, i[:, :1]], 1),
+                            rf"top-k {K + 1}.*max_topk={K}"),
 }
 
 
@@ -131,9 +135,9 @@ def check_routing_error(case_name: str, bad_ranks, seed: int) -> None:
     """Only ``bad_ranks`` pass the bad routing; every rank must raise (the peers of a bad rank
     would otherwise wait forever in the routing exchange)."""
     rank, world = ep_cases.rank_and_size()
-    slot_value, pattern = ROUTING_CASES[case_name]
+    edit, pattern = ROUTING_CASES[case_name]
     problem, group, x, idx, probs = setup(seed)
-    bad = routing_with(slot_value)(idx) if rank in bad_ranks else idx
+    bad = edit(idx) if rank in bad_ranks else idx
     with pytest.raises(ValueError, match=pattern):
         group.create_handle(bad)
     # The same group still works, bitwise as the oracle.

@@ -39,6 +39,7 @@ enum ErrorCode : int {
   kErrTopkMismatch = 3,    // value = this rank's K; LayoutMeta::ks holds every rank's K
   kErrCapacity = 4,        // rank, value = rows needed, extra = capacity
   kErrTimeout = 5,         // rank (waiter), token = peer waited for, value = epoch, extra = ms
+  kErrShape = 6,           // rank, slot = 0 (tokens) / 1 (top-k), value = T or K, extra = bound
 };
 
 // Written once per error word: the single winner of `claim` fills the fields, then publishes
@@ -147,9 +148,11 @@ int lsa_team_size(void* comm /* ncclComm_t */);
 cudaError_t launch_barrier(const BarrierArgs& args, cudaStream_t stream);
 
 // layout.cu
+// Copies `tokens` x `topk` ids; the header carries the caller's real shape (header_tokens,
+// header_topk), which may exceed the group's bounds: every rank then reports it (kErrShape).
 cudaError_t launch_pack_routing(const void* topk_idx, int idx_is_64, long long stride0,
-                                long long stride1, int tokens, int topk, int* record,
-                                cudaStream_t stream);
+                                long long stride1, int tokens, int topk, int header_tokens,
+                                int header_topk, int* record, cudaStream_t stream);
 cudaError_t launch_layout(const LayoutArgs& args, cudaStream_t stream);
 
 // dispatch.cu

@@ -38,11 +38,12 @@ constexpr int kLayoutThreads = 256;
 
 template <typename IdxT>
 __global__ void pack_routing_kernel(const IdxT* idx, long long stride0, long long stride1,
-                                    int tokens, int topk, int* record) {
+                                    int tokens, int topk, int header_tokens, int header_topk,
+                                    int* record) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i == 0) {
-    record[0] = tokens;
-    record[1] = topk;
+    record[0] = header_tokens;
+    record[1] = header_topk;
     record[2] = 0;
     record[3] = 0;
   }
@@ -57,17 +58,19 @@ __global__ void pack_routing_kernel(const IdxT* idx, long long stride0, long lon
 }
 
 cudaError_t launch_pack_routing(const void* topk_idx, int idx_is_64, long long stride0,
-                                long long stride1, int tokens, int topk, int* record,
-                                cudaStream_t stream) {
+                                long long stride1, int tokens, int topk, int header_tokens,
+                                int header_topk, int* record, cudaStream_t stream) {
   const long long n = (long long)tokens * topk;
   const int blocks = (int)((n + kLayoutThreads - 1) / kLayoutThreads);
   const int grid = blocks > 0 ? blocks : 1;  // the header is always written
   if (idx_is_64) {
     pack_routing_kernel<long long><<<grid, kLayoutThreads, 0, stream>>>(
-        reinterpret_cast<const long long*>(topk_idx), stride0, stride1, tokens, topk, record);
+        reinterpret_cast<const long long*>(topk_idx), stride0, stride1, tokens, topk, header_tokens, header_topk,
+        record);
   } else {
     pack_routing_kernel<int><<<grid, kLayoutThreads, 0, stream>>>(
-        reinterpret_cast<const int*>(topk_idx), stride0, stride1, tokens, topk, record);
+        reinterpret_cast<const int*>(topk_idx), stride0, stride1, tokens, topk, header_tokens, header_topk,
+        record);
   }
   return cudaGetLastError();
 }
@@ -79,9 +82,13 @@ __device__ __forceinline__ unsigned long long error_key(int s, int kind, int t, 
          ((unsigned long long)t << 16) | (unsigned long long)(minor & 0xffff);
 }
 
+// A record whose shape is out of bounds (kErrShape) holds no routing: it contributes nothing.
+__device__ __forceinline__ bool shape_ok(const int* rec, int max_tokens, int max_topk) {
+  return rec[0] >= 0 && rec[0] <= max_tokens && rec[1] >= 1 && rec[1] <= max_topk;
+}
 __device__ __forceinline__ int clamp_tokens(const int* rec, int max_tokens) {
   int t = rec[0];
-  return t < 0 ? 0 : (t > max_tokens ? max_tokens : t);
+  return t < 0 || t > max_tokens ? 0 : t;
 }
 __device__ __forceinline__ int clamp_topk(const int* rec, int max_topk) {
   int k = rec[1];
@@ -141,9 +148,18 @@ __global__ void bases_kernel(LayoutArgs a) {
     m->ks[s] = rec[1];
     m->ts[s] = rec[0];
   }
-  // Errors, in the reference's order: routing values first, then top-k agreement.
+  // Errors, in the reference's order: shapes, routing values, then top-k agreement.
+  int bad_shape = -1;
+  for (int s = 0; s < a.num_ranks && bad_shape < 0; ++s)
+    if (!shape_ok(a.gathered + (size_t)s * a.rec_ints, a.max_tokens, a.max_topk)) bad_shape = s;
   const unsigned long long key = *a.err_key;
-  if (key != ~0ull) {
+  if (bad_shape >= 0) {
+    const int tokens = m->ts[bad_shape], topk = m->ks[bad_shape];
+    if (tokens > a.max_tokens)
+      raise_error(a.err, kErrShape, bad_shape, -1, 0, tokens, a.max_tokens);
+    else
+      raise_error(a.err, kErrShape, bad_shape, -1, 1, topk, a.max_topk);
+  } else if (key != ~0ull) {
     const int s = (int)(key >> 48), kind = (int)((key >> 47) & 1);
     const int t = (int)((key >> 16) & 0x7fffffffull), minor = (int)(key & 0xffff);
     if (kind == 0) {

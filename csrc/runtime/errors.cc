@@ -88,6 +88,14 @@ ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& e, const Layout
                 ks.c_str());
       return ncclInvalidArgument;
     }
+    case kErrShape:
+      if (e.slot == 0)
+        set_error("topk_idx has %lld tokens, more than max_tokens_per_rank=%lld of this group%s",
+                  e.value, e.extra, where);
+      else
+        set_error("topk_idx has top-k %lld, expected 1 <= top-k <= max_topk=%lld%s", e.value,
+                  e.extra, where);
+      return ncclInvalidArgument;
     case kErrCapacity:
       set_error("capacity overflow: rank %d would receive %lld rows but "
                 "max_recv_tokens_per_rank=%lld; raise the capacity (or capacity factor) or use "

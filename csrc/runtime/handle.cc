@@ -48,16 +48,18 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* idx,
   EP_CHECK(idx->dtype == ncclInt32 || idx->dtype == ncclInt64, ncclInvalidArgument,
            "topk_idx must be int32 or int64, got %s", dtype_name(idx->dtype));
   const long long T = idx->sizes[0], K = idx->sizes[1];
-  EP_CHECK(T >= 0 && T <= c.max_tokens_per_rank, ncclInvalidArgument,
-           "topk_idx has %lld tokens, more than max_tokens_per_rank=%d of this group", T,
-           c.max_tokens_per_rank);
-  EP_CHECK(K >= 1 && K <= c.max_topk, ncclInvalidArgument,
-           "topk_idx has top-k %lld, expected 1 <= top-k <= max_topk=%d", K, c.max_topk);
+  EP_CHECK(T >= 0 && K >= 0, ncclInvalidArgument, "topk_idx sizes must be >= 0");
   EP_CHECK(idx->strides[0] >= 0 && idx->strides[1] >= 0, ncclInvalidArgument,
            "topk_idx strides must be >= 0");
   EP_CHECK(idx->data != nullptr || T == 0, ncclInvalidArgument, "topk_idx data is NULL");
-  h->num_tokens = (int)T;
-  h->topk = (int)K;
+  // NOTES: T or K beyond the group's bounds still joins the all-gather, with an empty record
+  // whose header holds the real shape, so every rank reports the error together (kErrShape)
+  // instead of leaving its peers in the collective.
+  const bool fits = T <= c.max_tokens_per_rank && K >= 1 && K <= c.max_topk;
+  const int header_tokens = (int)(T < 0x7fffffff ? T : 0x7fffffff);
+  const int header_topk = (int)(K < 0x7fffffff ? K : 0x7fffffff);
+  h->num_tokens = fits ? (int)T : 0;
+  h->topk = fits ? (int)K : 1;
 
   EP_RETURN_IF(acquire_slot(g, &h->slot));
   ncclEpHandleSlot* s = h->slot;
@@ -65,7 +67,8 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* idx,
   EP_CUDA(cudaMemsetAsync(s->meta, 0, s->zero_bytes, stream));
   int* own = s->gathered + (size_t)g->rank * g->rec_ints;
   EP_CUDA(launch_pack_routing(idx->data, idx->dtype == ncclInt64, idx->strides[0],
-                              idx->strides[1], (int)T, (int)K, own, stream));
+                              idx->strides[1], h->num_tokens, h->topk, header_tokens,
+                              header_topk, own, stream));
   EP_NCCL(ncclAllGather(own, s->gathered, (size_t)g->rec_ints, ncclInt32, g->comm, stream));
 
   LayoutArgs a;
@@ -77,7 +80,7 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* idx,
   a.num_local = g->num_local;
   a.max_tokens = c.max_tokens_per_rank;
   a.max_topk = c.max_topk;
-  a.topk = (int)K;
+  a.topk = h->topk;
   a.align = c.expert_alignment;
   a.capacity = g->capacity;
   a.cnt = s->cnt;
@@ -93,7 +96,15 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* idx,
 
   if (g->capacity >= 0) {
     h->num_recv = g->capacity;
-    return ncclSuccess;
+    if (fits) return ncclSuccess;
+    // The peers learn it from the group's error word; this rank can say it now.
+    ErrorInfo e = {};
+    e.code = kErrShape;
+    e.rank = g->rank;
+    e.slot = T > c.max_tokens_per_rank ? 0 : 1;
+    e.value = e.slot == 0 ? T : K;
+    e.extra = e.slot == 0 ? c.max_tokens_per_rank : c.max_topk;
+    return report_error(g, e, nullptr);
   }
   // Exact mode: the one device-to-host copy of the handle.
   EP_CUDA(cudaMemcpyAsync(g->h_meta, s->meta, g->meta_bytes, cudaMemcpyDeviceToHost, stream));

@@ -159,6 +159,11 @@ ROUTING_ERRORS = {
                                r"topk_idx\[3, 1\] = -5 is out of range"),
     "duplicate_expert": (bad_slot(lambda row: row[0]), ValueError,
                          r"token 3 names expert \d+ twice"),
+    # Shapes beyond the group's bounds: also agreed on inside the routing exchange.
+    "too_many_tokens": (lambda idx: torch.cat([idx, idx[:1]]), ValueError,
+                        rf"{ERROR_CASE['tokens'] + 1} tokens, more than max_tokens_per_rank="),
+    "topk_above_max_topk": (lambda idx: torch.cat([idx, idx[:, :1]], 1), ValueError,
+                            rf"top-k {ERROR_CASE['topk'] + 1}.*max_topk={ERROR_CASE['topk']}"),
 }
 
 
@@ -238,8 +243,6 @@ def check_argument_errors(seed: int) -> str:
         group.create_handle(idx.cpu())
     with pytest.raises(TypeError, match=r"topk_idx must have dtype"):
         group.create_handle(idx.to(torch.int16))
-    with pytest.raises(ValueError, match=r"more than max_tokens_per_rank"):
-        group.create_handle(torch.cat([idx, idx[:1]]))
     with pytest.raises(TypeError, match=r"expert_out must have dtype"):
         h.combine(torch.ones(h.num_recv_tokens, H, device=device, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"not supported by the cuda backend"):
