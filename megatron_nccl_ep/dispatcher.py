@@ -34,8 +34,10 @@ class NcclEpOptions:
     # Capacity mode: rows per rank = factor * tokens per rank * top-k (the balanced share).
     capacity_factor: float = 2.0
     num_sms: int = 24
-    # Tokens per rank the group is sized for. None: the next power of two of the batch's token
-    # count, which needs equal counts on the ranks of an EP group (as in Megatron training).
+    # Tokens per rank the group is sized for. None: from Megatron's training arguments when they
+    # are parsed (seq_length x micro_batch_size, divided by the tensor-parallel size under sequence
+    # parallelism), else the next power of two of the batch's token count, which needs equal
+    # counts on the ranks of an EP group.
     max_tokens_per_rank: Optional[int] = None
 
     def __post_init__(self):
@@ -72,11 +74,26 @@ def get_options() -> NcclEpOptions:
 _groups: dict = {}
 
 
+def _training_tokens_per_rank() -> Optional[int]:
+    """Tokens per rank entering an MoE layer in Megatron training, when its arguments are parsed:
+    the same on every rank, so every rank picks the same group without communicating."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        args = get_args()
+    except (ImportError, AssertionError):  # not under Megatron training
+        return None
+    tokens = args.seq_length * args.micro_batch_size
+    if getattr(args, "sequence_parallel", False):
+        tokens = -(-tokens // args.tensor_model_parallel_size)
+    return tokens
+
+
 def _group_for(ep_group, num_experts: int, topk: int, tokens: torch.Tensor,
                options: NcclEpOptions) -> Group:
     num_tokens = tokens.shape[0]
-    # Equal token counts on every rank give the same size class without any communication.
-    max_tokens = options.max_tokens_per_rank or 1 << max(num_tokens - 1, 0).bit_length()
+    max_tokens = (options.max_tokens_per_rank or _training_tokens_per_rank()
+                  or 1 << max(num_tokens - 1, 0).bit_length())
     key = (ep_group, num_experts, topk, tokens.shape[1], tokens.dtype, tokens.device, max_tokens,
            options)
     group = _groups.get(key)
