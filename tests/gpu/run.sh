@@ -27,8 +27,8 @@ STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(build tests bench)
 for stage in "${STAGES[@]}"; do
     case "$stage" in
-        build|tests|bench) ;;
-        *) echo "unknown stage '$stage' (choose from: build tests bench)" >&2; exit 2 ;;
+        build|tests|bench|example) ;;
+        *) echo "unknown stage '$stage' (choose from: build tests bench example)" >&2; exit 2 ;;
     esac
 done
 wants() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
@@ -124,6 +124,21 @@ if wants bench; then
     note "- bench: rc $rc ($((SECONDS - start)) s; 1 = some item failed, 124 = timed out)"
     table=$(sed -n '/^== megatron_nccl_ep bench/,$p' "$OUT/bench.log")
     { echo; echo '```'; echo "${table:-$(tail -n 30 "$OUT/bench.log")}"; echo '```'; } >>"$SUMMARY"
+fi
+
+if wants example; then
+    # The main job on the GPUs (NCCL, cuda backend), one process per GPU, twice: the loss must go
+    # down (the example checks) and the final loss bits must be identical across the two runs.
+    start=$SECONDS
+    gpus=$(nvidia-smi -L | wc -l)
+    : >"$OUT/example.log"
+    for run in 1 2; do
+        timeout -k 10 "${EXAMPLE_TIMEOUT:-120}" "$PY" -m torch.distributed.run --standalone \
+            --nproc-per-node "$gpus" examples/train_moe.py --backend cuda --steps 30 \
+            >>"$OUT/example.log" 2>&1 || { STATUS=1; note "- example run $run: FAILED"; }
+    done
+    bits=$(grep -o 'final loss.*' "$OUT/example.log" | sort -u)
+    note "- example (EP=$gpus, cuda backend, 2 runs, $((SECONDS - start)) s): $(echo "$bits" | wc -l) distinct final-loss line(s): $bits"
 fi
 
 echo
