@@ -20,6 +20,8 @@
 
 namespace nccl_ep {
 
+constexpr int kLoadsInFlight = 8;  // rows of one token loaded before they are summed
+
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a) {
   using P = Pack<T, N>;
@@ -29,7 +31,6 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a)
   const long long warp = (long long)blockIdx.x * kWarps + wid;
   const long long num_warps = (long long)gridDim.x * kWarps;
   const int packs = e.hidden / N;
-  const size_t row_bytes = (size_t)e.hidden * sizeof(T);
   const long long items = (long long)e.num_ranks * e.chunk;
   for (long long i = warp; i < items; i += num_warps) {
     const int s = (int)(i / e.chunk), t = e.c0 + (int)(i % e.chunk);
@@ -51,10 +52,19 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a)
       float acc[N];
 #pragma unroll
       for (int q = 0; q < N; ++q) acc[q] = 0.0f;
-      for (int k = 0; k < n; ++k) {
-        const P v = src[(size_t)rows_sh[wid][k] * packs + j];
+      // Loads of up to kLoadsInFlight rows are issued before the adds (latency), the adds stay
+      // one chain in ascending k (DESIGN §4).
+      for (int k0 = 0; k0 < n; k0 += kLoadsInFlight) {
+        P v[kLoadsInFlight];
 #pragma unroll
-        for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(v.v[q]);
+        for (int u = 0; u < kLoadsInFlight; ++u)
+          if (k0 + u < n) v[u] = src[(size_t)rows_sh[wid][k0 + u] * packs + j];
+#pragma unroll
+        for (int u = 0; u < kLoadsInFlight; ++u)
+          if (k0 + u < n) {
+#pragma unroll
+            for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(v[u].v[q]);
+          }
       }
       P out;
 #pragma unroll
@@ -62,7 +72,6 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a)
       dst[j] = out;
     }
     __syncwarp();  // rows_sh is rewritten by the next item
-    (void)row_bytes;
   }
   __threadfence_system();
 }

@@ -7,12 +7,12 @@
  *           its K probabilities. A token crosses NVLink once per destination rank, never once
  *           per expert.
  *   (barrier)
- *   expand  (destination rank d, one warp per output row): row r takes staging[s][t - c0] of its
- *           slot (s, t, k) and prob [s][t - c0][k]; padding rows and the capacity tail get zeros
- *           (prob 0), written by the first chunk only.
+ *   expand  (destination rank d, one warp per staged token (s, t)): the token is read once and
+ *           written to each of its rows here (recv_row[s][t][k]), with prob [s][t - c0][k];
+ *           padding rows and the capacity tail get zeros (prob 0), written by the first chunk.
  *
  * NOTES:
- *  - Rows come from src_of_row (layout.cu); nothing here decides placement.
+ *  - Rows come from recv_row / src_of_row (layout.cu); nothing here decides placement.
  *  - The vector path moves 16-byte packs; the host picks it only when the row size and every
  *    pointer are 16-byte aligned (staging rows always are), else the element path is used.
  */
@@ -54,32 +54,66 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchArgs a)
 template <typename U>
 __global__ void __launch_bounds__(kThreads) dispatch_expand_kernel(DispatchArgs a) {
   const ExchangeArgs& e = a.ex;
-  const int lane = threadIdx.x & 31;
-  const long long warp = (long long)(blockIdx.x * kWarps) + (threadIdx.x >> 5);
+  __shared__ int rows_sh[kWarps][kMaxTopk];
+  __shared__ int slot_sh[kWarps][kMaxTopk];
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  const long long warp = (long long)blockIdx.x * kWarps + wid;
   const long long num_warps = (long long)gridDim.x * kWarps;
   const int row_bytes = e.hidden * elt_bytes(a.dtype);
+  const int units = row_bytes / (int)sizeof(U);
+  char* const recv_x = reinterpret_cast<char*>(a.recv_x);
   void* self = e.peers[e.rank];
-  for (long long r = warp; r < e.rows; r += num_warps) {
-    const int slot = r < e.src_rows ? e.src_of_row[r] : -1;
-    char* dst = reinterpret_cast<char*>(a.recv_x) + (size_t)r * row_bytes;
-    if (slot < 0) {
-      if (e.first_chunk) {
-        warp_zero<U>(dst, row_bytes, lane);
-        if (a.recv_probs != nullptr && lane == 0)
-          zero_prob(reinterpret_cast<char*>(a.recv_probs) + (size_t)r * a.prob_bytes, a.prob_bytes);
-      }
-      continue;
+  // One warp per staged token (s, t): read it once, write it to each of its rows here.
+  const long long items = (long long)e.num_ranks * e.chunk;
+  for (long long i = warp; i < items; i += num_warps) {
+    const int s = (int)(i / e.chunk), t = e.c0 + (int)(i % e.chunk);
+    int ts = e.gathered[(size_t)s * e.rec_ints];
+    if (ts > e.max_tokens) ts = e.max_tokens;
+    if (t >= ts) continue;  // warp-uniform
+    const int row =
+        lane < e.topk ? e.recv_row[((size_t)s * e.max_tokens + t) * e.max_topk + lane] : -1;
+    const unsigned usable = __ballot_sync(0xffffffffu, row >= 0 && row < e.rows);
+    if (usable == 0) continue;
+    if ((usable >> lane) & 1u) {
+      const int j = __popc(usable & ((1u << lane) - 1u));
+      rows_sh[wid][j] = row;
+      slot_sh[wid][j] = lane;
     }
-    const int k = slot % e.max_topk;
-    const int st = slot / e.max_topk;
-    const int s = st / e.max_tokens, t = st % e.max_tokens;
-    if (t < e.c0 || t >= e.c0 + e.chunk) continue;
+    __syncwarp();
+    const int n = __popc(usable);
     const long long sidx = (long long)s * e.chunk + (t - e.c0);
-    warp_copy<U>(dst, stage_row(self, e.tok_off, e.stage_row_bytes, sidx), row_bytes, lane);
-    if (a.recv_probs != nullptr && lane == 0) {
-      copy_prob(reinterpret_cast<char*>(a.recv_probs) + (size_t)r * a.prob_bytes,
-                stage_prob(self, e.prob_off, sidx * e.max_topk + k), a.prob_bytes);
+    const U* src = reinterpret_cast<const U*>(stage_row(self, e.tok_off, e.stage_row_bytes, sidx));
+    constexpr int kUnroll = 4;
+    for (int j0 = lane; j0 < units; j0 += 32 * kUnroll) {
+      U v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (j0 + 32 * u < units) v[u] = src[j0 + 32 * u];
+      for (int k = 0; k < n; ++k) {
+        U* dst = reinterpret_cast<U*>(recv_x + (size_t)rows_sh[wid][k] * row_bytes);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (j0 + 32 * u < units) dst[j0 + 32 * u] = v[u];
+      }
     }
+    if (a.recv_probs != nullptr && lane < n) {
+      copy_prob(reinterpret_cast<char*>(a.recv_probs) + (size_t)rows_sh[wid][lane] * a.prob_bytes,
+                stage_prob(self, e.prob_off, sidx * e.max_topk + slot_sh[wid][lane]),
+                a.prob_bytes);
+    }
+    __syncwarp();  // rows_sh / slot_sh are rewritten by the next item
+  }
+  if (!e.first_chunk) return;
+  // Rows of no slot (alignment padding, capacity tail): zero, prob 0. 32 rows per warp step.
+  for (long long r0 = warp * 32; r0 < e.rows; r0 += num_warps * 32) {
+    const long long r = r0 + lane;
+    const bool pad = r < e.rows && (r >= e.src_rows || e.src_of_row[r] < 0);
+    for (unsigned m = __ballot_sync(0xffffffffu, pad); m; m &= m - 1) {
+      const long long pr = r0 + __ffs((int)m) - 1;
+      warp_zero<U>(recv_x + (size_t)pr * row_bytes, row_bytes, lane);
+    }
+    if (pad && a.recv_probs != nullptr)
+      zero_prob(reinterpret_cast<char*>(a.recv_probs) + (size_t)r * a.prob_bytes, a.prob_bytes);
   }
 }
 
@@ -105,8 +139,10 @@ cudaError_t launch_dispatch_send(const DispatchArgs& a, cudaStream_t stream) {
 }
 
 cudaError_t launch_dispatch_expand(const DispatchArgs& a, cudaStream_t stream) {
-  if (a.ex.rows <= 0) return cudaSuccess;
-  const int grid = grid_for(a.ex.rows, a.ex.num_sms);
+  const long long items = (long long)a.ex.num_ranks * a.ex.chunk;
+  const long long pad_steps = a.ex.first_chunk ? (a.ex.rows + 31) / 32 : 0;
+  if (items <= 0 && pad_steps <= 0) return cudaSuccess;
+  const int grid = grid_for(items > pad_steps ? items : pad_steps, a.ex.num_sms);
   EP_LAUNCH_BY_UNIT(dispatch_expand_kernel, a.ex.vec, a.dtype, grid, stream, a);
   return cudaGetLastError();
 }

@@ -101,7 +101,7 @@ if wants tests; then
     per_test=()
     # pytest-timeout (in the image) turns a hung test into a traceback instead of a silent kill.
     "$PY" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=$((TESTS_TIMEOUT - 20)))
-    timeout -k 10 "$TESTS_TIMEOUT" "$PY" -m pytest -q -rfE "${per_test[@]}" tests/gpu \
+    timeout -k 10 "$TESTS_TIMEOUT" "$PY" -m pytest -q -rfEP "${per_test[@]}" tests/gpu \
         >"$OUT/gpu_tests.log" 2>&1
     rc=$?
     counts=$(grep -E '[0-9]+ (passed|failed|error|errors|skipped)' "$OUT/gpu_tests.log" | tail -n 1)
