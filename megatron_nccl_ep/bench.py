@@ -817,6 +817,10 @@ def _section_megatron(me: _Rank) -> None:
             f"{name}.fwd_bwd", fwd_bwd, mode="e2e", setup=leaf_inputs))
         state.clear()
         del dispatcher
+    if "nccl_ep" in args.megatron_dispatchers:
+        from .dispatcher import destroy_groups
+
+        destroy_groups()  # collective, while every rank is still here
     parallel_state.destroy_model_parallel()
 
 
