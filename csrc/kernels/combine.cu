@@ -33,12 +33,9 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a)
   const int packs = e.hidden / N;
   const long long items = (long long)e.num_ranks * e.chunk;
   for (long long i = warp; i < items; i += num_warps) {
-    const int s = (int)(i / e.chunk), t = e.c0 + (int)(i % e.chunk);
-    int ts = e.gathered[(size_t)s * e.rec_ints];
-    if (ts > e.max_tokens) ts = e.max_tokens;
-    if (t >= ts) continue;  // warp-uniform
-    const int* slots = e.recv_row + ((size_t)s * e.max_tokens + t) * e.max_topk;
-    const int row = lane < e.topk ? slots[lane] : -1;
+    int s, t;
+    if (!staged_token(e, i, &s, &t)) continue;  // warp-uniform
+    const int row = lane < e.topk ? staged_rows(e, s, t)[lane] : -1;
     const unsigned owned = __ballot_sync(0xffffffffu, row >= 0);
     if (owned == 0) continue;  // no slot of (s, t) here: nothing to send
     const unsigned usable = __ballot_sync(0xffffffffu, row >= 0 && row < e.rows);
@@ -118,11 +115,9 @@ __global__ void __launch_bounds__(kThreads) combine_probs_send_kernel(CombinePro
   const long long num_warps = (long long)gridDim.x * kWarps;
   const long long items = (long long)e.num_ranks * e.chunk;
   for (long long i = warp; i < items; i += num_warps) {
-    const int s = (int)(i / e.chunk), t = e.c0 + (int)(i % e.chunk);
-    int ts = e.gathered[(size_t)s * e.rec_ints];
-    if (ts > e.max_tokens) ts = e.max_tokens;
-    if (t >= ts || lane >= e.topk) continue;
-    const int row = e.recv_row[((size_t)s * e.max_tokens + t) * e.max_topk + lane];
+    int s, t;
+    if (!staged_token(e, i, &s, &t) || lane >= e.topk) continue;
+    const int row = staged_rows(e, s, t)[lane];
     if (row < 0 || row >= e.rows) continue;
     copy_prob(stage_prob(e.peers[s], e.prob_off, (long long)(t - e.c0) * e.max_topk + lane),
               reinterpret_cast<const char*>(a.grad_recv) + (size_t)row * a.prob_bytes,
@@ -168,7 +163,7 @@ __global__ void __launch_bounds__(kThreads) combine_probs_gather_kernel(CombineP
   } while (0)
 
 cudaError_t launch_combine_reduce(const CombineArgs& a, cudaStream_t stream) {
-  const long long items = (long long)a.ex.num_ranks * a.ex.chunk;
+  const long long items = chunk_staged_items(a.ex);
   if (items <= 0) return cudaSuccess;
   const int grid = grid_for(items, a.ex.num_sms);
   EP_LAUNCH_BY_DTYPE(combine_reduce_kernel, a.ex.vec, a.dtype, grid, stream, a);
@@ -176,8 +171,7 @@ cudaError_t launch_combine_reduce(const CombineArgs& a, cudaStream_t stream) {
 }
 
 cudaError_t launch_combine_gather(const CombineArgs& a, cudaStream_t stream) {
-  long long n = (long long)a.ex.num_tokens - a.ex.c0;
-  if (n > a.ex.chunk) n = a.ex.chunk;
+  const long long n = chunk_own_tokens(a.ex);
   if (n <= 0) return cudaSuccess;
   const int grid = grid_for(n, a.ex.num_sms);
   EP_LAUNCH_BY_DTYPE(combine_gather_kernel, a.ex.vec, a.dtype, grid, stream, a);
@@ -185,15 +179,14 @@ cudaError_t launch_combine_gather(const CombineArgs& a, cudaStream_t stream) {
 }
 
 cudaError_t launch_combine_probs_send(const CombineProbsArgs& a, cudaStream_t stream) {
-  const long long items = (long long)a.ex.num_ranks * a.ex.chunk;
+  const long long items = chunk_staged_items(a.ex);
   if (items <= 0) return cudaSuccess;
   combine_probs_send_kernel<<<grid_for(items, a.ex.num_sms), kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
 cudaError_t launch_combine_probs_gather(const CombineProbsArgs& a, cudaStream_t stream) {
-  long long n = (long long)a.ex.num_tokens - a.ex.c0;
-  if (n > a.ex.chunk) n = a.ex.chunk;
+  const long long n = chunk_own_tokens(a.ex);
   if (n <= 0) return cudaSuccess;
   combine_probs_gather_kernel<<<grid_for(n, a.ex.num_sms), kThreads, 0, stream>>>(a);
   return cudaGetLastError();

@@ -66,12 +66,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_expand_kernel(DispatchArgs 
   // One warp per staged token (s, t): read it once, write it to each of its rows here.
   const long long items = (long long)e.num_ranks * e.chunk;
   for (long long i = warp; i < items; i += num_warps) {
-    const int s = (int)(i / e.chunk), t = e.c0 + (int)(i % e.chunk);
-    int ts = e.gathered[(size_t)s * e.rec_ints];
-    if (ts > e.max_tokens) ts = e.max_tokens;
-    if (t >= ts) continue;  // warp-uniform
-    const int row =
-        lane < e.topk ? e.recv_row[((size_t)s * e.max_tokens + t) * e.max_topk + lane] : -1;
+    int s, t;
+    if (!staged_token(e, i, &s, &t)) continue;  // warp-uniform
+    const int row = lane < e.topk ? staged_rows(e, s, t)[lane] : -1;
     const unsigned usable = __ballot_sync(0xffffffffu, row >= 0 && row < e.rows);
     if (usable == 0) continue;
     if ((usable >> lane) & 1u) {
@@ -130,8 +127,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_expand_kernel(DispatchArgs 
   } while (0)
 
 cudaError_t launch_dispatch_send(const DispatchArgs& a, cudaStream_t stream) {
-  long long n = (long long)a.ex.num_tokens - a.ex.c0;
-  if (n > a.ex.chunk) n = a.ex.chunk;
+  const long long n = chunk_own_tokens(a.ex);
   if (n <= 0) return cudaSuccess;
   const int grid = grid_for(n, a.ex.num_sms);
   EP_LAUNCH_BY_UNIT(dispatch_send_kernel, a.ex.vec, a.dtype, grid, stream, a);
@@ -139,7 +135,7 @@ cudaError_t launch_dispatch_send(const DispatchArgs& a, cudaStream_t stream) {
 }
 
 cudaError_t launch_dispatch_expand(const DispatchArgs& a, cudaStream_t stream) {
-  const long long items = (long long)a.ex.num_ranks * a.ex.chunk;
+  const long long items = chunk_staged_items(a.ex);
   const long long pad_steps = a.ex.first_chunk ? (a.ex.rows + 31) / 32 : 0;
   if (items <= 0 && pad_steps <= 0) return cudaSuccess;
   const int grid = grid_for(items > pad_steps ? items : pad_steps, a.ex.num_sms);

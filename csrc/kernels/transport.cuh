@@ -25,6 +25,16 @@ namespace nccl_ep {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 
+// Work items of one chunk: own tokens (push and gather side) and staged (s, t) pairs (receive
+// side, every source rank's slice of the staging).
+inline long long chunk_own_tokens(const ExchangeArgs& e) {
+  const long long n = (long long)e.num_tokens - e.c0;
+  return n < 0 ? 0 : (n > e.chunk ? e.chunk : n);
+}
+inline long long chunk_staged_items(const ExchangeArgs& e) {
+  return (long long)e.num_ranks * e.chunk;
+}
+
 inline int grid_for(long long warp_items, int num_sms) {
   long long blocks = (warp_items + kWarps - 1) / kWarps;
   if (blocks > num_sms) blocks = num_sms;
@@ -157,6 +167,20 @@ EP_DEVICE unsigned long long dest_mask(const int* routing_row, int topk, int num
 // Token element size: 2 for bf16/fp16, 4 for fp32 (the only token dtypes the host accepts).
 __host__ __device__ __forceinline__ int elt_bytes(int dtype) {
   return dtype == (int)ncclBfloat16 || dtype == (int)ncclFloat16 ? 2 : 4;
+}
+
+// Staged item i of a chunk -> (source rank s, token t); false when rank s has no token t (a
+// record whose shape is out of bounds has none, as in layout.cu).
+EP_DEVICE bool staged_token(const ExchangeArgs& e, long long i, int* s, int* t) {
+  *s = (int)(i / e.chunk);
+  *t = e.c0 + (int)(i % e.chunk);
+  const int ts = e.gathered[(size_t)*s * e.rec_ints];
+  return ts <= e.max_tokens && *t < ts;
+}
+
+// The slot rows of staged token (s, t) on this rank: recv_row[s][t][0 .. max_topk).
+EP_DEVICE const int* staged_rows(const ExchangeArgs& e, int s, int t) {
+  return e.recv_row + ((size_t)s * e.max_tokens + t) * e.max_topk;
 }
 
 EP_DEVICE char* stage_row(void* base, size_t tok_off, size_t stage_row_bytes, long long index) {
