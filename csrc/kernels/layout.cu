@@ -10,8 +10,8 @@
  *             matching the reference's choice) is kept as an atomicMin'd 64-bit key; also the
  *             per-expert histogram of all ranks' slots (a count: order does not matter)
  *   count     one block per (local expert l, source s): cnt[s][l] = tokens of s routed to l
- *   bases     one thread: error decode, tokens_per_expert, aligned expert blocks, off[s][l],
- *             N_d, capacity check
+ *   bases     one block: error decode (one thread), a scan over local experts for the aligned
+ *             expert blocks, tokens_per_expert, off[s][l] and N_d, the capacity check
  *   scatter   one block per (l, s): block scan over tokens -> recv_row[s][t][k], src_of_row[row]
  *
  * NOTES:
@@ -140,69 +140,89 @@ __global__ void __launch_bounds__(kLayoutThreads) count_kernel(LayoutArgs a) {
   if (threadIdx.x == 0) a.cnt[s * a.num_local + l] = total;
 }
 
-__global__ void bases_kernel(LayoutArgs a) {
-  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+__global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
   LayoutMeta* m = a.meta;
-  for (int s = 0; s < a.num_ranks; ++s) {
+  for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
     const int* rec = a.gathered + (size_t)s * a.rec_ints;
     m->ks[s] = rec[1];
     m->ts[s] = rec[0];
   }
-  // Errors, in the reference's order: shapes, routing values, then top-k agreement.
-  int bad_shape = -1;
-  for (int s = 0; s < a.num_ranks && bad_shape < 0; ++s)
-    if (!shape_ok(a.gathered + (size_t)s * a.rec_ints, a.max_tokens, a.max_topk)) bad_shape = s;
-  const unsigned long long key = *a.err_key;
-  if (bad_shape >= 0) {
-    const int tokens = m->ts[bad_shape], topk = m->ks[bad_shape];
-    if (tokens > a.max_tokens)
-      raise_error(a.err, kErrShape, bad_shape, -1, 0, tokens, a.max_tokens);
-    else
-      raise_error(a.err, kErrShape, bad_shape, -1, 1, topk, a.max_topk);
-  } else if (key != ~0ull) {
-    const int s = (int)(key >> 48), kind = (int)((key >> 47) & 1);
-    const int t = (int)((key >> 16) & 0x7fffffffull), minor = (int)(key & 0xffff);
-    if (kind == 0) {
-      const int* rec = a.gathered + (size_t)s * a.rec_ints;
-      const int ks = clamp_topk(rec, a.max_topk);
-      raise_error(a.err, kErrExpertRange, s, t, minor, rec[kRecordHeader + (size_t)t * ks + minor],
-                  a.num_experts);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    // Errors, in the reference's order: shapes, routing values, then top-k agreement.
+    int bad_shape = -1;
+    for (int s = 0; s < a.num_ranks && bad_shape < 0; ++s)
+      if (!shape_ok(a.gathered + (size_t)s * a.rec_ints, a.max_tokens, a.max_topk)) bad_shape = s;
+    const unsigned long long key = *a.err_key;
+    if (bad_shape >= 0) {
+      const int tokens = m->ts[bad_shape], topk = m->ks[bad_shape];
+      if (tokens > a.max_tokens)
+        raise_error(a.err, kErrShape, bad_shape, -1, 0, tokens, a.max_tokens);
+      else
+        raise_error(a.err, kErrShape, bad_shape, -1, 1, topk, a.max_topk);
+    } else if (key != ~0ull) {
+      const int s = (int)(key >> 48), kind = (int)((key >> 47) & 1);
+      const int t = (int)((key >> 16) & 0x7fffffffull), minor = (int)(key & 0xffff);
+      if (kind == 0) {
+        const int* rec = a.gathered + (size_t)s * a.rec_ints;
+        const int ks = clamp_topk(rec, a.max_topk);
+        raise_error(a.err, kErrExpertRange, s, t, minor,
+                    rec[kRecordHeader + (size_t)t * ks + minor], a.num_experts);
+      } else {
+        raise_error(a.err, kErrDuplicateExpert, s, t, -1, minor, a.num_experts);
+      }
     } else {
-      raise_error(a.err, kErrDuplicateExpert, s, t, -1, minor, a.num_experts);
-    }
-  } else {
-    for (int s = 0; s < a.num_ranks; ++s) {
-      if (m->ks[s] != a.topk) {
-        raise_error(a.err, kErrTopkMismatch, s, -1, -1, m->ks[s], a.topk);
-        break;
+      for (int s = 0; s < a.num_ranks; ++s) {
+        if (m->ks[s] != a.topk) {
+          raise_error(a.err, kErrTopkMismatch, s, -1, -1, m->ks[s], a.topk);
+          break;
+        }
       }
     }
   }
-  long long base = 0;
-  for (int l = 0; l < a.num_local; ++l) {
-    long long run = base;
-    for (int s = 0; s < a.num_ranks; ++s) {
-      a.off[s * a.num_local + l] = (int)run;
-      run += a.cnt[s * a.num_local + l];
-    }
-    const long long total = run - base;
+  // Expert blocks: one thread per local expert, an exclusive scan of the aligned block sizes
+  // over l (tiles of blockDim, carried), then off[s][l] in source-rank order.
+  using Scan = cub::BlockScan<long long, kLayoutThreads>;
+  using Reduce = cub::BlockReduce<long long, kLayoutThreads>;
+  __shared__ union {
+    typename Scan::TempStorage scan;
+    typename Reduce::TempStorage reduce;
+  } tmp;
+  long long carry = 0;
+  for (int l0 = 0; l0 < a.num_local; l0 += kLayoutThreads) {
+    const int l = l0 + (int)threadIdx.x;
+    long long total = 0;
+    if (l < a.num_local)
+      for (int s = 0; s < a.num_ranks; ++s) total += a.cnt[s * a.num_local + l];
     const long long block = (total + a.align - 1) / a.align * a.align;
-    m->tokens_per_expert[l] = block;  // padded block: sum == N_d (DESIGN §3, reference)
-    base += block;
+    long long base, tile;
+    Scan(tmp.scan).ExclusiveSum(block, base, tile);
+    if (l < a.num_local) {
+      long long run = carry + base;
+      for (int s = 0; s < a.num_ranks; ++s) {
+        a.off[s * a.num_local + l] = (int)run;
+        run += a.cnt[s * a.num_local + l];
+      }
+      m->tokens_per_expert[l] = block;  // padded block: sum == N_d (DESIGN §3, reference)
+    }
+    carry += tile;
+    __syncthreads();  // tmp is reused by the next tile
   }
-  m->num_rows = base;
-  if (a.capacity >= 0) {
-    for (int d = 0; d < a.num_ranks; ++d) {
-      long long rows = 0;
-      for (int l = 0; l < a.num_local; ++l) {
-        const long long n = a.hist[d * a.num_local + l];
-        rows += (n + a.align - 1) / a.align * a.align;
-      }
-      if (d == a.rank && base > rows) rows = base;  // (duplicates: already an error)
-      if (rows > a.capacity) {
-        raise_error(a.err, kErrCapacity, d, -1, -1, rows, a.capacity);
-        break;
-      }
+  if (threadIdx.x == 0) m->num_rows = carry;
+  if (a.capacity < 0) return;
+  // Capacity: every rank checks every rank's rows (from the all-ranks histogram), so all ranks
+  // report an overflow together; the first rank over the bound is named.
+  for (int d = 0; d < a.num_ranks; ++d) {
+    long long rows = 0;
+    for (int l = threadIdx.x; l < a.num_local; l += blockDim.x) {
+      const long long n = a.hist[d * a.num_local + l];
+      rows += (n + a.align - 1) / a.align * a.align;
+    }
+    rows = Reduce(tmp.reduce).Sum(rows);
+    __syncthreads();  // tmp is reused by the next rank
+    if (threadIdx.x == 0) {
+      if (d == a.rank && carry > rows) rows = carry;  // (duplicates: already an error)
+      if (rows > a.capacity) raise_error(a.err, kErrCapacity, d, -1, -1, rows, a.capacity);
     }
   }
 }
@@ -244,7 +264,7 @@ cudaError_t launch_layout(const LayoutArgs& a, cudaStream_t stream) {
   }
   const dim3 grid(a.num_local, a.num_ranks);
   count_kernel<<<grid, kLayoutThreads, 0, stream>>>(a);
-  bases_kernel<<<1, 32, 0, stream>>>(a);
+  bases_kernel<<<1, kLayoutThreads, 0, stream>>>(a);
   scatter_kernel<<<grid, kLayoutThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
