@@ -174,7 +174,7 @@ class CudaBackend:
         return grad
 
     def check_errors(self, synchronize: bool = True) -> None:
-        """Raises the first device-side error since the last check (and clears it). With
+        """Raises the group's device-side error, if any (it stays: destroy the group). With
         ``synchronize`` the current stream is synchronized first, so the check is complete."""
         if synchronize:
             torch.cuda.current_stream(self.device).synchronize()

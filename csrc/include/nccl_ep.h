@@ -22,7 +22,8 @@
  *    (or order the streams yourself).
  *  - Device-side errors (capacity mode routing errors and overflow, barrier timeouts) go to a
  *    host-mapped error word of the group; every later call checks it without blocking and returns
- *    the error (sticky) until ncclEpGroupCheckErrors clears it.
+ *    it. The error is sticky and spreads to the peers (their barriers stop waiting and report
+ *    it): the group cannot synchronize again, destroy it and create a new one.
  */
 #ifndef NCCL_EP_H_
 #define NCCL_EP_H_
@@ -139,8 +140,9 @@ ncclResult_t ncclEpGetVersion(int* version);
  * buffers, maps the NVLink peers. comm stays owned by the caller and must outlive the group. */
 ncclResult_t ncclEpCreateGroup(ncclEpGroup_t* group, ncclComm_t comm,
                                const ncclEpGroupConfig_t* config, cudaStream_t stream);
-/* Frees everything the group and its live handles hold (synchronizes the device first). Call it on
- * every rank after the last op, before destroying comm (the window deregistration is collective). */
+/* Frees everything the group and its live handles hold (synchronizes the device first). Not
+ * collective (NCCL's window deregistration is local); call it after the group's last op and
+ * before destroying comm. */
 ncclResult_t ncclEpGroupDestroy(ncclEpGroup_t group);
 
 /* Collective: exchanges the routing of one forward pass and builds the row maps (DESIGN §3/§4).
@@ -178,9 +180,9 @@ ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
 /* LL staged mode (send_only): completes the receive side. HT: no-op returning ncclSuccess. */
 ncclResult_t ncclEpComplete(ncclEpHandle_t handle, cudaStream_t stream);
 
-/* Returns the first device-side error (timeout, capacity overflow, bad routing) raised since the
- * last check, with its reason, and clears it. Non-blocking: it reads the host-mapped error word,
- * so synchronize the stream first for a complete check. */
+/* Returns the group's device-side error (timeout, a peer's error, capacity overflow, bad
+ * routing), with its reason; it stays (the group must be destroyed). Non-blocking: it reads the
+ * host-mapped error word, so synchronize the stream first for a complete check. */
 ncclResult_t ncclEpGroupCheckErrors(ncclEpGroup_t group);
 
 #ifdef __cplusplus

@@ -40,7 +40,13 @@ enum ErrorCode : int {
   kErrCapacity = 4,        // rank, value = rows needed, extra = capacity
   kErrTimeout = 5,         // rank (waiter), token = peer waited for, value = epoch, extra = ms
   kErrShape = 6,           // rank, slot = 0 (tokens) / 1 (top-k), value = T or K, extra = bound
+  kErrPeerAbort = 7,       // rank (this one), token = the rank whose error stopped the group
 };
+
+// flags[kAbortSlot] of a rank's window: written (origin rank + 1) by any rank that gave up after
+// a device-side error, so that every peer stops waiting and reports it (errors are sticky).
+constexpr int kAbortSlot = kMaxRanks;
+static_assert((kAbortSlot + 1) * sizeof(unsigned long long) <= kFlagsBytes, "flags area");
 
 // Written once per error word: the single winner of `claim` fills the fields, then publishes
 // `code` last (system-scope fence in between), so a host reader that sees code != 0 sees the rest.
@@ -115,6 +121,7 @@ struct ExchangeArgs {       // shared by dispatch, combine and combine_probs
   int hidden;
   int vec;                  // 1: 16-byte path, 0: element path
   int num_sms;
+  const ErrorInfo* err;     // group word (host-mapped): push kernels write nothing once it is set
 };
 
 struct DispatchArgs {

@@ -7,9 +7,9 @@
  * keep its epoch on the device (so a captured CUDA graph replays correctly). Flags only grow:
  * rank p writes epoch into flags[p] of every peer with st.release.sys after fence.acq_rel.sys,
  * and waits with ld.acquire.sys until every peer's flag reached the epoch, so no reset is ever
- * needed. Every rank runs the same sequence of barriers, so epochs stay in lockstep even after a
- * timeout (the epoch is bumped either way); once the group's error word holds any error, later
- * barriers do not wait (results are void; rebuild the group after a device-side error).
+ * needed. A rank that holds a device-side error (a timeout, a capacity-mode routing error)
+ * stops waiting and writes the abort slot of every peer, whose barriers then stop waiting too
+ * and report it: errors are sticky and global, and the group must be rebuilt.
  */
 #include <nccl.h>
 #include <nccl_device.h>
@@ -36,44 +36,54 @@ cudaError_t launch_resolve_peers(void* window, int num_ranks, void** out_dev,
 int lsa_team_size(void* comm) { return ncclTeamLsa(reinterpret_cast<ncclComm_t>(comm)).nRanks; }
 
 __global__ void __launch_bounds__(kMaxRanks) barrier_kernel(BarrierArgs a) {
-  __shared__ unsigned long long epoch;
-  __shared__ int skip_wait;
+  __shared__ unsigned long long epoch, origin;
+  __shared__ int give_up;
+  unsigned long long* const my_flags = reinterpret_cast<unsigned long long*>(
+      reinterpret_cast<char*>(a.peers[a.rank]) + a.flags_off);
   if (threadIdx.x == 0) {
     epoch = *a.epoch + 1;
-    // Any pending error (a timeout, or a capacity-mode routing error / overflow that every rank
-    // detected on its own) means results are void until the group is rebuilt: do not wait, so
-    // a rank that already raised on the host cannot stall the others.
-    skip_wait = ld_volatile_int(&a.err->code) != kErrNone;
+    origin = ld_acquire_sys(my_flags + kAbortSlot);  // a peer's error stopped the group
+    if (origin != 0) raise_error(a.err, kErrPeerAbort, a.rank, (int)origin - 1, a.tag, 0, 0);
+    give_up = ld_volatile_int(&a.err->code) != kErrNone;
+    if (give_up && origin == 0) origin = (unsigned long long)a.rank + 1;
   }
   __syncthreads();
   const int p = threadIdx.x;
-  if (p < a.num_ranks) {
+  if (p < a.num_ranks && !give_up) {
     // Publish: everything this rank wrote before (earlier kernels on the stream) is ordered
     // before the flag by the fence + release store at system scope.
     fence_acq_rel_sys();
-    unsigned long long* remote = reinterpret_cast<unsigned long long*>(
-        reinterpret_cast<char*>(a.peers[p]) + a.flags_off) + a.rank;
-    st_release_sys(remote, epoch);
-    if (!skip_wait) {
-      const unsigned long long* mine = reinterpret_cast<const unsigned long long*>(
-          reinterpret_cast<const char*>(a.peers[a.rank]) + a.flags_off) + p;
-      const unsigned long long start = global_timer_ns();
-      int spins = 0;
-      while (ld_acquire_sys(mine) < epoch) {
-        if (++spins == 1024) {
-          spins = 0;
-          if ((long long)(global_timer_ns() - start) > a.timeout_ns) {
-            raise_error(a.err, kErrTimeout, a.rank, p, a.tag, (long long)epoch,
-                        a.timeout_ns / 1000000);
-            break;
-          }
-          if (ld_volatile_int(&a.err->code) != kErrNone) break;  // gave up elsewhere
-        }
+    unsigned long long* peer_flags = reinterpret_cast<unsigned long long*>(
+        reinterpret_cast<char*>(a.peers[p]) + a.flags_off);
+    st_release_sys(peer_flags + a.rank, epoch);
+    const unsigned long long start = global_timer_ns();
+    int spins = 0;
+    while (ld_acquire_sys(my_flags + p) < epoch) {
+      if (++spins < 1024) continue;
+      spins = 0;
+      const unsigned long long by = ld_acquire_sys(my_flags + kAbortSlot);
+      if (by != 0) {
+        raise_error(a.err, kErrPeerAbort, a.rank, (int)by - 1, a.tag, 0, 0);
+        origin = by;
+        break;
       }
-      fence_acq_rel_sys();
+      if ((long long)(global_timer_ns() - start) > a.timeout_ns) {
+        raise_error(a.err, kErrTimeout, a.rank, p, a.tag, (long long)epoch,
+                    a.timeout_ns / 1000000);
+        origin = (unsigned long long)a.rank + 1;
+        break;
+      }
     }
+    fence_acq_rel_sys();
   }
   __syncthreads();
+  // A rank that holds an error tells every peer, so that nobody waits for it and nobody goes on
+  // with barriers that no longer order anything.
+  if (p < a.num_ranks && origin != 0) {
+    st_release_sys(reinterpret_cast<unsigned long long*>(
+                       reinterpret_cast<char*>(a.peers[p]) + a.flags_off) + kAbortSlot,
+                   origin);
+  }
   if (threadIdx.x == 0) *a.epoch = epoch;
 }
 

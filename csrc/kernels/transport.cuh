@@ -75,6 +75,15 @@ EP_DEVICE void raise_error(ErrorInfo* e, int code, int rank, int token, int slot
   __threadfence_system();
 }
 
+// True (in every thread of the block) when the group holds a device-side error: push kernels then
+// write nothing into peers, whose staging the barriers no longer protect.
+EP_DEVICE bool group_failed(const ErrorInfo* err) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = ld_volatile_int(&err->code) != kErrNone;
+  __syncthreads();
+  return failed != 0;
+}
+
 // A vector of N elements of T moved as one aligned access (16 bytes on the vector path).
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {

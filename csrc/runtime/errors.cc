@@ -96,6 +96,12 @@ ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& e, const Layout
         set_error("topk_idx has top-k %lld, expected 1 <= top-k <= max_topk=%lld%s", e.value,
                   e.extra, where);
       return ncclInvalidArgument;
+    case kErrPeerAbort:
+      set_error("rank %d stopped this group after a device-side error (reported there: a "
+                "timeout, a routing error or a capacity overflow); the ranks can no longer "
+                "synchronize: destroy the group and create a new one%s",
+                e.token, where);
+      return ncclSystemError;
     case kErrCapacity:
       set_error("capacity overflow: rank %d would receive %lld rows but "
                 "max_recv_tokens_per_rank=%lld; raise the capacity (or capacity factor) or use "

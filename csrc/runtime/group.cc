@@ -27,12 +27,13 @@ namespace {
 
 struct ConfigRecord {  // all-gathered at creation; int64 fields so the compare is trivial
   long long magic, version, mode, num_experts, hidden, max_tokens, max_topk, token_dtype,
-      recv_mode, capacity, align, num_sms, timeout_ms, lsa_size, nccl_version;
+      recv_mode, capacity, align, num_sms, timeout_ms, lsa_size, nccl_version, staging_tokens;
 };
 const char* kConfigFields[] = {"magic", "version", "mode", "num_experts", "hidden",
                                "max_tokens_per_rank", "max_topk", "token_dtype",
                                "recv_count_mode", "max_recv_tokens_per_rank", "expert_alignment",
-                               "num_sms", "timeout_ms", "lsa_size", "nccl_version"};
+                               "num_sms", "timeout_ms", "lsa_size", "nccl_version",
+                               "staging tokens (NCCL_EP_STAGING_TOKENS)"};
 constexpr int kConfigFieldCount = (int)(sizeof(ConfigRecord) / sizeof(long long));
 static_assert(sizeof(kConfigFields) / sizeof(kConfigFields[0]) == kConfigFieldCount, "fields");
 
@@ -202,15 +203,14 @@ void release_slot(ncclEpGroup* g, ncclEpHandleSlot* slot) {
   if (slot != nullptr) g->free_slots.push_back(slot);
 }
 
-ncclResult_t check_group_errors(ncclEpGroup* g, bool clear) {
+// NOTES: a device-side error is sticky. After it, ranks may have run different numbers of
+// barriers (some returned early, some waited), so the epochs no longer agree and the group can
+// never synchronize correctly again: it must be destroyed and created anew.
+ncclResult_t check_group_errors(ncclEpGroup* g) {
   volatile ErrorInfo* w = g->h_err;
   if (w->code == 0) return ncclSuccess;
   ErrorInfo copy;
   memcpy(&copy, const_cast<ErrorInfo*>(g->h_err), sizeof(copy));
-  if (clear) {
-    w->code = 0;
-    w->claim = 0;
-  }
   return report_error(g, copy, nullptr);
 }
 
@@ -258,12 +258,20 @@ static ncclResult_t create_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGr
            "API structures differ across minor versions; rebuild against the loaded NCCL",
            NCCL_VERSION_CODE, runtime_version);
 
+  // Staging tokens per source rank: the chunk decides the staging layout and the number of
+  // barriers of every operation, so it is part of the configuration every rank must share.
+  long long chunk = std::max(c.max_tokens_per_rank, 1);
+  if (const char* env = getenv("NCCL_EP_STAGING_TOKENS")) {  // testing / memory-limited runs
+    const long long v = atoll(env);
+    if (v > 0 && v < chunk) chunk = v;
+  }
+
   // (1) configuration agreement, collective.
   ConfigRecord mine = {0x4e43434c4550ll, NCCL_EP_API_VERSION, (long long)c.mode,
                        c.num_experts, c.hidden, c.max_tokens_per_rank, c.max_topk,
                        (long long)c.token_dtype, (long long)c.recv_count_mode,
                        g->capacity, c.expert_alignment, c.num_sms, (long long)c.timeout_ms,
-                       (long long)lsa_team_size(comm), runtime_version};
+                       (long long)lsa_team_size(comm), runtime_version, chunk};
   std::vector<ConfigRecord> all(R);
   {
     void* tmp = nullptr;
@@ -301,11 +309,6 @@ static ncclResult_t create_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGr
   }
 
   // (2) symmetric window: flags | token staging | prob staging.
-  long long chunk = std::max(c.max_tokens_per_rank, 1);
-  if (const char* env = getenv("NCCL_EP_STAGING_TOKENS")) {  // testing / memory-limited runs
-    const long long v = atoll(env);
-    if (v > 0 && v < chunk) chunk = v;
-  }
   g->chunk = (int)chunk;
   g->num_chunks = std::max(1, (c.max_tokens_per_rank + g->chunk - 1) / g->chunk);
   g->flags_off = 0;
@@ -333,18 +336,35 @@ static ncclResult_t create_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGr
   EP_RETURN_IF(alloc_device(g, reinterpret_cast<void**>(&g->d_epoch), sizeof(unsigned long long)));
   EP_CUDA(cudaMemsetAsync(g->d_epoch, 0, sizeof(unsigned long long), stream));
 
-  // (3) zero the flags, then make sure every rank did before anyone signals.
+  // (3) zero the flags, then make sure every rank did before anyone signals. The same
+  // all-gather tells every rank whether every rank got a window: NCCL may register none (and
+  // say success) when symmetric memory is unavailable (NCCL_CUMEM_ENABLE=0, no P2P).
   EP_CUDA(cudaMemsetAsync(reinterpret_cast<char*>(g->win_buf) + g->flags_off, 0, kFlagsBytes,
                           stream));
+  std::vector<int> window_ok(R);
   {
+    const int mine_ok = g->win_is_local || g->win != nullptr;
     void* tmp = nullptr;
     EP_CUDA(cudaMalloc(&tmp, sizeof(int) * (R + 1)));
-    ncclResult_t nr = ncclAllGather(reinterpret_cast<int*>(tmp) + g->rank, tmp, 1, ncclInt32,
-                                    comm, stream);
-    cudaError_t ce = nr == ncclSuccess ? cudaStreamSynchronize(stream) : cudaSuccess;
+    int* d_ok = reinterpret_cast<int*>(tmp);
+    cudaError_t ce = cudaMemcpyAsync(d_ok + g->rank, &mine_ok, sizeof(int),
+                                     cudaMemcpyHostToDevice, stream);
+    ncclResult_t nr = ncclSuccess;
+    if (ce == cudaSuccess) nr = ncclAllGather(d_ok + g->rank, d_ok, 1, ncclInt32, comm, stream);
+    if (ce == cudaSuccess && nr == ncclSuccess)
+      ce = cudaMemcpyAsync(window_ok.data(), d_ok, sizeof(int) * R, cudaMemcpyDeviceToHost,
+                           stream);
+    if (ce == cudaSuccess && nr == ncclSuccess) ce = cudaStreamSynchronize(stream);
     cudaFree(tmp);
-    EP_NCCL(nr);
     EP_CUDA(ce);
+    EP_NCCL(nr);
+  }
+  for (int r = 0; r < R; ++r) {
+    EP_CHECK(window_ok[r], ncclInvalidUsage,
+             "NCCL registered no symmetric memory window on rank %d (symmetric memory is "
+             "unavailable there: NCCL_CUMEM_ENABLE=0, NCCL_WIN_ENABLE=0 or no GPU peer access); "
+             "the nccl_ep CUDA backend needs it",
+             r);
   }
 
   // (4) peer pointers.
@@ -401,5 +421,5 @@ extern "C" ncclResult_t ncclEpGroupDestroy(ncclEpGroup_t group) {
 
 extern "C" ncclResult_t ncclEpGroupCheckErrors(ncclEpGroup_t group) {
   EP_CHECK(group != nullptr, ncclInvalidArgument, "ncclEpGroupCheckErrors: group is NULL");
-  return check_group_errors(group, /*clear=*/true);
+  return check_group_errors(group);
 }

@@ -128,7 +128,7 @@ extern "C" ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t
   EP_CHECK(group != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: group is NULL");
   EP_CHECK(topk_idx != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: topk_idx is NULL");
   EP_RETURN_IF(check_op_config(config, "ncclEpCreateHandle"));
-  EP_RETURN_IF(check_group_errors(group, /*clear=*/false));
+  EP_RETURN_IF(check_group_errors(group));
   ncclEpHandle* h = new ncclEpHandle();
   h->group = group;
   group->live.push_back(h);
@@ -151,7 +151,7 @@ extern "C" ncclResult_t ncclEpHandleGetNumRecvTokens(ncclEpHandle_t handle,
                                                      int64_t* num_recv_tokens) {
   EP_CHECK(handle != nullptr && num_recv_tokens != nullptr, ncclInvalidArgument,
            "ncclEpHandleGetNumRecvTokens: handle or num_recv_tokens is NULL");
-  EP_RETURN_IF(check_group_errors(handle->group, /*clear=*/false));
+  EP_RETURN_IF(check_group_errors(handle->group));
   *num_recv_tokens = handle->num_recv;
   return ncclSuccess;
 }

@@ -122,7 +122,7 @@ struct ncclEpHandle {
 namespace nccl_ep {
 
 // group.cc
-ncclResult_t check_group_errors(ncclEpGroup* g, bool clear);
+ncclResult_t check_group_errors(ncclEpGroup* g);
 ncclResult_t barrier(ncclEpGroup* g, int tag, cudaStream_t stream);
 ncclResult_t alloc_device(ncclEpGroup* g, void** ptr, size_t bytes);
 void free_device(ncclEpGroup* g, void* ptr);

@@ -76,12 +76,13 @@ void fill_exchange(const ncclEpHandle* h, int chunk_index, ExchangeArgs* e) {
   e->hidden = g->cfg.hidden;
   e->vec = 0;
   e->num_sms = g->num_sms;
+  e->err = g->d_err;
 }
 
 ncclResult_t check_entry(ncclEpHandle_t handle, const ncclEpOpConfig_t* config, const char* fn) {
   EP_CHECK(handle != nullptr, ncclInvalidArgument, "%s: handle is NULL", fn);
   EP_RETURN_IF(check_op_config(config, fn));
-  return check_group_errors(handle->group, /*clear=*/false);
+  return check_group_errors(handle->group);
 }
 
 }  // namespace
