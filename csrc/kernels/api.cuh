@@ -96,6 +96,7 @@ struct LayoutArgs {
 struct BarrierArgs {
   void* const* peers;     // device array [R] of window bases
   unsigned long long* epoch;  // device counter, local memory, bumped by every barrier
+  unsigned long long* failed; // device word, set (never cleared) once the group holds an error
   size_t flags_off;
   int num_ranks, rank;
   long long timeout_ns;
@@ -121,7 +122,7 @@ struct ExchangeArgs {       // shared by dispatch, combine and combine_probs
   int hidden;
   int vec;                  // 1: 16-byte path, 0: element path
   int num_sms;
-  const ErrorInfo* err;     // group word (host-mapped): push kernels write nothing once it is set
+  const unsigned long long* failed;  // BarrierArgs::failed: push kernels write nothing once set
 };
 
 struct DispatchArgs {

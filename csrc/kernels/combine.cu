@@ -26,7 +26,7 @@ template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a) {
   using P = Pack<T, N>;
   const ExchangeArgs& e = a.ex;
-  if (group_failed(e.err)) return;
+  if (group_failed(e.failed)) return;
   __shared__ int rows_sh[kWarps][kMaxTopk];
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   const long long warp = (long long)blockIdx.x * kWarps + wid;
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kThreads) combine_gather_kernel(CombineArgs a)
 
 __global__ void __launch_bounds__(kThreads) combine_probs_send_kernel(CombineProbsArgs a) {
   const ExchangeArgs& e = a.ex;
-  if (group_failed(e.err)) return;
+  if (group_failed(e.failed)) return;
   const int lane = threadIdx.x & 31;
   const long long warp = (long long)blockIdx.x * kWarps + (threadIdx.x >> 5);
   const long long num_warps = (long long)gridDim.x * kWarps;

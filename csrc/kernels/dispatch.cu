@@ -25,7 +25,7 @@ namespace nccl_ep {
 template <typename U>
 __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchArgs a) {
   const ExchangeArgs& e = a.ex;
-  if (group_failed(e.err)) return;
+  if (group_failed(e.failed)) return;
   const int lane = threadIdx.x & 31;
   const int warp = (blockIdx.x * kWarps) + (threadIdx.x >> 5);
   const int num_warps = gridDim.x * kWarps;

@@ -84,7 +84,10 @@ __global__ void __launch_bounds__(kMaxRanks) barrier_kernel(BarrierArgs a) {
                        reinterpret_cast<char*>(a.peers[p]) + a.flags_off) + kAbortSlot,
                    origin);
   }
-  if (threadIdx.x == 0) *a.epoch = epoch;
+  if (threadIdx.x == 0) {
+    *a.epoch = epoch;
+    if (origin != 0) *a.failed = origin;
+  }
 }
 
 cudaError_t launch_barrier(const BarrierArgs& args, cudaStream_t stream) {

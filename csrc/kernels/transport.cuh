@@ -75,11 +75,11 @@ EP_DEVICE void raise_error(ErrorInfo* e, int code, int rank, int token, int slot
   __threadfence_system();
 }
 
-// True (in every thread of the block) when the group holds a device-side error: push kernels then
-// write nothing into peers, whose staging the barriers no longer protect.
-EP_DEVICE bool group_failed(const ErrorInfo* err) {
+// True (in every thread of the block) when an earlier barrier found the group failed: push
+// kernels then write nothing into peers, whose staging the barriers no longer protect.
+EP_DEVICE bool group_failed(const unsigned long long* failed_word) {
   __shared__ int failed;
-  if (threadIdx.x == 0) failed = ld_volatile_int(&err->code) != kErrNone;
+  if (threadIdx.x == 0) failed = *(const volatile unsigned long long*)failed_word != 0;
   __syncthreads();
   return failed != 0;
 }

@@ -219,6 +219,7 @@ ncclResult_t barrier(ncclEpGroup* g, int tag, cudaStream_t stream) {
   BarrierArgs a;
   a.peers = g->d_peers;
   a.epoch = g->d_epoch;
+  a.failed = g->d_epoch + 1;
   a.flags_off = g->flags_off;
   a.num_ranks = g->nranks;
   a.rank = g->rank;
@@ -333,8 +334,9 @@ static ncclResult_t create_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGr
   EP_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&g->d_err), g->h_err, 0));
   g->meta_bytes = layout_meta_bytes(g->num_local);
   EP_CUDA(cudaHostAlloc(&g->h_meta, g->meta_bytes, cudaHostAllocDefault));
-  EP_RETURN_IF(alloc_device(g, reinterpret_cast<void**>(&g->d_epoch), sizeof(unsigned long long)));
-  EP_CUDA(cudaMemsetAsync(g->d_epoch, 0, sizeof(unsigned long long), stream));
+  EP_RETURN_IF(alloc_device(g, reinterpret_cast<void**>(&g->d_epoch),
+                            2 * sizeof(unsigned long long)));
+  EP_CUDA(cudaMemsetAsync(g->d_epoch, 0, 2 * sizeof(unsigned long long), stream));
 
   // (3) zero the flags, then make sure every rank did before anyone signals. The same
   // all-gather tells every rank whether every rank got a window: NCCL may register none (and

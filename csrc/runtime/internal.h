@@ -98,7 +98,7 @@ struct ncclEpGroup {
   size_t flags_off = 0, tok_off = 0, prob_off = 0;
   void** d_peers = nullptr;      // device [R]
   std::vector<void*> peers;
-  unsigned long long* d_epoch = nullptr;
+  unsigned long long* d_epoch = nullptr;  // [0] barrier epoch, [1] failed (BarrierArgs)
   nccl_ep::ErrorInfo* h_err = nullptr;  // host-mapped pinned error word
   nccl_ep::ErrorInfo* d_err = nullptr;  // its device alias
   void* h_meta = nullptr;        // pinned readback of LayoutMeta (exact mode)

@@ -76,7 +76,7 @@ void fill_exchange(const ncclEpHandle* h, int chunk_index, ExchangeArgs* e) {
   e->hidden = g->cfg.hidden;
   e->vec = 0;
   e->num_sms = g->num_sms;
-  e->err = g->d_err;
+  e->failed = g->d_epoch + 1;
 }
 
 ncclResult_t check_entry(ncclEpHandle_t handle, const ncclEpOpConfig_t* config, const char* fn) {
