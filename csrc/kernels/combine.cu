@@ -1,11 +1,13 @@
 /*
  * combine.cu: HT combine (DESIGN §4) and the reverse of the probs dispatch.
  *
- *   reduce  (rank d, one warp per (s, t) with a slot on d): partial = round(0.0f + acc(row k0)
- *           + acc(row k1) + ... in ascending k), written into s's staging at [d][t - c0].
+ *   reduce  (rank d, one warp per (s, t), s != d, with a slot on d): partial = round(0.0f +
+ *           acc(row k0) + acc(row k1) + ... in ascending k), written into s's staging at
+ *           [d][t - c0].
  *   (barrier)
  *   gather  (rank s, one warp per token): y[t] = round(0.0f + acc(partial[d0][t]) + ... over the
- *           ranks d ascending that token t has a slot on); a zero row when there is none.
+ *           ranks d ascending that token t has a slot on; partial[s] is computed right here from
+ *           the local rows, the same arithmetic); a zero row when there is none.
  *   probs_send / probs_gather: grad[t, k] = grad_recv[row(s, t, k)] written by the owner rank into
  *           s's prob staging at [t - c0][k]; s copies it out, 0 at masked slots.
  *
@@ -22,6 +24,35 @@ namespace nccl_ep {
 
 constexpr int kLoadsInFlight = 8;  // rows of one token loaded before they are summed
 
+// DESIGN §4 stage 1 for one pack j: round(0 + acc(row 0) + acc(row 1) + ...), rows in ascending
+// k. The loads of up to kLoadsInFlight rows are issued before their adds (latency); the adds stay
+// one chain in the contract's order.
+template <typename T, int N>
+EP_DEVICE Pack<T, N> rows_partial(const Pack<T, N>* src, const int* rows, int n, int packs,
+                                  int j) {
+  float acc[N];
+#pragma unroll
+  for (int q = 0; q < N; ++q) acc[q] = 0.0f;
+  for (int k0 = 0; k0 < n; k0 += kLoadsInFlight) {
+    Pack<T, N> v[kLoadsInFlight];
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u)
+      if (k0 + u < n) v[u] = src[(size_t)rows[k0 + u] * packs + j];
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u)
+      if (k0 + u < n) {
+#pragma unroll
+        for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(v[u].v[q]);
+      }
+  }
+  Pack<T, N> out;
+#pragma unroll
+  for (int q = 0; q < N; ++q) out.v[q] = from_float<T>(acc[q]);
+  return out;
+}
+
+// Stage 1 for the tokens of the other ranks: their partials go to the owner's staging. This
+// rank's own tokens are reduced by the gather kernel itself (no staging round trip).
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a) {
   using P = Pack<T, N>;
@@ -32,62 +63,42 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a)
   const long long warp = (long long)blockIdx.x * kWarps + wid;
   const long long num_warps = (long long)gridDim.x * kWarps;
   const int packs = e.hidden / N;
-  const long long items = (long long)e.num_ranks * e.chunk;
+  const P* src = reinterpret_cast<const P*>(a.expert_out);
+  const long long items = chunk_staged_items(e);
   for (long long i = warp; i < items; i += num_warps) {
     int s, t;
-    if (!staged_token(e, i, &s, &t)) continue;  // warp-uniform
-    const int row = lane < e.topk ? staged_rows(e, s, t)[lane] : -1;
-    const unsigned owned = __ballot_sync(0xffffffffu, row >= 0);
-    if (owned == 0) continue;  // no slot of (s, t) here: nothing to send
-    const unsigned usable = __ballot_sync(0xffffffffu, row >= 0 && row < e.rows);
-    if ((usable >> lane) & 1u) rows_sh[wid][__popc(usable & ((1u << lane) - 1u))] = row;
-    __syncwarp();
-    const int n = __popc(usable);
-    const P* src = reinterpret_cast<const P*>(a.expert_out);
+    if (!staged_token(e, i, &s, &t) || s == e.rank) continue;  // warp-uniform
+    const int n = collect_rows(e, s, t, lane, rows_sh[wid], nullptr);
+    if (n < 0) continue;  // no slot of (s, t) here: nothing to send
     P* dst = reinterpret_cast<P*>(stage_row(e.peers[s], e.tok_off, e.stage_row_bytes,
                                             (long long)e.rank * e.chunk + (t - e.c0)));
-    for (int j = lane; j < packs; j += 32) {
-      float acc[N];
-#pragma unroll
-      for (int q = 0; q < N; ++q) acc[q] = 0.0f;
-      // Loads of up to kLoadsInFlight rows are issued before the adds (latency), the adds stay
-      // one chain in ascending k (DESIGN §4).
-      for (int k0 = 0; k0 < n; k0 += kLoadsInFlight) {
-        P v[kLoadsInFlight];
-#pragma unroll
-        for (int u = 0; u < kLoadsInFlight; ++u)
-          if (k0 + u < n) v[u] = src[(size_t)rows_sh[wid][k0 + u] * packs + j];
-#pragma unroll
-        for (int u = 0; u < kLoadsInFlight; ++u)
-          if (k0 + u < n) {
-#pragma unroll
-            for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(v[u].v[q]);
-          }
-      }
-      P out;
-#pragma unroll
-      for (int q = 0; q < N; ++q) out.v[q] = from_float<T>(acc[q]);
-      dst[j] = out;
-    }
+    for (int j = lane; j < packs; j += 32) dst[j] = rows_partial<T, N>(src, rows_sh[wid], n, packs, j);
     __syncwarp();  // rows_sh is rewritten by the next item
   }
   __threadfence_system();
 }
 
+// Stage 2: y[t] = round(0 + acc(partial[d0]) + acc(partial[d1]) + ...) over the ranks d
+// ascending that token t has a slot on; this rank's partial is computed here (stage 1 rounding
+// included), the others' come from the staging.
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) combine_gather_kernel(CombineArgs a) {
   using P = Pack<T, N>;
   const ExchangeArgs& e = a.ex;
-  const int lane = threadIdx.x & 31;
-  const long long warp = (long long)blockIdx.x * kWarps + (threadIdx.x >> 5);
+  __shared__ int rows_sh[kWarps][kMaxTopk];
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  const long long warp = (long long)blockIdx.x * kWarps + wid;
   const long long num_warps = (long long)gridDim.x * kWarps;
   const int packs = e.hidden / N;
+  const P* src = reinterpret_cast<const P*>(a.expert_out);
   void* self = e.peers[e.rank];
-  int end = e.c0 + e.chunk;
-  if (end > e.num_tokens) end = e.num_tokens;
+  const long long end = e.c0 + chunk_own_tokens(e);
   for (long long t = e.c0 + warp; t < end; t += num_warps) {
     const unsigned long long mask =
         dest_mask(e.own_routing + (size_t)t * e.topk, e.topk, e.num_local, e.num_ranks);
+    int n_own = 0;  // mask is warp-uniform, so collect_rows runs on the whole warp
+    if ((mask >> e.rank) & 1ull)
+      n_own = max(0, collect_rows(e, e.rank, (int)t, lane, rows_sh[wid], nullptr));
     P* dst = reinterpret_cast<P*>(a.y) + (size_t)t * packs;
     for (int j = lane; j < packs; j += 32) {
       float acc[N];
@@ -95,9 +106,13 @@ __global__ void __launch_bounds__(kThreads) combine_gather_kernel(CombineArgs a)
       for (int q = 0; q < N; ++q) acc[q] = 0.0f;
       for (unsigned long long m = mask; m; m &= m - 1) {
         const int d = __ffsll((long long)m) - 1;  // ascending rank order
-        const P* part = reinterpret_cast<const P*>(
-            stage_row(self, e.tok_off, e.stage_row_bytes, (long long)d * e.chunk + (t - e.c0)));
-        const P v = part[j];
+        P v;
+        if (d == e.rank) {
+          v = rows_partial<T, N>(src, rows_sh[wid], n_own, packs, j);
+        } else {
+          v = reinterpret_cast<const P*>(stage_row(self, e.tok_off, e.stage_row_bytes,
+                                                   (long long)d * e.chunk + (t - e.c0)))[j];
+        }
 #pragma unroll
         for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(v.v[q]);
       }
@@ -106,6 +121,7 @@ __global__ void __launch_bounds__(kThreads) combine_gather_kernel(CombineArgs a)
       for (int q = 0; q < N; ++q) out.v[q] = from_float<T>(acc[q]);
       dst[j] = out;
     }
+    __syncwarp();  // rows_sh is rewritten by the next token
   }
 }
 

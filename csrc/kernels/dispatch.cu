@@ -2,14 +2,14 @@
  * dispatch.cu: HT dispatch (DESIGN §3), push style.
  *
  *   send    (source rank s, up to num_sms CTAs, one warp per token): token t is read once and
- *           written once into the staging of every destination rank d it has a slot on, at
- *           [s][t - c0] (through the peer pointer; the local window when d == s), together with
- *           its K probabilities. A token crosses NVLink once per destination rank, never once
- *           per expert.
+ *           written once into the staging of every other destination rank d it has a slot on,
+ *           at [s][t - c0] through the peer pointer, together with its K probabilities. A token
+ *           crosses NVLink once per destination rank, never once per expert.
  *   (barrier)
- *   expand  (destination rank d, one warp per staged token (s, t)): the token is read once and
- *           written to each of its rows here (recv_row[s][t][k]), with prob [s][t - c0][k];
- *           padding rows and the capacity tail get zeros (prob 0), written by the first chunk.
+ *   expand  (destination rank d, one warp per token (s, t) of the chunk): the token is read once
+ *           (from x when s == d, else from the staging) and written to each of its rows here
+ *           (recv_row[s][t][k]), with its prob; padding rows and the capacity tail get zeros
+ *           (prob 0), written by the first chunk.
  *
  * NOTES:
  *  - Rows come from recv_row / src_of_row (layout.cu); nothing here decides placement.
@@ -34,7 +34,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchArgs a)
   if (end > e.num_tokens) end = e.num_tokens;
   for (int t = e.c0 + warp; t < end; t += num_warps) {
     const int* routing = e.own_routing + (size_t)t * e.topk;
-    unsigned long long mask = dest_mask(routing, e.topk, e.num_local, e.num_ranks);
+    // This rank's own rows are expanded straight from x: no staging round trip.
+    unsigned long long mask =
+        dest_mask(routing, e.topk, e.num_local, e.num_ranks) & ~(1ull << e.rank);
     const char* src = reinterpret_cast<const char*>(a.x) + (size_t)t * row_bytes;
     const long long slot = (long long)e.rank * e.chunk + (t - e.c0);
     while (mask) {
@@ -69,18 +71,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_expand_kernel(DispatchArgs 
   for (long long i = warp; i < items; i += num_warps) {
     int s, t;
     if (!staged_token(e, i, &s, &t)) continue;  // warp-uniform
-    const int row = lane < e.topk ? staged_rows(e, s, t)[lane] : -1;
-    const unsigned usable = __ballot_sync(0xffffffffu, row >= 0 && row < e.rows);
-    if (usable == 0) continue;
-    if ((usable >> lane) & 1u) {
-      const int j = __popc(usable & ((1u << lane) - 1u));
-      rows_sh[wid][j] = row;
-      slot_sh[wid][j] = lane;
-    }
-    __syncwarp();
-    const int n = __popc(usable);
+    const int n = collect_rows(e, s, t, lane, rows_sh[wid], slot_sh[wid]);
+    if (n <= 0) continue;
+    // Own tokens come straight from x and probs, the others' from the staging.
+    const bool own = s == e.rank;
     const long long sidx = (long long)s * e.chunk + (t - e.c0);
-    const U* src = reinterpret_cast<const U*>(stage_row(self, e.tok_off, e.stage_row_bytes, sidx));
+    const U* src = reinterpret_cast<const U*>(
+        own ? reinterpret_cast<const char*>(a.x) + (size_t)t * row_bytes
+            : stage_row(self, e.tok_off, e.stage_row_bytes, sidx));
     constexpr int kUnroll = 4;
     for (int j0 = lane; j0 < units; j0 += 32 * kUnroll) {
       U v[kUnroll];
@@ -95,8 +93,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_expand_kernel(DispatchArgs 
       }
     }
     if (a.recv_probs != nullptr && lane < n) {
+      const int k = slot_sh[wid][lane];
       copy_prob(reinterpret_cast<char*>(a.recv_probs) + (size_t)rows_sh[wid][lane] * a.prob_bytes,
-                stage_prob(self, e.prob_off, sidx * e.max_topk + slot_sh[wid][lane]),
+                own ? reinterpret_cast<const char*>(a.probs) + ((size_t)t * e.topk + k) * a.prob_bytes
+                    : stage_prob(self, e.prob_off, sidx * e.max_topk + k),
                 a.prob_bytes);
     }
     __syncwarp();  // rows_sh / slot_sh are rewritten by the next item

@@ -27,11 +27,11 @@ constexpr int kWarps = kThreads / 32;
 
 // Work items of one chunk: own tokens (push and gather side) and staged (s, t) pairs (receive
 // side, every source rank's slice of the staging).
-inline long long chunk_own_tokens(const ExchangeArgs& e) {
+__host__ __device__ inline long long chunk_own_tokens(const ExchangeArgs& e) {
   const long long n = (long long)e.num_tokens - e.c0;
   return n < 0 ? 0 : (n > e.chunk ? e.chunk : n);
 }
-inline long long chunk_staged_items(const ExchangeArgs& e) {
+__host__ __device__ inline long long chunk_staged_items(const ExchangeArgs& e) {
   return (long long)e.num_ranks * e.chunk;
 }
 
@@ -190,6 +190,23 @@ EP_DEVICE bool staged_token(const ExchangeArgs& e, long long i, int* s, int* t) 
 // The slot rows of staged token (s, t) on this rank: recv_row[s][t][0 .. max_topk).
 EP_DEVICE const int* staged_rows(const ExchangeArgs& e, int s, int t) {
   return e.recv_row + ((size_t)s * e.max_tokens + t) * e.max_topk;
+}
+
+// The rows here of staged token (s, t), compacted in ascending k into rows_out[] (and their
+// slots k into slots_out[] when given), skipping rows past the output (capacity overflow,
+// already reported). Returns how many, or -1 when (s, t) has no slot here at all. Warp-wide.
+EP_DEVICE int collect_rows(const ExchangeArgs& e, int s, int t, int lane, int* rows_out,
+                           int* slots_out) {
+  const int row = lane < e.topk ? staged_rows(e, s, t)[lane] : -1;
+  if (__ballot_sync(0xffffffffu, row >= 0) == 0) return -1;
+  const unsigned usable = __ballot_sync(0xffffffffu, row >= 0 && row < e.rows);
+  if ((usable >> lane) & 1u) {
+    const int j = __popc(usable & ((1u << lane) - 1u));
+    rows_out[j] = row;
+    if (slots_out != nullptr) slots_out[j] = lane;
+  }
+  __syncwarp();
+  return __popc(usable);
 }
 
 EP_DEVICE char* stage_row(void* base, size_t tok_off, size_t stage_row_bytes, long long index) {
