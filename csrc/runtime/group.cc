@@ -230,6 +230,27 @@ ncclResult_t barrier(ncclEpGroup* g, int tag, cudaStream_t stream) {
   return ncclSuccess;
 }
 
+// All-gathers one small host record per rank into all[R] over the group's communicator
+// (collective, synchronizes the stream).
+static ncclResult_t host_all_gather(ncclEpGroup* g, const void* mine, size_t bytes, void* all,
+                                    cudaStream_t stream) {
+  void* tmp = nullptr;
+  EP_CUDA(cudaMalloc(&tmp, bytes * g->nranks));
+  char* d_all = reinterpret_cast<char*>(tmp);
+  cudaError_t ce = cudaMemcpyAsync(d_all + bytes * g->rank, mine, bytes, cudaMemcpyHostToDevice,
+                                   stream);
+  ncclResult_t nr = ncclSuccess;
+  if (ce == cudaSuccess)
+    nr = ncclAllGather(d_all + bytes * g->rank, d_all, bytes, ncclUint8, g->comm, stream);
+  if (ce == cudaSuccess && nr == ncclSuccess)
+    ce = cudaMemcpyAsync(all, d_all, bytes * g->nranks, cudaMemcpyDeviceToHost, stream);
+  if (ce == cudaSuccess && nr == ncclSuccess) ce = cudaStreamSynchronize(stream);
+  cudaFree(tmp);
+  EP_CUDA(ce);
+  EP_NCCL(nr);
+  return ncclSuccess;
+}
+
 static ncclResult_t create_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGroupConfig_t* config,
                                  cudaStream_t stream) {
   g->comm = comm;
@@ -274,23 +295,7 @@ static ncclResult_t create_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGr
                        g->capacity, c.expert_alignment, c.num_sms, (long long)c.timeout_ms,
                        (long long)lsa_team_size(comm), runtime_version, chunk};
   std::vector<ConfigRecord> all(R);
-  {
-    void* tmp = nullptr;
-    EP_CUDA(cudaMalloc(&tmp, sizeof(ConfigRecord) * (R + 1)));
-    ConfigRecord* d_all = reinterpret_cast<ConfigRecord*>(tmp);
-    cudaError_t ce = cudaMemcpyAsync(d_all + g->rank, &mine, sizeof(mine),
-                                     cudaMemcpyHostToDevice, stream);
-    ncclResult_t nr = ncclSuccess;
-    if (ce == cudaSuccess)
-      nr = ncclAllGather(d_all + g->rank, d_all, sizeof(ConfigRecord), ncclUint8, comm, stream);
-    if (ce == cudaSuccess && nr == ncclSuccess)
-      ce = cudaMemcpyAsync(all.data(), d_all, sizeof(ConfigRecord) * R, cudaMemcpyDeviceToHost,
-                           stream);
-    if (ce == cudaSuccess && nr == ncclSuccess) ce = cudaStreamSynchronize(stream);
-    cudaFree(tmp);
-    EP_CUDA(ce);
-    EP_NCCL(nr);
-  }
+  EP_RETURN_IF(host_all_gather(g, &mine, sizeof(mine), all.data(), stream));
   for (int r = 0; r < R; ++r) {
     const long long* a = reinterpret_cast<const long long*>(&all[r]);
     const long long* b = reinterpret_cast<const long long*>(&mine);
@@ -344,23 +349,8 @@ static ncclResult_t create_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGr
   EP_CUDA(cudaMemsetAsync(reinterpret_cast<char*>(g->win_buf) + g->flags_off, 0, kFlagsBytes,
                           stream));
   std::vector<int> window_ok(R);
-  {
-    const int mine_ok = g->win_is_local || g->win != nullptr;
-    void* tmp = nullptr;
-    EP_CUDA(cudaMalloc(&tmp, sizeof(int) * (R + 1)));
-    int* d_ok = reinterpret_cast<int*>(tmp);
-    cudaError_t ce = cudaMemcpyAsync(d_ok + g->rank, &mine_ok, sizeof(int),
-                                     cudaMemcpyHostToDevice, stream);
-    ncclResult_t nr = ncclSuccess;
-    if (ce == cudaSuccess) nr = ncclAllGather(d_ok + g->rank, d_ok, 1, ncclInt32, comm, stream);
-    if (ce == cudaSuccess && nr == ncclSuccess)
-      ce = cudaMemcpyAsync(window_ok.data(), d_ok, sizeof(int) * R, cudaMemcpyDeviceToHost,
-                           stream);
-    if (ce == cudaSuccess && nr == ncclSuccess) ce = cudaStreamSynchronize(stream);
-    cudaFree(tmp);
-    EP_CUDA(ce);
-    EP_NCCL(nr);
-  }
+  const int mine_ok = g->win_is_local || g->win != nullptr;
+  EP_RETURN_IF(host_all_gather(g, &mine_ok, sizeof(mine_ok), window_ok.data(), stream));
   for (int r = 0; r < R; ++r) {
     EP_CHECK(window_ok[r], ncclInvalidUsage,
              "NCCL registered no symmetric memory window on rank %d (symmetric memory is "
