@@ -816,7 +816,7 @@ def _section_megatron(me: _Rank) -> None:
         me.attempt(f"{name}.fwd_bwd", lambda: me.measure(
             f"{name}.fwd_bwd", fwd_bwd, mode="e2e", setup=leaf_inputs))
         state.clear()
-        del dispatcher
+        dispatcher = None  # noqa: F841 - drop it (and its handles) before the next one
     if "nccl_ep" in args.megatron_dispatchers:
         from .dispatcher import destroy_groups
 

@@ -207,7 +207,7 @@ def combine(problem: Problem, expert_out: list, source: int, alignment: int = 1,
     """
     dtype = expert_out[0].dtype
     acc = acc_dtype if acc_dtype is not None else acc_dtype_for(dtype)
-    R, L, K = problem.world_size, problem.num_local_experts, problem.topk
+    R, K = problem.world_size, problem.topk
     idx = problem.topk_idx[source].to(torch.int64)
     T, H = idx.shape[0], expert_out[0].shape[1]
     # row_of[d][t, k]: the row of (source, t, k) on rank d, or -1.
