@@ -525,6 +525,26 @@ def _device_info(me: _Rank) -> dict:
 # section: ceilings
 
 
+_copy_kernel = None
+
+
+def _persistent_copy_kernel():
+    """A Triton copy whose programs loop over 16 KB blocks, so the grid size is the SM count."""
+    global _copy_kernel
+    if _copy_kernel is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def persistent_copy(src, dst, n_blocks, BLOCK: tl.constexpr):
+            for b in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+                offs = b * BLOCK + tl.arange(0, BLOCK)
+                tl.store(dst + offs, tl.load(src + offs))
+
+        _copy_kernel = persistent_copy
+    return _copy_kernel
+
+
 def _section_ceilings(me: _Rank) -> None:
     torch, args = me.torch, me.args
     nbytes = args.copy_mib * 2**20
@@ -539,6 +559,21 @@ def _section_ceilings(me: _Rank) -> None:
                    collective=False, extra={"phys_bytes": 2.0 * nbytes})
 
     me.attempt("hbm_copy", hbm_copy)
+
+    def hbm_copy_sm_budget():
+        # The same copy from only num_sms SMs (one persistent program per SM): the HBM rate our
+        # kernels can reach inside their SM budget.
+        src = random_bytes(me.device).view(torch.int32)
+        dst = torch.empty_like(src)
+        copy = _persistent_copy_kernel()
+        block = 4096  # int32 elements: 16 KB per program step
+        grid = (args.num_sms,)
+        me.measure(f"HBM copy, read+write, {args.num_sms} SMs (per GPU)",
+                   lambda i: copy[grid](src, dst, src.numel() // block, BLOCK=block, num_warps=16),
+                   mode="kernel", collective=False, extra={"phys_bytes": 2.0 * nbytes})
+
+    if me.cuda:
+        me.attempt("hbm_copy_sm_budget", hbm_copy_sm_budget)
 
     def peer_copy(all_ranks: bool):
         # The copy engine between two GPUs (cross-device copy_ is a peer memcpy in torch).
