@@ -79,25 +79,18 @@ __global__ void __launch_bounds__(kThreads) dispatch_expand_kernel(DispatchArgs 
     const U* src = reinterpret_cast<const U*>(
         own ? reinterpret_cast<const char*>(a.x) + (size_t)t * row_bytes
             : stage_row(self, e.tok_off, e.stage_row_bytes, sidx));
-    // Software-pipelined: the loads of the next step are in flight while this step's packs are
-    // stored to the token's rows.
-    constexpr int kUnroll = 4, kStep = 32 * kUnroll;
-    U v[kUnroll], next[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (lane + 32 * u < units) v[u] = src[lane + 32 * u];
-    for (int j0 = lane; j0 < units; j0 += kStep) {
+    constexpr int kUnroll = 4;
+    for (int j0 = lane; j0 < units; j0 += 32 * kUnroll) {
+      U v[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-        if (j0 + kStep + 32 * u < units) next[u] = src[j0 + kStep + 32 * u];
+        if (j0 + 32 * u < units) v[u] = src[j0 + 32 * u];
       for (int k = 0; k < n; ++k) {
         U* dst = reinterpret_cast<U*>(recv_x + (size_t)rows_sh[wid][k] * row_bytes);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
           if (j0 + 32 * u < units) dst[j0 + 32 * u] = v[u];
       }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = next[u];
     }
     if (a.recv_probs != nullptr && lane < n) {
       const int k = slot_sh[wid][lane];
