@@ -152,7 +152,8 @@ class CudaBackend:
             recv_probs = torch.empty(n, dtype=probs.dtype, device=x.device)
             probs_ptr, probs_code = probs.data_ptr(), _dtype_code(probs.dtype)
         _call(_C.dispatch, state.ptr, x.data_ptr(), state.num_tokens, hidden,
-              _dtype_code(x.dtype), probs_ptr, probs_code, state.topk, recv_x.data_ptr(), n,
+              _dtype_code(x.dtype), probs is not None, probs_ptr, probs_code, state.topk,
+              recv_x.data_ptr(), n,
               recv_probs.data_ptr() if recv_probs is not None else 0, self._stream())
         return recv_x, recv_probs
 

@@ -204,21 +204,24 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "dispatch",
       [](uintptr_t handle, uintptr_t x, int64_t num_tokens, int64_t hidden, int dtype,
-         uintptr_t probs, int probs_dtype, int64_t topk, uintptr_t recv_x, int64_t num_recv,
-         uintptr_t recv_probs, uintptr_t stream) {
-        ncclEpDispatchInputs_t in{};
+         bool has_probs, uintptr_t probs, int probs_dtype, int64_t topk, uintptr_t recv_x,
+         int64_t num_recv, uintptr_t recv_probs, uintptr_t stream) {
+        ncclEpDispatchInputs_t in{};  // topk_weights / recv_topk_weights: ndim 0 = no probs
         ncclEpDispatchOutputs_t out{};
         in.tokens = tensor2d(x, num_tokens, hidden, dtype, NCCL_EP_TENSOR_TOKENS);
-        in.topk_weights = tensor2d(probs, num_tokens, topk, probs_dtype,
-                                   NCCL_EP_TENSOR_TOPK_WEIGHTS);
         out.recv_tokens = tensor2d(recv_x, num_recv, hidden, dtype, NCCL_EP_TENSOR_TOKENS);
-        out.recv_topk_weights = tensor1d(recv_probs, num_recv, probs_dtype,
-                                         NCCL_EP_TENSOR_TOPK_WEIGHTS);
+        if (has_probs) {
+          in.topk_weights = tensor2d(probs, num_tokens, topk, probs_dtype,
+                                     NCCL_EP_TENSOR_TOPK_WEIGHTS);
+          out.recv_topk_weights = tensor1d(recv_probs, num_recv, probs_dtype,
+                                           NCCL_EP_TENSOR_TOPK_WEIGHTS);
+        }
         check(ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, nullptr, as_stream(stream)),
               "ncclEpDispatch");
       },
       py::arg("handle"), py::arg("x"), py::arg("num_tokens"), py::arg("hidden"), py::arg("dtype"),
-      py::arg("probs"), py::arg("probs_dtype"), py::arg("topk"), py::arg("recv_x"),
+      py::arg("has_probs"), py::arg("probs"), py::arg("probs_dtype"), py::arg("topk"),
+      py::arg("recv_x"),
       py::arg("num_recv"), py::arg("recv_probs"), py::arg("stream"),
       py::call_guard<py::gil_scoped_release>());
   m.def(

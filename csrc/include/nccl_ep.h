@@ -106,12 +106,13 @@ typedef struct {
 /* Dispatch: tokens (and optionally their routing weights) to the expert-major layout. */
 typedef struct {
   ncclEpTensor_t tokens;        /* TOKENS [T, H], T as in the handle */
-  ncclEpTensor_t topk_weights;  /* TOPK_WEIGHTS [T, K]; data NULL = no weights */
+  ncclEpTensor_t topk_weights;  /* TOPK_WEIGHTS [T, K]; ndim 0 = no weights (an empty tensor's
+                                  data may be NULL, so NULL does not mean absent) */
 } ncclEpDispatchInputs_t;
 
 typedef struct {
   ncclEpTensor_t recv_tokens;        /* TOKENS [N, H] (N = num recv tokens, or capacity) */
-  ncclEpTensor_t recv_topk_weights;  /* TOPK_WEIGHTS [N], dtype of topk_weights; NULL if none */
+  ncclEpTensor_t recv_topk_weights;  /* TOPK_WEIGHTS [N], dtype of topk_weights; ndim 0 if none */
 } ncclEpDispatchOutputs_t;
 
 /* Combine: expert outputs in the layout back to the source tokens, unweighted (DESIGN §4). */

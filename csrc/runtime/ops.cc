@@ -101,7 +101,9 @@ extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispat
   const long long T = handle->num_tokens, H = g->cfg.hidden, N = handle->num_recv;
   EP_RETURN_IF(check_tensor(inputs->tokens, "x", T, H, g->cfg.token_dtype));
   EP_RETURN_IF(check_tensor(outputs->recv_tokens, "recv_x", N, H, g->cfg.token_dtype));
-  const bool with_probs = inputs->topk_weights.data != nullptr;
+  // Presence is ndim, not data: a rank with no tokens passes an empty probs tensor (data may be
+  // NULL) and must still write the probs of the rows it receives.
+  const bool with_probs = inputs->topk_weights.ndim != 0;
   int prob_bytes = 4;
   if (with_probs) {
     const ncclDataType_t pd = inputs->topk_weights.dtype;
