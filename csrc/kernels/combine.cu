@@ -23,32 +23,46 @@
 namespace nccl_ep {
 
 constexpr int kLoadsInFlight = 8;  // rows of one token loaded before they are summed
+constexpr int kPacksPerLane = 2;   // packs j, j + 32 of those rows, loaded together
 
-// DESIGN §4 stage 1 for one pack j: round(0 + acc(row 0) + acc(row 1) + ...), rows in ascending
-// k. The loads of up to kLoadsInFlight rows are issued before their adds (latency); the adds stay
-// one chain in the contract's order.
+// DESIGN §4 stage 1 for the packs j0 + 32 * p (p < kPacksPerLane, those < packs) of one token:
+// out[p] = round(0 + acc(row 0) + acc(row 1) + ...), rows in ascending k. Up to kLoadsInFlight x
+// kPacksPerLane loads are issued before their adds (the combine is bound by loads in flight per
+// SM); the adds of each element stay one chain in the contract's order.
 template <typename T, int N>
-EP_DEVICE Pack<T, N> rows_partial(const Pack<T, N>* src, const int* rows, int n, int packs,
-                                  int j) {
-  float acc[N];
+EP_DEVICE void rows_partial(const Pack<T, N>* src, const int* rows, int n, int packs, int j0,
+                            Pack<T, N> (&out)[kPacksPerLane]) {
+  float acc[kPacksPerLane][N];
 #pragma unroll
-  for (int q = 0; q < N; ++q) acc[q] = 0.0f;
+  for (int p = 0; p < kPacksPerLane; ++p)
+#pragma unroll
+    for (int q = 0; q < N; ++q) acc[p][q] = 0.0f;
+  int live = 0;  // packs of this lane that exist (the row's last step may hold fewer)
+#pragma unroll
+  for (int p = 0; p < kPacksPerLane; ++p) live += j0 + 32 * p < packs;
   for (int k0 = 0; k0 < n; k0 += kLoadsInFlight) {
-    Pack<T, N> v[kLoadsInFlight];
+    Pack<T, N> v[kLoadsInFlight][kPacksPerLane];
 #pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u)
-      if (k0 + u < n) v[u] = src[(size_t)rows[k0 + u] * packs + j];
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      if (k0 + u >= n) break;
+      const Pack<T, N>* row = src + (size_t)rows[k0 + u] * packs + j0;
 #pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u)
-      if (k0 + u < n) {
+      for (int p = 0; p < kPacksPerLane; ++p)
+        if (p < live) v[u][p] = row[32 * p];
+    }
 #pragma unroll
-        for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(v[u].v[q]);
-      }
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      if (k0 + u >= n) break;
+#pragma unroll
+      for (int p = 0; p < kPacksPerLane; ++p)
+#pragma unroll
+        for (int q = 0; q < N; ++q) acc[p][q] = acc[p][q] + to_float<T>(v[u][p].v[q]);
+    }
   }
-  Pack<T, N> out;
 #pragma unroll
-  for (int q = 0; q < N; ++q) out.v[q] = from_float<T>(acc[q]);
-  return out;
+  for (int p = 0; p < kPacksPerLane; ++p)
+#pragma unroll
+    for (int q = 0; q < N; ++q) out[p].v[q] = from_float<T>(acc[p][q]);
 }
 
 // Stage 1 for the tokens of the other ranks: their partials go to the owner's staging. This
@@ -72,7 +86,13 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a)
     if (n < 0) continue;  // no slot of (s, t) here: nothing to send
     P* dst = reinterpret_cast<P*>(stage_row(e.peers[s], e.tok_off, e.stage_row_bytes,
                                             (long long)e.rank * e.chunk + (t - e.c0)));
-    for (int j = lane; j < packs; j += 32) dst[j] = rows_partial<T, N>(src, rows_sh[wid], n, packs, j);
+    for (int j0 = lane; j0 < packs; j0 += 32 * kPacksPerLane) {
+      P v[kPacksPerLane];
+      rows_partial<T, N>(src, rows_sh[wid], n, packs, j0, v);
+#pragma unroll
+      for (int p = 0; p < kPacksPerLane; ++p)
+        if (j0 + 32 * p < packs) dst[j0 + 32 * p] = v[p];
+    }
     __syncwarp();  // rows_sh is rewritten by the next item
   }
   __threadfence_system();
@@ -100,26 +120,37 @@ __global__ void __launch_bounds__(kThreads) combine_gather_kernel(CombineArgs a)
     if ((mask >> e.rank) & 1ull)
       n_own = max(0, collect_rows(e, e.rank, (int)t, lane, rows_sh[wid], nullptr));
     P* dst = reinterpret_cast<P*>(a.y) + (size_t)t * packs;
-    for (int j = lane; j < packs; j += 32) {
-      float acc[N];
+    for (int j0 = lane; j0 < packs; j0 += 32 * kPacksPerLane) {
+      float acc[kPacksPerLane][N];
 #pragma unroll
-      for (int q = 0; q < N; ++q) acc[q] = 0.0f;
+      for (int p = 0; p < kPacksPerLane; ++p)
+#pragma unroll
+        for (int q = 0; q < N; ++q) acc[p][q] = 0.0f;
       for (unsigned long long m = mask; m; m &= m - 1) {
         const int d = __ffsll((long long)m) - 1;  // ascending rank order
-        P v;
+        P v[kPacksPerLane];
         if (d == e.rank) {
-          v = rows_partial<T, N>(src, rows_sh[wid], n_own, packs, j);
+          rows_partial<T, N>(src, rows_sh[wid], n_own, packs, j0, v);
         } else {
-          v = reinterpret_cast<const P*>(stage_row(self, e.tok_off, e.stage_row_bytes,
-                                                   (long long)d * e.chunk + (t - e.c0)))[j];
+          const P* partial = reinterpret_cast<const P*>(
+              stage_row(self, e.tok_off, e.stage_row_bytes, (long long)d * e.chunk + (t - e.c0)));
+#pragma unroll
+          for (int p = 0; p < kPacksPerLane; ++p)
+            if (j0 + 32 * p < packs) v[p] = partial[j0 + 32 * p];
         }
 #pragma unroll
-        for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(v.v[q]);
-      }
-      P out;
+        for (int p = 0; p < kPacksPerLane; ++p)
 #pragma unroll
-      for (int q = 0; q < N; ++q) out.v[q] = from_float<T>(acc[q]);
-      dst[j] = out;
+          for (int q = 0; q < N; ++q) acc[p][q] = acc[p][q] + to_float<T>(v[p].v[q]);
+      }
+#pragma unroll
+      for (int p = 0; p < kPacksPerLane; ++p) {
+        if (j0 + 32 * p >= packs) continue;
+        P out;
+#pragma unroll
+        for (int q = 0; q < N; ++q) out.v[q] = from_float<T>(acc[p][q]);
+        dst[j0 + 32 * p] = out;
+      }
     }
     __syncwarp();  // rows_sh is rewritten by the next token
   }
