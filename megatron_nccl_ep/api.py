@@ -13,9 +13,12 @@ device so that capacity mode never synchronizes the host.
 Backend protocol (both backends implement it; ``state`` is backend-private):
 
 * ``Backend(config: GroupConfig, process_group)``: collective;
-* ``create_handle(topk_idx) -> state``: collective; ``state.num_recv_tokens`` (int: N_d in exact
-  mode, the capacity in capacity mode), ``state.tokens_per_expert`` (int64 ``[L]``: CPU tensor in
-  exact mode, on the group's device in capacity mode);
+* ``create_handle(routing, from_map) -> state``: collective; ``routing`` is ``topk_idx [T, K]``
+  or, with ``from_map``, a ``routing_map [T, E]`` (see ``Group.create_handle``);
+  ``state.num_recv_tokens`` (int: N_d in exact mode, the capacity in capacity mode),
+  ``state.tokens_per_expert`` (int64 ``[L]``: CPU tensor in exact mode, on the group's device in
+  capacity mode);
+* ``topk_idx(state) -> [T, K]`` int64 on the group's device: the routing as top-k ids;
 * ``dispatch(state, x, probs) -> (recv_x [N, H], recv_probs [N] or None)``: collective;
 * ``combine(state, expert_out [N, H]) -> y [T, H]``: collective;
 * ``combine_probs(state, grad_recv_probs [N]) -> grad_probs [T, K]``: collective;
@@ -88,11 +91,13 @@ def capacity_from_factor(capacity_factor: float, max_tokens_per_rank: int, max_t
     return rows + num_local_experts * (expert_alignment - 1)
 
 
-def shape_error(topk_idx: torch.Tensor, config: GroupConfig) -> Optional[str]:
-    """The problem with one rank's ``topk_idx`` shape against the group's bounds, or None."""
+def shape_error(topk_idx: torch.Tensor, config: GroupConfig,
+                name: str = "topk_idx") -> Optional[str]:
+    """The problem with one rank's routing shape (``topk_idx [T, K]``, or the ``[T, max_topk]``
+    top-k form of a routing map, ``name``) against the group's bounds, or None."""
     tokens, topk = topk_idx.shape
     if tokens > config.max_tokens_per_rank:
-        return (f"topk_idx has {tokens} tokens, more than max_tokens_per_rank="
+        return (f"{name} has {tokens} tokens, more than max_tokens_per_rank="
                 f"{config.max_tokens_per_rank} of this group")
     if not 1 <= topk <= config.max_topk:
         return f"topk_idx has top-k {topk}, expected 1 <= top-k <= max_topk={config.max_topk}"
@@ -197,14 +202,27 @@ class Group:
                         f"{name} must have shape {tuple('*' if s is None else s for s in shape)},"
                         f" got {tuple(t.shape)}")
 
-    def create_handle(self, topk_idx: torch.Tensor) -> "Handle":
-        """Collective: exchange the routing ``topk_idx [T, K]`` (int64/int32, -1 = masked)."""
+    def create_handle(self, topk_idx: Optional[torch.Tensor] = None, *,
+                      routing_map: Optional[torch.Tensor] = None) -> "Handle":
+        """Collective: exchange one forward pass's routing, given as ``topk_idx [T, K]``
+        (int64/int32, -1 = masked) or as a router's ``routing_map [T, E]`` (bool). A routing map
+        fills ``K = max_topk`` slots per token with its routed experts in ascending order (-1
+        after the last; ``Handle.topk_idx`` returns them, the order probabilities must follow); a
+        token with more than ``max_topk`` routed experts is an error."""
         self._require_alive()
-        self._check_tensor("topk_idx", topk_idx, 2, INDEX_DTYPES)
+        if (topk_idx is None) == (routing_map is None):
+            raise TypeError("create_handle takes exactly one of topk_idx and routing_map")
+        if routing_map is not None:
+            self._check_tensor("routing_map", routing_map, 2, (torch.bool,),
+                               (None, self.config.num_experts))
+            routing, topk = routing_map, self.config.max_topk
+        else:
+            self._check_tensor("topk_idx", topk_idx, 2, INDEX_DTYPES)
+            routing, topk = topk_idx, topk_idx.shape[1]
         # Bounds on T and K are checked by the backends inside the collective (see
         # shape_error), so that every rank raises together instead of leaving peers waiting.
-        tokens, topk = topk_idx.shape
-        return Handle(self, self._backend.create_handle(topk_idx.contiguous()), tokens, topk)
+        state = self._backend.create_handle(routing.contiguous(), routing_map is not None)
+        return Handle(self, state, routing.shape[0], topk)
 
     def destroy(self) -> None:
         """Frees the backend's shared resources. Handles must not be used afterwards."""
@@ -241,6 +259,16 @@ class Handle:
         self.num_tokens, self.topk = num_tokens, topk
         self.num_recv_tokens = int(state.num_recv_tokens)
         self.tokens_per_expert = state.tokens_per_expert
+        self._topk_idx = None
+
+    @property
+    def topk_idx(self) -> torch.Tensor:
+        """This rank's routing as top-k ids, ``[T, K]`` int64 on the group's device (-1 =
+        masked): for a handle made from a routing map, the slots its probabilities take."""
+        self._require_alive()
+        if self._topk_idx is None:
+            self._topk_idx = self.group._backend.topk_idx(self._state)
+        return self._topk_idx
 
     def _check_x(self, name: str, x: torch.Tensor) -> None:
         cfg = self.group.config

@@ -116,10 +116,11 @@ class CudaBackend:
         return torch.cuda.current_stream(self.device).cuda_stream
 
     # -- handles -------------------------------------------------------------------------------
-    def create_handle(self, topk_idx: torch.Tensor) -> CudaHandleState:
-        tokens, topk = topk_idx.shape
-        ptr = _call(_C.create_handle, self._group, topk_idx.data_ptr(), tokens, topk,
-                    _dtype_code(topk_idx.dtype), self._stream())
+    def create_handle(self, routing: torch.Tensor, from_map: bool) -> CudaHandleState:
+        tokens, cols = routing.shape
+        topk = self.config.max_topk if from_map else cols
+        ptr = _call(_C.create_handle, self._group, routing.data_ptr(), tokens, cols,
+                    _dtype_code(routing.dtype), from_map, self._stream())
         self._handles.add(ptr)
         try:
             num_recv = _call(_C.handle_num_recv_tokens, ptr)
@@ -135,6 +136,12 @@ class CudaBackend:
             _C.handle_destroy(ptr)
             raise
         return CudaHandleState(ptr, int(num_recv), tpe, tokens, topk)
+
+    def topk_idx(self, state: CudaHandleState) -> torch.Tensor:
+        out = torch.empty((state.num_tokens, state.topk), dtype=torch.int64, device=self.device)
+        _call(_C.handle_topk_idx, state.ptr, out.data_ptr(), state.num_tokens, state.topk,
+              _dtype_code(torch.int64), self._stream())
+        return out
 
     def destroy_handle(self, state: CudaHandleState) -> None:
         if state.ptr and state.ptr in self._handles:

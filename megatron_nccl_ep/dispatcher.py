@@ -115,27 +115,6 @@ def destroy_groups() -> None:
         _groups.popitem()[1].destroy()
 
 
-def routing_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
-    """Dense router output ``routing_map [T, E]`` (bool), ``probs [T, E]`` -> ``topk_idx [T, K]``
-    (int64, each token's experts ascending, -1 in unused slots) and ``topk_probs [T, K]`` gathered
-    from ``probs`` (so the dense probs receive the gradient; 0 in unused slots).
-
-    A routed expert's slot is the count of routed experts up to it (a prefix sum), so a scatter
-    places it: no sort or top-k (which costs ~150 us at 4096 x 256 on an H200)."""
-    tokens, num_experts = routing_map.shape
-    slot = torch.cumsum(routing_map, dim=1) - 1
-    # Unrouted experts (and any beyond top-k, which Megatron's top-k router never produces) go
-    # to a spare column that is dropped.
-    slot = torch.where(routing_map & (slot < topk), slot, topk)
-    expert_ids = torch.arange(num_experts, device=routing_map.device).expand(tokens, -1)
-    topk_idx = torch.full((tokens, topk + 1), -1, dtype=torch.int64, device=routing_map.device)
-    topk_idx = topk_idx.scatter_(1, slot, expert_ids)[:, :topk]
-    routed = topk_idx >= 0
-    topk_probs = probs.gather(1, topk_idx.clamp(min=0)).masked_fill(~routed, 0)
-    topk_idx = topk_idx.contiguous()
-    return topk_idx, topk_probs
-
-
 class NcclEpTokenDispatcher(MoETokenDispatcher):
     """Token dispatcher for ``--moe-token-dispatcher-type nccl_ep``.
 
@@ -173,7 +152,6 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         self.num_experts = num_experts
         self.topk = config.moe_router_topk
         self.hidden_shape = None
-        self._topk_idx = None
         self._handle = None
 
     def options(self) -> NcclEpOptions:
@@ -181,20 +159,22 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
                             probs: torch.Tensor):
-        """[S, B, H] -> [T, H]; dense routing -> (topk_idx, topk_probs). No communication."""
+        """[S, B, H] -> [T, H]; creates this forward's Handle straight from the dense routing map
+        (the routing exchange, like the metadata exchange of Megatron's own preprocess) and picks
+        each token's probs in the handle's slot order: [T, E] -> [T, K]."""
         self.hidden_shape = hidden_states.shape
         hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
-        self._topk_idx, topk_probs = routing_to_topk(
-            routing_map.reshape(-1, self.num_experts), probs.reshape(-1, self.num_experts),
-            self.topk)
+        group = _group_for(self.ep_group, self.num_experts, self.topk, hidden_states,
+                           self.options())
+        self._handle = group.create_handle(routing_map=routing_map.reshape(-1, self.num_experts))
+        # Masked slots (-1) gather expert 0's prob: dispatch sends no row for them, and their
+        # gradient (combine_probs) is 0, so the dense probs get exactly the routed gradients.
+        topk_probs = probs.reshape(-1, self.num_experts).gather(
+            1, self._handle.topk_idx.clamp(min=0))
         return hidden_states, topk_probs
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Creates this forward's Handle (the routing exchange) and dispatches tokens and probs."""
-        group = _group_for(self.ep_group, self.num_experts, self.topk, hidden_states,
-                           self.options())
-        self._handle = group.create_handle(self._topk_idx)
-        self._topk_idx = None
+        """Dispatches tokens and their probs with this forward's Handle."""
         return dispatch(self._handle, hidden_states, probs)
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):

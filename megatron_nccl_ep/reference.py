@@ -28,12 +28,34 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def routing_error(topk_idx: torch.Tensor, num_experts: int) -> Optional[str]:
+def routing_map_to_topk(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+    """``routing_map [T, E]`` (bool) -> ``[T, topk]`` int64: each token's routed experts in
+    ascending order, -1 after the last. A token with n > topk routed experts holds ``-1 - n`` in
+    its last slot (below -1: ``routing_error`` reports it), as the CUDA backend's record does."""
+    tokens, num_experts = routing_map.shape
+    slot = torch.cumsum(routing_map, dim=1) - 1
+    # Unrouted experts (and those past the topk-th) go to a spare column that is dropped.
+    slot = torch.where(routing_map & (slot < topk), slot, topk)
+    experts = torch.arange(num_experts, device=routing_map.device).expand(tokens, -1)
+    topk_idx = torch.full((tokens, topk + 1), -1, dtype=torch.int64, device=routing_map.device)
+    topk_idx = topk_idx.scatter_(1, slot, experts)[:, :topk].contiguous()
+    routed = routing_map.sum(1)
+    over = routed > topk
+    topk_idx[over, topk - 1] = -1 - routed[over]
+    return topk_idx
+
+
+def routing_error(topk_idx: torch.Tensor, num_experts: int,
+                  from_map: bool = False) -> Optional[str]:
     """The first problem with one rank's routing, or None: an expert id outside [-1, E), or a
-    token naming the same expert twice."""
+    token naming the same expert twice; for the top-k form of a routing map, a token with more
+    routed experts than slots."""
     bad = (topk_idx < -1) | (topk_idx >= num_experts)
     if bool(bad.any()):
         t, k = (int(v) for v in bad.nonzero()[0])
+        if from_map:
+            return (f"routing_map row {t} routes to {-1 - int(topk_idx[t, k])} experts, more "
+                    f"than max_topk={topk_idx.shape[1]} of this group")
         return (f"topk_idx[{t}, {k}] = {int(topk_idx[t, k])} is out of range: expert ids must be "
                 f"in [-1, {num_experts}) (-1 = masked slot)")
     if topk_idx.shape[1] > 1:
@@ -102,12 +124,17 @@ class ReferenceBackend:
         raise exc_type(messages[first] + where)
 
     # -- handle ------------------------------------------------------------------------------------
-    def create_handle(self, topk_idx: torch.Tensor) -> ReferenceHandleState:
+    def create_handle(self, routing: torch.Tensor, from_map: bool) -> ReferenceHandleState:
         cfg, R, L = self.config, self.world_size, self.num_local_experts
-        device = topk_idx.device
-        topk_idx = topk_idx.to(torch.int64)
+        device = routing.device
+        if from_map:
+            topk_idx = routing_map_to_topk(routing, cfg.max_topk)
+        else:
+            topk_idx = routing.to(torch.int64)
         tokens, topk = topk_idx.shape
-        error = shape_error(topk_idx, cfg) or routing_error(topk_idx, cfg.num_experts)
+        name = "routing_map" if from_map else "topk_idx"
+        error = (shape_error(topk_idx, cfg, name)
+                 or routing_error(topk_idx, cfg.num_experts, from_map))
         shapes = self._all_gather(torch.tensor([tokens, topk, error is not None],
                                                dtype=torch.int64, device=device)).tolist()
         self._raise_agreed_error(error, any(bad for _, _, bad in shapes), ValueError)
@@ -166,6 +193,9 @@ class ReferenceBackend:
                              else tokens_per_expert.to(device))
         return ReferenceHandleState(num_recv, tokens_per_expert, topk_idx, send_tokens,
                                     recv_counts, recv_rows)
+
+    def topk_idx(self, state: ReferenceHandleState) -> torch.Tensor:
+        return state.topk_idx
 
     def destroy_handle(self, state: ReferenceHandleState) -> None:
         pass

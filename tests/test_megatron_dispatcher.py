@@ -19,8 +19,7 @@ from megatron.core.transformer import TransformerConfig
 
 import dist
 import megatron_nccl_ep
-from megatron_nccl_ep.dispatcher import (NcclEpOptions, NcclEpTokenDispatcher, destroy_groups,
-                                         routing_to_topk)
+from megatron_nccl_ep.dispatcher import NcclEpOptions, NcclEpTokenDispatcher, destroy_groups
 from megatron_nccl_ep.router import DeviceLocalTopKRouter
 
 megatron_nccl_ep.register()
@@ -187,25 +186,44 @@ def test_options_reject_bad_values(field, value):
         NcclEpOptions(**{field: value})
 
 
-def test_routing_to_topk_matches_a_loop(seed):
-    torch.manual_seed(seed)
+def preprocess_case(seed: int) -> bool:
+    """The dispatcher makes its handle straight from Megatron's dense routing map: each token's
+    routed experts fill its slots in ascending order (fewer than top-k here: a dropping router),
+    the probs follow them, and the dense probs get exactly the gradients of their rows."""
     tokens, experts, topk = 40, 10, 4
-    scores = torch.rand(tokens, experts, dtype=torch.float64)
-    # Between 0 and top-k experts per token, at random positions.
-    counts = torch.randint(0, topk + 1, (tokens,))
-    ranks = scores.argsort(dim=1, descending=True).argsort(dim=1)
-    routing_map = ranks < counts[:, None]
-    probs = (scores * routing_map).requires_grad_()
-    topk_idx, topk_probs = routing_to_topk(routing_map, probs, topk)
-    for t in range(tokens):
-        experts_t = routing_map[t].nonzero().flatten().tolist()
-        assert topk_idx[t].tolist() == experts_t + [-1] * (topk - len(experts_t))
-        want = [probs[t, e].item() for e in experts_t] + [0.0] * (topk - len(experts_t))
-        assert topk_probs[t].tolist() == want
-    weights = torch.randn(tokens, topk, dtype=torch.float64)
-    (topk_probs * weights).sum().backward()
-    want_grad = torch.zeros(tokens, experts, dtype=torch.float64)
-    valid = topk_idx >= 0
-    want_grad[torch.arange(tokens)[:, None].expand(-1, topk)[valid], topk_idx[valid]] = \
-        weights[valid]
-    assert torch.equal(probs.grad, want_grad)
+    with megatron_on_cpu(1):
+        torch.manual_seed(seed)
+        layer = moe_layer("nccl_ep", experts, topk)
+        layer.config.nccl_ep_options = NcclEpOptions(backend="torch")
+        dispatcher = layer.token_dispatcher
+        scores = torch.rand(tokens, experts, dtype=torch.float64)
+        counts = torch.randint(0, topk + 1, (tokens,))
+        routing_map = scores.argsort(dim=1, descending=True).argsort(dim=1) < counts[:, None]
+        probs = (scores * routing_map).requires_grad_()
+        hidden = torch.randn(tokens, 1, HIDDEN, dtype=torch.float64)
+        h, topk_probs = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
+        topk_idx = dispatcher._handle.topk_idx
+        for t in range(tokens):
+            experts_t = routing_map[t].nonzero().flatten().tolist()
+            assert topk_idx[t].tolist() == experts_t + [-1] * (topk - len(experts_t))
+            assert topk_probs[t, :len(experts_t)].tolist() == [probs[t, e].item()
+                                                               for e in experts_t]
+        rows, _, row_probs = dispatcher.dispatch_postprocess(
+            *dispatcher.token_dispatch(h, topk_probs))
+        weights = torch.randn(rows.shape[0], dtype=torch.float64)
+        (row_probs * weights).sum().backward()
+        # One rank: rows are expert-major, tokens in order within an expert.
+        want = torch.zeros(tokens, experts, dtype=torch.float64)
+        row = 0
+        for e in range(experts):
+            for t in range(tokens):
+                if routing_map[t, e]:
+                    want[t, e] = weights[row]
+                    row += 1
+        assert row == rows.shape[0]
+        assert torch.equal(probs.grad, want)
+    return True
+
+
+def test_preprocess_routes_from_the_dense_map(seed):
+    assert all(dist.run(1, preprocess_case, seed))

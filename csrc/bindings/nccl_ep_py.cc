@@ -76,6 +76,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("API_VERSION") = NCCL_EP_API_VERSION;
   m.attr("NCCL_BUILD_VERSION") = NCCL_VERSION_CODE;
   py::dict dtypes;
+  dtypes["bool"] = (int)ncclUint8;
   dtypes["int32"] = (int)ncclInt32;
   dtypes["int64"] = (int)ncclInt64;
   dtypes["float16"] = (int)ncclFloat16;
@@ -161,17 +162,29 @@ PYBIND11_MODULE(_C, m) {
   // --- handle --------------------------------------------------------------------------------
   m.def(
       "create_handle",
-      [](uintptr_t group, uintptr_t topk_idx, int64_t num_tokens, int64_t topk, int idx_dtype,
-         uintptr_t stream) {
-        ncclEpTensor_t idx =
-            tensor2d(topk_idx, num_tokens, topk, idx_dtype, NCCL_EP_TENSOR_TOPK_IDX);
+      // routing: topk_idx [num_tokens, cols] (is_map false) or routing_map [num_tokens, E].
+      [](uintptr_t group, uintptr_t routing, int64_t num_tokens, int64_t cols, int dtype,
+         bool is_map, uintptr_t stream) {
+        ncclEpTensor_t r = tensor2d(routing, num_tokens, cols, dtype,
+                                    is_map ? NCCL_EP_TENSOR_ROUTING_MAP : NCCL_EP_TENSOR_TOPK_IDX);
         ncclEpHandle_t h = nullptr;
-        check(ncclEpCreateHandle(&h, as_ptr<ncclEpGroup>(group), &idx, nullptr, as_stream(stream)),
+        check(ncclEpCreateHandle(&h, as_ptr<ncclEpGroup>(group), &r, nullptr, as_stream(stream)),
               "ncclEpCreateHandle");
         return reinterpret_cast<uintptr_t>(h);
       },
-      py::arg("group"), py::arg("topk_idx"), py::arg("num_tokens"), py::arg("topk"),
-      py::arg("idx_dtype"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+      py::arg("group"), py::arg("routing"), py::arg("num_tokens"), py::arg("cols"),
+      py::arg("dtype"), py::arg("is_map"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "handle_topk_idx",
+      [](uintptr_t handle, uintptr_t out, int64_t num_tokens, int64_t topk, int dtype,
+         uintptr_t stream) {
+        ncclEpTensor_t t = tensor2d(out, num_tokens, topk, dtype, NCCL_EP_TENSOR_TOPK_IDX);
+        check(ncclEpHandleGetTopkIdx(as_ptr<ncclEpHandle>(handle), &t, as_stream(stream)),
+              "ncclEpHandleGetTopkIdx");
+      },
+      py::arg("handle"), py::arg("out"), py::arg("num_tokens"), py::arg("topk"), py::arg("dtype"),
+      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
   m.def(
       "handle_destroy",
       [](uintptr_t handle) {

@@ -61,7 +61,8 @@ typedef enum {
   NCCL_EP_TENSOR_SCALES = 3,                      /* FP8 scales (reserved) */
   NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_DEVICE = 4,  /* [L] int64 on device */
   NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_HOST = 5,    /* [L] int64 in host memory */
-  NCCL_EP_TENSOR_TOKENS_PER_EXPERT = 6            /* [L] int64 on device (alias role) */
+  NCCL_EP_TENSOR_TOKENS_PER_EXPERT = 6,           /* [L] int64 on device (alias role) */
+  NCCL_EP_TENSOR_ROUTING_MAP = 7                  /* [T, E] bool (uint8/int8), nonzero = routed */
 } ncclEpTensorTag_t;
 
 /* A strided tensor view. Sizes/strides in elements, row-major conventions. */
@@ -147,12 +148,16 @@ ncclResult_t ncclEpCreateGroup(ncclEpGroup_t* group, ncclComm_t comm,
 ncclResult_t ncclEpGroupDestroy(ncclEpGroup_t group);
 
 /* Collective: exchanges the routing of one forward pass and builds the row maps (DESIGN §3/§4).
- * topk_idx: TOPK_IDX [T, K], T <= max_tokens_per_rank, K <= max_topk. Exact mode: reads the
- * receive count to the host (one device-to-host copy). Bad routing (expert out of range, duplicate
- * expert in a token) returns ncclInvalidArgument in exact mode; in capacity mode it is reported by
- * the next call that synchronizes (ncclEpHandleGetNumRecvTokens, ncclEpGroupCheckErrors). */
+ * routing, by its tag: TOPK_IDX [T, K] (int32/int64, -1 = masked slot), K <= max_topk; or
+ * ROUTING_MAP [T, E] (a router's dense boolean map): each token's routed experts, in ascending
+ * order, fill K = max_topk slots (-1 after the last), as ncclEpHandleGetTopkIdx returns them; a
+ * token with more than max_topk routed experts is an error. T <= max_tokens_per_rank. Exact mode:
+ * reads the receive count to the host (one device-to-host copy). Bad routing (expert out of range,
+ * duplicate expert in a token, too many experts in a routing-map row) returns ncclInvalidArgument
+ * in exact mode; in capacity mode it is reported by the next call that synchronizes
+ * (ncclEpHandleGetNumRecvTokens, ncclEpGroupCheckErrors). */
 ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t group,
-                                const ncclEpTensor_t* topk_idx, const ncclEpOpConfig_t* config,
+                                const ncclEpTensor_t* routing, const ncclEpOpConfig_t* config,
                                 cudaStream_t stream);
 ncclResult_t ncclEpHandleDestroy(ncclEpHandle_t handle);
 
@@ -164,6 +169,11 @@ ncclResult_t ncclEpHandleGetNumRecvTokens(ncclEpHandle_t handle, int64_t* num_re
  * sum == N_d (DESIGN §3). The host tag in capacity mode synchronizes the stream. */
 ncclResult_t ncclEpHandleGetTokensPerExpert(ncclEpHandle_t handle, ncclEpTensor_t* out,
                                             cudaStream_t stream);
+
+/* This rank's routing as top-k ids into out: TOPK_IDX [T, K] contiguous int32/int64,
+ * stream-ordered (for a handle made from a routing map: the slots its probabilities take). */
+ncclResult_t ncclEpHandleGetTopkIdx(ncclEpHandle_t handle, ncclEpTensor_t* out,
+                                    cudaStream_t stream);
 
 /* Collective, stream-ordered. Writes every row of outputs (padding rows zero, prob 0). */
 ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispatchInputs_t* inputs,

@@ -29,7 +29,12 @@ namespace nccl_ep {
 
 constexpr int kMaxRanks = 64;   // barrier flags and per-token destination masks (uint64)
 constexpr int kMaxTopk = 32;    // one lane per slot in the warp-level kernels
-constexpr int kRecordHeader = 4;  // routing record: [T_s, K_s, 0, 0] + Tmax * Kmax int32
+constexpr int kRecordHeader = 4;  // routing record: [T_s, K_s, kind, 0] + Tmax * Kmax int32
+// Record kinds (header word 2): how rank s gave its routing, for the wording of its errors.
+constexpr int kRecordTopkIdx = 0;
+// From a routing map [T, E]: a token's routed experts, ascending, fill its K slots (-1 after the
+// last). A token with n > K routed experts holds -1 - n (< -1: a range error) in slot K - 1.
+constexpr int kRecordRoutingMap = 1;
 constexpr size_t kFlagsBytes = 4096;
 
 enum ErrorCode : int {
@@ -56,7 +61,7 @@ struct ErrorInfo {
   int rank;
   int token;
   int slot;
-  int aux;
+  int aux;                 // kErrExpertRange: the record kind of the failing rank
   long long value;
   long long extra;
   long long pad;
@@ -161,7 +166,14 @@ cudaError_t launch_barrier(const BarrierArgs& args, cudaStream_t stream);
 cudaError_t launch_pack_routing(const void* topk_idx, int idx_is_64, long long stride0,
                                 long long stride1, int tokens, int topk, int header_tokens,
                                 int header_topk, int* record, cudaStream_t stream);
+// The same record from a routing map [T, E] (1-byte elements, nonzero = routed), K = topk slots.
+cudaError_t launch_pack_routing_map(const void* routing_map, long long stride0, long long stride1,
+                                    int tokens, int num_experts, int topk, int header_tokens,
+                                    int header_topk, int* record, cudaStream_t stream);
 cudaError_t launch_layout(const LayoutArgs& args, cudaStream_t stream);
+// The ids of a record ([tokens * topk] int32) into a contiguous int32 or int64 tensor.
+cudaError_t launch_copy_topk(const int* ids, long long count, void* out, int out_is_64,
+                             cudaStream_t stream);
 
 // dispatch.cu
 cudaError_t launch_dispatch_send(const DispatchArgs& args, cudaStream_t stream);

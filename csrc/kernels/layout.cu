@@ -3,7 +3,9 @@
  * all-gathered routing of all ranks.
  *
  * Kernels, in stream order:
- *   pack      own topk_idx (int32/int64, strided) -> own record [T, K, 0, 0, idx as int32 ...]
+ *   pack      own topk_idx (int32/int64, strided) -> own record [T, K, kind, 0, idx as int32 ...];
+ *             or own routing map [T, E] (bool) -> the same record, one warp per token (a ballot
+ *             and a prefix count over each 32 experts give the ascending slots)
  *   (host)    ncclAllGather of the records
  *   validate  one thread per (s, t): expert id in [-1, E), no duplicate expert in a token; the
  *             first error (by rank, then range-before-duplicate, then token, then slot/expert,
@@ -44,7 +46,7 @@ __global__ void pack_routing_kernel(const IdxT* idx, long long stride0, long lon
   if (i == 0) {
     record[0] = header_tokens;
     record[1] = header_topk;
-    record[2] = 0;
+    record[2] = kRecordTopkIdx;
     record[3] = 0;
   }
   if (i < (long long)tokens * topk) {
@@ -72,6 +74,62 @@ cudaError_t launch_pack_routing(const void* topk_idx, int idx_is_64, long long s
         reinterpret_cast<const int*>(topk_idx), stride0, stride1, tokens, topk, header_tokens, header_topk,
         record);
   }
+  return cudaGetLastError();
+}
+
+__global__ void pack_routing_map_kernel(const unsigned char* map, long long stride0,
+                                        long long stride1, int tokens, int num_experts, int topk,
+                                        int header_tokens, int header_topk, int* record) {
+  const int lane = threadIdx.x & 31;
+  const long long t = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (t == 0 && lane == 0) {
+    record[0] = header_tokens;
+    record[1] = header_topk;
+    record[2] = kRecordRoutingMap;
+    record[3] = 0;
+  }
+  if (t >= tokens) return;
+  const unsigned char* row = map + t * stride0;
+  int* ids = record + kRecordHeader + t * topk;
+  int n = 0;  // routed experts so far (warp-uniform)
+  for (int e0 = 0; e0 < num_experts; e0 += 32) {
+    const int e = e0 + lane;
+    const bool routed = e < num_experts && row[(long long)e * stride1] != 0;
+    const unsigned m = __ballot_sync(0xffffffffu, routed);
+    const int slot = n + __popc(m & ((1u << lane) - 1u));
+    if (routed && slot < topk) ids[slot] = e;
+    n += __popc(m);
+  }
+  for (int k = n + lane; k < topk; k += 32) ids[k] = -1;
+  __syncwarp();  // the overflow mark below replaces a lane's id in slot topk - 1
+  if (n > topk && lane == 0) ids[topk - 1] = -1 - n;
+}
+
+cudaError_t launch_pack_routing_map(const void* routing_map, long long stride0, long long stride1,
+                                    int tokens, int num_experts, int topk, int header_tokens,
+                                    int header_topk, int* record, cudaStream_t stream) {
+  const long long warps_per_block = kLayoutThreads / 32;
+  const int grid = tokens > 0 ? (int)((tokens + warps_per_block - 1) / warps_per_block) : 1;
+  pack_routing_map_kernel<<<grid, kLayoutThreads, 0, stream>>>(
+      reinterpret_cast<const unsigned char*>(routing_map), stride0, stride1, tokens, num_experts,
+      topk, header_tokens, header_topk, record);
+  return cudaGetLastError();
+}
+
+__global__ void copy_topk_kernel(const int* ids, long long count, void* out, int out_is_64) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= count) return;
+  if (out_is_64)
+    reinterpret_cast<long long*>(out)[i] = ids[i];
+  else
+    reinterpret_cast<int*>(out)[i] = ids[i];
+}
+
+cudaError_t launch_copy_topk(const int* ids, long long count, void* out, int out_is_64,
+                             cudaStream_t stream) {
+  if (count <= 0) return cudaSuccess;
+  copy_topk_kernel<<<(int)((count + kLayoutThreads - 1) / kLayoutThreads), kLayoutThreads, 0,
+                     stream>>>(ids, count, out, out_is_64);
   return cudaGetLastError();
 }
 
@@ -156,10 +214,11 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
     const unsigned long long key = *a.err_key;
     if (bad_shape >= 0) {
       const int tokens = m->ts[bad_shape], topk = m->ks[bad_shape];
+      const int kind = a.gathered[(size_t)bad_shape * a.rec_ints + 2];
       if (tokens > a.max_tokens)
-        raise_error(a.err, kErrShape, bad_shape, -1, 0, tokens, a.max_tokens);
+        raise_error(a.err, kErrShape, bad_shape, -1, 0, tokens, a.max_tokens, kind);
       else
-        raise_error(a.err, kErrShape, bad_shape, -1, 1, topk, a.max_topk);
+        raise_error(a.err, kErrShape, bad_shape, -1, 1, topk, a.max_topk, kind);
     } else if (key != ~0ull) {
       const int s = (int)(key >> 48), kind = (int)((key >> 47) & 1);
       const int t = (int)((key >> 16) & 0x7fffffffull), minor = (int)(key & 0xffff);
@@ -167,7 +226,7 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
         const int* rec = a.gathered + (size_t)s * a.rec_ints;
         const int ks = clamp_topk(rec, a.max_topk);
         raise_error(a.err, kErrExpertRange, s, t, minor,
-                    rec[kRecordHeader + (size_t)t * ks + minor], a.num_experts);
+                    rec[kRecordHeader + (size_t)t * ks + minor], a.num_experts, rec[2]);
       } else {
         raise_error(a.err, kErrDuplicateExpert, s, t, -1, minor, a.num_experts);
       }

@@ -63,9 +63,10 @@ EP_DEVICE int ld_volatile_int(const int* p) { return *(const volatile int*)p; }
 
 // One writer per error word (claim), fields first, code last.
 EP_DEVICE void raise_error(ErrorInfo* e, int code, int rank, int token, int slot,
-                           long long value, long long extra) {
+                           long long value, long long extra, int aux = 0) {
   if (atomicCAS(&e->claim, 0, 1) != 0) return;
   e->rank = rank;
+  e->aux = aux;
   e->token = token;
   e->slot = slot;
   e->value = value;

@@ -66,6 +66,12 @@ ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& e, const Layout
   if (g->nranks > 1) snprintf(where, sizeof(where), " (rank %d)", e.rank);
   switch (e.code) {
     case kErrExpertRange:
+      if (e.aux == kRecordRoutingMap) {
+        set_error("routing_map row %d routes to %lld experts, more than max_topk=%d of this "
+                  "group%s",
+                  e.token, -1 - e.value, g->cfg.max_topk, where);
+        return ncclInvalidArgument;
+      }
       set_error("topk_idx[%d, %d] = %lld is out of range: expert ids must be in [-1, %lld) "
                 "(-1 = masked slot)%s",
                 e.token, e.slot, e.value, e.extra, where);
@@ -90,8 +96,9 @@ ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& e, const Layout
     }
     case kErrShape:
       if (e.slot == 0)
-        set_error("topk_idx has %lld tokens, more than max_tokens_per_rank=%lld of this group%s",
-                  e.value, e.extra, where);
+        set_error("%s has %lld tokens, more than max_tokens_per_rank=%lld of this group%s",
+                  e.aux == kRecordRoutingMap ? "routing_map" : "topk_idx", e.value, e.extra,
+                  where);
       else
         set_error("topk_idx has top-k %lld, expected 1 <= top-k <= max_topk=%lld%s", e.value,
                   e.extra, where);

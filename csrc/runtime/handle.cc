@@ -1,7 +1,7 @@
 /*
  * handle.cc: ncclEpCreateHandle and the handle getters.
  *
- * Creation (collective, stream-ordered): pack own routing -> ncclAllGather of the fixed-size
+ * Creation (collective, stream-ordered): pack own routing (top-k ids or a routing map) -> ncclAllGather of the fixed-size
  * records -> layout kernels (layout.cu). Exact mode then copies [error, N_d, tokens_per_expert]
  * to pinned memory once and synchronizes the stream; capacity mode returns at once and reports
  * errors through the group's mapped error word.
@@ -39,19 +39,31 @@ void destroy_handle_state(ncclEpHandle* h) {
   delete h;
 }
 
-static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* idx,
+static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing,
                                   cudaStream_t stream) {
   ncclEpGroup* g = h->group;
   const ncclEpGroupConfig_t& c = g->cfg;
-  EP_CHECK(idx->ndim == 2, ncclInvalidArgument, "topk_idx must be 2-D, got %d dimensions",
-           idx->ndim);
-  EP_CHECK(idx->dtype == ncclInt32 || idx->dtype == ncclInt64, ncclInvalidArgument,
-           "topk_idx must be int32 or int64, got %s", dtype_name(idx->dtype));
-  const long long T = idx->sizes[0], K = idx->sizes[1];
-  EP_CHECK(T >= 0 && K >= 0, ncclInvalidArgument, "topk_idx sizes must be >= 0");
-  EP_CHECK(idx->strides[0] >= 0 && idx->strides[1] >= 0, ncclInvalidArgument,
-           "topk_idx strides must be >= 0");
-  EP_CHECK(idx->data != nullptr || T == 0, ncclInvalidArgument, "topk_idx data is NULL");
+  const bool from_map = routing->tag == NCCL_EP_TENSOR_ROUTING_MAP;
+  const char* name = from_map ? "routing_map" : "topk_idx";
+  EP_CHECK(routing->ndim == 2, ncclInvalidArgument, "%s must be 2-D, got %d dimensions", name,
+           routing->ndim);
+  if (from_map) {
+    EP_CHECK(routing->dtype == ncclUint8 || routing->dtype == ncclInt8, ncclInvalidArgument,
+             "routing_map must be bool (uint8/int8 elements), got %s",
+             dtype_name(routing->dtype));
+    EP_CHECK(routing->sizes[1] == c.num_experts, ncclInvalidArgument,
+             "routing_map must have num_experts=%d columns, got %lld", c.num_experts,
+             (long long)routing->sizes[1]);
+  } else {
+    EP_CHECK(routing->dtype == ncclInt32 || routing->dtype == ncclInt64, ncclInvalidArgument,
+             "topk_idx must be int32 or int64, got %s", dtype_name(routing->dtype));
+  }
+  // A routing map fills max_topk slots per token.
+  const long long T = routing->sizes[0], K = from_map ? c.max_topk : routing->sizes[1];
+  EP_CHECK(T >= 0 && K >= 0, ncclInvalidArgument, "%s sizes must be >= 0", name);
+  EP_CHECK(routing->strides[0] >= 0 && routing->strides[1] >= 0, ncclInvalidArgument,
+           "%s strides must be >= 0", name);
+  EP_CHECK(routing->data != nullptr || T == 0, ncclInvalidArgument, "%s data is NULL", name);
   // NOTES: T or K beyond the group's bounds still joins the all-gather, with an empty record
   // whose header holds the real shape, so every rank reports the error together (kErrShape)
   // instead of leaving its peers in the collective.
@@ -66,9 +78,15 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* idx,
   EP_CUDA(cudaMemsetAsync(s->recv_row, 0xff, s->ff_bytes, stream));
   EP_CUDA(cudaMemsetAsync(s->meta, 0, s->zero_bytes, stream));
   int* own = s->gathered + (size_t)g->rank * g->rec_ints;
-  EP_CUDA(launch_pack_routing(idx->data, idx->dtype == ncclInt64, idx->strides[0],
-                              idx->strides[1], h->num_tokens, h->topk, header_tokens,
-                              header_topk, own, stream));
+  if (from_map) {
+    EP_CUDA(launch_pack_routing_map(routing->data, routing->strides[0], routing->strides[1],
+                                    h->num_tokens, c.num_experts, h->topk, header_tokens,
+                                    header_topk, own, stream));
+  } else {
+    EP_CUDA(launch_pack_routing(routing->data, routing->dtype == ncclInt64, routing->strides[0],
+                                routing->strides[1], h->num_tokens, h->topk, header_tokens,
+                                header_topk, own, stream));
+  }
   EP_NCCL(ncclAllGather(own, s->gathered, (size_t)g->rec_ints, ncclInt32, g->comm, stream));
 
   LayoutArgs a;
@@ -104,6 +122,7 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* idx,
     e.slot = T > c.max_tokens_per_rank ? 0 : 1;
     e.value = e.slot == 0 ? T : K;
     e.extra = e.slot == 0 ? c.max_tokens_per_rank : c.max_topk;
+    e.aux = from_map ? kRecordRoutingMap : kRecordTopkIdx;
     return report_error(g, e, nullptr);
   }
   // Exact mode: the one device-to-host copy of the handle.
@@ -121,18 +140,18 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* idx,
 using namespace nccl_ep;
 
 extern "C" ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t group,
-                                           const ncclEpTensor_t* topk_idx,
+                                           const ncclEpTensor_t* routing,
                                            const ncclEpOpConfig_t* config, cudaStream_t stream) {
   EP_CHECK(handle != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: handle is NULL");
   *handle = nullptr;
   EP_CHECK(group != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: group is NULL");
-  EP_CHECK(topk_idx != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: topk_idx is NULL");
+  EP_CHECK(routing != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: routing is NULL");
   EP_RETURN_IF(check_op_config(config, "ncclEpCreateHandle"));
   EP_RETURN_IF(check_group_errors(group));
   ncclEpHandle* h = new ncclEpHandle();
   h->group = group;
   group->live.push_back(h);
-  ncclResult_t res = create_handle(h, topk_idx, stream);
+  ncclResult_t res = create_handle(h, routing, stream);
   if (res != ncclSuccess) {
     destroy_handle_state(h);
     return res;
@@ -182,6 +201,24 @@ extern "C" ncclResult_t ncclEpHandleGetTokensPerExpert(ncclEpHandle_t handle, nc
            ncclInvalidArgument,
            "tokens_per_expert tag must be RECV_EXPERT_COUNTER_DEVICE/_HOST or TOKENS_PER_EXPERT");
   EP_CUDA(cudaMemcpyAsync(out->data, dev, bytes, cudaMemcpyDeviceToDevice, stream));
+  return ncclSuccess;
+}
+
+extern "C" ncclResult_t ncclEpHandleGetTopkIdx(ncclEpHandle_t handle, ncclEpTensor_t* out,
+                                              cudaStream_t stream) {
+  EP_CHECK(handle != nullptr && out != nullptr, ncclInvalidArgument,
+           "ncclEpHandleGetTopkIdx: handle or out is NULL");
+  ncclEpGroup* g = handle->group;
+  const long long T = handle->num_tokens, K = handle->topk;
+  EP_CHECK(out->ndim == 2 && out->sizes[0] == T && out->sizes[1] == K &&
+               (out->dtype == ncclInt32 || out->dtype == ncclInt64) &&
+               (T * K == 0 || (out->data != nullptr && out->strides[1] == 1 &&
+                               (T <= 1 || out->strides[0] == K))),
+           ncclInvalidArgument,
+           "topk_idx output must be a contiguous int32 or int64 tensor of shape (%lld, %lld)", T,
+           K);
+  const int* ids = handle->slot->gathered + (size_t)g->rank * g->rec_ints + kRecordHeader;
+  EP_CUDA(launch_copy_topk(ids, T * K, out->data, out->dtype == ncclInt64, stream));
   return ncclSuccess;
 }
 

@@ -126,7 +126,7 @@ def run_until_error(group, idx, x, probs, steps: list):
     """Every call a training step would make, with synchronizes in between: a deferred device-side
     error must have surfaced by the end. ``steps`` records how far it got (for the summary)."""
     steps.append("create_handle")
-    h = group.create_handle(idx)
+    h = group.create_handle(**idx) if isinstance(idx, dict) else group.create_handle(idx)
     assert h.num_recv_tokens >= 0
     steps.append("dispatch")
     recv_x, recv_probs = h.dispatch(x, probs)
@@ -164,6 +164,13 @@ ROUTING_ERRORS = {
                         rf"{ERROR_CASE['tokens'] + 1} tokens, more than max_tokens_per_rank="),
     "topk_above_max_topk": (lambda idx: torch.cat([idx, idx[:, :1]], 1), ValueError,
                             rf"top-k {ERROR_CASE['topk'] + 1}.*max_topk={ERROR_CASE['topk']}"),
+    # A routing map whose token 3 routes to every expert (the other ranks may pass top-k ids).
+    "routing_map_too_many_experts": (
+        lambda idx: {"routing_map": torch.zeros(idx.shape[0], E, dtype=torch.bool,
+                                                device=idx.device).index_fill_(0, torch.tensor(
+                                                    [3], device=idx.device), True)},
+        ValueError, rf"routing_map row 3 routes to {E} experts, more than max_topk="
+                    rf"{ERROR_CASE['topk']}"),
 }
 
 

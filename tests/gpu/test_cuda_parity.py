@@ -107,9 +107,20 @@ def full_pass(handle, x, probs, grads, device):
             "grad_expert_out": expert_out.grad, "combine_probs": grad_probs_direct}
 
 
-def check_parity(case_name: str, seed: int, subgroups=None) -> str:
+def routing_map_of(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The dense boolean routing map [T, E] of ``idx`` (masked slots route nowhere)."""
+    routing_map = torch.zeros(idx.shape[0], num_experts, dtype=torch.bool, device=idx.device)
+    valid = idx >= 0
+    tokens = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1).expand_as(idx)
+    routing_map[tokens[valid], idx[valid]] = True
+    return routing_map
+
+
+def check_parity(case_name: str, seed: int, subgroups=None, from_map: bool = False) -> str:
     """``subgroups``: member lists partitioning the world; each becomes its own EP group (ranks
-    numbered inside it), as Megatron's expert-parallel groups are."""
+    numbered inside it), as Megatron's expert-parallel groups are. ``from_map``: the handles are
+    made from the dense routing map of the case's routing (a router's output), whose top-k form
+    must agree bitwise too."""
     rank, world = ep_cases.rank_and_size()
     device = torch.device("cuda", torch.cuda.current_device())
     extra = {}
@@ -122,7 +133,17 @@ def check_parity(case_name: str, seed: int, subgroups=None) -> str:
     case = resolve(case_name, world)
     x, idx, probs = rank_inputs(case, seed, rank, device)
     ref, cuda = make_groups(case, x, idx, world, device, **extra)
-    h_ref, h_cuda = ref.create_handle(idx), cuda.create_handle(idx)
+    if from_map:
+        routing_map = routing_map_of(idx, case["experts"])
+        h_ref = ref.create_handle(routing_map=routing_map)
+        h_cuda = cuda.create_handle(routing_map=routing_map)
+        dense.assert_bitwise_equal(h_cuda.topk_idx, h_ref.topk_idx, "topk_idx of routing_map")
+        # Ascending experts, -1 after the last, K = max_topk slots.
+        want = torch.sort(torch.where(idx >= 0, idx, case["experts"]), dim=1).values.long()
+        dense.assert_bitwise_equal(h_ref.topk_idx, torch.where(want < case["experts"], want, -1),
+                                   "reference topk_idx of routing_map")
+    else:
+        h_ref, h_cuda = ref.create_handle(idx), cuda.create_handle(idx)
 
     n = h_ref.num_recv_tokens
     assert h_cuda.num_recv_tokens == n, f"num_recv_tokens {h_cuda.num_recv_tokens}, expected {n}"
@@ -168,6 +189,17 @@ def test_cuda_equals_reference_bitwise(case_name, world_size, seed, summary_line
     per_rank = dist.run(world_size, check_parity, case_name, seed, backend="nccl")
     summary_line(f"{per_rank[0][0]} T={[r[1] for r in per_rank]} N={[r[2] for r in per_rank]} "
                  f"used={[r[3] for r in per_rank]}: outputs, counts, probs, grads bitwise equal")
+
+
+@pytest.mark.parametrize("world_size", world_sizes())
+@pytest.mark.parametrize("case_name", ["bench_shape_4096x7168_top8_e256",
+                                       "t4096_e64_fp16_masked_align16",
+                                       "zero_token_rank_one_expert_top8",
+                                       "t16384_e64_top2_capacity"])
+def test_cuda_routing_map_equals_reference_bitwise(case_name, world_size, seed, summary_line):
+    per_rank = dist.run(world_size, check_parity, case_name, seed, None, True, backend="nccl")
+    summary_line(f"{per_rank[0][0]} from routing_map: N={[r[2] for r in per_rank]}: topk_idx, "
+                 "outputs, counts, probs, grads bitwise equal")
 
 
 SUBGROUPS = {"contiguous": [[0, 1], [2, 3]], "strided": [[0, 2], [1, 3]]}
