@@ -35,8 +35,8 @@ __host__ __device__ inline long long chunk_staged_items(const ExchangeArgs& e) {
   return (long long)e.num_ranks * e.chunk;
 }
 
-inline int grid_for(long long warp_items, int num_sms, int warps_per_block = kWarps) {
-  long long blocks = (warp_items + warps_per_block - 1) / warps_per_block;
+inline int grid_for(long long warp_items, int num_sms) {
+  long long blocks = (warp_items + kWarps - 1) / kWarps;
   if (blocks > num_sms) blocks = num_sms;
   return (int)blocks;
 }
@@ -83,50 +83,6 @@ EP_DEVICE bool group_failed(const unsigned long long* failed_word) {
   if (threadIdx.x == 0) failed = *(const volatile unsigned long long*)failed_word != 0;
   __syncthreads();
   return failed != 0;
-}
-
-// --- Bulk (TMA) copies global -> shared, completed on an mbarrier (sm_90). Used where a warp
-// needs many row segments in flight at once: the bytes wait in shared memory, not registers.
-EP_DEVICE uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-EP_DEVICE void mbar_init(unsigned long long* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
-// Orders this thread's generic accesses of shared memory before later bulk copies into it.
-EP_DEVICE void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-// Starts a phase that completes when `bytes` have arrived (one arrival: the caller's).
-EP_DEVICE void mbar_expect_bytes(unsigned long long* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-
-// Local copies always complete, so this wait needs no timeout.
-EP_DEVICE void mbar_wait(unsigned long long* bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-  }
-}
-
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory.
-EP_DEVICE void bulk_load(void* smem, const void* gmem, uint32_t bytes, unsigned long long* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(smem_addr(smem)), "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
 }
 
 // A vector of N elements of T moved as one aligned access (16 bytes on the vector path).
