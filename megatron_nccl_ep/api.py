@@ -22,6 +22,7 @@ Backend protocol (both backends implement it; ``state`` is backend-private):
 * ``dispatch(state, x, probs) -> (recv_x [N, H], recv_probs [N] or None)``: collective;
 * ``combine(state, expert_out [N, H]) -> y [T, H]``: collective;
 * ``combine_probs(state, grad_recv_probs [N]) -> grad_probs [T, K]``: collective;
+* ``check_errors()``: raises a pending device-side error (synchronizing the stream first);
 * ``destroy_handle(state)``, ``destroy()``.
 """
 
@@ -223,6 +224,13 @@ class Group:
         # shape_error), so that every rank raises together instead of leaving peers waiting.
         state = self._backend.create_handle(routing.contiguous(), routing_map is not None)
         return Handle(self, state, routing.shape[0], topk)
+
+    def check_errors(self) -> None:
+        """Synchronizes the current stream and raises the group's pending device-side error, if
+        any (``NcclEpError``: a timeout, inconsistent calls across ranks, or in capacity mode a
+        routing error or overflow). Such an error stays: the group must be destroyed."""
+        self._require_alive()
+        self._backend.check_errors()
 
     def destroy(self) -> None:
         """Frees the backend's shared resources. Handles must not be used afterwards."""

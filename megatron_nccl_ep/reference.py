@@ -194,6 +194,9 @@ class ReferenceBackend:
         return ReferenceHandleState(num_recv, tokens_per_expert, topk_idx, send_tokens,
                                     recv_counts, recv_rows)
 
+    def check_errors(self) -> None:
+        """Nothing is ever pending: the reference raises every error in the call itself."""
+
     def topk_idx(self, state: ReferenceHandleState) -> torch.Tensor:
         return state.topk_idx
 

@@ -46,6 +46,8 @@ enum ErrorCode : int {
   kErrTimeout = 5,         // rank (waiter), token = peer waited for, value = epoch, extra = ms
   kErrShape = 6,           // rank, slot = 0 (tokens) / 1 (top-k), value = T or K, extra = bound
   kErrPeerAbort = 7,       // rank (this one), token = the rank whose error stopped the group
+  kErrCallMismatch = 8,    // rank (this one), token = peer, value = this rank's call signature,
+                           // extra = the peer's (barrier flags carry them; see BarrierArgs)
 };
 
 // flags[kAbortSlot] of a rank's window: written (origin rank + 1) by any rank that gave up after
@@ -98,6 +100,16 @@ struct LayoutArgs {
   ErrorInfo* err;         // where errors are reported (meta->err or the group's mapped word)
 };
 
+// A barrier flag holds (epoch << kCallBits) | call signature: a waiter that sees a peer at its
+// own epoch with another signature knows the ranks are not making the same call.
+constexpr int kCallBits = 16;
+// Signature of one operation's barriers: which barrier (tag, 3 bits), whether dispatch moves
+// probs (1 bit), and which handle (its creation number on this rank, 12 bits: creation is
+// collective, so the same handle has the same number on every rank).
+__host__ __device__ inline unsigned call_signature(int tag, bool with_probs, unsigned handle_seq) {
+  return ((unsigned)tag & 7u) | ((with_probs ? 1u : 0u) << 3) | ((handle_seq & 0xfffu) << 4);
+}
+
 struct BarrierArgs {
   void* const* peers;     // device array [R] of window bases
   unsigned long long* epoch;  // device counter, local memory, bumped by every barrier
@@ -106,6 +118,7 @@ struct BarrierArgs {
   int num_ranks, rank;
   long long timeout_ns;
   int tag;                // which barrier, for the error message
+  unsigned call;          // call_signature() of the operation (< 2^kCallBits)
   ErrorInfo* err;         // group word (host-mapped)
 };
 

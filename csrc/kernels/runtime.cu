@@ -3,11 +3,13 @@
  * API, and the cross-rank flag barrier.
  *
  * NOTES (barrier choice): we use our own flag barrier over the symmetric window instead of
- * NCCL's ncclLsaBarrierSession because it must time out (the LSA barrier spins forever) and must
- * keep its epoch on the device (so a captured CUDA graph replays correctly). Flags only grow:
- * rank p writes epoch into flags[p] of every peer with st.release.sys after fence.acq_rel.sys,
- * and waits with ld.acquire.sys until every peer's flag reached the epoch, so no reset is ever
- * needed. A rank that holds a device-side error (a timeout, a capacity-mode routing error)
+ * NCCL's ncclLsaBarrierSession because it must time out (the LSA barrier spins forever), must
+ * keep its epoch on the device (so a captured CUDA graph replays correctly), and must catch ranks
+ * that are not making the same call. Flags only grow: rank p writes (epoch, call signature) into
+ * flags[p] of every peer with st.release.sys after fence.acq_rel.sys, and waits with
+ * ld.acquire.sys until every peer's flag reached the epoch, so no reset is ever needed. A peer
+ * seen at this epoch with another signature is a kErrCallMismatch (a peer already past this
+ * epoch checked this rank's signature itself: it could not pass without reading it). A rank that holds a device-side error (a timeout, a capacity-mode routing error)
  * stops waiting and writes the abort slot of every peer, whose barriers then stop waiting too
  * and report it: errors are sticky and global, and the group must be rebuilt.
  */
@@ -55,10 +57,11 @@ __global__ void __launch_bounds__(kMaxRanks) barrier_kernel(BarrierArgs a) {
     fence_acq_rel_sys();
     unsigned long long* peer_flags = reinterpret_cast<unsigned long long*>(
         reinterpret_cast<char*>(a.peers[p]) + a.flags_off);
-    st_release_sys(peer_flags + a.rank, epoch);
+    st_release_sys(peer_flags + a.rank, (epoch << kCallBits) | a.call);
     const unsigned long long start = global_timer_ns();
     int spins = 0;
-    while (ld_acquire_sys(my_flags + p) < epoch) {
+    unsigned long long seen;
+    while (((seen = ld_acquire_sys(my_flags + p)) >> kCallBits) < epoch) {
       if (++spins < 1024) continue;
       spins = 0;
       const unsigned long long by = ld_acquire_sys(my_flags + kAbortSlot);
@@ -73,6 +76,11 @@ __global__ void __launch_bounds__(kMaxRanks) barrier_kernel(BarrierArgs a) {
         origin = (unsigned long long)a.rank + 1;
         break;
       }
+    }
+    const unsigned peer_call = (unsigned)(seen & ((1ull << kCallBits) - 1));
+    if ((seen >> kCallBits) == epoch && peer_call != a.call) {
+      raise_error(a.err, kErrCallMismatch, a.rank, p, a.tag, a.call, peer_call);
+      origin = (unsigned long long)a.rank + 1;
     }
     fence_acq_rel_sys();
   }

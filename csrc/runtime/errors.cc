@@ -49,6 +49,27 @@ int dtype_bytes(ncclDataType_t dtype) {
   }
 }
 
+// The operation a barrier tag belongs to.
+static const char* op_name(int tag) {
+  switch (tag) {
+    case 1:
+    case 2: return "dispatch";
+    case 3:
+    case 4: return "combine";
+    case 5:
+    case 6: return "combine_probs";
+    default: return "group setup";
+  }
+}
+
+// "dispatch (with probs) of handle #3", from a call_signature().
+static std::string describe_call(unsigned call) {
+  const int tag = (int)(call & 7u);
+  std::string s = op_name(tag);
+  if (tag == 1 || tag == 2) s += (call >> 3) & 1u ? " (with probs)" : " (without probs)";
+  return s + " of handle #" + std::to_string((call >> 4) & 0xfffu);
+}
+
 static const char* barrier_name(int tag) {
   switch (tag) {
     case 1: return "dispatch entry";
@@ -105,9 +126,17 @@ ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& e, const Layout
       return ncclInvalidArgument;
     case kErrPeerAbort:
       set_error("rank %d stopped this group after a device-side error (reported there: a "
-                "timeout, a routing error or a capacity overflow); the ranks can no longer "
-                "synchronize: destroy the group and create a new one%s",
+                "timeout, a routing error, a capacity overflow or inconsistent calls); the ranks "
+                "can no longer synchronize: destroy the group and create a new one%s",
                 e.token, where);
+      return ncclSystemError;
+    case kErrCallMismatch:
+      set_error("inconsistent collective calls across ranks: rank %d called %s while rank %d "
+                "called %s (handle #n = the n-th handle this group created, counted from 0); "
+                "every rank must make the same calls, with the same handles, in the same order. "
+                "The group is stopped: destroy it and create a new one",
+                e.rank, describe_call((unsigned)e.value).c_str(), e.token,
+                describe_call((unsigned)e.extra).c_str());
       return ncclSystemError;
     case kErrCapacity:
       set_error("capacity overflow: rank %d would receive %lld rows but "

@@ -214,7 +214,7 @@ ncclResult_t check_group_errors(ncclEpGroup* g) {
   return report_error(g, copy, nullptr);
 }
 
-ncclResult_t barrier(ncclEpGroup* g, int tag, cudaStream_t stream) {
+ncclResult_t barrier(ncclEpGroup* g, unsigned call, cudaStream_t stream) {
   if (g->nranks == 1) return ncclSuccess;  // stream order is enough on one rank
   BarrierArgs a;
   a.peers = g->d_peers;
@@ -224,7 +224,8 @@ ncclResult_t barrier(ncclEpGroup* g, int tag, cudaStream_t stream) {
   a.num_ranks = g->nranks;
   a.rank = g->rank;
   a.timeout_ns = (long long)g->cfg.timeout_ms * 1000000ll;
-  a.tag = tag;
+  a.tag = (int)(call & 7u);
+  a.call = call;
   a.err = g->d_err;
   EP_CUDA(launch_barrier(a, stream));
   return ncclSuccess;

@@ -87,6 +87,7 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
                                 routing->strides[1], h->num_tokens, h->topk, header_tokens,
                                 header_topk, own, stream));
   }
+  h->seq = g->handles_created++;  // every rank counts the same collective creations
   EP_NCCL(ncclAllGather(own, s->gathered, (size_t)g->rec_ints, ncclInt32, g->comm, stream));
 
   LayoutArgs a;

@@ -108,13 +108,14 @@ struct ncclEpGroup {
   std::vector<ncclEpHandleSlot*> free_slots;
   std::vector<ncclEpHandleSlot*> all_slots;
   std::vector<ncclEpHandle*> live;
-  int barrier_count = 0;         // tags for timeout messages
+  unsigned handles_created = 0;  // the next handle's creation number (ncclEpHandle::seq)
 };
 
 struct ncclEpHandle {
   ncclEpGroup* group = nullptr;
   ncclEpHandleSlot* slot = nullptr;
   int num_tokens = 0, topk = 0;
+  unsigned seq = 0;              // creation number in its group: the same on every rank
   long long num_recv = 0;        // rows of dispatch outputs
   std::vector<long long> tokens_per_expert;  // exact mode host copy
 };
@@ -123,7 +124,8 @@ namespace nccl_ep {
 
 // group.cc
 ncclResult_t check_group_errors(ncclEpGroup* g);
-ncclResult_t barrier(ncclEpGroup* g, int tag, cudaStream_t stream);
+// A cross-rank barrier of one operation; `call` is its call_signature() (api.cuh).
+ncclResult_t barrier(ncclEpGroup* g, unsigned call, cudaStream_t stream);
 ncclResult_t alloc_device(ncclEpGroup* g, void** ptr, size_t bytes);
 void free_device(ncclEpGroup* g, void* ptr);
 ncclResult_t acquire_slot(ncclEpGroup* g, ncclEpHandleSlot** out);

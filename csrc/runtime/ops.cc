@@ -1,7 +1,8 @@
 /*
  * ops.cc: ncclEpDispatch, ncclEpCombine, ncclEpCombineTopkWeights: argument checks, then per
  * chunk of C staged tokens: entry barrier -> push kernel -> barrier -> local kernel, all on the
- * caller's stream, no host synchronization.
+ * caller's stream, no host synchronization. The barriers carry the call's signature (operation,
+ * handle, probs or not), so ranks that are not making the same call fail with a clear error.
  *
  * NOTES:
  *  - The number of chunks comes from the group config (max_tokens_per_rank / C), never from
@@ -125,9 +126,9 @@ extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispat
   for (int c = 0; c < g->num_chunks; ++c) {
     fill_exchange(handle, c, &a.ex);
     a.ex.vec = vec;
-    EP_RETURN_IF(barrier(g, 1, stream));
+    EP_RETURN_IF(barrier(g, call_signature(1, with_probs, handle->seq), stream));
     EP_CUDA(launch_dispatch_send(a, stream));
-    EP_RETURN_IF(barrier(g, 2, stream));
+    EP_RETURN_IF(barrier(g, call_signature(2, with_probs, handle->seq), stream));
     EP_CUDA(launch_dispatch_expand(a, stream));
   }
   return ncclSuccess;
@@ -151,9 +152,9 @@ extern "C" ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombine
   for (int c = 0; c < g->num_chunks; ++c) {
     fill_exchange(handle, c, &a.ex);
     a.ex.vec = vec;
-    EP_RETURN_IF(barrier(g, 3, stream));
+    EP_RETURN_IF(barrier(g, call_signature(3, false, handle->seq), stream));
     EP_CUDA(launch_combine_reduce(a, stream));
-    EP_RETURN_IF(barrier(g, 4, stream));
+    EP_RETURN_IF(barrier(g, call_signature(4, false, handle->seq), stream));
     EP_CUDA(launch_combine_gather(a, stream));
   }
   return ncclSuccess;
@@ -181,9 +182,9 @@ extern "C" ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
   a.grad = grad_topk_weights->data;
   for (int c = 0; c < g->num_chunks; ++c) {
     fill_exchange(handle, c, &a.ex);
-    EP_RETURN_IF(barrier(g, 5, stream));
+    EP_RETURN_IF(barrier(g, call_signature(5, false, handle->seq), stream));
     EP_CUDA(launch_combine_probs_send(a, stream));
-    EP_RETURN_IF(barrier(g, 6, stream));
+    EP_RETURN_IF(barrier(g, call_signature(6, false, handle->seq), stream));
     EP_CUDA(launch_combine_probs_gather(a, stream));
   }
   return ncclSuccess;

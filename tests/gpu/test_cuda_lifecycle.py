@@ -270,3 +270,56 @@ def check_argument_errors(seed: int) -> str:
 def test_cuda_bad_arguments_raise(world_size, seed, summary_line):
     summary_line(f"x{world_size}: " + dist.run(world_size, check_argument_errors, seed,
                                                backend="nccl")[0])
+
+
+def check_call_mismatch(case_name: str, seed: int) -> str:
+    """Rank 1 makes a different call than the others: the barriers' call signatures must turn it
+    into an error on every rank (never a silent wrong result or a hang)."""
+    rank, world = ep_cases.rank_and_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, idx, probs = rank_inputs(ERROR_CASE, seed, rank, device)
+    group = cuda_group(ERROR_CASE, world, device, timeout_s=20.0)
+    first, second = group.create_handle(idx), group.create_handle(idx)
+    odd = rank == 1
+    if case_name == "dispatch_vs_combine":
+        if odd:
+            first.combine(torch.ones(first.num_recv_tokens, x.shape[1], dtype=x.dtype,
+                                     device=device))
+        else:
+            first.dispatch(x, probs)
+    elif case_name == "probs_on_some_ranks":
+        first.dispatch(x, None if odd else probs)
+    elif case_name == "different_handles":
+        (second if odd else first).dispatch(x, probs)
+    with pytest.raises(ep.NcclEpError) as info:
+        group.check_errors()
+    group.destroy()
+    return str(info.value)
+
+
+CALL_MISMATCHES = {
+    "dispatch_vs_combine": r"dispatch \(with probs\) of handle #0 while rank \d called combine "
+                           r"of handle #0|combine of handle #0 while rank \d called dispatch "
+                           r"\(with probs\) of handle #0",
+    "probs_on_some_ranks": r"dispatch \(with(out)? probs\) of handle #0 while rank \d called "
+                           r"dispatch \(with(out)? probs\) of handle #0",
+    "different_handles": r"dispatch \(with probs\) of handle #[01] while rank \d called dispatch "
+                         r"\(with probs\) of handle #[01]",
+}
+
+
+@pytest.mark.parametrize("world_size", world_sizes()[1:])
+@pytest.mark.parametrize("case_name", list(CALL_MISMATCHES))
+def test_cuda_inconsistent_calls_raise(case_name, world_size, seed, summary_line):
+    import re
+
+    per_rank = dist.run(world_size, check_call_mismatch, case_name, seed, backend="nccl")
+    # Every rank raises; the ranks that saw the mismatch name both calls, the others were
+    # stopped by them.
+    named = [m for m in per_rank if "inconsistent collective calls across ranks" in m]
+    assert named, f"no rank named the mismatch: {per_rank}"
+    for m in named:
+        assert re.search(CALL_MISMATCHES[case_name], m), m
+    for m in per_rank:
+        assert m in named or "inconsistent calls" in m, m
+    summary_line(f"x{world_size}: {named[0]}")
