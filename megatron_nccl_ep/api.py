@@ -272,7 +272,9 @@ class Handle:
     @property
     def topk_idx(self) -> torch.Tensor:
         """This rank's routing as top-k ids, ``[T, K]`` int64 on the group's device (-1 =
-        masked): for a handle made from a routing map, the slots its probabilities take."""
+        masked): for a handle made from a routing map, the slots its probabilities take. (In
+        capacity mode a routing-map row with too many experts, whose error the next call raises,
+        holds a value below -1 in its last slot.)"""
         self._require_alive()
         if self._topk_idx is None:
             self._topk_idx = self.group._backend.topk_idx(self._state)

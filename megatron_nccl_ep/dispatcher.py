@@ -140,6 +140,17 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
                      "moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm"):
             if getattr(config, flag, False):
                 raise NotImplementedError(f"nccl_ep dispatcher: {flag} is not supported")
+        # Handle creation exchanges the routing and, in exact mode, reads the receive count on
+        # the host: nothing a CUDA graph could replay. (An empty module list captures whole
+        # layers.)
+        graph_impl = getattr(config, "cuda_graph_impl", "none")
+        modules = {getattr(m, "name", str(m)) for m in getattr(config, "cuda_graph_modules", [])}
+        if graph_impl == "full_iteration" or (graph_impl != "none" and (
+                not modules or modules & {"moe", "moe_router", "moe_preprocess"})):
+            raise NotImplementedError(
+                f"nccl_ep dispatcher: CUDA graph capture of MoE layers is not supported "
+                f"(cuda_graph_impl={graph_impl!r}, cuda_graph_modules={sorted(modules)}); capture "
+                "other modules only (e.g. attn) or use cuda_graph_impl='none'")
         num_experts = config.num_moe_experts
         if num_local_experts * self.ep_size != num_experts or list(local_expert_indices) != list(
                 range(self.ep_rank * num_local_experts, (self.ep_rank + 1) * num_local_experts)):

@@ -198,7 +198,7 @@ class ReferenceBackend:
         """Nothing is ever pending: the reference raises every error in the call itself."""
 
     def topk_idx(self, state: ReferenceHandleState) -> torch.Tensor:
-        return state.topk_idx
+        return state.topk_idx.clone()  # the state may hold the caller's own tensor
 
     def destroy_handle(self, state: ReferenceHandleState) -> None:
         pass

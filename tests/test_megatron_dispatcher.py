@@ -227,3 +227,17 @@ def preprocess_case(seed: int) -> bool:
 
 def test_preprocess_routes_from_the_dense_map(seed):
     assert all(dist.run(1, preprocess_case, seed))
+
+
+def build_graphed_layer(impl: str, modules) -> bool:
+    with megatron_on_cpu(1):
+        moe_layer("nccl_ep", 4, 2, cuda_graph_impl=impl, cuda_graph_modules=modules)
+    return True
+
+
+@pytest.mark.parametrize("impl,modules", [("local", ["moe_router"]), ("local", []),
+                                          ("transformer_engine", ["moe_router", "moe_preprocess"]),
+                                          ("full_iteration", [])])
+def test_cuda_graph_capture_of_moe_is_rejected(impl, modules):
+    with pytest.raises(Exception, match="CUDA graph capture of MoE layers is not supported"):
+        dist.run(1, build_graphed_layer, impl, modules)

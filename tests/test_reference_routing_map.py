@@ -86,3 +86,18 @@ def test_routing_map_argument_errors():
         group.create_handle(torch.zeros(T, K, dtype=torch.int64), routing_map=routing_map)
     with pytest.raises(TypeError, match="exactly one of topk_idx and routing_map"):
         group.create_handle()
+
+
+def check_map_with_too_many_tokens(seed: int) -> None:
+    rank, _ = ep_cases.rank_and_size()
+    gen = torch.Generator().manual_seed(seed + rank)
+    group = group_for_test()
+    tokens = T + 1 if rank == 0 else T
+    with pytest.raises(ValueError, match=rf"routing_map has {T + 1} tokens, more than "
+                                         rf"max_tokens_per_rank={T} of this group"):
+        group.create_handle(routing_map=random_map(gen, tokens, K))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_routing_map_with_too_many_tokens_raises_on_every_rank(world_size, seed):
+    dist.run(world_size, check_map_with_too_many_tokens, seed)

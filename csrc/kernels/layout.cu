@@ -207,12 +207,13 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    // Errors, in the reference's order: shapes, routing values, then top-k agreement.
+    // Errors, in the reference's order: the first rank with a bad shape or bad routing values
+    // (a rank with a bad shape packed no routing, so it has only the one), then top-k agreement.
     int bad_shape = -1;
     for (int s = 0; s < a.num_ranks && bad_shape < 0; ++s)
       if (!shape_ok(a.gathered + (size_t)s * a.rec_ints, a.max_tokens, a.max_topk)) bad_shape = s;
     const unsigned long long key = *a.err_key;
-    if (bad_shape >= 0) {
+    if (bad_shape >= 0 && (key == ~0ull || bad_shape < (int)(key >> 48))) {
       const int tokens = m->ts[bad_shape], topk = m->ks[bad_shape];
       const int kind = a.gathered[(size_t)bad_shape * a.rec_ints + 2];
       if (tokens > a.max_tokens)

@@ -1,10 +1,11 @@
 /*
  * handle.cc: ncclEpCreateHandle and the handle getters.
  *
- * Creation (collective, stream-ordered): pack own routing (top-k ids or a routing map) -> ncclAllGather of the fixed-size
- * records -> layout kernels (layout.cu). Exact mode then copies [error, N_d, tokens_per_expert]
- * to pinned memory once and synchronizes the stream; capacity mode returns at once and reports
- * errors through the group's mapped error word.
+ * Creation (collective, stream-ordered): pack own routing (top-k ids or a routing map) ->
+ * ncclAllGather of the fixed-size records -> layout kernels (layout.cu). Exact mode then copies
+ * [error, N_d, tokens_per_expert] to pinned memory once and synchronizes the stream; capacity mode
+ * returns at once and reports errors through the group's mapped error word (a rank whose own
+ * shape is out of bounds waits for it and raises at once).
  *
  * NOTES:
  *  - Every rank validates the routing of every rank (it has them all after the all-gather), so in
@@ -116,15 +117,11 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   if (g->capacity >= 0) {
     h->num_recv = g->capacity;
     if (fits) return ncclSuccess;
-    // The peers learn it from the group's error word; this rank can say it now.
-    ErrorInfo e = {};
-    e.code = kErrShape;
-    e.rank = g->rank;
-    e.slot = T > c.max_tokens_per_rank ? 0 : 1;
-    e.value = e.slot == 0 ? T : K;
-    e.extra = e.slot == 0 ? c.max_tokens_per_rank : c.max_topk;
-    e.aux = from_map ? kRecordRoutingMap : kRecordTopkIdx;
-    return report_error(g, e, nullptr);
+    // This rank knows it failed: an error path may wait for the layout, whose error word holds
+    // the error all ranks agree on (the lowest failing rank's, maybe not this one's).
+    EP_CUDA(cudaStreamSynchronize(stream));
+    EP_RETURN_IF(check_group_errors(g));
+    EP_CHECK(false, ncclInternalError, "%s shape out of bounds but no error was recorded", name);
   }
   // Exact mode: the one device-to-host copy of the handle.
   EP_CUDA(cudaMemcpyAsync(g->h_meta, s->meta, g->meta_bytes, cudaMemcpyDeviceToHost, stream));

@@ -4,6 +4,7 @@ reference, at the latest by the next call after a synchronize (capacity mode nev
 host, so its device-side checks may surface one call later)."""
 
 import gc
+import re
 
 import pytest
 import torch
@@ -311,8 +312,6 @@ CALL_MISMATCHES = {
 @pytest.mark.parametrize("world_size", world_sizes()[1:])
 @pytest.mark.parametrize("case_name", list(CALL_MISMATCHES))
 def test_cuda_inconsistent_calls_raise(case_name, world_size, seed, summary_line):
-    import re
-
     per_rank = dist.run(world_size, check_call_mismatch, case_name, seed, backend="nccl")
     # Every rank raises; the ranks that saw the mismatch name both calls, the others were
     # stopped by them.
@@ -323,3 +322,42 @@ def test_cuda_inconsistent_calls_raise(case_name, world_size, seed, summary_line
     for m in per_rank:
         assert m in named or "inconsistent calls" in m, m
     summary_line(f"x{world_size}: {named[0]}")
+
+
+def check_two_errors(first_rank_error: str, recv_mode: str, seed: int) -> str:
+    """Rank 0 and rank 1 each pass a different bad routing: every rank of both backends must name
+    the same one (the lowest failing rank's)."""
+    rank, world = ep_cases.rank_and_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, idx, probs = rank_inputs(ERROR_CASE, seed, rank, device)
+    errors = ["too_many_tokens", "duplicate_expert"]
+    if first_rank_error == "duplicate_expert":
+        errors.reverse()
+    messages = []
+    for backend in ("torch", "cuda"):
+        extra = dict(timeout_s=20.0)
+        if recv_mode == "capacity":
+            extra.update(recv_mode="capacity", capacity_factor=float(world) + 0.5)
+        group = ep.Group(num_experts=ERROR_CASE["experts"], hidden=ERROR_CASE["hidden"],
+                         max_tokens_per_rank=ERROR_CASE["tokens"], max_topk=ERROR_CASE["topk"],
+                         dtype=ERROR_CASE["dtype"], backend=backend, device=device, **extra)
+        bad = ROUTING_ERRORS[errors[rank]][0](idx) if rank < 2 else idx
+        with pytest.raises(Exception) as info:
+            run_until_error(group, bad, x, probs, [])
+        messages.append(str(info.value))
+        group.destroy()
+    return messages
+
+
+@pytest.mark.parametrize("world_size", world_sizes()[1:])
+@pytest.mark.parametrize("recv_mode", ["exact", "capacity"])
+@pytest.mark.parametrize("first_rank_error", ["duplicate_expert", "too_many_tokens"])
+def test_cuda_two_ranks_two_errors_like_the_reference(first_rank_error, recv_mode, world_size,
+                                                      seed, summary_line):
+    per_rank = dist.run(world_size, check_two_errors, first_rank_error, recv_mode, seed,
+                        backend="nccl")
+    want = ROUTING_ERRORS[first_rank_error][2]
+    for ref_message, cuda_message in per_rank:
+        assert cuda_message == ref_message, (cuda_message, ref_message)
+        assert re.search(want, cuda_message) and cuda_message.endswith("(rank 0)"), cuda_message
+    summary_line(f"x{world_size} {recv_mode}: every rank, both backends: {per_rank[0][1]}")

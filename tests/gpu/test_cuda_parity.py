@@ -59,6 +59,9 @@ CASES = {
     # 200-byte rows are not a multiple of 16: the kernels' element path (no 16-byte packs).
     "h100_rows_not_16_byte_multiple": dict(tokens=300, hidden=100, topk=4, experts=8,
                                            dtype=BF16, routing="masked", alignment=16),
+    # 40 experts: the routing-map kernel's last group of 32 experts is partial.
+    "e40_top3_masked": dict(tokens=300, hidden=256, topk=3, experts=40, dtype=BF16,
+                            routing="masked"),
 }
 
 
@@ -198,7 +201,7 @@ def test_cuda_equals_reference_bitwise(case_name, world_size, seed, summary_line
 @pytest.mark.parametrize("case_name", ["bench_shape_4096x7168_top8_e256",
                                        "t4096_e64_fp16_masked_align16",
                                        "zero_token_rank_one_expert_top8",
-                                       "t16384_e64_top2_capacity"])
+                                       "t16384_e64_top2_capacity", "e40_top3_masked"])
 def test_cuda_routing_map_equals_reference_bitwise(case_name, world_size, seed, summary_line):
     per_rank = dist.run(world_size, check_parity, case_name, seed, None, True, backend="nccl")
     summary_line(f"{per_rank[0][0]} from routing_map: N={[r[2] for r in per_rank]}: topk_idx, "
