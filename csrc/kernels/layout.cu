@@ -144,9 +144,10 @@ __device__ __forceinline__ unsigned long long error_key(int s, int kind, int t, 
 __device__ __forceinline__ bool shape_ok(const int* rec, int max_tokens, int max_topk) {
   return rec[0] >= 0 && rec[0] <= max_tokens && rec[1] >= 1 && rec[1] <= max_topk;
 }
-__device__ __forceinline__ int clamp_tokens(const int* rec, int max_tokens) {
-  int t = rec[0];
-  return t < 0 || t > max_tokens ? 0 : t;
+// Tokens of a record: 0 for one whose shape is out of bounds (its rank packed no routing; the
+// buffer may hold an earlier handle's).
+__device__ __forceinline__ int record_tokens(const int* rec, int max_tokens, int max_topk) {
+  return shape_ok(rec, max_tokens, max_topk) ? rec[0] : 0;
 }
 __device__ __forceinline__ int clamp_topk(const int* rec, int max_topk) {
   int k = rec[1];
@@ -158,7 +159,7 @@ __global__ void validate_kernel(LayoutArgs a) {
   if (i >= (long long)a.num_ranks * a.max_tokens) return;
   const int s = (int)(i / a.max_tokens), t = (int)(i % a.max_tokens);
   const int* rec = a.gathered + (size_t)s * a.rec_ints;
-  if (t >= clamp_tokens(rec, a.max_tokens)) return;
+  if (t >= record_tokens(rec, a.max_tokens, a.max_topk)) return;
   const int ks = clamp_topk(rec, a.max_topk);
   const int* row = rec + kRecordHeader + (size_t)t * ks;
   unsigned long long key = ~0ull;
@@ -183,7 +184,7 @@ __global__ void validate_kernel(LayoutArgs a) {
 __global__ void __launch_bounds__(kLayoutThreads) count_kernel(LayoutArgs a) {
   const int l = blockIdx.x, s = blockIdx.y;
   const int* rec = a.gathered + (size_t)s * a.rec_ints;
-  const int ts = clamp_tokens(rec, a.max_tokens);
+  const int ts = record_tokens(rec, a.max_tokens, a.max_topk);
   const int e = a.rank * a.num_local + l;
   int c = 0;
   for (int t = threadIdx.x; t < ts; t += blockDim.x) {
@@ -290,7 +291,7 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
 __global__ void __launch_bounds__(kLayoutThreads) scatter_kernel(LayoutArgs a) {
   const int l = blockIdx.x, s = blockIdx.y;
   const int* rec = a.gathered + (size_t)s * a.rec_ints;
-  const int ts = clamp_tokens(rec, a.max_tokens);
+  const int ts = record_tokens(rec, a.max_tokens, a.max_topk);
   const int e = a.rank * a.num_local + l;
   using Scan = cub::BlockScan<int, kLayoutThreads>;
   __shared__ typename Scan::TempStorage tmp;

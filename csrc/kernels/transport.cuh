@@ -187,8 +187,9 @@ __host__ __device__ __forceinline__ int elt_bytes(int dtype) {
 EP_DEVICE bool staged_token(const ExchangeArgs& e, long long i, int* s, int* t) {
   *s = (int)(i / e.chunk);
   *t = e.c0 + (int)(i % e.chunk);
-  const int ts = e.gathered[(size_t)*s * e.rec_ints];
-  return ts <= e.max_tokens && *t < ts;
+  const int* header = e.gathered + (size_t)*s * e.rec_ints;
+  const int ts = header[0], ks = header[1];
+  return ts <= e.max_tokens && ks >= 1 && ks <= e.max_topk && *t < ts;
 }
 
 // The slot rows of staged token (s, t) on this rank: recv_row[s][t][0 .. max_topk).
