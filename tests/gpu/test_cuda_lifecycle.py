@@ -31,10 +31,10 @@ def device_memory(device):
     return torch.cuda.memory_allocated(device), torch.cuda.mem_get_info(device)[0]
 
 
-def cuda_group(case, world, device, **kwargs):
+def cuda_group(case, world, device, backend="cuda", **kwargs):
     return ep.Group(num_experts=case["experts"], hidden=case["hidden"],
                     max_tokens_per_rank=case["tokens"], max_topk=case["topk"],
-                    dtype=case["dtype"], backend="cuda", device=device, **kwargs)
+                    dtype=case["dtype"], backend=backend, device=device, **kwargs)
 
 
 def exercise(group, x, idx, probs):
@@ -338,9 +338,7 @@ def check_two_errors(first_rank_error: str, recv_mode: str, seed: int) -> str:
         extra = dict(timeout_s=20.0)
         if recv_mode == "capacity":
             extra.update(recv_mode="capacity", capacity_factor=float(world) + 0.5)
-        group = ep.Group(num_experts=ERROR_CASE["experts"], hidden=ERROR_CASE["hidden"],
-                         max_tokens_per_rank=ERROR_CASE["tokens"], max_topk=ERROR_CASE["topk"],
-                         dtype=ERROR_CASE["dtype"], backend=backend, device=device, **extra)
+        group = cuda_group(ERROR_CASE, world, device, backend=backend, **extra)
         bad = ROUTING_ERRORS[errors[rank]][0](idx) if rank < 2 else idx
         with pytest.raises(Exception) as info:
             run_until_error(group, bad, x, probs, [])
