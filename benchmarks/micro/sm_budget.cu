@@ -1,0 +1,265 @@
+// sm_budget.cu: how fast can N SMs expand tokens into expert rows, and sum them back, on one GPU?
+// Standalone (not part of the library): the bench shape at EP=1 (4096 tokens x 7168 bf16, top-8
+// of 256, 32768 expert-major rows), each variant checked bitwise against the first one.
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o /tmp/sm_budget \
+//       benchmarks/micro/sm_budget.cu && /tmp/sm_budget 24        # argument: SMs (CTAs)
+//
+// Variants: expand with 16-byte register stores (expand_v0) or TMA bulk stores from shared memory
+// (expand_tma: warps x segment x stages); combine with 1 or 2 packs per lane of register loads
+// (combine_reg) or TMA bulk loads into shared memory (combine_tma). Ceilings: a plain copy from
+// the same number of CTAs, from 2 CTAs per SM, and cudaMemcpy.
+// Measured on 1 x H200 (2026-11-29): at 24 SMs every expand variant ~337 us (~1.57 TB/s, the SM
+// store path: ~65 GB/s per SM; 16 SMs: ~490 us), combine_reg 408 / 300 us (P1 / P2),
+// combine_tma 246 us at 12 warps x 1 KB segments.
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <vector>
+#include <algorithm>
+#include <random>
+#include <cstring>
+
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1);} } while (0)
+
+constexpr int T = 4096, H = 7168, K = 8, E = 256;
+constexpr int ROWB = H * 2;
+constexpr int N = T * K;
+
+__device__ __forceinline__ uint32_t sa(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint64_t* b, int c) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(sa(b)), "r"(c) : "memory"); }
+__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, uint32_t bytes) {
+  uint64_t st; asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;" : "=l"(st) : "r"(sa(b)), "r"(bytes) : "memory"); (void)st; }
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* b, uint32_t parity) {
+  uint32_t ok; asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}" : "=r"(ok) : "r"(sa(b)), "r"(parity) : "memory"); return ok != 0; }
+__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) { while (!mbar_try_wait(b, parity)) {} }
+__device__ __forceinline__ void tma_load(void* s, const void* g, uint32_t bytes, uint64_t* b) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" :: "r"(sa(s)), "l"(g), "r"(bytes), "r"(sa(b)) : "memory"); }
+__device__ __forceinline__ void tma_store(void* g, const void* s, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" :: "l"(g), "r"(sa(s)), "r"(bytes) : "memory"); }
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int n> __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(n) : "memory"); }
+template <int n> __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;" :: "n"(n) : "memory"); }
+
+// ---- expand ----
+// V0: registers, one warp per token, 4 x 16B loads in flight per lane, stores to K rows.
+template <int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) expand_v0(const uint4* x, uint4* out, const int* rr) {
+  const int lane = threadIdx.x & 31;
+  const int warp = blockIdx.x * WARPS + (threadIdx.x >> 5), nw = gridDim.x * WARPS;
+  const int units = ROWB / 16;
+  for (int t = warp; t < T; t += nw) {
+    int rows[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) rows[k] = rr[t * K + k];
+    const uint4* src = x + (size_t)t * units;
+    for (int j0 = lane; j0 < units; j0 += 32 * 4) {
+      uint4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) if (j0 + 32 * u < units) v[u] = src[j0 + 32 * u];
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        uint4* d = out + (size_t)rows[k] * units;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) if (j0 + 32 * u < units) d[j0 + 32 * u] = v[u];
+      }
+    }
+  }
+}
+
+// V1: TMA, one warp per token, lane 0 loads a segment into smem and bulk-stores it to each row.
+template <int WARPS, int SEG, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32) expand_tma(const char* x, char* out, const int* rr) {
+  extern __shared__ __align__(128) char smem[];
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  const int warp = blockIdx.x * WARPS + wid, nw = gridDim.x * WARPS;
+  char* buf = smem + (size_t)wid * STAGES * SEG;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + (size_t)WARPS * STAGES * SEG) + wid * STAGES;
+  if (lane == 0) { for (int s = 0; s < STAGES; ++s) mbar_init(&bars[s], 1); fence_mbar_init(); }
+  __syncwarp();
+  if (lane != 0) return;
+  unsigned it = 0;
+  for (int t = warp; t < T; t += nw) {
+    int rows[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) rows[k] = rr[t * K + k];
+    const char* src = x + (size_t)t * ROWB;
+    for (int off = 0; off < ROWB; off += SEG, ++it) {
+      const int b = it % STAGES;
+      const uint32_t bytes = min(SEG, ROWB - off);
+      bulk_wait_read<STAGES - 1>();
+      mbar_expect_tx(&bars[b], bytes);
+      tma_load(buf + b * SEG, src + off, bytes, &bars[b]);
+      mbar_wait(&bars[b], (it / STAGES) & 1);
+#pragma unroll
+      for (int k = 0; k < K; ++k) tma_store(out + (size_t)rows[k] * ROWB + off, buf + b * SEG, bytes);
+      bulk_commit();
+    }
+  }
+  bulk_wait<0>();
+}
+
+// ---- combine (own partial: y[t] = round(0 + sum_k rows)) ----
+template <int P>  // packs per lane in flight
+__global__ void __launch_bounds__(512) combine_reg(const uint4* eo, uint4* y, const int* rr) {
+  const int lane = threadIdx.x & 31;
+  const int warp = blockIdx.x * 16 + (threadIdx.x >> 5), nw = gridDim.x * 16;
+  const int units = ROWB / 16;
+  for (int t = warp; t < T; t += nw) {
+    int rows[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) rows[k] = rr[t * K + k];
+    for (int j0 = lane; j0 < units; j0 += 32 * P) {
+      uint4 v[P][K];
+#pragma unroll
+      for (int p = 0; p < P; ++p)
+#pragma unroll
+        for (int k = 0; k < K; ++k) if (j0 + 32 * p < units) v[p][k] = eo[(size_t)rows[k] * units + j0 + 32 * p];
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+        if (j0 + 32 * p >= units) continue;
+        float acc[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v[p][k]);
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[q] = acc[q] + __bfloat162float(e[q]);
+        }
+        uint4 o; __nv_bfloat16* oe = reinterpret_cast<__nv_bfloat16*>(&o);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) oe[q] = __float2bfloat16_rn(acc[q]);
+        y[(size_t)t * units + j0 + 32 * p] = o;
+      }
+    }
+  }
+}
+
+// TMA: lane 0 loads the K rows' segment into smem (one mbarrier per stage), next segment
+// prefetched; lanes sum from smem.
+template <int WARPS, int SEG>
+__global__ void __launch_bounds__(WARPS * 32) combine_tma(const char* eo, char* y, const int* rr) {
+  extern __shared__ __align__(128) char smem[];
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  const int warp = blockIdx.x * WARPS + wid, nw = gridDim.x * WARPS;
+  char* buf = smem + (size_t)wid * 2 * K * SEG;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + (size_t)WARPS * 2 * K * SEG) + wid * 2;
+  if (lane == 0) { mbar_init(&bars[0], 1); mbar_init(&bars[1], 1); fence_mbar_init(); }
+  __syncwarp();
+  unsigned ph[2] = {0, 0};
+  constexpr int nseg = (ROWB + SEG - 1) / SEG;
+  for (int t = warp; t < T; t += nw) {
+    int rows[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) rows[k] = rr[t * K + k];
+    auto issue = [&](int s, int b) {
+      const int off = s * SEG; const uint32_t bytes = min(SEG, ROWB - off);
+      mbar_expect_tx(&bars[b], bytes * K);
+#pragma unroll
+      for (int k = 0; k < K; ++k) tma_load(buf + (b * K + k) * SEG, eo + (size_t)rows[k] * ROWB + off, bytes, &bars[b]);
+    };
+    if (lane == 0) { fence_proxy_async(); issue(0, 0); }
+    for (int s = 0; s < nseg; ++s) {
+      const int b = s & 1;
+      if (s + 1 < nseg && lane == 0) { fence_proxy_async(); issue(s + 1, b ^ 1); }
+      mbar_wait(&bars[b], ph[b]); ph[b] ^= 1;
+      const int off = s * SEG; const int bytes = min(SEG, ROWB - off);
+      for (int j = lane; j < bytes / 16; j += 32) {
+        float acc[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          uint4 v = reinterpret_cast<const uint4*>(buf + (b * K + k) * SEG)[j];
+          const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[q] = acc[q] + __bfloat162float(e[q]);
+        }
+        uint4 o; __nv_bfloat16* oe = reinterpret_cast<__nv_bfloat16*>(&o);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) oe[q] = __float2bfloat16_rn(acc[q]);
+        reinterpret_cast<uint4*>(y + (size_t)t * ROWB + off)[j] = o;
+      }
+      __syncwarp();
+    }
+  }
+}
+
+// ---- ceilings ----
+__global__ void __launch_bounds__(512) copy_reg(const uint4* s, uint4* d, size_t n) {
+  for (size_t i = blockIdx.x * 512 + threadIdx.x; i < n; i += (size_t)gridDim.x * 512 * 4) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) if (i + u * (size_t)gridDim.x * 512 < n) v[u] = s[i + u * (size_t)gridDim.x * 512];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) if (i + u * (size_t)gridDim.x * 512 < n) d[i + u * (size_t)gridDim.x * 512] = v[u];
+  }
+}
+
+template <typename F>
+float time_it(F f, int iters = 20) {
+  cudaEvent_t a, b; CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) f();
+  std::vector<float> ts;
+  for (int i = 0; i < iters; ++i) { CK(cudaEventRecord(a)); f(); CK(cudaEventRecord(b)); CK(cudaEventSynchronize(b)); float ms; CK(cudaEventElapsedTime(&ms, a, b)); ts.push_back(ms * 1000); }
+  CK(cudaGetLastError());
+  std::sort(ts.begin(), ts.end()); return ts[ts.size() / 2];
+}
+
+int main(int argc, char** argv) {
+  const int sms = argc > 1 ? atoi(argv[1]) : 24;
+  std::mt19937 rng(1234);
+  std::vector<int> topk(T * K);
+  for (int t = 0; t < T; ++t) { std::vector<int> p(E); for (int e = 0; e < E; ++e) p[e] = e; std::shuffle(p.begin(), p.end(), rng); for (int k = 0; k < K; ++k) topk[t * K + k] = p[k]; }
+  std::vector<int> cnt(E, 0), base(E, 0), rr(T * K);
+  for (int i = 0; i < T * K; ++i) cnt[topk[i]]++;
+  for (int e = 1; e < E; ++e) base[e] = base[e - 1] + cnt[e - 1];
+  for (int i = 0; i < T * K; ++i) rr[i] = base[topk[i]]++;
+  int* d_rr; CK(cudaMalloc(&d_rr, sizeof(int) * T * K)); CK(cudaMemcpy(d_rr, rr.data(), sizeof(int) * T * K, cudaMemcpyHostToDevice));
+  std::vector<uint16_t> hx((size_t)T * H), he((size_t)N * H);
+  for (auto& v : hx) { float f = (float)(rng() % 20001) / 10000.0f - 1.0f; __nv_bfloat16 b = __float2bfloat16(f); memcpy(&v, &b, 2); }
+  for (auto& v : he) { float f = (float)(rng() % 20001) / 10000.0f - 1.0f; __nv_bfloat16 b = __float2bfloat16(f); memcpy(&v, &b, 2); }
+  char *x, *out, *out2, *eo, *y, *y2;
+  CK(cudaMalloc(&x, (size_t)T * ROWB)); CK(cudaMalloc(&out, (size_t)N * ROWB)); CK(cudaMalloc(&out2, (size_t)N * ROWB));
+  CK(cudaMalloc(&eo, (size_t)N * ROWB)); CK(cudaMalloc(&y, (size_t)T * ROWB)); CK(cudaMalloc(&y2, (size_t)T * ROWB));
+  CK(cudaMemcpy(x, hx.data(), (size_t)T * ROWB, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(eo, he.data(), (size_t)N * ROWB, cudaMemcpyHostToDevice));
+  const double exp_bytes = (double)T * ROWB + (double)N * ROWB, comb_bytes = exp_bytes;
+  auto report = [&](const char* name, float us, double bytes) { printf("%-36s %8.1f us  %7.0f GB/s\n", name, us, bytes / us / 1e3); };
+  auto cmp = [&](const char* a, const char* b, size_t bytes, const char* what) {
+    std::vector<char> h1(bytes), h2(bytes); CK(cudaMemcpy(h1.data(), a, bytes, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(h2.data(), b, bytes, cudaMemcpyDeviceToHost));
+    printf("  check %s: %s\n", what, memcmp(h1.data(), h2.data(), bytes) == 0 ? "bitwise equal" : "MISMATCH");
+  };
+  printf("SMs %d, T %d H %d K %d E %d bf16\n", sms, T, H, K, E);
+  // ceilings
+  { size_t n = (size_t)N * ROWB / 16; 
+    report("copy_reg 24 SMs (470 MB)", time_it([&] { copy_reg<<<sms, 512>>>((const uint4*)eo, (uint4*)out2, n); }), 2.0 * n * 16);
+    report("copy_reg 132x2 CTAs", time_it([&] { copy_reg<<<264, 512>>>((const uint4*)eo, (uint4*)out2, n); }), 2.0 * n * 16);
+    report("cudaMemcpy d2d", time_it([&] { CK(cudaMemcpyAsync(out2, eo, n * 16, cudaMemcpyDeviceToDevice)); }), 2.0 * n * 16); }
+  // expand
+  CK(cudaMemset(out, 0x7f, (size_t)N * ROWB));
+  report("expand_v0 16w", time_it([&] { expand_v0<16><<<sms, 512>>>((const uint4*)x, (uint4*)out, d_rr); }), exp_bytes);
+  report("expand_v0 32w", time_it([&] { expand_v0<32><<<sms, 1024>>>((const uint4*)x, (uint4*)out, d_rr); }), exp_bytes);
+#define EXP_TMA(W, S, ST) { auto k = expand_tma<W, S, ST>; int smem = W * ST * S + W * ST * 8; CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
+    CK(cudaMemset(out2, 0x55, (size_t)N * ROWB)); \
+    report("expand_tma w" #W " seg" #S " st" #ST, time_it([&] { k<<<sms, W * 32, smem>>>(x, out2, d_rr); }), exp_bytes); cmp(out, out2, (size_t)N * ROWB, "expand"); }
+  EXP_TMA(16, 4096, 2) EXP_TMA(16, 2048, 3) EXP_TMA(8, 4096, 3) EXP_TMA(16, 3584, 3) EXP_TMA(32, 2048, 2) EXP_TMA(8, 7168, 2) EXP_TMA(4, 14336, 2)
+  // combine
+  CK(cudaMemset(y, 0x7f, (size_t)T * ROWB));
+  report("combine_reg P1", time_it([&] { combine_reg<1><<<sms, 512>>>((const uint4*)eo, (uint4*)y, d_rr); }), comb_bytes);
+  CK(cudaMemset(y2, 0x55, (size_t)T * ROWB));
+  report("combine_reg P2", time_it([&] { combine_reg<2><<<sms, 512>>>((const uint4*)eo, (uint4*)y2, d_rr); }), comb_bytes);
+  cmp(y, y2, (size_t)T * ROWB, "combine");
+#define COMB_TMA(W, S) { auto k = combine_tma<W, S>; int smem = W * 2 * K * S + W * 16; CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
+    CK(cudaMemset(y2, 0x55, (size_t)T * ROWB)); \
+    report("combine_tma w" #W " seg" #S, time_it([&] { k<<<sms, W * 32, smem>>>(eo, y2, d_rr); }), comb_bytes); cmp(y, y2, (size_t)T * ROWB, "combine"); }
+  COMB_TMA(8, 1024) COMB_TMA(16, 512) COMB_TMA(6, 2048) COMB_TMA(12, 1024) COMB_TMA(4, 3584) COMB_TMA(24, 512)
+  CK(cudaDeviceSynchronize());
+  printf("done\n");
+  return 0;
+}
