@@ -63,7 +63,7 @@ struct ErrorInfo {
   int rank;
   int token;
   int slot;
-  int aux;                 // kErrExpertRange: the record kind of the failing rank
+  int aux;                 // kErrExpertRange / kErrShape: the record kind of the failing rank
   long long value;
   long long extra;
   long long pad;
