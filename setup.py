@@ -1,9 +1,9 @@
 """Build of megatron_nccl_ep.
 
-The package itself is pure Python. The CUDA backend is the extension ``megatron_nccl_ep._C``
-(csrc/: the C/CUDA library behind csrc/include/nccl_ep.h plus its pybind11 bindings), built with
-nvcc when nvcc and the NCCL headers are found; otherwise a reference-only package is installed and
-a notice is printed.
+The package itself is pure Python. The CUDA backend is the C library ``libnccl_ep.so`` (csrc/:
+the C/CUDA library behind csrc/include/nccl_ep.h) and the pybind11 module ``megatron_nccl_ep._C``
+over it, both built into the package directory with nvcc when nvcc and the NCCL headers are
+found; otherwise a reference-only package is installed and a notice is printed.
 
     pip install --no-build-isolation -e .     # from the project venv
     python setup.py build_ext --inplace       # compile check (also used by CI)
@@ -30,6 +30,7 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(ROOT, "csrc")
+LIBRARY = "libnccl_ep.so"  # the C library, next to the Python module
 
 
 def _nvcc():
@@ -93,8 +94,10 @@ def _why_no_extension():
 
 
 class BuildExt(build_ext):
-    """Compiles csrc/ with nvcc (.cu) and the host compiler (.cc), in parallel, and links one
-    shared object. Objects are reused when newer than their source and every header."""
+    """Compiles csrc/ with nvcc (.cu) and the host compiler (.cc), in parallel, links the C
+    library ``libnccl_ep.so`` (public header only: ``ncclEp*`` symbols exported) and the pybind11
+    module ``_C`` against it (rpath $ORIGIN: both sit in the package directory). Objects are
+    reused when newer than their source and every header."""
 
     def build_extension(self, ext):
         nvcc = _nvcc()
@@ -129,7 +132,7 @@ class BuildExt(build_ext):
             obj = os.path.join(build_dir, rel + ".o")
             if src.endswith(".cu"):
                 cmd = [nvcc, "-c", src, "-o", obj, "-std=c++17", "-O3", "-lineinfo",
-                       "-Xcompiler", "-fPIC", "-Xcompiler", ",".join(warn),
+                       "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Xcompiler", ",".join(warn),
                        "-Werror=all-warnings" if werror else "-Wno-deprecated-gpu-targets"]
                 for a in archs:
                     cmd.append(f"-gencode=arch=compute_{a},code=sm_{a}")
@@ -143,10 +146,10 @@ class BuildExt(build_ext):
                     cmd += ["-I" + _pybind11_include(), "-I" + sysconfig.get_paths()["include"]]
             fresh = os.path.exists(obj) and \
                 os.path.getmtime(obj) > max(os.path.getmtime(src), newest_header)
-            jobs.append((cmd, obj, fresh))
+            jobs.append((cmd, obj, fresh, "bindings" in src))
 
         def run(job):
-            cmd, obj, fresh = job
+            cmd, obj, fresh, _ = job
             if fresh and not self.force:
                 return obj
             print(" ".join(cmd), flush=True)
@@ -156,17 +159,47 @@ class BuildExt(build_ext):
         workers = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             objects = list(pool.map(run, jobs))
+        library_objects = [o for o, job in zip(objects, jobs) if not job[3]]
+        binding_objects = [o for o, job in zip(objects, jobs) if job[3]]
 
         out = self.get_ext_fullpath(ext.name)
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        # rpath: the wheel's lib dir as found now, and its place relative to an installed package
-        # (site-packages/megatron_nccl_ep/_C.so -> site-packages/nvidia/nccl/lib).
-        link = [cxx, "-shared", "-o", out] + objects + [
+        out_dir = os.path.dirname(out)
+        os.makedirs(out_dir, exist_ok=True)
+        # The C library: the CUDA runtime linked in statically, libnccl.so.2 found through an
+        # rpath to the wheel's lib dir as found now and to its place relative to an installed
+        # package (site-packages/megatron_nccl_ep/ -> site-packages/nvidia/nccl/lib).
+        lib = os.path.join(out_dir, LIBRARY)
+        version_script = os.path.join(build_dir, "exports.map")
+        with open(version_script, "w") as f:
+            f.write("{ global: ncclEp*; local: *; };\n")
+        link = [cxx, "-shared", "-o", lib, f"-Wl,-soname,{LIBRARY}",
+                f"-Wl,--version-script={version_script}"] + library_objects + [
             "-L" + nccl_lib, "-l:libnccl.so.2", "-L" + cuda_lib, "-lcudart_static", "-ldl",
             "-lrt", "-lpthread", "-Wl,-rpath," + nccl_lib,
             "-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib"]
         print(" ".join(link), flush=True)
         subprocess.check_call(link)
+        # The Python module: the bindings over libnccl_ep.so (NCCL's types only, no CUDA calls).
+        link = [cxx, "-shared", "-o", out] + binding_objects + [
+            "-L" + out_dir, "-l:" + LIBRARY, "-L" + nccl_lib, "-l:libnccl.so.2",
+            "-Wl,-rpath,$ORIGIN", "-Wl,-rpath," + nccl_lib,
+            "-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib"]
+        print(" ".join(link), flush=True)
+        subprocess.check_call(link)
+
+    def get_outputs(self):
+        outputs = super().get_outputs()
+        return outputs + [os.path.join(os.path.dirname(o), LIBRARY) for o in outputs[:1]]
+
+    def copy_extensions_to_source(self):
+        # In-place and editable builds: the library goes next to the module it serves.
+        built = os.path.join(self.build_lib, "megatron_nccl_ep", LIBRARY)
+        super().copy_extensions_to_source()
+        package_dir = self.get_finalized_command("build_py").get_package_dir("megatron_nccl_ep")
+        # Replaced, not overwritten: a running process may have the old file mapped.
+        target = os.path.join(package_dir, LIBRARY)
+        shutil.copy2(built, target + ".tmp")
+        os.replace(target + ".tmp", target)
 
 
 def _extensions():

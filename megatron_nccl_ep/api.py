@@ -1,5 +1,6 @@
 """Pythonic front of the library: ``Group`` (one per EP process group and shape class) and
-``Handle`` (one forward pass's routing). Backends implement the arithmetic of shared DESIGN §3/§4:
+``Handle`` (one forward pass's routing). Backends implement the arithmetic of docs/design.md
+§3/§4:
 
 * ``torch``: the reference (``reference.py``), over any torch.distributed backend;
 * ``cuda``: our CUDA kernels behind the C API (``cuda_backend.py``);
@@ -12,16 +13,18 @@ device so that capacity mode never synchronizes the host.
 
 Backend protocol (both backends implement it; ``state`` is backend-private):
 
-* ``Backend(config: GroupConfig, process_group)``: collective;
+* ``Backend(config: GroupConfig, process_group, device)``: collective;
 * ``create_handle(routing, from_map) -> state``: collective; ``routing`` is ``topk_idx [T, K]``
   or, with ``from_map``, a ``routing_map [T, E]`` (see ``Group.create_handle``);
   ``state.num_recv_tokens`` (int: N_d in exact mode, the capacity in capacity mode),
   ``state.tokens_per_expert`` (int64 ``[L]``: CPU tensor in exact mode, on the group's device in
-  capacity mode);
+  capacity mode), both may be properties that read the device the first time (exact mode);
 * ``topk_idx(state) -> [T, K]`` int64 on the group's device: the routing as top-k ids;
-* ``dispatch(state, x, probs) -> (recv_x [N, H], recv_probs [N] or None)``: collective;
+* ``dispatch(state, x, probs, dense) -> (recv_x [N, H], recv_probs [N] or None)``: collective;
+  ``probs`` is ``[T, K]`` in slot order, or ``[T, E]`` when ``dense``;
 * ``combine(state, expert_out [N, H]) -> y [T, H]``: collective;
-* ``combine_probs(state, grad_recv_probs [N]) -> grad_probs [T, K]``: collective;
+* ``combine_probs(state, grad_recv_probs [N], dense) -> grad_probs [T, K]`` (``[T, E]`` when
+  ``dense``, zero where unrouted): collective;
 * ``check_errors()``: raises a pending device-side error (synchronizing the stream first);
 * ``destroy_handle(state)``, ``destroy()``.
 """
@@ -37,6 +40,7 @@ import torch.distributed as dist
 
 TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int64, torch.int32)
+PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class NcclEpError(RuntimeError):
@@ -57,6 +61,9 @@ class GroupConfig:
     expert_alignment: int = 1  # pad each expert block to a multiple of this many rows
     num_sms: int = 24  # SM budget per CUDA operation
     timeout_s: float = 100.0  # device-side waits turn into NcclEpError after this
+    # CUDA staging ring per (channel, peer): slots of this many tokens (0 = library default)
+    staging_chunk_tokens: int = 0
+    staging_depth: int = 0  # ring slots (0 = library default)
 
     def validate(self, world_size: int) -> None:
         def need(ok: bool, what: str) -> None:
@@ -67,8 +74,8 @@ class GroupConfig:
         need(self.num_experts % world_size == 0,
              f"num_experts ({self.num_experts}) must be a multiple of the group size ({world_size})")
         need(self.hidden > 0, f"hidden must be > 0, got {self.hidden}")
-        need(self.max_tokens_per_rank >= 0,
-             f"max_tokens_per_rank must be >= 0, got {self.max_tokens_per_rank}")
+        need(self.max_tokens_per_rank >= 1,
+             f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
         need(1 <= self.max_topk <= self.num_experts,
              f"max_topk must be in [1, num_experts={self.num_experts}], got {self.max_topk}")
         need(self.dtype in TOKEN_DTYPES, f"dtype must be one of {TOKEN_DTYPES}, got {self.dtype}")
@@ -82,6 +89,9 @@ class GroupConfig:
              f"expert_alignment must be >= 1, got {self.expert_alignment}")
         need(self.num_sms >= 1, f"num_sms must be >= 1, got {self.num_sms}")
         need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        need(self.staging_chunk_tokens >= 0 and self.staging_depth >= 0,
+             "staging_chunk_tokens and staging_depth must be >= 0 (0 = default), got "
+             f"{self.staging_chunk_tokens} and {self.staging_depth}")
 
 
 def capacity_from_factor(capacity_factor: float, max_tokens_per_rank: int, max_topk: int,
@@ -103,6 +113,37 @@ def shape_error(topk_idx: torch.Tensor, config: GroupConfig,
     if not 1 <= topk <= config.max_topk:
         return f"topk_idx has top-k {topk}, expected 1 <= top-k <= max_topk={config.max_topk}"
     return None
+
+
+def _resolve_device(device) -> torch.device:
+    """``None``: the current CUDA device when there is one, else the CPU; ``"cuda"`` without an
+    index: the current CUDA device (so that tensors on ``cuda:0`` match ``cuda``)."""
+    if device is None:
+        return (torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available() else torch.device("cpu"))
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _make_config(world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int,
+                 max_topk: int, dtype: torch.dtype, recv_mode: str,
+                 max_recv_tokens_per_rank: Optional[int], capacity_factor: Optional[float],
+                 expert_alignment: int, num_sms: int, timeout_s: float,
+                 staging_chunk_tokens: int, staging_depth: int) -> GroupConfig:
+    if recv_mode == "capacity" and max_recv_tokens_per_rank is None and capacity_factor:
+        max_recv_tokens_per_rank = capacity_from_factor(
+            capacity_factor, max_tokens_per_rank, max_topk, num_experts // world_size,
+            expert_alignment)
+    config = GroupConfig(
+        num_experts=num_experts, hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
+        max_topk=max_topk, dtype=dtype, recv_mode=recv_mode,
+        max_recv_tokens_per_rank=max_recv_tokens_per_rank, expert_alignment=expert_alignment,
+        num_sms=num_sms, timeout_s=timeout_s, staging_chunk_tokens=staging_chunk_tokens,
+        staging_depth=staging_depth)
+    config.validate(world_size)
+    return config
 
 
 def _check_config_across_ranks(config: GroupConfig, process_group, world_size: int) -> None:
@@ -157,7 +198,8 @@ class Group:
                  backend: str = "auto", device=None, recv_mode: str = "exact",
                  max_recv_tokens_per_rank: Optional[int] = None,
                  capacity_factor: Optional[float] = None, expert_alignment: int = 1,
-                 num_sms: int = 24, timeout_s: float = 100.0):
+                 num_sms: int = 24, timeout_s: float = 100.0, staging_chunk_tokens: int = 0,
+                 staging_depth: int = 0):
         if dist.is_available() and dist.is_initialized():
             self.process_group = process_group if process_group is not None else dist.group.WORLD
             self.rank = dist.get_rank(self.process_group)
@@ -166,25 +208,58 @@ class Group:
             if process_group is not None:
                 raise ValueError("process_group given but torch.distributed is not initialized")
             self.process_group, self.rank, self.world_size = None, 0, 1
-        if device is None:
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if torch.cuda.is_available() else torch.device("cpu"))
-        self.device = torch.device(device)
-        if recv_mode == "capacity" and max_recv_tokens_per_rank is None and capacity_factor:
-            max_recv_tokens_per_rank = capacity_from_factor(
-                capacity_factor, max_tokens_per_rank, max_topk,
-                num_experts // self.world_size, expert_alignment)
-        self.config = GroupConfig(
-            num_experts=num_experts, hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
-            max_topk=max_topk, dtype=dtype, recv_mode=recv_mode,
-            max_recv_tokens_per_rank=max_recv_tokens_per_rank, expert_alignment=expert_alignment,
-            num_sms=num_sms, timeout_s=timeout_s)
-        self.config.validate(self.world_size)
+        self.device = _resolve_device(device)
+        self.config = _make_config(self.world_size, num_experts, hidden, max_tokens_per_rank,
+                                   max_topk, dtype, recv_mode, max_recv_tokens_per_rank,
+                                   capacity_factor, expert_alignment, num_sms, timeout_s,
+                                   staging_chunk_tokens, staging_depth)
         _check_config_across_ranks(self.config, self.process_group, self.world_size)
         self.num_local_experts = num_experts // self.world_size
         self.backend_name = backend
-        self._backend = _resolve_backend(backend, self.device)(self.config, self.process_group)
+        self._backend = _resolve_backend(backend, self.device)(self.config, self.process_group,
+                                                               self.device)
         self.backend_name = self._backend.name
+
+    @classmethod
+    def local_team(cls, world_size: int, *, num_experts: int, hidden: int,
+                   max_tokens_per_rank: int, max_topk: int, dtype: torch.dtype = torch.bfloat16,
+                   device=None, recv_mode: str = "exact",
+                   max_recv_tokens_per_rank: Optional[int] = None,
+                   capacity_factor: Optional[float] = None, expert_alignment: int = 1,
+                   num_sms: int = 24, timeout_s: float = 100.0, staging_chunk_tokens: int = 0,
+                   staging_depth: int = 0) -> "list[Group]":
+        """``world_size`` ranks of one EP group inside this process, on one GPU, with the cuda
+        backend and no NCCL (the C library's ``ncclEpCreateLocalTeam``): element ``r`` is rank
+        ``r``. Every device code path of a multi-rank group runs, so one GPU can develop and test
+        it. Use each rank from its own thread with its own CUDA stream (exact-mode calls wait
+        for the peers), and keep ``world_size * num_sms`` within the GPU's SM count (every CTA
+        of every rank must be resident at once). Destroy every member."""
+        from . import cuda_backend
+
+        device = _resolve_device(device)
+        if device.type != "cuda" or not cuda_backend.available():
+            raise RuntimeError("Group.local_team needs a CUDA device and the built extension: "
+                               f"{cuda_backend.unavailable_reason() or device}")
+        config = _make_config(world_size, num_experts, hidden, max_tokens_per_rank, max_topk,
+                              dtype, recv_mode, max_recv_tokens_per_rank, capacity_factor,
+                              expert_alignment, num_sms, timeout_s, staging_chunk_tokens,
+                              staging_depth)
+        groups = []
+        for rank, backend in enumerate(cuda_backend.CudaBackend.local_team(config, world_size,
+                                                                           device)):
+            group = cls.__new__(cls)
+            group.process_group, group.rank, group.world_size = None, rank, world_size
+            group.device, group.config = device, config
+            group.num_local_experts = num_experts // world_size
+            group._backend, group.backend_name = backend, backend.name
+            groups.append(group)
+        return groups
+
+    def info(self) -> dict:
+        """What the cuda backend allocated and chose (staging bytes, channels, chunk, depth);
+        an empty dict for the reference backend."""
+        self._require_alive()
+        return self._backend.info() if hasattr(self._backend, "info") else {}
 
     # -- argument checks shared by every backend -------------------------------------------------
     def _check_tensor(self, name: str, t, ndim: int, dtypes, shape=None) -> None:
@@ -259,15 +334,31 @@ class Handle:
     """The routing of one forward pass (one layer, one micro-batch); reused by the backward pass.
 
     ``num_recv_tokens``: rows of this rank's dispatch output. ``tokens_per_expert``: int64 ``[L]``
-    (a CPU tensor in exact mode, read once at creation; on the device in capacity mode).
+    (a CPU tensor in exact mode; on the device in capacity mode). In exact mode with the cuda
+    backend both are read from the device the first time they (or ``dispatch``) are needed, so
+    creating a handle never waits: routing errors are raised there, on every rank.
     """
 
     def __init__(self, group: Group, state, num_tokens: int, topk: int):
         self.group, self._state = group, state
         self.num_tokens, self.topk = num_tokens, topk
-        self.num_recv_tokens = int(state.num_recv_tokens)
-        self.tokens_per_expert = state.tokens_per_expert
         self._topk_idx = None
+        self._num_recv_tokens: Optional[int] = None  # kept once read (also after destroy)
+        self._tokens_per_expert: Optional[torch.Tensor] = None
+
+    @property
+    def num_recv_tokens(self) -> int:
+        if self._num_recv_tokens is None:
+            self._require_alive()
+            self._num_recv_tokens = int(self._state.num_recv_tokens)
+        return self._num_recv_tokens
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        if self._tokens_per_expert is None:
+            self._require_alive()
+            self._tokens_per_expert = self._state.tokens_per_expert
+        return self._tokens_per_expert
 
     @property
     def topk_idx(self) -> torch.Tensor:
@@ -288,33 +379,43 @@ class Handle:
         cfg = self.group.config
         self.group._check_tensor(name, t, 2, (cfg.dtype,), (self.num_recv_tokens, cfg.hidden))
 
+    def probs_are_dense(self, probs: torch.Tensor) -> bool:
+        """Whether ``probs`` is a router's dense ``[T, E]`` (slot k reads the column of its
+        expert) rather than ``[T, K]`` in slot order; when E == K the shapes coincide and slot
+        order is meant."""
+        E = self.group.config.num_experts
+        return probs.dim() == 2 and probs.shape[1] == E and E != self.topk
+
     def dispatch(self, x: torch.Tensor, probs: Optional[torch.Tensor] = None):
-        """``x [T, H]``, ``probs [T, K]`` (any float dtype, optional) -> ``(recv_x [N, H],
-        recv_probs [N] or None)`` in the expert-major layout of DESIGN §3. Not differentiable:
-        use ``megatron_nccl_ep.dispatch`` for autograd."""
+        """``x [T, H]``, ``probs`` (any float dtype, optional: ``[T, K]`` in slot order, or a
+        router's dense ``[T, E]``) -> ``(recv_x [N, H], recv_probs [N] or None)`` in the
+        expert-major layout of docs/design.md §3. Not differentiable: use
+        ``megatron_nccl_ep.dispatch`` for autograd."""
         self._require_alive()
         self._check_x("x", x)
+        dense = False
         if probs is not None:
-            self.group._check_tensor("probs", probs, 2,
-                                     (torch.float32, torch.bfloat16, torch.float16, torch.float64),
-                                     (self.num_tokens, self.topk))
+            dense = self.probs_are_dense(probs)
+            cols = self.group.config.num_experts if dense else self.topk
+            self.group._check_tensor("probs", probs, 2, PROB_DTYPES, (self.num_tokens, cols))
             probs = probs.contiguous()
-        return self.group._backend.dispatch(self._state, x.contiguous(), probs)
+        return self.group._backend.dispatch(self._state, x.contiguous(), probs, dense)
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """``expert_out [N, H]`` in the layout -> ``y [T, H]``, the unweighted, ordered sum of
-        DESIGN §4."""
+        docs/design.md §4."""
         self._require_alive()
         self._check_rows("expert_out", expert_out)
         return self.group._backend.combine(self._state, expert_out.contiguous())
 
-    def combine_probs(self, grad_recv_probs: torch.Tensor) -> torch.Tensor:
-        """Reverse of the probs dispatch: ``[N] -> [T, K]`` (0 at masked slots)."""
+    def combine_probs(self, grad_recv_probs: torch.Tensor, dense: bool = False) -> torch.Tensor:
+        """Reverse of the probs dispatch: ``[N] -> [T, K]`` (0 at masked slots), or ``[T, E]``
+        with ``dense`` (0 at every unrouted expert)."""
         self._require_alive()
-        self.group._check_tensor("grad_recv_probs", grad_recv_probs, 1,
-                                 (torch.float32, torch.bfloat16, torch.float16, torch.float64),
+        self.group._check_tensor("grad_recv_probs", grad_recv_probs, 1, PROB_DTYPES,
                                  (self.num_recv_tokens,))
-        return self.group._backend.combine_probs(self._state, grad_recv_probs.contiguous())
+        return self.group._backend.combine_probs(self._state, grad_recv_probs.contiguous(),
+                                                 dense)
 
     def destroy(self) -> None:
         if self._state is not None and self.group._backend is not None:

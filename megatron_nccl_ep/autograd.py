@@ -1,6 +1,7 @@
-"""Autograd over a Handle (DESIGN §5): the backward pass reuses the forward's routing.
+"""Autograd over a Handle (docs/design.md §5): the backward pass reuses the forward's routing.
 
-* dispatch: grad x = combine(grad recv_x); grad probs = combine_probs(grad recv_probs);
+* dispatch: grad x = combine(grad recv_x); grad probs = combine_probs(grad recv_probs), in the
+  layout the probs came in ([T, K] slot order, or a router's dense [T, E]);
 * combine: grad expert_out = dispatch(grad y).
 
 The Function's context holds the Handle, so the handle lives exactly as long as the autograd graph
@@ -22,13 +23,16 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, handle: Handle, x: torch.Tensor, probs: Optional[torch.Tensor]):
         ctx.handle = handle
         ctx.has_probs = probs is not None
+        ctx.dense = probs is not None and handle.probs_are_dense(probs)
         recv_x, recv_probs = handle.dispatch(x, probs)
         return recv_x, recv_probs
 
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_probs):
         grad_x = ctx.handle.combine(grad_recv_x)
-        grad_probs = ctx.handle.combine_probs(grad_recv_probs) if ctx.has_probs else None
+        grad_probs = None
+        if ctx.has_probs:  # [T, K], or [T, E] (zero where unrouted) for dense probs
+            grad_probs = ctx.handle.combine_probs(grad_recv_probs, dense=ctx.dense)
         return None, grad_x, grad_probs
 
 
@@ -50,5 +54,5 @@ def dispatch(handle: Handle, x: torch.Tensor, probs: Optional[torch.Tensor] = No
 
 
 def combine(handle: Handle, expert_out: torch.Tensor) -> torch.Tensor:
-    """Differentiable ``handle.combine``: ``y [T, H]``, the unweighted sum of DESIGN §4."""
+    """Differentiable ``handle.combine``: ``y [T, H]``, the unweighted sum of docs/design.md §4."""
     return _Combine.apply(handle, expert_out)

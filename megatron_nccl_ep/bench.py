@@ -703,10 +703,16 @@ def _section_kernels(me: _Rank) -> None:
 
     me.attempt("check", check_roundtrip)
 
+    def new_handle(i):
+        # Creation plus the exact-mode count read (what a dispatch needs first).
+        handle = group.create_handle(pick(i)["topk"])
+        handle.num_recv_tokens
+        return handle
+
     def layout():
-        me.measure("layout = create_handle (e2e)",
-                   lambda i: group.create_handle(pick(i)["topk"]), mode="e2e",
-                   after=lambda i, handle: handle.destroy())
+        for mode in ("kernel", "e2e"):
+            me.measure(f"handle: create + count read ({mode})", new_handle, mode=mode,
+                       after=lambda i, handle: handle.destroy())
 
     me.attempt("layout", layout)
 

@@ -3,18 +3,19 @@ pybind11 module ``megatron_nccl_ep._C``. Implements the backend protocol of ``ap
 
 The library runs on its own NCCL communicator (same ranks as the torch process group): rank 0
 creates the unique id, the process group broadcasts it, every rank calls ``ncclCommInitRank``.
+``CudaBackend.local_team`` makes every rank of a group inside one process instead (no NCCL).
 Tensors travel as ``data_ptr()`` with ``torch.cuda.current_stream().cuda_stream``; outputs are
 ``torch.empty`` on the current device, so the caching allocator keeps them stream-ordered.
 
 Errors: ``ValueError`` for bad arguments or routing (the library's ncclInvalidArgument /
 ncclInvalidUsage), ``NcclEpError`` for runtime failures (device-side timeouts, capacity overflow,
 CUDA/NCCL errors). In capacity mode nothing synchronizes the host, so routing errors and overflow
-are raised by the next call (or by ``check_errors()``).
+are raised by the next call (or by ``check_errors()``); in exact mode by the first read of the
+receive count (``num_recv_tokens``, ``tokens_per_expert`` or the handle's first dispatch).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Optional
 
@@ -62,34 +63,59 @@ def _call(fn, *args):
         raise NcclEpError(str(exc)) from None
 
 
-@dataclasses.dataclass
 class CudaHandleState:
-    ptr: int
-    num_recv_tokens: int
-    tokens_per_expert: torch.Tensor  # [L] int64: CPU (exact) or device (capacity)
-    num_tokens: int
-    topk: int
+    """One handle of the C library. Exact mode: the receive count and tokens per expert are read
+    from the device the first time they are asked for (the library's one host read per handle),
+    which also raises the handle's routing errors."""
+
+    def __init__(self, ptr: int, num_tokens: int, topk: int, num_local_experts: int,
+                 capacity_mode: bool, device: torch.device, stream: int):
+        self.ptr, self.num_tokens, self.topk = ptr, num_tokens, topk
+        self._num_local, self._device = num_local_experts, device
+        self._num_recv: Optional[int] = None
+        self._tokens_per_expert: Optional[torch.Tensor] = None
+        if capacity_mode:  # no host read: the counts stay on the device
+            self._num_recv = _call(_C.handle_num_recv_tokens, ptr)
+            tpe = torch.empty(num_local_experts, dtype=torch.int64, device=device)
+            _call(_C.handle_tokens_per_expert, ptr, tpe.data_ptr(), num_local_experts, True,
+                  stream)
+            self._tokens_per_expert = tpe
+
+    @property
+    def num_recv_tokens(self) -> int:
+        if self._num_recv is None:
+            self._num_recv = _call(_C.handle_num_recv_tokens, self.ptr)
+        return self._num_recv
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        if self._tokens_per_expert is None:
+            tpe = torch.empty(self._num_local, dtype=torch.int64)
+            _call(_C.handle_tokens_per_expert, self.ptr, tpe.data_ptr(), self._num_local, False, 0)
+            self._tokens_per_expert = tpe
+        return self._tokens_per_expert
+
+
+def _group_args(config: GroupConfig) -> tuple:
+    """The C group configuration's fields, in the bindings' order (after comm / nranks)."""
+    capacity = config.max_recv_tokens_per_rank if config.recv_mode == "capacity" else 0
+    return (config.num_experts, config.hidden, config.max_tokens_per_rank, config.max_topk,
+            _dtype_code(config.dtype),
+            _MODE_CAPACITY if config.recv_mode == "capacity" else _MODE_EXACT,
+            int(capacity or 0), config.expert_alignment, config.num_sms,
+            max(1, int(math.ceil(config.timeout_s * 1000))), config.staging_chunk_tokens,
+            config.staging_depth)
 
 
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, config: GroupConfig, process_group):
-        if _C is None:
-            raise RuntimeError(unavailable_reason())
-        if config.dtype not in TOKEN_DTYPES:
-            raise ValueError(f"GroupConfig: dtype {config.dtype} is not supported by the cuda "
-                             "backend, which supports bfloat16, float16 and float32 tokens "
-                             "(use backend='torch' for float64)")
-        self.config = config
+    def __init__(self, config: GroupConfig, process_group, device: Optional[torch.device] = None):
+        self._setup(config, device)
         self.group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self.rank = 0 if process_group is None else dist.get_rank(process_group)
         self.num_local_experts = config.num_experts // self.world_size
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self._comm = 0
-        self._group = 0
-        self._handles = set()
 
         unique_id = _C.get_unique_id() if self.rank == 0 else None
         if self.world_size > 1:
@@ -99,18 +125,52 @@ class CudaBackend:
             unique_id = box[0]
         with torch.cuda.device(self.device):
             self._comm = _call(_C.comm_init_rank, self.world_size, unique_id, self.rank)
-            capacity = config.max_recv_tokens_per_rank if config.recv_mode == "capacity" else 0
             try:
-                self._group = _call(
-                    _C.create_group, self._comm, config.num_experts, config.hidden,
-                    config.max_tokens_per_rank, config.max_topk, _dtype_code(config.dtype),
-                    _MODE_CAPACITY if config.recv_mode == "capacity" else _MODE_EXACT,
-                    int(capacity or 0), config.expert_alignment, config.num_sms,
-                    max(1, int(math.ceil(config.timeout_s * 1000))), self._stream())
+                self._group = _call(_C.create_group, self._comm, *_group_args(config),
+                                    self._stream())
             except BaseException:
                 _C.comm_destroy(self._comm)
                 self._comm = 0
                 raise
+
+    def _setup(self, config: GroupConfig, device: Optional[torch.device]) -> None:
+        if _C is None:
+            raise RuntimeError(unavailable_reason())
+        if config.dtype not in TOKEN_DTYPES:
+            raise ValueError(f"GroupConfig: dtype {config.dtype} is not supported by the cuda "
+                             "backend, which supports bfloat16, float16 and float32 tokens "
+                             "(use backend='torch' for float64)")
+        current = torch.device("cuda", torch.cuda.current_device())
+        if device is not None and device != current:
+            raise ValueError(f"the cuda backend runs on the current CUDA device ({current}), got "
+                             f"device={device}; call torch.cuda.set_device({device.index}) first")
+        self.config = config
+        self.device = current
+        self._comm = 0
+        self._group = 0
+        self._handles = set()
+
+    @classmethod
+    def local_team(cls, config: GroupConfig, world_size: int,
+                   device: Optional[torch.device] = None) -> list:
+        """``world_size`` backends forming one group inside this process (no NCCL): see
+        ``Group.local_team``."""
+        leader = cls.__new__(cls)
+        leader._setup(config, device)
+        groups = _call(_C.create_local_team, world_size, *_group_args(config), leader._stream())
+        team = []
+        for rank, ptr in enumerate(groups):
+            member = leader if rank == 0 else cls.__new__(cls)
+            if rank:
+                member._setup(config, device)
+            member.group, member.world_size, member.rank = None, world_size, rank
+            member.num_local_experts = config.num_experts // world_size
+            member._group = ptr
+            team.append(member)
+        return team
+
+    def info(self) -> dict:
+        return dict(_call(_C.group_info, self._group))
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
@@ -119,23 +179,17 @@ class CudaBackend:
     def create_handle(self, routing: torch.Tensor, from_map: bool) -> CudaHandleState:
         tokens, cols = routing.shape
         topk = self.config.max_topk if from_map else cols
+        stream = self._stream()
         ptr = _call(_C.create_handle, self._group, routing.data_ptr(), tokens, cols,
-                    _dtype_code(routing.dtype), from_map, self._stream())
+                    _dtype_code(routing.dtype), from_map, stream)
         self._handles.add(ptr)
         try:
-            num_recv = _call(_C.handle_num_recv_tokens, ptr)
-            L = self.num_local_experts
-            if self.config.recv_mode == "capacity":
-                tpe = torch.empty(L, dtype=torch.int64, device=self.device)
-                _call(_C.handle_tokens_per_expert, ptr, tpe.data_ptr(), L, True, self._stream())
-            else:
-                tpe = torch.empty(L, dtype=torch.int64)
-                _call(_C.handle_tokens_per_expert, ptr, tpe.data_ptr(), L, False, 0)
+            return CudaHandleState(ptr, tokens, topk, self.num_local_experts,
+                                   self.config.recv_mode == "capacity", self.device, stream)
         except BaseException:
             self._handles.discard(ptr)
             _C.handle_destroy(ptr)
             raise
-        return CudaHandleState(ptr, int(num_recv), tpe, tokens, topk)
 
     def topk_idx(self, state: CudaHandleState) -> torch.Tensor:
         out = torch.empty((state.num_tokens, state.topk), dtype=torch.int64, device=self.device)
@@ -150,18 +204,20 @@ class CudaBackend:
         state.ptr = 0
 
     # -- operations ----------------------------------------------------------------------------
-    def dispatch(self, state: CudaHandleState, x: torch.Tensor, probs: Optional[torch.Tensor]):
+    def dispatch(self, state: CudaHandleState, x: torch.Tensor, probs: Optional[torch.Tensor],
+                 dense: bool = False):
         n, hidden = state.num_recv_tokens, x.shape[1]
         recv_x = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
         recv_probs = None
-        probs_ptr, probs_code = 0, _dtype_code(torch.float32)
+        probs_ptr, probs_code, probs_cols = 0, _dtype_code(torch.float32), state.topk
         if probs is not None:
             recv_probs = torch.empty(n, dtype=probs.dtype, device=x.device)
             probs_ptr, probs_code = probs.data_ptr(), _dtype_code(probs.dtype)
+            probs_cols = probs.shape[1]
         _call(_C.dispatch, state.ptr, x.data_ptr(), state.num_tokens, hidden,
-              _dtype_code(x.dtype), probs is not None, probs_ptr, probs_code, state.topk,
-              recv_x.data_ptr(), n,
-              recv_probs.data_ptr() if recv_probs is not None else 0, self._stream())
+              _dtype_code(x.dtype), probs is not None, probs_ptr, probs_code, probs_cols, dense,
+              recv_x.data_ptr(), n, recv_probs.data_ptr() if recv_probs is not None else 0,
+              self._stream())
         return recv_x, recv_probs
 
     def combine(self, state: CudaHandleState, expert_out: torch.Tensor) -> torch.Tensor:
@@ -172,13 +228,14 @@ class CudaBackend:
               _dtype_code(expert_out.dtype), y.data_ptr(), state.num_tokens, self._stream())
         return y
 
-    def combine_probs(self, state: CudaHandleState,
-                      grad_recv_probs: torch.Tensor) -> torch.Tensor:
-        grad = torch.empty((state.num_tokens, state.topk), dtype=grad_recv_probs.dtype,
+    def combine_probs(self, state: CudaHandleState, grad_recv_probs: torch.Tensor,
+                      dense: bool = False) -> torch.Tensor:
+        cols = self.config.num_experts if dense else state.topk
+        grad = torch.empty((state.num_tokens, cols), dtype=grad_recv_probs.dtype,
                            device=grad_recv_probs.device)
         _call(_C.combine_topk_weights, state.ptr, grad_recv_probs.data_ptr(),
               state.num_recv_tokens, _dtype_code(grad_recv_probs.dtype), grad.data_ptr(),
-              state.num_tokens, state.topk, self._stream())
+              state.num_tokens, cols, dense, self._stream())
         return grad
 
     def check_errors(self, synchronize: bool = True) -> None:

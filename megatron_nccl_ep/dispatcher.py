@@ -1,8 +1,8 @@
 """``NcclEpTokenDispatcher``: Megatron-Core's ``MoETokenDispatcher`` interface over a ``Handle``.
 
-Dispatch writes the expert-major layout of shared DESIGN §3 directly, so there is no permute step:
-``dispatch_postprocess`` hands the received rows to Megatron's experts as they are, and combine is
-the unweighted sum of DESIGN §4 (Megatron's experts apply the probs themselves).
+Dispatch writes the expert-major layout of docs/design.md §3 directly, so there is no permute
+step: ``dispatch_postprocess`` hands the received rows to Megatron's experts as they are, and
+combine is the unweighted sum of docs/design.md §4 (Megatron's experts apply the probs themselves).
 
 Plugin options (``NcclEpOptions``) come from ``config.nccl_ep_options`` when a TransformerConfig
 carries one, else from the process-wide options set by ``set_options()`` or by the ``--nccl-ep-*``
@@ -171,21 +171,19 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
                             probs: torch.Tensor):
         """[S, B, H] -> [T, H]; creates this forward's Handle straight from the dense routing map
-        (the routing exchange, like the metadata exchange of Megatron's own preprocess) and picks
-        each token's probs in the handle's slot order: [T, E] -> [T, K]."""
+        (the routing exchange, enqueued on the stream: nothing waits here). The router's dense
+        probs [T, E] go to dispatch as they are: the kernels pick each routed expert's column,
+        and the gradient comes back dense, zero where a token is not routed."""
         self.hidden_shape = hidden_states.shape
         hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
         group = _group_for(self.ep_group, self.num_experts, self.topk, hidden_states,
                            self.options())
         self._handle = group.create_handle(routing_map=routing_map.reshape(-1, self.num_experts))
-        # Masked slots (-1) gather expert 0's prob: dispatch sends no row for them, and their
-        # gradient (combine_probs) is 0, so the dense probs get exactly the routed gradients.
-        topk_probs = probs.reshape(-1, self.num_experts).gather(
-            1, self._handle.topk_idx.clamp(min=0))
-        return hidden_states, topk_probs
+        return hidden_states, probs.reshape(-1, self.num_experts)
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Dispatches tokens and their probs with this forward's Handle."""
+        """Dispatches tokens and their probs with this forward's Handle (exact mode: the
+        handle's receive count is read here, the layer's one host read)."""
         return dispatch(self._handle, hidden_states, probs)
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):

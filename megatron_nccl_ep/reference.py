@@ -1,4 +1,4 @@
-"""The reference backend: DESIGN §3 (layout) and §4 (arithmetic) in plain PyTorch over
+"""The reference backend: docs/design.md §3 (layout) and §4 (arithmetic) in plain PyTorch over
 torch.distributed. It is the oracle of every CUDA test (bitwise), and the path of machines without
 a GPU (gloo on CPU).
 
@@ -24,7 +24,7 @@ from .api import GroupConfig, NcclEpError, shape_error
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 tokens accumulate in float64, every other token dtype in float32 (DESIGN §4)."""
+    """float64 tokens accumulate in float64, every other token dtype in float32 (docs/design.md §4)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -81,7 +81,7 @@ class ReferenceHandleState:
 class ReferenceBackend:
     name = "torch"
 
-    def __init__(self, config: GroupConfig, process_group):
+    def __init__(self, config: GroupConfig, process_group, device=None):
         self.config = config
         self.group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
@@ -188,7 +188,7 @@ class ReferenceBackend:
 
         num_recv = (cfg.max_recv_tokens_per_rank if cfg.recv_mode == "capacity"
                     else int(recv_totals[me]))
-        tokens_per_expert = blocks[me].clone()  # padded: sum == N_d (DESIGN §3)
+        tokens_per_expert = blocks[me].clone()  # padded: sum == N_d (docs/design.md §3)
         tokens_per_expert = (tokens_per_expert.cpu() if cfg.recv_mode == "exact"
                              else tokens_per_expert.to(device))
         return ReferenceHandleState(num_recv, tokens_per_expert, topk_idx, send_tokens,
@@ -208,8 +208,10 @@ class ReferenceBackend:
 
     # -- operations --------------------------------------------------------------------------------
     def dispatch(self, state: ReferenceHandleState, x: torch.Tensor,
-                 probs: Optional[torch.Tensor]):
+                 probs: Optional[torch.Tensor], dense: bool = False):
         hidden_bytes = x.shape[1] * x.element_size()
+        if probs is not None and dense:  # [T, E] -> slot order (masked slots carry nothing)
+            probs = probs.gather(1, state.topk_idx.clamp(min=0))
         send_idx = torch.cat(state.send_tokens)
         payload = [x[send_idx].view(torch.uint8)]
         if probs is not None:
@@ -252,8 +254,20 @@ class ReferenceBackend:
             start += len(idx)
         return y.to(expert_out.dtype)
 
-    def combine_probs(self, state: ReferenceHandleState,
-                      grad_recv_probs: torch.Tensor) -> torch.Tensor:
+    def combine_probs(self, state: ReferenceHandleState, grad_recv_probs: torch.Tensor,
+                      dense: bool = False) -> torch.Tensor:
+        grad = self._combine_slot_probs(state, grad_recv_probs)
+        if not dense:
+            return grad
+        # [T, K] -> [T, E]: each routed slot's value in its expert's column, 0 elsewhere.
+        out = torch.zeros((grad.shape[0], self.config.num_experts), dtype=grad.dtype,
+                          device=grad.device)
+        t, k = (state.topk_idx >= 0).nonzero(as_tuple=True)
+        out[t, state.topk_idx[t, k]] = grad[t, k]
+        return out
+
+    def _combine_slot_probs(self, state: ReferenceHandleState,
+                            grad_recv_probs: torch.Tensor) -> torch.Tensor:
         slot_valid = state.recv_rows >= 0
         per_slot = torch.zeros(state.recv_rows.shape, dtype=grad_recv_probs.dtype,
                                device=grad_recv_probs.device)

@@ -5,6 +5,8 @@ Python exception carrying the library's reason. Skipped where nvcc is absent (no
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -37,8 +39,65 @@ def test_runs_on_the_nccl_torch_loaded(ext):
         "built against other NCCL headers than the NCCL torch ships")
 
 
+def group_args(ext, **changes):
+    """The bindings' group configuration (after comm / nranks), valid unless changed."""
+    args = dict(num_experts=8, hidden=128, max_tokens_per_rank=16, max_topk=2,
+                token_dtype=ext.DTYPES["bfloat16"], recv_count_mode=0,
+                max_recv_tokens_per_rank=0, expert_alignment=1, num_sms=24, timeout_ms=1000,
+                staging_chunk_tokens=0, staging_depth=0, stream=0)
+    args.update(changes)
+    return args
+
+
 def test_error_code_becomes_exception_with_reason(ext):
-    bf16 = ext.DTYPES["bfloat16"]
     with pytest.raises(ValueError, match="ncclEpCreateGroup: comm is NULL"):
-        ext.create_group(0, 8, 128, 16, 2, bf16, 0, 0, 1, 24, 1000, 0)
+        ext.create_group(0, **group_args(ext))
     assert "comm is NULL" in ext.get_last_error()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(max_tokens_per_rank=0), "max_tokens_per_rank must be >= 1, got 0"),
+    (dict(num_experts=7), r"num_experts \(7\) must be > 0 and a multiple of the group size \(2\)"),
+    (dict(staging_depth=-1), "staging_depth in \\[0, 64\\]"),
+    (dict(max_topk=33, num_experts=64), r"max_topk must be in \[1, min\(num_experts=64, 32\)\]"),
+])
+def test_local_team_config_errors_name_the_field(ext, change, message):
+    """Configuration checks run before any CUDA call, so they are exercised here without a GPU."""
+    with pytest.raises(ValueError, match=message):
+        ext.create_local_team(2, **group_args(ext, **change))
+
+
+def test_local_team_size_is_checked(ext):
+    with pytest.raises(ValueError, match=r"nranks must be in \[1, 64\], got 65"):
+        ext.create_local_team(65, **group_args(ext))
+
+
+def test_shared_library_exports_only_the_c_api():
+    """libnccl_ep.so (next to the module) is the C product: its dynamic symbols are the public
+    header's functions and nothing else (no CUDA runtime, no C++ internals)."""
+    import megatron_nccl_ep
+
+    lib = os.path.join(os.path.dirname(megatron_nccl_ep.__file__), "libnccl_ep.so")
+    assert os.path.exists(lib), f"{lib} was not built"
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not installed")
+    out = subprocess.run([nm, "-D", "--defined-only", lib], capture_output=True, text=True,
+                         check=True).stdout
+    exported = sorted(line.split()[-1] for line in out.splitlines() if line.strip())
+    with open(HEADER) as f:
+        declared = sorted(set(re.findall(r"\b(ncclEp[A-Za-z]+)\(", f.read())))
+    assert exported == declared, f"exported {exported}, header declares {declared}"
+
+
+def test_c_example_builds_against_the_library(tmp_path):
+    """examples/c_api/dispatch_combine.c compiles (-Wall -Wextra -Werror) and links against
+    libnccl_ep.so and the public header alone; tests/gpu runs it."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc) here")
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "c_api", "build.sh")
+    binary = tmp_path / "dispatch_combine"
+    done = subprocess.run(["bash", script, str(binary)], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHON=sys.executable))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert binary.exists()

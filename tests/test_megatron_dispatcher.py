@@ -189,7 +189,8 @@ def test_options_reject_bad_values(field, value):
 def preprocess_case(seed: int) -> bool:
     """The dispatcher makes its handle straight from Megatron's dense routing map: each token's
     routed experts fill its slots in ascending order (fewer than top-k here: a dropping router),
-    the probs follow them, and the dense probs get exactly the gradients of their rows."""
+    the router's dense probs go to dispatch as they are (each row gets its expert's column), and
+    the dense probs get exactly the gradients of their rows."""
     tokens, experts, topk = 40, 10, 4
     with megatron_on_cpu(1):
         torch.manual_seed(seed)
@@ -201,15 +202,14 @@ def preprocess_case(seed: int) -> bool:
         routing_map = scores.argsort(dim=1, descending=True).argsort(dim=1) < counts[:, None]
         probs = (scores * routing_map).requires_grad_()
         hidden = torch.randn(tokens, 1, HIDDEN, dtype=torch.float64)
-        h, topk_probs = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
+        h, dense_probs = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
+        assert dense_probs.shape == (tokens, experts) and torch.equal(dense_probs, probs)
         topk_idx = dispatcher._handle.topk_idx
         for t in range(tokens):
             experts_t = routing_map[t].nonzero().flatten().tolist()
             assert topk_idx[t].tolist() == experts_t + [-1] * (topk - len(experts_t))
-            assert topk_probs[t, :len(experts_t)].tolist() == [probs[t, e].item()
-                                                               for e in experts_t]
         rows, _, row_probs = dispatcher.dispatch_postprocess(
-            *dispatcher.token_dispatch(h, topk_probs))
+            *dispatcher.token_dispatch(h, dense_probs))
         weights = torch.randn(rows.shape[0], dtype=torch.float64)
         (row_probs * weights).sum().backward()
         # One rank: rows are expert-major, tokens in order within an expert.
@@ -218,6 +218,7 @@ def preprocess_case(seed: int) -> bool:
         for e in range(experts):
             for t in range(tokens):
                 if routing_map[t, e]:
+                    assert row_probs[row].item() == probs[t, e].item(), (t, e)
                     want[t, e] = weights[row]
                     row += 1
         assert row == rows.shape[0]

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "../include/nccl_ep.h"
 
@@ -69,6 +70,33 @@ ncclEpTensor_t tensor2d(uintptr_t data, int64_t rows, int64_t cols, int dtype,
   return t;
 }
 
+ncclEpGroupConfig_t make_config(int num_experts, int hidden, int max_tokens_per_rank,
+                                int max_topk, int token_dtype, int recv_count_mode,
+                                int64_t max_recv_tokens_per_rank, int expert_alignment,
+                                int num_sms, int64_t timeout_ms, int staging_chunk_tokens,
+                                int staging_depth) {
+  ncclEpGroupConfig_t cfg = NCCL_EP_GROUP_CONFIG_INITIALIZER;
+  cfg.num_experts = num_experts;
+  cfg.hidden = hidden;
+  cfg.max_tokens_per_rank = max_tokens_per_rank;
+  cfg.max_topk = max_topk;
+  cfg.token_dtype = static_cast<ncclDataType_t>(token_dtype);
+  cfg.recv_count_mode = static_cast<ncclEpRecvCountMode_t>(recv_count_mode);
+  cfg.max_recv_tokens_per_rank = max_recv_tokens_per_rank;
+  cfg.expert_alignment = expert_alignment;
+  cfg.num_sms = num_sms;
+  cfg.timeout_ms = timeout_ms;
+  cfg.staging_chunk_tokens = staging_chunk_tokens;
+  cfg.staging_depth = staging_depth;
+  return cfg;
+}
+
+// Routing weights: [T, K] in slot order, or [T, E] dense.
+ncclEpTensor_t weights2d(uintptr_t data, int64_t rows, int64_t cols, int dtype, bool dense) {
+  return tensor2d(data, rows, cols, dtype,
+                  dense ? NCCL_EP_TENSOR_ROUTING_PROBS : NCCL_EP_TENSOR_TOPK_WEIGHTS);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -125,18 +153,12 @@ PYBIND11_MODULE(_C, m) {
       "create_group",
       [](uintptr_t comm, int num_experts, int hidden, int max_tokens_per_rank, int max_topk,
          int token_dtype, int recv_count_mode, int64_t max_recv_tokens_per_rank,
-         int expert_alignment, int num_sms, int64_t timeout_ms, uintptr_t stream) {
-        ncclEpGroupConfig_t cfg = NCCL_EP_GROUP_CONFIG_INITIALIZER;
-        cfg.num_experts = num_experts;
-        cfg.hidden = hidden;
-        cfg.max_tokens_per_rank = max_tokens_per_rank;
-        cfg.max_topk = max_topk;
-        cfg.token_dtype = static_cast<ncclDataType_t>(token_dtype);
-        cfg.recv_count_mode = static_cast<ncclEpRecvCountMode_t>(recv_count_mode);
-        cfg.max_recv_tokens_per_rank = max_recv_tokens_per_rank;
-        cfg.expert_alignment = expert_alignment;
-        cfg.num_sms = num_sms;
-        cfg.timeout_ms = timeout_ms;
+         int expert_alignment, int num_sms, int64_t timeout_ms, int staging_chunk_tokens,
+         int staging_depth, uintptr_t stream) {
+        ncclEpGroupConfig_t cfg = make_config(
+            num_experts, hidden, max_tokens_per_rank, max_topk, token_dtype, recv_count_mode,
+            max_recv_tokens_per_rank, expert_alignment, num_sms, timeout_ms,
+            staging_chunk_tokens, staging_depth);
         ncclEpGroup_t g = nullptr;
         check(ncclEpCreateGroup(&g, as_ptr<ncclComm>(comm), &cfg, as_stream(stream)),
               "ncclEpCreateGroup");
@@ -145,7 +167,51 @@ PYBIND11_MODULE(_C, m) {
       py::arg("comm"), py::arg("num_experts"), py::arg("hidden"), py::arg("max_tokens_per_rank"),
       py::arg("max_topk"), py::arg("token_dtype"), py::arg("recv_count_mode"),
       py::arg("max_recv_tokens_per_rank"), py::arg("expert_alignment"), py::arg("num_sms"),
-      py::arg("timeout_ms"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+      py::arg("timeout_ms"), py::arg("staging_chunk_tokens"), py::arg("staging_depth"),
+      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "create_local_team",
+      [](int nranks, int num_experts, int hidden, int max_tokens_per_rank, int max_topk,
+         int token_dtype, int recv_count_mode, int64_t max_recv_tokens_per_rank,
+         int expert_alignment, int num_sms, int64_t timeout_ms, int staging_chunk_tokens,
+         int staging_depth, uintptr_t stream) {
+        ncclEpGroupConfig_t cfg = make_config(
+            num_experts, hidden, max_tokens_per_rank, max_topk, token_dtype, recv_count_mode,
+            max_recv_tokens_per_rank, expert_alignment, num_sms, timeout_ms,
+            staging_chunk_tokens, staging_depth);
+        std::vector<ncclEpGroup_t> groups(nranks > 0 ? nranks : 1, nullptr);
+        {
+          py::gil_scoped_release nogil;
+          check(ncclEpCreateLocalTeam(groups.data(), nranks, &cfg, as_stream(stream)),
+                "ncclEpCreateLocalTeam");
+        }
+        py::list out;
+        for (int r = 0; r < nranks; ++r) out.append(reinterpret_cast<uintptr_t>(groups[r]));
+        return out;
+      },
+      py::arg("nranks"), py::arg("num_experts"), py::arg("hidden"),
+      py::arg("max_tokens_per_rank"), py::arg("max_topk"), py::arg("token_dtype"),
+      py::arg("recv_count_mode"), py::arg("max_recv_tokens_per_rank"),
+      py::arg("expert_alignment"), py::arg("num_sms"), py::arg("timeout_ms"),
+      py::arg("staging_chunk_tokens"), py::arg("staging_depth"), py::arg("stream"));
+  m.def(
+      "group_info",
+      [](uintptr_t group) {
+        ncclEpGroupInfo_t info = NCCL_EP_GROUP_INFO_INITIALIZER;
+        check(ncclEpGroupGetInfo(as_ptr<ncclEpGroup>(group), &info), "ncclEpGroupGetInfo");
+        py::dict d;
+        d["num_ranks"] = info.num_ranks;
+        d["rank"] = info.rank;
+        d["channels"] = info.channels;
+        d["staging_chunk_tokens"] = info.staging_chunk_tokens;
+        d["staging_depth"] = info.staging_depth;
+        d["window_bytes"] = info.window_bytes;
+        d["staging_bytes"] = info.staging_bytes;
+        d["routing_bytes"] = info.routing_bytes;
+        d["handle_bytes"] = info.handle_bytes;
+        return d;
+      },
+      py::arg("group"));
   m.def(
       "group_destroy",
       [](uintptr_t group) {
@@ -157,7 +223,7 @@ PYBIND11_MODULE(_C, m) {
       [](uintptr_t group) {
         check(ncclEpGroupCheckErrors(as_ptr<ncclEpGroup>(group)), "ncclEpGroupCheckErrors");
       },
-      py::arg("group"));
+      py::arg("group"), py::call_guard<py::gil_scoped_release>());
 
   // --- handle --------------------------------------------------------------------------------
   m.def(
@@ -190,7 +256,7 @@ PYBIND11_MODULE(_C, m) {
       [](uintptr_t handle) {
         check(ncclEpHandleDestroy(as_ptr<ncclEpHandle>(handle)), "ncclEpHandleDestroy");
       },
-      py::arg("handle"));
+      py::arg("handle"), py::call_guard<py::gil_scoped_release>());
   m.def(
       "handle_num_recv_tokens",
       [](uintptr_t handle) {
@@ -199,7 +265,7 @@ PYBIND11_MODULE(_C, m) {
               "ncclEpHandleGetNumRecvTokens");
         return n;
       },
-      py::arg("handle"));
+      py::arg("handle"), py::call_guard<py::gil_scoped_release>());
   m.def(
       "handle_tokens_per_expert",
       [](uintptr_t handle, uintptr_t out, int64_t num_local_experts, bool on_device,
@@ -216,16 +282,16 @@ PYBIND11_MODULE(_C, m) {
   // --- operations ----------------------------------------------------------------------------
   m.def(
       "dispatch",
+      // probs: [num_tokens, probs_cols], dense ([T, E]) or in slot order ([T, K]).
       [](uintptr_t handle, uintptr_t x, int64_t num_tokens, int64_t hidden, int dtype,
-         bool has_probs, uintptr_t probs, int probs_dtype, int64_t topk, uintptr_t recv_x,
-         int64_t num_recv, uintptr_t recv_probs, uintptr_t stream) {
+         bool has_probs, uintptr_t probs, int probs_dtype, int64_t probs_cols, bool dense,
+         uintptr_t recv_x, int64_t num_recv, uintptr_t recv_probs, uintptr_t stream) {
         ncclEpDispatchInputs_t in{};  // topk_weights / recv_topk_weights: ndim 0 = no probs
         ncclEpDispatchOutputs_t out{};
         in.tokens = tensor2d(x, num_tokens, hidden, dtype, NCCL_EP_TENSOR_TOKENS);
         out.recv_tokens = tensor2d(recv_x, num_recv, hidden, dtype, NCCL_EP_TENSOR_TOKENS);
         if (has_probs) {
-          in.topk_weights = tensor2d(probs, num_tokens, topk, probs_dtype,
-                                     NCCL_EP_TENSOR_TOPK_WEIGHTS);
+          in.topk_weights = weights2d(probs, num_tokens, probs_cols, probs_dtype, dense);
           out.recv_topk_weights = tensor1d(recv_probs, num_recv, probs_dtype,
                                            NCCL_EP_TENSOR_TOPK_WEIGHTS);
         }
@@ -233,8 +299,8 @@ PYBIND11_MODULE(_C, m) {
               "ncclEpDispatch");
       },
       py::arg("handle"), py::arg("x"), py::arg("num_tokens"), py::arg("hidden"), py::arg("dtype"),
-      py::arg("has_probs"), py::arg("probs"), py::arg("probs_dtype"), py::arg("topk"),
-      py::arg("recv_x"),
+      py::arg("has_probs"), py::arg("probs"), py::arg("probs_dtype"), py::arg("probs_cols"),
+      py::arg("dense"), py::arg("recv_x"),
       py::arg("num_recv"), py::arg("recv_probs"), py::arg("stream"),
       py::call_guard<py::gil_scoped_release>());
   m.def(
@@ -254,14 +320,15 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "combine_topk_weights",
       [](uintptr_t handle, uintptr_t grad_recv, int64_t num_recv, int dtype, uintptr_t grad,
-         int64_t num_tokens, int64_t topk, uintptr_t stream) {
+         int64_t num_tokens, int64_t cols, bool dense, uintptr_t stream) {
         ncclEpTensor_t in = tensor1d(grad_recv, num_recv, dtype, NCCL_EP_TENSOR_TOPK_WEIGHTS);
-        ncclEpTensor_t out = tensor2d(grad, num_tokens, topk, dtype, NCCL_EP_TENSOR_TOPK_WEIGHTS);
+        ncclEpTensor_t out = weights2d(grad, num_tokens, cols, dtype, dense);
         check(ncclEpCombineTopkWeights(as_ptr<ncclEpHandle>(handle), &in, &out, as_stream(stream)),
               "ncclEpCombineTopkWeights");
       },
       py::arg("handle"), py::arg("grad_recv"), py::arg("num_recv"), py::arg("dtype"),
-      py::arg("grad"), py::arg("num_tokens"), py::arg("topk"), py::arg("stream"),
+      py::arg("grad"), py::arg("num_tokens"), py::arg("cols"), py::arg("dense"),
+      py::arg("stream"),
       py::call_guard<py::gil_scoped_release>());
   m.def(
       "complete",

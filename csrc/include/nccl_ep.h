@@ -1,28 +1,35 @@
 /*
  * nccl_ep.h: public C API of megatron_nccl_ep, an expert-parallel dispatch/combine library over
- * NCCL, in the style of the NCCL EP paper. See shared DESIGN (layout §3, arithmetic §4, handles §5).
+ * NCCL, in the style of the NCCL EP paper. The contract (layout, arithmetic, handles) is
+ * docs/design.md of the repository.
  *
  * NOTES:
  *  - Every call returns ncclResult_t. On failure, ncclEpGetLastError() returns a readable reason
  *    (thread-local) naming the argument and the expected value. No call aborts the process.
  *  - Every device operation is stream-ordered on the cudaStream_t it is given; none synchronizes
- *    the host except where documented (exact-mode handle creation reads the receive count once).
- *  - Collective calls (group/handle create, dispatch, combine) must be made by every rank of the
- *    group in the same order, like NCCL collectives.
+ *    the host except where documented (exact mode: ncclEpHandleGetNumRecvTokens and the first
+ *    op of a handle wait for its layout, once).
+ *  - Collective calls (group/handle create, dispatch, combine, combine of the weights) must be
+ *    made by every rank of the group in the same order, like NCCL collectives. Ranks that do not
+ *    make the same call fail with an error naming both calls; a rank that stops calling makes its
+ *    peers fail after config.timeout_ms; never a hang.
  *  - Config structs are versioned: set .size = sizeof(struct) and .version = NCCL_EP_API_VERSION
  *    (the *_INITIALIZER macros do), so a newer library can accept an older caller.
  *  - The library never allocates user-visible output memory: outputs are caller tensors. Internal
  *    buffers come from alloc_fn/free_fn when given (symmetric buffers always come from NCCL).
+ *  - Threads: calls on one group may come from several threads; the group's host state is
+ *    locked. The stream rule still holds (one stream per group, or order the streams yourself),
+ *    and a handle must not be destroyed while an op that uses it is being called.
+ *    ncclEpHandleDestroy is safe from any thread at any time otherwise (a garbage collector).
  *  - Limits of this implementation (HT, intranode): group size <= 64, all ranks load/store
  *    accessible (one NVLink domain: NCCL's LSA team == the communicator, else ncclInvalidUsage),
  *    max_topk <= 32, num_experts <= 65535, tokens bf16/fp16/fp32, group size x
  *    max_tokens_per_rank x max_topk < 2^31. The library must run on the NCCL major.minor it was
  *    compiled against (checked at group creation).
- *  - Handle buffers come from a per-group pool reused in stream order: use one stream per group
- *    (or order the streams yourself).
- *  - Device-side errors (capacity mode routing errors and overflow, barrier timeouts) go to a
- *    host-mapped error word of the group; every later call checks it without blocking and returns
- *    it. The error is sticky and spreads to the peers (their barriers stop waiting and report
+ *  - Handle buffers come from a per-group pool reused in stream order.
+ *  - Device-side errors (capacity mode routing errors and overflow, timeouts, call mismatches)
+ *    go to a host-mapped error word of the group; every later call checks it without blocking
+ *    and returns it. The error is sticky and spreads to the peers (their waits stop and report
  *    it): the group cannot synchronize again, destroy it and create a new one.
  */
 #ifndef NCCL_EP_H_
@@ -36,8 +43,12 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+/* The API is what libnccl_ep.so exports, whatever visibility the library is built with. */
+#if defined(__GNUC__)
+#pragma GCC visibility push(default)
+#endif
 
-#define NCCL_EP_API_VERSION 1
+#define NCCL_EP_API_VERSION 2
 #define NCCL_EP_MAX_NDIM 4
 
 typedef struct ncclEpGroup* ncclEpGroup_t;
@@ -53,7 +64,7 @@ typedef enum {
   ncclEpRecvCountCapacity = 1  /* outputs sized by max_recv_tokens_per_rank; no host sync */
 } ncclEpRecvCountMode_t;
 
-/* Role of a tensor in an operation (DESIGN §6). */
+/* Role of a tensor in an operation (docs/design.md §6). */
 typedef enum {
   NCCL_EP_TENSOR_TOKENS = 0,                      /* [T, H] or [N, H] token rows */
   NCCL_EP_TENSOR_TOPK_IDX = 1,                    /* [T, K] int32/int64, -1 = masked slot */
@@ -62,7 +73,9 @@ typedef enum {
   NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_DEVICE = 4,  /* [L] int64 on device */
   NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_HOST = 5,    /* [L] int64 in host memory */
   NCCL_EP_TENSOR_TOKENS_PER_EXPERT = 6,           /* [L] int64 on device (alias role) */
-  NCCL_EP_TENSOR_ROUTING_MAP = 7                  /* [T, E] bool (uint8/int8), nonzero = routed */
+  NCCL_EP_TENSOR_ROUTING_MAP = 7,                 /* [T, E] bool (uint8/int8), nonzero = routed */
+  NCCL_EP_TENSOR_ROUTING_PROBS = 8                /* [T, E] dense routing weights (a router's
+                                                     probs): slot k reads column topk_idx[t, k] */
 } ncclEpTensorTag_t;
 
 /* A strided tensor view. Sizes/strides in elements, row-major conventions. */
@@ -96,19 +109,42 @@ typedef struct {
   ncclEpAllocFn_t alloc_fn; /* NULL = cudaMalloc */
   ncclEpFreeFn_t free_fn;   /* NULL = cudaFree */
   void* alloc_ctx;
+  /* Staging: every op moves tokens through a ring per (channel, peer) of staging_depth slots of
+   * staging_chunk_tokens tokens (channels = num_sms), so staging memory does not grow with
+   * max_tokens_per_rank. 0 = library default (ncclEpGroupGetInfo reports what was chosen). */
+  int staging_chunk_tokens;
+  int staging_depth;
 } ncclEpGroupConfig_t;
 
 #define NCCL_EP_GROUP_CONFIG_INITIALIZER                                                  \
   {                                                                                       \
     sizeof(ncclEpGroupConfig_t), NCCL_EP_API_VERSION, ncclEpModeHighThroughput, 0, 0, 0, \
-        0, ncclBfloat16, ncclEpRecvCountExact, 0, 1, 0, 100000, NULL, NULL, NULL          \
+        0, ncclBfloat16, ncclEpRecvCountExact, 0, 1, 0, 100000, NULL, NULL, NULL, 0, 0    \
   }
+
+/* What a group allocated (ncclEpGroupGetInfo). */
+typedef struct {
+  size_t size;               /* sizeof(ncclEpGroupInfo_t), set by the caller */
+  unsigned int version;      /* NCCL_EP_API_VERSION, set by the caller */
+  int num_ranks, rank;
+  int channels;              /* CTAs per op (the SM budget) */
+  int staging_chunk_tokens;  /* tokens per ring slot */
+  int staging_depth;         /* ring slots per (channel, peer) */
+  size_t window_bytes;       /* the symmetric buffer of this rank, all of it */
+  size_t staging_bytes;      /* its token and prob rings (independent of max_tokens_per_rank) */
+  size_t routing_bytes;      /* its routing records (2 x group size x max_tokens x max_topk) */
+  size_t handle_bytes;       /* device memory of one handle (pooled, reused) */
+} ncclEpGroupInfo_t;
+
+#define NCCL_EP_GROUP_INFO_INITIALIZER \
+  { sizeof(ncclEpGroupInfo_t), NCCL_EP_API_VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
 
 /* Dispatch: tokens (and optionally their routing weights) to the expert-major layout. */
 typedef struct {
   ncclEpTensor_t tokens;        /* TOKENS [T, H], T as in the handle */
-  ncclEpTensor_t topk_weights;  /* TOPK_WEIGHTS [T, K]; ndim 0 = no weights (an empty tensor's
-                                  data may be NULL, so NULL does not mean absent) */
+  ncclEpTensor_t topk_weights;  /* TOPK_WEIGHTS [T, K] in slot order, or ROUTING_PROBS [T, E]
+                                  dense; ndim 0 = no weights (an empty tensor's data may be
+                                  NULL, so NULL does not mean absent) */
 } ncclEpDispatchInputs_t;
 
 typedef struct {
@@ -116,7 +152,7 @@ typedef struct {
   ncclEpTensor_t recv_topk_weights;  /* TOPK_WEIGHTS [N], dtype of topk_weights; ndim 0 if none */
 } ncclEpDispatchOutputs_t;
 
-/* Combine: expert outputs in the layout back to the source tokens, unweighted (DESIGN §4). */
+/* Combine: expert outputs in the layout back to the source tokens, unweighted (docs/design.md §4). */
 typedef struct {
   ncclEpTensor_t expert_tokens;  /* TOKENS [N, H] */
 } ncclEpCombineInputs_t;
@@ -142,31 +178,45 @@ ncclResult_t ncclEpGetVersion(int* version);
  * buffers, maps the NVLink peers. comm stays owned by the caller and must outlive the group. */
 ncclResult_t ncclEpCreateGroup(ncclEpGroup_t* group, ncclComm_t comm,
                                const ncclEpGroupConfig_t* config, cudaStream_t stream);
+/* A whole group of nranks ranks inside this process, on the current device, without NCCL:
+ * groups[r] is rank r, and the ranks reach each other's windows through plain device memory.
+ * For development and tests on one GPU (every device code path of a multi-rank group runs).
+ * Each rank needs its own stream and, since exact-mode calls wait for the peers, its own host
+ * thread; nranks x the SM budget must fit on the GPU (every CTA must be resident at once).
+ * Destroy every member; the windows are freed with the last one. */
+ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
+                                   const ncclEpGroupConfig_t* config, cudaStream_t stream);
+/* What the group allocated and chose (staging sizes, channels). Not collective. */
+ncclResult_t ncclEpGroupGetInfo(ncclEpGroup_t group, ncclEpGroupInfo_t* info);
 /* Frees everything the group and its live handles hold (synchronizes the device first). Not
  * collective (NCCL's window deregistration is local); call it after the group's last op and
  * before destroying comm. */
 ncclResult_t ncclEpGroupDestroy(ncclEpGroup_t group);
 
-/* Collective: exchanges the routing of one forward pass and builds the row maps (DESIGN §3/§4).
+/* Collective: exchanges the routing of one forward pass and builds the row maps (layout:
+ * docs/design.md §3/§4), all on the stream: the routing records travel through the symmetric
+ * window under the group's timed barrier, no NCCL collective and no host wait.
  * routing, by its tag: TOPK_IDX [T, K] (int32/int64, -1 = masked slot), K <= max_topk; or
  * ROUTING_MAP [T, E] (a router's dense boolean map): each token's routed experts, in ascending
  * order, fill K = max_topk slots (-1 after the last), as ncclEpHandleGetTopkIdx returns them; a
- * token with more than max_topk routed experts is an error. T <= max_tokens_per_rank. Exact mode:
- * reads the receive count to the host (one device-to-host copy). Bad routing (expert out of range,
- * duplicate expert in a token, too many experts in a routing-map row) returns ncclInvalidArgument
- * in exact mode; in capacity mode it is reported by the next call that synchronizes
- * (ncclEpHandleGetNumRecvTokens, ncclEpGroupCheckErrors). */
+ * token with more than max_topk routed experts is an error. T <= max_tokens_per_rank. Exact
+ * mode: the receive count is read to the host by the first call that needs it
+ * (ncclEpHandleGetNumRecvTokens, tokens per expert on the host, or the handle's first op), which
+ * also returns bad routing (expert out of range, duplicate expert in a token, too many experts
+ * in a routing-map row) as ncclInvalidArgument on every rank; in capacity mode those are
+ * reported by the next call that synchronizes (ncclEpGroupCheckErrors) and stop the group. */
 ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t group,
                                 const ncclEpTensor_t* routing, const ncclEpOpConfig_t* config,
                                 cudaStream_t stream);
 ncclResult_t ncclEpHandleDestroy(ncclEpHandle_t handle);
 
-/* Rows of this rank's dispatch output: exact mode N_d (no sync, read at creation); capacity mode
- * max_recv_tokens_per_rank. Returns a pending device-side error of the group, if any. */
+/* Rows of this rank's dispatch output: exact mode N_d (the first call waits for the handle's
+ * layout, later ones return at once); capacity mode max_recv_tokens_per_rank. Returns the
+ * handle's routing error or a pending device-side error of the group, if any. */
 ncclResult_t ncclEpHandleGetNumRecvTokens(ncclEpHandle_t handle, int64_t* num_recv_tokens);
 /* Copies tokens_per_expert [L] int64 into out (RECV_EXPERT_COUNTER_DEVICE or _HOST), stream-ordered
  * for the device tag. Each count is the expert's block including its alignment padding rows, so
- * sum == N_d (DESIGN §3). The host tag in capacity mode synchronizes the stream. */
+ * sum == N_d (docs/design.md §3). The host tag in capacity mode synchronizes the stream. */
 ncclResult_t ncclEpHandleGetTokensPerExpert(ncclEpHandle_t handle, ncclEpTensor_t* out,
                                             cudaStream_t stream);
 
@@ -184,7 +234,8 @@ ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombineInputs_t* i
                            ncclEpCombineOutputs_t* outputs, const ncclEpOpConfig_t* config,
                            cudaStream_t stream);
 /* Collective, stream-ordered. Reverse of dispatch for the routing weights (autograd of probs):
- * grad_topk_weights[t, k] = grad_recv_topk_weights[row(s, t, k)], 0 for masked slots. */
+ * grad_topk_weights[t, k] = grad_recv_topk_weights[row(s, t, k)], 0 for masked slots; with a
+ * ROUTING_PROBS [T, E] output, column e of each routed expert e, 0 elsewhere. */
 ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
                                       const ncclEpTensor_t* grad_recv_topk_weights,
                                       ncclEpTensor_t* grad_topk_weights, cudaStream_t stream);
@@ -196,6 +247,9 @@ ncclResult_t ncclEpComplete(ncclEpHandle_t handle, cudaStream_t stream);
  * host-mapped error word, so synchronize the stream first for a complete check. */
 ncclResult_t ncclEpGroupCheckErrors(ncclEpGroup_t group);
 
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
 #ifdef __cplusplus
 }
 #endif

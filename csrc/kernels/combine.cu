@@ -1,15 +1,17 @@
 /*
- * combine.cu: HT combine (DESIGN §4) and the reverse of the probs dispatch.
+ * combine.cu: HT combine (the design's section 4) and the reverse of the probs dispatch, on the
+ * exchange engine (exchange.cuh).
  *
- *   reduce  (rank d, one warp per (s, t), s != d, with a slot on d): partial = round(0.0f +
- *           acc(row k0) + acc(row k1) + ... in ascending k), written into s's staging at
- *           [d][t - c0].
- *   (barrier)
- *   gather  (rank s, one warp per token): y[t] = round(0.0f + acc(partial[d0][t]) + ... over the
- *           ranks d ascending that token t has a slot on; partial[s] is computed right here from
- *           the local rows, the same arithmetic); a zero row when there is none.
- *   probs_send / probs_gather: grad[t, k] = grad_recv[row(s, t, k)] written by the owner rank into
- *           s's prob staging at [t - c0][k]; s copies it out, 0 at masked slots.
+ * combine
+ *   send    (rank d, one warp per peer token (s, t) of chunk j with a slot here): partial =
+ *           round(0.0f + acc(row k0) + acc(row k1) + ... in ascending k), into s's ring.
+ *   recv    (rank s, one warp per own token of chunk j): y[t] = round(0.0f + acc(partial[d0]) +
+ *           ... over the ranks d ascending that token t has a slot on; this rank's partial is
+ *           computed right here from its rows, the same arithmetic); a zero row when none.
+ * combine_probs
+ *   send    grad[t, k] = grad_recv[row(s, t, k)] of the peer tokens, into s's ring prob slots;
+ *   recv    the own tokens' values (local rows read directly), 0 at masked slots; with a dense
+ *           [T, E] output, 0 at every unrouted expert.
  *
  * NOTES:
  *  - acc = float32 for bf16/fp16/fp32 tokens; round = __float2bfloat16_rn / __float2half_rn
@@ -17,15 +19,15 @@
  *    and is a chain of single adds in the contract's order; nothing is reordered or fused.
  *  - Rows >= rows (capacity overflow, already reported) are skipped, never read.
  */
-#include "api.cuh"
-#include "transport.cuh"
+#include "exchange.cuh"
+#include "launch.cuh"
 
 namespace nccl_ep {
 
 constexpr int kLoadsInFlight = 8;  // rows of one token loaded before they are summed
 constexpr int kPacksPerLane = 2;   // packs j, j + 32 of those rows, loaded together
 
-// DESIGN §4 stage 1 for the packs j0 + 32 * p (p < kPacksPerLane, those < packs) of one token:
+// Stage 1 for the packs j0 + 32 * p (p < kPacksPerLane, those < packs) of one token:
 // out[p] = round(0 + acc(row 0) + acc(row 1) + ...), rows in ascending k. Up to kLoadsInFlight x
 // kPacksPerLane loads are issued before their adds (the combine is bound by loads in flight per
 // SM); the adds of each element stay one chain in the contract's order.
@@ -65,180 +67,197 @@ EP_DEVICE void rows_partial(const Pack<T, N>* src, const int* rows, int n, int p
     for (int q = 0; q < N; ++q) out[p].v[q] = from_float<T>(acc[p][q]);
 }
 
-// Stage 1 for the tokens of the other ranks: their partials go to the owner's staging. This
-// rank's own tokens are reduced by the gather kernel itself (no staging round trip).
-template <typename T, int N>
-__global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a) {
-  using P = Pack<T, N>;
-  const ExchangeArgs& e = a.ex;
-  if (group_failed(e.failed)) return;
-  __shared__ int rows_sh[kWarps][kMaxTopk];
-  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-  const long long warp = (long long)blockIdx.x * kWarps + wid;
-  const long long num_warps = (long long)gridDim.x * kWarps;
-  const int packs = e.hidden / N;
-  const P* src = reinterpret_cast<const P*>(a.expert_out);
-  const long long items = chunk_staged_items(e);
-  for (long long i = warp; i < items; i += num_warps) {
-    int s, t;
-    if (!staged_token(e, i, &s, &t) || s == e.rank) continue;  // warp-uniform
-    const int n = collect_rows(e, s, t, lane, rows_sh[wid], nullptr);
-    if (n < 0) continue;  // no slot of (s, t) here: nothing to send
-    P* dst = reinterpret_cast<P*>(stage_row(e.peers[s], e.tok_off, e.stage_row_bytes,
-                                            (long long)e.rank * e.chunk + (t - e.c0)));
-    for (int j0 = lane; j0 < packs; j0 += 32 * kPacksPerLane) {
-      P v[kPacksPerLane];
-      rows_partial<T, N>(src, rows_sh[wid], n, packs, j0, v);
-#pragma unroll
-      for (int p = 0; p < kPacksPerLane; ++p)
-        if (j0 + 32 * p < packs) dst[j0 + 32 * p] = v[p];
-    }
-    __syncwarp();  // rows_sh is rewritten by the next item
+// Calls item(p, c, i) for the tokens c.begin + i of chunk j of every peer p (their tokens: the
+// combine side sends for the peers' tokens), one warp per item, the numbering continued across
+// peers so that small chunks balance over the warps.
+template <typename Item>
+EP_DEVICE void for_peer_tokens(const ExchangeArgs& e, const ExchangeShared& sh, int b, int j,
+                               int warp, int nwarps, Item item) {
+  int first = 0;
+  for (int p = 0; p < e.num_ranks; ++p) {
+    if (p == e.rank) continue;
+    const ChunkRange c = chunk_of(sh.tokens[p], e.win, b, j);
+    const int n = c.size();
+    for (int i = ((warp - first) % nwarps + nwarps) % nwarps; i < n; i += nwarps) item(p, c, i);
+    first += n;
   }
-  __threadfence_system();
 }
 
-// Stage 2: y[t] = round(0 + acc(partial[d0]) + acc(partial[d1]) + ...) over the ranks d
-// ascending that token t has a slot on; this rank's partial is computed here (stage 1 rounding
-// included), the others' come from the staging.
+// Stage 2 of one token, y = round(0 + acc(partial[d0]) + acc(partial[d1]) + ...) over the ranks
+// in `mask` ascending: this rank's partial computed here from its rows (stage 1's rounding
+// included), the others' read from their rings.
 template <typename T, int N>
-__global__ void __launch_bounds__(kThreads) combine_gather_kernel(CombineArgs a) {
+__device__ __forceinline__ void sum_partials(const Pack<T, N>* src, const int* rows, int n_own,
+                                          unsigned long long mask, int rank, int num_ranks,
+                                          const char* partial, size_t ring_stride,
+                                          Pack<T, N>* dst, int packs, int lane) {
   using P = Pack<T, N>;
-  const ExchangeArgs& e = a.ex;
-  __shared__ int rows_sh[kWarps][kMaxTopk];
-  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-  const long long warp = (long long)blockIdx.x * kWarps + wid;
-  const long long num_warps = (long long)gridDim.x * kWarps;
-  const int packs = e.hidden / N;
-  const P* src = reinterpret_cast<const P*>(a.expert_out);
-  void* self = e.peers[e.rank];
-  const long long end = e.c0 + chunk_own_tokens(e);
-  for (long long t = e.c0 + warp; t < end; t += num_warps) {
-    const unsigned long long mask =
-        dest_mask(e.own_routing + (size_t)t * e.topk, e.topk, e.num_local, e.num_ranks);
-    int n_own = 0;  // mask is warp-uniform, so collect_rows runs on the whole warp
-    if ((mask >> e.rank) & 1ull)
-      n_own = max(0, collect_rows(e, e.rank, (int)t, lane, rows_sh[wid], nullptr));
-    P* dst = reinterpret_cast<P*>(a.y) + (size_t)t * packs;
-    for (int j0 = lane; j0 < packs; j0 += 32 * kPacksPerLane) {
-      float acc[kPacksPerLane][N];
+  for (int j0 = lane; j0 < packs; j0 += 32 * kPacksPerLane) {
+    float acc[kPacksPerLane][N];
 #pragma unroll
-      for (int p = 0; p < kPacksPerLane; ++p)
+    for (int p = 0; p < kPacksPerLane; ++p)
 #pragma unroll
-        for (int q = 0; q < N; ++q) acc[p][q] = 0.0f;
-      for (unsigned long long m = mask; m; m &= m - 1) {
-        const int d = __ffsll((long long)m) - 1;  // ascending rank order
-        P v[kPacksPerLane];
-        if (d == e.rank) {
-          rows_partial<T, N>(src, rows_sh[wid], n_own, packs, j0, v);
-        } else {
-          const P* partial = reinterpret_cast<const P*>(
-              stage_row(self, e.tok_off, e.stage_row_bytes, (long long)d * e.chunk + (t - e.c0)));
-#pragma unroll
-          for (int p = 0; p < kPacksPerLane; ++p)
-            if (j0 + 32 * p < packs) v[p] = partial[j0 + 32 * p];
-        }
+      for (int q = 0; q < N; ++q) acc[p][q] = 0.0f;
+    for (unsigned long long m = mask; m; m &= m - 1) {
+      const int d = __ffsll((long long)m) - 1;  // ascending rank order
+      P v[kPacksPerLane];
+      if (d == rank) {
+        rows_partial<T, N>(src, rows, n_own, packs, j0, v);
+      } else {
+        const P* from = reinterpret_cast<const P*>(
+            partial + (size_t)((d - rank - 1 + num_ranks) % num_ranks) * ring_stride);
 #pragma unroll
         for (int p = 0; p < kPacksPerLane; ++p)
-#pragma unroll
-          for (int q = 0; q < N; ++q) acc[p][q] = acc[p][q] + to_float<T>(v[p].v[q]);
+          if (j0 + 32 * p < packs) v[p] = from[j0 + 32 * p];
       }
 #pragma unroll
-      for (int p = 0; p < kPacksPerLane; ++p) {
-        if (j0 + 32 * p >= packs) continue;
-        P out;
+      for (int p = 0; p < kPacksPerLane; ++p)
 #pragma unroll
-        for (int q = 0; q < N; ++q) out.v[q] = from_float<T>(acc[p][q]);
-        dst[j0 + 32 * p] = out;
-      }
+        for (int q = 0; q < N; ++q) acc[p][q] = acc[p][q] + to_float<T>(v[p].v[q]);
     }
-    __syncwarp();  // rows_sh is rewritten by the next token
-  }
-}
-
-__global__ void __launch_bounds__(kThreads) combine_probs_send_kernel(CombineProbsArgs a) {
-  const ExchangeArgs& e = a.ex;
-  if (group_failed(e.failed)) return;
-  const int lane = threadIdx.x & 31;
-  const long long warp = (long long)blockIdx.x * kWarps + (threadIdx.x >> 5);
-  const long long num_warps = (long long)gridDim.x * kWarps;
-  const long long items = (long long)e.num_ranks * e.chunk;
-  for (long long i = warp; i < items; i += num_warps) {
-    int s, t;
-    if (!staged_token(e, i, &s, &t) || lane >= e.topk) continue;
-    const int row = staged_rows(e, s, t)[lane];
-    if (row < 0 || row >= e.rows) continue;
-    copy_prob(stage_prob(e.peers[s], e.prob_off, (long long)(t - e.c0) * e.max_topk + lane),
-              reinterpret_cast<const char*>(a.grad_recv) + (size_t)row * a.prob_bytes,
-              a.prob_bytes);
-  }
-  __threadfence_system();
-}
-
-__global__ void __launch_bounds__(kThreads) combine_probs_gather_kernel(CombineProbsArgs a) {
-  const ExchangeArgs& e = a.ex;
-  const int lane = threadIdx.x & 31;
-  const long long warp = (long long)blockIdx.x * kWarps + (threadIdx.x >> 5);
-  const long long num_warps = (long long)gridDim.x * kWarps;
-  void* self = e.peers[e.rank];
-  int end = e.c0 + e.chunk;
-  if (end > e.num_tokens) end = e.num_tokens;
-  for (long long t = e.c0 + warp; t < end; t += num_warps) {
-    if (lane >= e.topk) continue;
-    const int ex = e.own_routing[(size_t)t * e.topk + lane];
-    char* dst = reinterpret_cast<char*>(a.grad) + ((size_t)t * e.topk + lane) * a.prob_bytes;
-    if (ex >= 0 && ex / e.num_local < e.num_ranks) {
-      copy_prob(dst, stage_prob(self, e.prob_off, (t - e.c0) * e.max_topk + lane), a.prob_bytes);
-    } else {
-      zero_prob(dst, a.prob_bytes);
+#pragma unroll
+    for (int p = 0; p < kPacksPerLane; ++p) {
+      if (j0 + 32 * p >= packs) continue;
+      P out;
+#pragma unroll
+      for (int q = 0; q < N; ++q) out.v[q] = from_float<T>(acc[p][q]);
+      dst[j0 + 32 * p] = out;
     }
   }
 }
 
-// Maps the runtime token dtype and path to the (T, N) template: N elements per 16 bytes on the
-// vector path, 1 on the element path.
-#define EP_LAUNCH_BY_DTYPE(kernel, vec, dtype, grid, stream, args)                          \
-  do {                                                                                       \
-    if (dtype == (int)ncclBfloat16) {                                                        \
-      if (vec) kernel<__nv_bfloat16, 8><<<grid, kThreads, 0, stream>>>(args);                \
-      else kernel<__nv_bfloat16, 1><<<grid, kThreads, 0, stream>>>(args);                   \
-    } else if (dtype == (int)ncclFloat16) {                                                  \
-      if (vec) kernel<__half, 8><<<grid, kThreads, 0, stream>>>(args);                       \
-      else kernel<__half, 1><<<grid, kThreads, 0, stream>>>(args);                           \
-    } else {                                                                                 \
-      if (vec) kernel<float, 4><<<grid, kThreads, 0, stream>>>(args);                        \
-      else kernel<float, 1><<<grid, kThreads, 0, stream>>>(args);                            \
-    }                                                                                        \
-  } while (0)
+template <typename T, int N>
+struct CombineOp {
+  using Args = CombineArgs;
+  using P = Pack<T, N>;
+  static constexpr bool kSendsOwnTokens = false;
+  static constexpr int kWarps = kCombineWarps;
+  static __device__ const ExchangeArgs& ex(const Args& a) { return a.ex; }
 
-cudaError_t launch_combine_reduce(const CombineArgs& a, cudaStream_t stream) {
-  const long long items = chunk_staged_items(a.ex);
-  if (items <= 0) return cudaSuccess;
-  const int grid = grid_for(items, a.ex.num_sms);
-  EP_LAUNCH_BY_DTYPE(combine_reduce_kernel, a.ex.vec, a.dtype, grid, stream, a);
-  return cudaGetLastError();
+  // Stage 1 for the peers' tokens: their partials go to the owner's ring.
+  static __device__ void send_round(const Args& a, ExchangeShared& sh, int b, int j, int warp,
+                                    int nwarps, int lane) {
+    const ExchangeArgs& e = a.ex;
+    const int w = threadIdx.x >> 5, packs = e.hidden / N;
+    const P* src = reinterpret_cast<const P*>(a.expert_out);
+    for_peer_tokens(e, sh, b, j, warp, nwarps, [&](int p, const ChunkRange& c, int i) {
+      const int n = collect_rows(e, p, c.begin + i, lane, sh.rows_sh[w], sh.slots_sh[w]);
+      if (n >= 0) {  // else no slot of (p, t) here: nothing to send
+        P* dst = reinterpret_cast<P*>(
+            ring_row(e.peers[p], e.win, b, ring_index(e.rank, p, e.num_ranks), j, i));
+        for (int j0 = lane; j0 < packs; j0 += 32 * kPacksPerLane) {
+          P v[kPacksPerLane];
+          rows_partial<T, N>(src, sh.rows_sh[w], n, packs, j0, v);
+#pragma unroll
+          for (int q = 0; q < kPacksPerLane; ++q)
+            if (j0 + 32 * q < packs) dst[j0 + 32 * q] = v[q];
+        }
+      }
+      __syncwarp();  // rows_sh is rewritten by the next item
+    });
+  }
+
+  static __device__ void recv_prologue(const Args&, ExchangeShared&, int, int, int, int) {}
+  static __device__ void recv_local(const Args&, ExchangeShared&, int, int, int, int, int) {}
+
+  // Stage 2 for this rank's tokens of chunk j, once every peer's partials are in the ring.
+  static __device__ void recv_remote(const Args& a, ExchangeShared& sh, int b, int j, int warp,
+                                     int nwarps, int lane) {
+    const ExchangeArgs& e = a.ex;
+    const int w = threadIdx.x >> 5, packs = e.hidden / N;
+    const P* src = reinterpret_cast<const P*>(a.expert_out);
+    void* self = e.peers[e.rank];
+    const ChunkRange c = chunk_of(sh.tokens[e.rank], e.win, b, j);
+    for (int t = c.begin + warp; t < c.end; t += nwarps) {
+      const unsigned long long mask =
+          dest_mask(e.own_routing + (size_t)t * e.topk, e.topk, e.num_local, e.num_ranks);
+      int n_own = 0;  // mask is warp-uniform, so collect_rows runs on the whole warp
+      if ((mask >> e.rank) & 1ull)
+        n_own = max(0, collect_rows(e, e.rank, t, lane, sh.rows_sh[w], sh.slots_sh[w]));
+      // The peers' partials of token t sit one ring apart: ring q at partial + q * ring_stride.
+      const char* partial = ring_row(self, e.win, b, 0, j, t - c.begin);
+      const size_t ring_stride = (size_t)e.win.depth * e.win.chunk * e.win.row_stride;
+      sum_partials<T, N>(src, sh.rows_sh[w], n_own, mask, e.rank, e.num_ranks, partial,
+                         ring_stride, reinterpret_cast<P*>(a.y) + (size_t)t * packs, packs, lane);
+      __syncwarp();  // rows_sh is rewritten by the next token
+    }
+  }
+};
+
+struct CombineProbsOp {
+  using Args = CombineProbsArgs;
+  static constexpr bool kSendsOwnTokens = false;
+  static constexpr int kWarps = kCombineProbsWarps;
+  static __device__ const ExchangeArgs& ex(const Args& a) { return a.ex; }
+
+  static __device__ const char* grad_recv_at(const Args& a, int row) {
+    return reinterpret_cast<const char*>(a.grad_recv) + (size_t)row * a.prob_bytes;
+  }
+
+  static __device__ void send_round(const Args& a, ExchangeShared& sh, int b, int j, int warp,
+                                    int nwarps, int lane) {
+    const ExchangeArgs& e = a.ex;
+    for_peer_tokens(e, sh, b, j, warp, nwarps, [&](int p, const ChunkRange& c, int i) {
+      if (lane >= e.topk) return;
+      const int row = token_rows(e, p, c.begin + i)[lane];
+      if (row < 0 || row >= e.rows) return;
+      copy_prob(ring_prob(e.peers[p], e.win, b, ring_index(e.rank, p, e.num_ranks), j, i, lane),
+                grad_recv_at(a, row), a.prob_bytes);
+    });
+  }
+
+  static __device__ void recv_prologue(const Args&, ExchangeShared&, int, int, int, int) {}
+  static __device__ void recv_local(const Args&, ExchangeShared&, int, int, int, int, int) {}
+
+  static __device__ void recv_remote(const Args& a, ExchangeShared& sh, int b, int j, int warp,
+                                     int nwarps, int lane) {
+    const ExchangeArgs& e = a.ex;
+    void* self = e.peers[e.rank];
+    const ChunkRange c = chunk_of(sh.tokens[e.rank], e.win, b, j);
+    const int cols = a.grad_dense ? e.num_experts : e.topk;
+    for (int t = c.begin + warp; t < c.end; t += nwarps) {
+      const int expert = lane < e.topk ? e.own_routing[(size_t)t * e.topk + lane] : -1;
+      const int d = expert >= 0 ? expert / e.num_local : -1;
+      const char* from = nullptr;  // nullptr: 0
+      if (d == e.rank) {
+        const int row = token_rows(e, e.rank, t)[lane];
+        if (row >= 0 && row < e.rows) from = grad_recv_at(a, row);
+      } else if (d >= 0 && d < e.num_ranks) {
+        from = ring_prob(self, e.win, b, ring_index(d, e.rank, e.num_ranks), j, t - c.begin,
+                         lane);
+      }
+      char* row_out = reinterpret_cast<char*>(a.grad) + (size_t)t * cols * a.prob_bytes;
+      if (a.grad_dense) {
+        for (int col = lane; col < cols; col += 32)
+          zero_prob(row_out + (size_t)col * a.prob_bytes, a.prob_bytes);
+        __syncwarp();  // the routed columns below overwrite these zeros
+        if (from != nullptr) copy_prob(row_out + (size_t)expert * a.prob_bytes, from, a.prob_bytes);
+      } else if (lane < e.topk) {
+        char* out = row_out + (size_t)lane * a.prob_bytes;
+        if (from != nullptr) copy_prob(out, from, a.prob_bytes);
+        else zero_prob(out, a.prob_bytes);
+      }
+    }
+  }
+};
+
+cudaError_t launch_combine(const CombineArgs& a, cudaStream_t stream) {
+  EP_LAUNCH_BY_DTYPE(a.ex.vec, a.dtype, T, N, return launch_exchange<CombineOp<T, N>>(a, stream));
 }
 
-cudaError_t launch_combine_gather(const CombineArgs& a, cudaStream_t stream) {
-  const long long n = chunk_own_tokens(a.ex);
-  if (n <= 0) return cudaSuccess;
-  const int grid = grid_for(n, a.ex.num_sms);
-  EP_LAUNCH_BY_DTYPE(combine_gather_kernel, a.ex.vec, a.dtype, grid, stream, a);
-  return cudaGetLastError();
+cudaError_t launch_combine_probs(const CombineProbsArgs& a, cudaStream_t stream) {
+  return launch_exchange<CombineProbsOp>(a, stream);
 }
 
-cudaError_t launch_combine_probs_send(const CombineProbsArgs& a, cudaStream_t stream) {
-  const long long items = chunk_staged_items(a.ex);
-  if (items <= 0) return cudaSuccess;
-  combine_probs_send_kernel<<<grid_for(items, a.ex.num_sms), kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_combine_probs_gather(const CombineProbsArgs& a, cudaStream_t stream) {
-  const long long n = chunk_own_tokens(a.ex);
-  if (n <= 0) return cudaSuccess;
-  combine_probs_gather_kernel<<<grid_for(n, a.ex.num_sms), kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+cudaError_t preload_combine() {
+  for (int vec = 0; vec < 2; ++vec) {
+    for (int dtype : {(int)ncclBfloat16, (int)ncclFloat16, (int)ncclFloat32}) {
+      cudaError_t e;
+      EP_LAUNCH_BY_DTYPE(vec, dtype, T, N, e = preload_exchange<CombineOp<T, N>>());
+      if (e != cudaSuccess) return e;
+    }
+  }
+  return preload_exchange<CombineProbsOp>();
 }
 
 }  // namespace nccl_ep

@@ -1,147 +1,155 @@
 /*
- * dispatch.cu: HT dispatch (DESIGN §3), push style.
+ * dispatch.cu: HT dispatch into the expert-major layout (the design's section 3), on the exchange
+ * engine (exchange.cuh).
  *
- *   send    (source rank s, up to num_sms CTAs, one warp per token): token t is read once and
- *           written once into the staging of every other destination rank d it has a slot on,
- *           at [s][t - c0] through the peer pointer, together with its K probabilities. A token
- *           crosses NVLink once per destination rank, never once per expert.
- *   (barrier)
- *   expand  (destination rank d, one warp per token (s, t) of the chunk): the token is read once
- *           (from x when s == d, else from the staging) and written to each of its rows here
- *           (recv_row[s][t][k]), with its prob; padding rows and the capacity tail get zeros
- *           (prob 0), written by the first chunk.
+ *   send    (this rank's tokens of chunk j, one warp per token): the token is read once and
+ *           written once into the ring of every other rank it has a slot on, with its K probs.
+ *           A token crosses NVLink once per destination rank, never once per expert.
+ *   recv    (tokens of chunk j of every source, one warp per token (s, t)): the token is read
+ *           once (from x when s is this rank, before any wait; else from the ring) and written
+ *           to each of its rows here (recv_row[s][t][k]) with its prob. Rows of no slot
+ *           (alignment padding, the capacity tail) get zeros (prob 0), spread over all CTAs.
  *
  * NOTES:
  *  - Rows come from recv_row / src_of_row (layout.cu); nothing here decides placement.
  *  - The vector path moves 16-byte packs; the host picks it only when the row size and every
- *    pointer are 16-byte aligned (staging rows always are), else the element path is used.
+ *    pointer are 16-byte aligned (ring rows always are), else the element path is used.
+ *  - Probs: [T, K] in slot order, or dense [T, E] (probs_dense): slot k's prob is the column of
+ *    its expert. Ring prob slots always hold slot order.
  */
-#include "api.cuh"
-#include "transport.cuh"
+#include "exchange.cuh"
+#include "launch.cuh"
 
 namespace nccl_ep {
 
-
 template <typename U>
-__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchArgs a) {
-  const ExchangeArgs& e = a.ex;
-  if (group_failed(e.failed)) return;
-  const int lane = threadIdx.x & 31;
-  const int warp = (blockIdx.x * kWarps) + (threadIdx.x >> 5);
-  const int num_warps = gridDim.x * kWarps;
-  const int row_bytes = e.hidden * elt_bytes(a.dtype);
-  int end = e.c0 + e.chunk;
-  if (end > e.num_tokens) end = e.num_tokens;
-  for (int t = e.c0 + warp; t < end; t += num_warps) {
-    const int* routing = e.own_routing + (size_t)t * e.topk;
-    // This rank's own rows are expanded straight from x: no staging round trip.
-    unsigned long long mask =
-        dest_mask(routing, e.topk, e.num_local, e.num_ranks) & ~(1ull << e.rank);
-    const char* src = reinterpret_cast<const char*>(a.x) + (size_t)t * row_bytes;
-    const long long slot = (long long)e.rank * e.chunk + (t - e.c0);
-    while (mask) {
-      const int d = __ffsll((long long)mask) - 1;
-      mask &= mask - 1;
-      void* peer = e.peers[d];
-      warp_copy<U>(stage_row(peer, e.tok_off, e.stage_row_bytes, slot), src, row_bytes, lane);
-      if (a.probs != nullptr && lane < e.topk) {
-        copy_prob(stage_prob(peer, e.prob_off, slot * e.max_topk + lane),
-                  reinterpret_cast<const char*>(a.probs) + ((size_t)t * e.topk + lane) * a.prob_bytes,
-                  a.prob_bytes);
+struct DispatchOp {
+  using Args = DispatchArgs;
+  static constexpr bool kSendsOwnTokens = true;
+  static constexpr int kWarps = kDispatchWarps;
+  static __device__ const ExchangeArgs& ex(const Args& a) { return a.ex; }
+
+  static __device__ int row_units(const Args& a) {
+    return a.ex.hidden * elt_bytes(a.dtype) / (int)sizeof(U);
+  }
+
+  // This rank's prob of slot k of its token t (routing[k] >= 0).
+  static __device__ const char* own_prob(const Args& a, int t, int k, int expert) {
+    const size_t at = a.probs_dense ? (size_t)t * a.ex.num_experts + expert
+                                    : (size_t)t * a.ex.topk + k;
+    return reinterpret_cast<const char*>(a.probs) + at * a.prob_bytes;
+  }
+
+  static __device__ void send_round(const Args& a, ExchangeShared& sh, int b, int j, int warp,
+                                    int nwarps, int lane) {
+    const ExchangeArgs& e = a.ex;
+    const ChunkRange c = chunk_of(sh.tokens[e.rank], e.win, b, j);
+    const int units = row_units(a), row_bytes = units * (int)sizeof(U);
+    for (int t = c.begin + warp; t < c.end; t += nwarps) {
+      const int* routing = e.own_routing + (size_t)t * e.topk;
+      // This rank's own rows are expanded straight from x by its receivers.
+      unsigned long long mask =
+          dest_mask(routing, e.topk, e.num_local, e.num_ranks) & ~(1ull << e.rank);
+      const char* src = reinterpret_cast<const char*>(a.x) + (size_t)t * row_bytes;
+      const int expert = lane < e.topk ? routing[lane] : -1;
+      for (; mask; mask &= mask - 1) {
+        const int d = __ffsll((long long)mask) - 1;
+        const int q = ring_index(e.rank, d, e.num_ranks);
+        char* dst = ring_row(e.peers[d], e.win, b, q, j, t - c.begin);
+        warp_copy_rows<U>(src, units, lane, 1, [&](int) { return dst; });
+        if (a.probs != nullptr && expert >= 0)
+          copy_prob(ring_prob(e.peers[d], e.win, b, q, j, t - c.begin, lane),
+                    own_prob(a, t, lane, expert), a.prob_bytes);
       }
     }
   }
-  __threadfence_system();
-}
 
-template <typename U>
-__global__ void __launch_bounds__(kThreads) dispatch_expand_kernel(DispatchArgs a) {
-  const ExchangeArgs& e = a.ex;
-  __shared__ int rows_sh[kWarps][kMaxTopk];
-  __shared__ int slot_sh[kWarps][kMaxTopk];
-  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-  const long long warp = (long long)blockIdx.x * kWarps + wid;
-  const long long num_warps = (long long)gridDim.x * kWarps;
-  const int row_bytes = e.hidden * elt_bytes(a.dtype);
-  const int units = row_bytes / (int)sizeof(U);
-  char* const recv_x = reinterpret_cast<char*>(a.recv_x);
-  void* self = e.peers[e.rank];
-  // One warp per staged token (s, t): read it once, write it to each of its rows here.
-  const long long items = (long long)e.num_ranks * e.chunk;
-  for (long long i = warp; i < items; i += num_warps) {
-    int s, t;
-    if (!staged_token(e, i, &s, &t)) continue;  // warp-uniform
-    const int n = collect_rows(e, s, t, lane, rows_sh[wid], slot_sh[wid]);
-    if (n <= 0) continue;
-    // Own tokens come straight from x and probs, the others' from the staging.
-    const bool own = s == e.rank;
-    const long long sidx = (long long)s * e.chunk + (t - e.c0);
-    const U* src = reinterpret_cast<const U*>(
-        own ? reinterpret_cast<const char*>(a.x) + (size_t)t * row_bytes
-            : stage_row(self, e.tok_off, e.stage_row_bytes, sidx));
-    constexpr int kUnroll = 4;
-    for (int j0 = lane; j0 < units; j0 += 32 * kUnroll) {
-      U v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (j0 + 32 * u < units) v[u] = src[j0 + 32 * u];
-      for (int k = 0; k < n; ++k) {
-        U* dst = reinterpret_cast<U*>(recv_x + (size_t)rows_sh[wid][k] * row_bytes);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (j0 + 32 * u < units) dst[j0 + 32 * u] = v[u];
+  // Rows of no slot: zero, prob 0. Every receiver warp of every CTA takes 32 rows at a time.
+  static __device__ void recv_prologue(const Args& a, ExchangeShared&, int b, int warp,
+                                       int nwarps, int lane) {
+    const ExchangeArgs& e = a.ex;
+    const long long num_rows = *e.num_rows_dev;
+    const int units = row_units(a), row_bytes = units * (int)sizeof(U);
+    char* const recv_x = reinterpret_cast<char*>(a.recv_x);
+    const long long gw = (long long)b * nwarps + warp, gn = (long long)gridDim.x * nwarps;
+    for (long long r0 = gw * 32; r0 < e.rows; r0 += gn * 32) {
+      const long long r = r0 + lane;
+      const bool pad = r < e.rows && (r >= num_rows || e.src_of_row[r] < 0);
+      for (unsigned m = __ballot_sync(0xffffffffu, pad); m; m &= m - 1)
+        warp_zero<U>(recv_x + (size_t)(r0 + __ffs((int)m) - 1) * row_bytes, units, lane);
+      if (pad && a.recv_probs != nullptr)
+        zero_prob(reinterpret_cast<char*>(a.recv_probs) + (size_t)r * a.prob_bytes, a.prob_bytes);
+    }
+  }
+
+  // Writes token (s, t), whose row is at src and slot probs at prob(k), to its rows here.
+  template <typename ProbOf>
+  static __device__ void expand(const Args& a, ExchangeShared& sh, int s, int t, const char* src,
+                                ProbOf prob, int lane) {
+    const ExchangeArgs& e = a.ex;
+    const int w = threadIdx.x >> 5;
+    const int n = collect_rows(e, s, t, lane, sh.rows_sh[w], sh.slots_sh[w]);
+    if (n > 0) {
+      const int units = row_units(a), row_bytes = units * (int)sizeof(U);
+      char* const recv_x = reinterpret_cast<char*>(a.recv_x);
+      const int* rows = sh.rows_sh[w];
+      warp_copy_rows<U>(src, units, lane, n,
+                        [&](int k) { return recv_x + (size_t)rows[k] * row_bytes; });
+      if (a.recv_probs != nullptr && lane < n)
+        copy_prob(reinterpret_cast<char*>(a.recv_probs) + (size_t)rows[lane] * a.prob_bytes,
+                  prob(sh.slots_sh[w][lane]), a.prob_bytes);
+    }
+    __syncwarp();  // rows_sh / slots_sh are rewritten by the next item
+  }
+
+  // This rank's tokens of chunk j: straight from x, no peer involved.
+  static __device__ void recv_local(const Args& a, ExchangeShared& sh, int b, int j, int warp,
+                                    int nwarps, int lane) {
+    const ExchangeArgs& e = a.ex;
+    const ChunkRange c = chunk_of(sh.tokens[e.rank], e.win, b, j);
+    const int row_bytes = row_units(a) * (int)sizeof(U);
+    for (int t = c.begin + warp; t < c.end; t += nwarps) {
+      const int* routing = e.own_routing + (size_t)t * e.topk;
+      expand(a, sh, e.rank, t, reinterpret_cast<const char*>(a.x) + (size_t)t * row_bytes,
+             [&](int k) { return own_prob(a, t, k, routing[k]); }, lane);
+    }
+  }
+
+  // The peers' tokens of chunk j, from the ring; items (p, t) over the peers in rank order.
+  static __device__ void recv_remote(const Args& a, ExchangeShared& sh, int b, int j, int warp,
+                                     int nwarps, int lane) {
+    const ExchangeArgs& e = a.ex;
+    void* self = e.peers[e.rank];
+    int first = 0;  // flat index of the current peer's first token
+    for (int p = 0; p < e.num_ranks; ++p) {
+      if (p == e.rank) continue;
+      const ChunkRange c = chunk_of(sh.tokens[p], e.win, b, j);
+      const int n = c.size();
+      const int q = ring_index(p, e.rank, e.num_ranks);
+      // Warps continue the flat item numbering across peers, so small chunks balance.
+      int i = ((warp - first) % nwarps + nwarps) % nwarps;
+      for (; i < n; i += nwarps) {
+        expand(a, sh, p, c.begin + i, ring_row(self, e.win, b, q, j, i),
+               [&](int k) -> const char* { return ring_prob(self, e.win, b, q, j, i, k); }, lane);
       }
+      first += n;
     }
-    if (a.recv_probs != nullptr && lane < n) {
-      const int k = slot_sh[wid][lane];
-      copy_prob(reinterpret_cast<char*>(a.recv_probs) + (size_t)rows_sh[wid][lane] * a.prob_bytes,
-                own ? reinterpret_cast<const char*>(a.probs) + ((size_t)t * e.topk + k) * a.prob_bytes
-                    : stage_prob(self, e.prob_off, sidx * e.max_topk + k),
-                a.prob_bytes);
-    }
-    __syncwarp();  // rows_sh / slot_sh are rewritten by the next item
   }
-  if (!e.first_chunk) return;
-  // Rows of no slot (alignment padding, capacity tail): zero, prob 0. 32 rows per warp step.
-  for (long long r0 = warp * 32; r0 < e.rows; r0 += num_warps * 32) {
-    const long long r = r0 + lane;
-    const bool pad = r < e.rows && (r >= e.src_rows || e.src_of_row[r] < 0);
-    for (unsigned m = __ballot_sync(0xffffffffu, pad); m; m &= m - 1) {
-      const long long pr = r0 + __ffs((int)m) - 1;
-      warp_zero<U>(recv_x + (size_t)pr * row_bytes, row_bytes, lane);
-    }
-    if (pad && a.recv_probs != nullptr)
-      zero_prob(reinterpret_cast<char*>(a.recv_probs) + (size_t)r * a.prob_bytes, a.prob_bytes);
-  }
+};
+
+cudaError_t launch_dispatch(const DispatchArgs& a, cudaStream_t stream) {
+  EP_LAUNCH_BY_UNIT(a.ex.vec, a.dtype, U, return launch_exchange<DispatchOp<U>>(a, stream));
 }
 
-// Element unit of the scalar path: the token element size (2 or 4 bytes).
-#define EP_LAUNCH_BY_UNIT(kernel, vec, dtype, grid, stream, args)                    \
-  do {                                                                                \
-    if (vec) {                                                                        \
-      kernel<uint4><<<grid, kThreads, 0, stream>>>(args);                             \
-    } else if (elt_bytes(dtype) == 2) {                                               \
-      kernel<unsigned short><<<grid, kThreads, 0, stream>>>(args);                    \
-    } else {                                                                          \
-      kernel<unsigned int><<<grid, kThreads, 0, stream>>>(args);                      \
-    }                                                                                 \
-  } while (0)
-
-cudaError_t launch_dispatch_send(const DispatchArgs& a, cudaStream_t stream) {
-  const long long n = chunk_own_tokens(a.ex);
-  if (n <= 0) return cudaSuccess;
-  const int grid = grid_for(n, a.ex.num_sms);
-  EP_LAUNCH_BY_UNIT(dispatch_send_kernel, a.ex.vec, a.dtype, grid, stream, a);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_dispatch_expand(const DispatchArgs& a, cudaStream_t stream) {
-  const long long items = chunk_staged_items(a.ex);
-  const long long pad_steps = a.ex.first_chunk ? (a.ex.rows + 31) / 32 : 0;
-  if (items <= 0 && pad_steps <= 0) return cudaSuccess;
-  const int grid = grid_for(items > pad_steps ? items : pad_steps, a.ex.num_sms);
-  EP_LAUNCH_BY_UNIT(dispatch_expand_kernel, a.ex.vec, a.dtype, grid, stream, a);
-  return cudaGetLastError();
+cudaError_t preload_dispatch() {
+  for (int vec = 0; vec < 2; ++vec) {
+    for (int dtype : {(int)ncclBfloat16, (int)ncclFloat32}) {
+      cudaError_t e;
+      EP_LAUNCH_BY_UNIT(vec, dtype, U, e = preload_exchange<DispatchOp<U>>());
+      if (e != cudaSuccess) return e;
+    }
+  }
+  return cudaSuccess;
 }
 
 }  // namespace nccl_ep

@@ -1,19 +1,23 @@
 /*
- * layout.cu: the deterministic 2D layout of DESIGN §3, computed on every rank from the
- * all-gathered routing of all ranks.
+ * layout.cu: the deterministic 2D layout of the design's section 3, computed on every rank from
+ * the routing records of all ranks.
  *
  * Kernels, in stream order:
- *   pack      own topk_idx (int32/int64, strided) -> own record [T, K, kind, 0, idx as int32 ...];
- *             or own routing map [T, E] (bool) -> the same record, one warp per token (a ballot
- *             and a prefix count over each 32 experts give the ascending slots)
- *   (host)    ncclAllGather of the records
+ *   pack      own topk_idx (int32/int64, strided) -> own record [T, K, kind, 0, idx as int32 ...],
+ *             written into every rank's window (the routing exchange) and into the handle; or
+ *             own routing map [T, E] (bool) -> the same record, one warp per token (a ballot and
+ *             a prefix count over each 32 experts give the ascending slots). Also resets the
+ *             layout's scratch (error key, histogram, error word): no memset launches.
+ *   (barrier) every rank's record is in every window (handle.cc)
  *   validate  one thread per (s, t): expert id in [-1, E), no duplicate expert in a token; the
  *             first error (by rank, then range-before-duplicate, then token, then slot/expert,
  *             matching the reference's choice) is kept as an atomicMin'd 64-bit key; also the
- *             per-expert histogram of all ranks' slots (a count: order does not matter)
+ *             per-expert histogram of all ranks' slots (a count: order does not matter), and
+ *             recv_row[s][t][*] = -1 (the scatter fills the rows here)
  *   count     one block per (local expert l, source s): cnt[s][l] = tokens of s routed to l
  *   bases     one block: error decode (one thread), a scan over local experts for the aligned
- *             expert blocks, tokens_per_expert, off[s][l] and N_d, the capacity check
+ *             expert blocks, tokens_per_expert, off[s][l], N_d, src_of_row = -1 on padding
+ *             rows, the capacity check
  *   scatter   one block per (l, s): block scan over tokens -> recv_row[s][t][k], src_of_row[row]
  *
  * NOTES:
@@ -32,87 +36,87 @@
 #include <cub/block/block_scan.cuh>
 
 #include "api.cuh"
-#include "transport.cuh"
+#include "device.cuh"
 
 namespace nccl_ep {
 
 constexpr int kLayoutThreads = 256;
 
-template <typename IdxT>
-__global__ void pack_routing_kernel(const IdxT* idx, long long stride0, long long stride1,
-                                    int tokens, int topk, int header_tokens, int header_topk,
-                                    int* record) {
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i == 0) {
-    record[0] = header_tokens;
-    record[1] = header_topk;
-    record[2] = kRecordTopkIdx;
-    record[3] = 0;
+// Writes id `v` of entry i (token-major, i < tokens * topk) to every window and to the handle.
+__device__ __forceinline__ void put_id(const PackArgs& a, long long i, int v) {
+  a.own_routing[i] = v;
+  for (int d = 0; d < a.num_ranks; ++d)
+    reinterpret_cast<int*>(reinterpret_cast<char*>(a.peers[d]) + a.record_off)[kRecordHeader + i] = v;
+}
+
+// The header and the layout's scratch, by thread 0 / the first threads of block 0.
+__device__ __forceinline__ void pack_header(const PackArgs& a) {
+  if (blockIdx.x != 0) return;
+  if (threadIdx.x < a.num_ranks) {
+    int* rec = reinterpret_cast<int*>(reinterpret_cast<char*>(a.peers[threadIdx.x]) + a.record_off);
+    rec[0] = a.header_tokens;
+    rec[1] = a.header_topk;
+    rec[2] = a.kind;
+    rec[3] = 0;
   }
-  if (i < (long long)tokens * topk) {
-    const long long t = i / topk, k = i % topk;
-    long long v = (long long)idx[t * stride0 + k * stride1];
+  if (threadIdx.x == 0) {
+    *a.err_key = ~0ull;
+    memset(a.meta_err, 0, sizeof(ErrorInfo));
+  }
+  for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) a.hist[e] = 0;
+}
+
+template <typename IdxT>
+__global__ void pack_topk_kernel(PackArgs a) {
+  pack_header(a);
+  const IdxT* idx = reinterpret_cast<const IdxT*>(a.routing);
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < (long long)a.tokens * a.topk) {
+    const long long t = i / a.topk, k = i % a.topk;
+    long long v = (long long)idx[t * a.stride0 + k * a.stride1];
     // Values that do not fit int32 are out of range anyway; clamp so they stay invalid.
     if (v > 0x7fffffffll) v = 0x7fffffffll;
     if (v < -0x7fffffffll) v = -0x7fffffffll;
-    record[kRecordHeader + i] = (int)v;
+    put_id(a, i, (int)v);
   }
 }
 
-cudaError_t launch_pack_routing(const void* topk_idx, int idx_is_64, long long stride0,
-                                long long stride1, int tokens, int topk, int header_tokens,
-                                int header_topk, int* record, cudaStream_t stream) {
-  const long long n = (long long)tokens * topk;
-  const int blocks = (int)((n + kLayoutThreads - 1) / kLayoutThreads);
-  const int grid = blocks > 0 ? blocks : 1;  // the header is always written
-  if (idx_is_64) {
-    pack_routing_kernel<long long><<<grid, kLayoutThreads, 0, stream>>>(
-        reinterpret_cast<const long long*>(topk_idx), stride0, stride1, tokens, topk, header_tokens, header_topk,
-        record);
-  } else {
-    pack_routing_kernel<int><<<grid, kLayoutThreads, 0, stream>>>(
-        reinterpret_cast<const int*>(topk_idx), stride0, stride1, tokens, topk, header_tokens, header_topk,
-        record);
-  }
-  return cudaGetLastError();
-}
-
-__global__ void pack_routing_map_kernel(const unsigned char* map, long long stride0,
-                                        long long stride1, int tokens, int num_experts, int topk,
-                                        int header_tokens, int header_topk, int* record) {
+// One warp per token: a ballot and a prefix count over each 32 experts give the ascending slots.
+__global__ void pack_map_kernel(PackArgs a) {
+  pack_header(a);
+  const unsigned char* map = reinterpret_cast<const unsigned char*>(a.routing);
   const int lane = threadIdx.x & 31;
   const long long t = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  if (t == 0 && lane == 0) {
-    record[0] = header_tokens;
-    record[1] = header_topk;
-    record[2] = kRecordRoutingMap;
-    record[3] = 0;
-  }
-  if (t >= tokens) return;
-  const unsigned char* row = map + t * stride0;
-  int* ids = record + kRecordHeader + t * topk;
+  if (t >= a.tokens) return;
+  const unsigned char* row = map + t * a.stride0;
+  const long long first = t * a.topk;
   int n = 0;  // routed experts so far (warp-uniform)
-  for (int e0 = 0; e0 < num_experts; e0 += 32) {
+  for (int e0 = 0; e0 < a.num_experts; e0 += 32) {
     const int e = e0 + lane;
-    const bool routed = e < num_experts && row[(long long)e * stride1] != 0;
+    const bool routed = e < a.num_experts && row[(long long)e * a.stride1] != 0;
     const unsigned m = __ballot_sync(0xffffffffu, routed);
     const int slot = n + __popc(m & ((1u << lane) - 1u));
-    if (routed && slot < topk) ids[slot] = e;
+    if (routed && slot < a.topk) put_id(a, first + slot, e);
     n += __popc(m);
   }
-  for (int k = n + lane; k < topk; k += 32) ids[k] = -1;
-  __syncwarp();  // the overflow mark below replaces a lane's id in slot topk - 1
-  if (n > topk && lane == 0) ids[topk - 1] = -1 - n;
+  for (int k = n + lane; k < a.topk; k += 32) put_id(a, first + k, -1);
+  __syncwarp();  // a token with too many experts: its last slot holds -1 - n instead
+  if (n > a.topk && lane == 0) put_id(a, first + a.topk - 1, -1 - n);
 }
 
-cudaError_t launch_pack_routing_map(const void* routing_map, long long stride0, long long stride1,
-                                    int tokens, int num_experts, int topk, int header_tokens,
-                                    int header_topk, int* record, cudaStream_t stream) {
-  const long long warps_per_block = kLayoutThreads / 32;
-  const int grid = tokens > 0 ? (int)((tokens + warps_per_block - 1) / warps_per_block) : 1;
-  pack_routing_map_kernel<<<grid, kLayoutThreads, 0, stream>>>(
-      reinterpret_cast<const unsigned char*>(routing_map), stride0, stride1, tokens, num_experts,
-      topk, header_tokens, header_topk, record);
+cudaError_t launch_pack(const PackArgs& a, cudaStream_t stream) {
+  if (a.kind == kRecordRoutingMap) {
+    const long long warps_per_block = kLayoutThreads / 32;
+    const int grid = a.tokens > 0 ? (int)((a.tokens + warps_per_block - 1) / warps_per_block) : 1;
+    pack_map_kernel<<<grid, kLayoutThreads, 0, stream>>>(a);
+  } else {
+    const long long n = (long long)a.tokens * a.topk;
+    const int grid = n > 0 ? (int)((n + kLayoutThreads - 1) / kLayoutThreads) : 1;
+    if (a.idx_is_64)
+      pack_topk_kernel<long long><<<grid, kLayoutThreads, 0, stream>>>(a);
+    else
+      pack_topk_kernel<int><<<grid, kLayoutThreads, 0, stream>>>(a);
+  }
   return cudaGetLastError();
 }
 
@@ -160,6 +164,9 @@ __global__ void validate_kernel(LayoutArgs a) {
   const int s = (int)(i / a.max_tokens), t = (int)(i % a.max_tokens);
   const int* rec = a.gathered + (size_t)s * a.rec_ints;
   if (t >= record_tokens(rec, a.max_tokens, a.max_topk)) return;
+  // No row here until the scatter says otherwise (it runs after this kernel).
+  int* rows = a.recv_row + ((size_t)s * a.max_tokens + t) * a.max_topk;
+  for (int k = 0; k < a.max_topk; ++k) rows[k] = -1;
   const int ks = clamp_topk(rec, a.max_topk);
   const int* row = rec + kRecordHeader + (size_t)t * ks;
   unsigned long long key = ~0ull;
@@ -205,6 +212,7 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
     const int* rec = a.gathered + (size_t)s * a.rec_ints;
     m->ks[s] = rec[1];
     m->ts[s] = rec[0];
+    m->tokens[s] = record_tokens(rec, a.max_tokens, a.max_topk);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -264,6 +272,8 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
         a.off[s * a.num_local + l] = (int)run;
         run += a.cnt[s * a.num_local + l];
       }
+      // The block's alignment padding: rows of no slot (dispatch writes zeros there).
+      for (long long r = run; r < carry + base + block && r < a.src_rows; ++r) a.src_of_row[r] = -1;
       m->tokens_per_expert[l] = block;  // padded block: sum == N_d (DESIGN §3, reference)
     }
     carry += tile;
@@ -319,7 +329,7 @@ __global__ void __launch_bounds__(kLayoutThreads) scatter_kernel(LayoutArgs a) {
 
 cudaError_t launch_layout(const LayoutArgs& a, cudaStream_t stream) {
   const long long tokens = (long long)a.num_ranks * a.max_tokens;
-  if (tokens > 0) {
+  if (tokens > 0) {  // (validate also initializes recv_row: it must run first)
     validate_kernel<<<(int)((tokens + kLayoutThreads - 1) / kLayoutThreads), kLayoutThreads, 0,
                       stream>>>(a);
   }

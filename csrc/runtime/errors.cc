@@ -1,6 +1,7 @@
 /*
  * errors.cc: the thread-local last-error message, dtype helpers, and the decoding of device-side
  * error words into messages (worded like the reference backend's, so both backends read alike).
+ * Op kinds and wait kinds come from the protocol's enums (kernels/protocol.cuh).
  */
 #include <stdio.h>
 
@@ -49,36 +50,36 @@ int dtype_bytes(ncclDataType_t dtype) {
   }
 }
 
-// The operation a barrier tag belongs to.
-static const char* op_name(int tag) {
-  switch (tag) {
-    case 1:
-    case 2: return "dispatch";
-    case 3:
-    case 4: return "combine";
-    case 5:
-    case 6: return "combine_probs";
-    default: return "group setup";
+static const char* op_name(int op) {
+  switch (op) {
+    case kOpCreateHandle: return "create_handle";
+    case kOpDispatch: return "dispatch";
+    case kOpCombine: return "combine";
+    case kOpCombineProbs: return "combine_probs";
+    default: return "an unknown call";
   }
 }
 
 // "dispatch (with probs) of handle #3", from a call_signature().
 static std::string describe_call(unsigned call) {
-  const int tag = (int)(call & 7u);
-  std::string s = op_name(tag);
-  if (tag == 1 || tag == 2) s += (call >> 3) & 1u ? " (with probs)" : " (without probs)";
-  return s + " of handle #" + std::to_string((call >> 4) & 0xfffu);
+  const OpKind op = call_op(call);
+  std::string s = op_name(op);
+  if (op == kOpDispatch) s += call_with_probs(call) ? " (with probs)" : " (without probs)";
+  return s + " of handle #" + std::to_string(call_handle(call));
 }
 
-static const char* barrier_name(int tag) {
-  switch (tag) {
-    case 1: return "dispatch entry";
-    case 2: return "dispatch exchange";
-    case 3: return "combine entry";
-    case 4: return "combine exchange";
-    case 5: return "combine_probs entry";
-    case 6: return "combine_probs exchange";
-    default: return "group setup";
+// What the waiter waited for, with where (channel, chunk) when the wait was in an op.
+static std::string describe_wait(const ErrorInfo& e) {
+  const int channel = (int)(e.where >> 32), chunk = (int)(e.where & 0xffffffff);
+  const std::string at = e.where < 0 ? "" : " (channel " + std::to_string(channel) + ", chunk " +
+                                                (chunk >= (int)kAllChunks - 1
+                                                     ? std::string("final")
+                                                     : std::to_string(chunk)) + ")";
+  switch (e.aux) {
+    case kWaitBarrier: return std::string("at the barrier of ") + op_name(e.slot);
+    case kWaitReady: return std::string("for its data in ") + op_name(e.slot) + at;
+    case kWaitCredit: return std::string("for free staging in ") + op_name(e.slot) + at;
+    default: return "";
   }
 }
 
@@ -126,9 +127,10 @@ ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& e, const Layout
       return ncclInvalidArgument;
     case kErrPeerAbort:
       set_error("rank %d stopped this group after a device-side error (reported there: a "
-                "timeout, a routing error, a capacity overflow or inconsistent calls); the ranks "
-                "can no longer synchronize: destroy the group and create a new one%s",
-                e.token, where);
+                "timeout, a routing error, a capacity overflow or inconsistent calls), seen in "
+                "%s; the ranks can no longer synchronize: destroy the group and create a new "
+                "one%s",
+                e.token, op_name(e.slot), where);
       return ncclSystemError;
     case kErrCallMismatch:
       set_error("inconsistent collective calls across ranks: rank %d called %s while rank %d "
@@ -145,10 +147,11 @@ ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& e, const Layout
                 e.rank, e.value, e.extra);
       return ncclSystemError;
     case kErrTimeout:
-      set_error("device-side wait timed out after %lld ms: rank %d waited for rank %d at the %s "
-                "barrier (epoch %lld); every rank must make the same collective calls in the same "
-                "order (a peer may have failed, exited or be blocked)",
-                e.extra, e.rank, e.token, barrier_name(e.slot), e.value);
+      set_error("device-side wait timed out after %lld ms: rank %d waited for rank %d %s (op "
+                "epoch %lld); every rank must make the same collective calls in the same order "
+                "(rank %d may have failed, exited or be blocked). The group is stopped: destroy "
+                "it and create a new one",
+                e.extra, e.rank, e.token, describe_wait(e).c_str(), e.value, e.token);
       return ncclSystemError;
     default:
       set_error("device-side error code %d (rank %d)", e.code, e.rank);

@@ -1,15 +1,21 @@
 /*
  * handle.cc: ncclEpCreateHandle and the handle getters.
  *
- * Creation (collective, stream-ordered): pack own routing (top-k ids or a routing map) ->
- * ncclAllGather of the fixed-size records -> layout kernels (layout.cu). Exact mode then copies
- * [error, N_d, tokens_per_expert] to pinned memory once and synchronizes the stream; capacity mode
- * returns at once and reports errors through the group's mapped error word (a rank whose own
- * shape is out of bounds waits for it and raises at once).
+ * Creation (collective, stream-ordered, no host wait): pack this rank's routing (top-k ids or a
+ * routing map) into its record in every rank's window -> the group's timed barrier -> layout
+ * kernels (layout.cu) on the local copy of all records. Exact mode then copies [error, N_d,
+ * tokens_per_expert] to the slot's pinned buffer and records an event: the first call that
+ * needs the count waits for it (read_layout), as late as the caller allows. Capacity mode
+ * reports errors through the group's mapped error word (a rank whose own shape is out of
+ * bounds waits for it and raises at once).
  *
  * NOTES:
- *  - Every rank validates the routing of every rank (it has them all after the all-gather), so in
+ *  - Every rank validates the routing of every rank (it has them all after the exchange), so in
  *    exact mode all ranks return the same error together: nobody is left in a collective.
+ *  - Records are double buffered by the parity of the handle's number: creation n writes half
+ *    n mod 2 of the peers' routing areas right away, because every peer finished reading that
+ *    half (creation n - 2's layout) before it entered creation n - 1's barrier, which this rank
+ *    passed.
  */
 #include <string.h>
 
@@ -40,6 +46,25 @@ void destroy_handle_state(ncclEpHandle* h) {
   delete h;
 }
 
+ncclResult_t read_layout(ncclEpHandle* h) {
+  ncclEpGroup* g = h->group;
+  if (g->capacity >= 0) return ncclSuccess;  // nothing to read: the count is the capacity
+  if (!h->layout_read) {
+    EP_CUDA(cudaEventSynchronize(h->slot->meta_ready));
+    const LayoutMeta* m = h->slot->host_meta;
+    if (m->err.code != kErrNone) {
+      h->layout_result = report_error(g, m->err, m);
+      h->layout_error = ncclEpGetLastError();
+    } else {
+      h->num_recv = m->num_rows;
+      h->tokens_per_expert.assign(m->tokens_per_expert, m->tokens_per_expert + g->num_local);
+    }
+    h->layout_read = true;
+  }
+  EP_CHECK(h->layout_result == ncclSuccess, h->layout_result, "%s", h->layout_error.c_str());
+  return ncclSuccess;
+}
+
 static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing,
                                   cudaStream_t stream) {
   ncclEpGroup* g = h->group;
@@ -65,36 +90,50 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   EP_CHECK(routing->strides[0] >= 0 && routing->strides[1] >= 0, ncclInvalidArgument,
            "%s strides must be >= 0", name);
   EP_CHECK(routing->data != nullptr || T == 0, ncclInvalidArgument, "%s data is NULL", name);
-  // NOTES: T or K beyond the group's bounds still joins the all-gather, with an empty record
+  // NOTES: T or K beyond the group's bounds still joins the exchange, with an empty record
   // whose header holds the real shape, so every rank reports the error together (kErrShape)
   // instead of leaving its peers in the collective.
   const bool fits = T <= c.max_tokens_per_rank && K >= 1 && K <= c.max_topk;
-  const int header_tokens = (int)(T < 0x7fffffff ? T : 0x7fffffff);
-  const int header_topk = (int)(K < 0x7fffffff ? K : 0x7fffffff);
+  h->from_map = from_map;
   h->num_tokens = fits ? (int)T : 0;
   h->topk = fits ? (int)K : 1;
 
-  EP_RETURN_IF(acquire_slot(g, &h->slot));
-  ncclEpHandleSlot* s = h->slot;
-  EP_CUDA(cudaMemsetAsync(s->recv_row, 0xff, s->ff_bytes, stream));
-  EP_CUDA(cudaMemsetAsync(s->meta, 0, s->zero_bytes, stream));
-  int* own = s->gathered + (size_t)g->rank * g->rec_ints;
-  if (from_map) {
-    EP_CUDA(launch_pack_routing_map(routing->data, routing->strides[0], routing->strides[1],
-                                    h->num_tokens, c.num_experts, h->topk, header_tokens,
-                                    header_topk, own, stream));
-  } else {
-    EP_CUDA(launch_pack_routing(routing->data, routing->dtype == ncclInt64, routing->strides[0],
-                                routing->strides[1], h->num_tokens, h->topk, header_tokens,
-                                header_topk, own, stream));
+  {
+    std::lock_guard<std::mutex> lock(g->mu);
+    EP_RETURN_IF(acquire_slot(g, &h->slot));
+    h->seq = g->handles_created++;  // every rank counts the same collective creations
   }
-  h->seq = g->handles_created++;  // every rank counts the same collective creations
-  EP_NCCL(ncclAllGather(own, s->gathered, (size_t)g->rec_ints, ncclInt32, g->comm, stream));
+  HandleSlot* s = h->slot;
+  const int R = g->nranks;
+  const size_t half = sizeof(int) * (size_t)R * g->win.rec_ints;
+  const size_t area = g->win.routing_off + (h->seq & 1u) * half;
+
+  PackArgs p;
+  p.routing = routing->data;
+  p.kind = from_map ? kRecordRoutingMap : kRecordTopkIdx;
+  p.idx_is_64 = routing->dtype == ncclInt64;
+  p.stride0 = routing->strides[0];
+  p.stride1 = routing->strides[1];
+  p.tokens = h->num_tokens;
+  p.topk = h->topk;
+  p.num_experts = c.num_experts;
+  p.header_tokens = (int)(T < 0x7fffffff ? T : 0x7fffffff);
+  p.header_topk = (int)(K < 0x7fffffff ? K : 0x7fffffff);
+  p.peers = g->d_peers;
+  p.record_off = area + sizeof(int) * (size_t)g->rank * g->win.rec_ints;
+  p.num_ranks = R;
+  p.own_routing = s->own_routing.ptr;
+  p.err_key = s->err_key.ptr;
+  p.hist = s->hist.ptr;
+  p.meta_err = &s->meta.ptr->err;
+  EP_CUDA(launch_pack(p, stream));
+  EP_RETURN_IF(barrier(g, call_signature(kOpCreateHandle, false, h->seq), stream));
 
   LayoutArgs a;
-  a.gathered = s->gathered;
-  a.rec_ints = g->rec_ints;
-  a.num_ranks = g->nranks;
+  a.gathered = reinterpret_cast<const int*>(reinterpret_cast<const char*>(g->peers[g->rank]) +
+                                            area);
+  a.rec_ints = g->win.rec_ints;
+  a.num_ranks = R;
   a.rank = g->rank;
   a.num_experts = c.num_experts;
   a.num_local = g->num_local;
@@ -103,19 +142,20 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   a.topk = h->topk;
   a.align = c.expert_alignment;
   a.capacity = g->capacity;
-  a.cnt = s->cnt;
-  a.off = s->off;
-  a.recv_row = s->recv_row;
-  a.src_of_row = s->src_of_row;
+  a.cnt = s->cnt.ptr;
+  a.off = s->off.ptr;
+  a.recv_row = s->recv_row.ptr;
+  a.src_of_row = s->src_of_row.ptr;
   a.src_rows = g->src_rows;
-  a.err_key = s->err_key;
-  a.hist = s->hist;
-  a.meta = s->meta;
-  a.err = g->capacity >= 0 ? g->d_err : &s->meta->err;
+  a.err_key = s->err_key.ptr;
+  a.hist = s->hist.ptr;
+  a.meta = s->meta.ptr;
+  a.err = g->capacity >= 0 ? g->d_err : &s->meta.ptr->err;
   EP_CUDA(launch_layout(a, stream));
 
   if (g->capacity >= 0) {
     h->num_recv = g->capacity;
+    h->layout_read = true;
     if (fits) return ncclSuccess;
     // This rank knows it failed: an error path may wait for the layout, whose error word holds
     // the error all ranks agree on (the lowest failing rank's, maybe not this one's).
@@ -123,13 +163,11 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
     EP_RETURN_IF(check_group_errors(g));
     EP_CHECK(false, ncclInternalError, "%s shape out of bounds but no error was recorded", name);
   }
-  // Exact mode: the one device-to-host copy of the handle.
-  EP_CUDA(cudaMemcpyAsync(g->h_meta, s->meta, g->meta_bytes, cudaMemcpyDeviceToHost, stream));
-  EP_CUDA(cudaStreamSynchronize(stream));
-  const LayoutMeta* m = reinterpret_cast<const LayoutMeta*>(g->h_meta);
-  if (m->err.code != kErrNone) return report_error(g, m->err, m);
-  h->num_recv = m->num_rows;
-  h->tokens_per_expert.assign(m->tokens_per_expert, m->tokens_per_expert + g->num_local);
+  // Exact mode: the one device-to-host copy of the handle, waited for by read_layout.
+  EP_CUDA(cudaMemcpyAsync(s->host_meta, s->meta.ptr, layout_meta_bytes(g->num_local),
+                          cudaMemcpyDeviceToHost, stream));
+  EP_CUDA(cudaEventRecord(s->meta_ready, stream));
+  h->layout_read = false;
   return ncclSuccess;
 }
 
@@ -148,9 +186,13 @@ extern "C" ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t
   EP_RETURN_IF(check_group_errors(group));
   ncclEpHandle* h = new ncclEpHandle();
   h->group = group;
-  group->live.push_back(h);
+  {
+    std::lock_guard<std::mutex> lock(group->mu);
+    group->live.push_back(h);
+  }
   ncclResult_t res = create_handle(h, routing, stream);
   if (res != ncclSuccess) {
+    std::lock_guard<std::mutex> lock(group->mu);
     destroy_handle_state(h);
     return res;
   }
@@ -160,6 +202,7 @@ extern "C" ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t
 
 extern "C" ncclResult_t ncclEpHandleDestroy(ncclEpHandle_t handle) {
   if (handle == nullptr) return ncclSuccess;
+  std::lock_guard<std::mutex> lock(handle->group->mu);
   destroy_handle_state(handle);
   return ncclSuccess;
 }
@@ -168,6 +211,7 @@ extern "C" ncclResult_t ncclEpHandleGetNumRecvTokens(ncclEpHandle_t handle,
                                                      int64_t* num_recv_tokens) {
   EP_CHECK(handle != nullptr && num_recv_tokens != nullptr, ncclInvalidArgument,
            "ncclEpHandleGetNumRecvTokens: handle or num_recv_tokens is NULL");
+  EP_RETURN_IF(read_layout(handle));
   EP_RETURN_IF(check_group_errors(handle->group));
   *num_recv_tokens = handle->num_recv;
   return ncclSuccess;
@@ -184,9 +228,10 @@ extern "C" ncclResult_t ncclEpHandleGetTokensPerExpert(ncclEpHandle_t handle, nc
            "tokens_per_expert must be a 1-D int64 tensor of %d elements (local experts)",
            g->num_local);
   const size_t bytes = sizeof(long long) * g->num_local;
-  const void* dev = handle->slot->meta->tokens_per_expert;
+  const void* dev = handle->slot->meta.ptr->tokens_per_expert;
   if (out->tag == NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_HOST) {
     if (g->capacity < 0) {
+      EP_RETURN_IF(read_layout(handle));
       memcpy(out->data, handle->tokens_per_expert.data(), bytes);
     } else {
       EP_CUDA(cudaMemcpyAsync(out->data, dev, bytes, cudaMemcpyDeviceToHost, stream));
@@ -206,7 +251,6 @@ extern "C" ncclResult_t ncclEpHandleGetTopkIdx(ncclEpHandle_t handle, ncclEpTens
                                               cudaStream_t stream) {
   EP_CHECK(handle != nullptr && out != nullptr, ncclInvalidArgument,
            "ncclEpHandleGetTopkIdx: handle or out is NULL");
-  ncclEpGroup* g = handle->group;
   const long long T = handle->num_tokens, K = handle->topk;
   EP_CHECK(out->ndim == 2 && out->sizes[0] == T && out->sizes[1] == K &&
                (out->dtype == ncclInt32 || out->dtype == ncclInt64) &&
@@ -215,8 +259,8 @@ extern "C" ncclResult_t ncclEpHandleGetTopkIdx(ncclEpHandle_t handle, ncclEpTens
            ncclInvalidArgument,
            "topk_idx output must be a contiguous int32 or int64 tensor of shape (%lld, %lld)", T,
            K);
-  const int* ids = handle->slot->gathered + (size_t)g->rank * g->rec_ints + kRecordHeader;
-  EP_CUDA(launch_copy_topk(ids, T * K, out->data, out->dtype == ncclInt64, stream));
+  EP_CUDA(launch_copy_topk(handle->slot->own_routing.ptr, T * K, out->data,
+                           out->dtype == ncclInt64, stream));
   return ncclSuccess;
 }
 

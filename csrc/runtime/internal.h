@@ -9,11 +9,15 @@
  *    destroying handles never calls cudaMalloc/cudaFree in steady state. A slot returned by
  *    ncclEpHandleDestroy is reused by the next handle in stream order: handles of one group must
  *    be used on one stream (or the caller orders the streams).
+ *  - A group's host state is guarded by its mutex: handles may be destroyed from another thread
+ *    (a garbage collector, autograd's thread) while this one creates handles or runs ops.
  */
 #pragma once
 
 #include <stdarg.h>
 
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -25,6 +29,7 @@ namespace nccl_ep {
 void set_error(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 const char* dtype_name(ncclDataType_t dtype);
 int dtype_bytes(ncclDataType_t dtype);  // 0 for dtypes the library does not move
+size_t align_up(size_t v, size_t a);
 
 }  // namespace nccl_ep
 
@@ -62,77 +67,147 @@ int dtype_bytes(ncclDataType_t dtype);  // 0 for dtypes the library does not mov
     if (ep_res_ != ncclSuccess) return ep_res_; \
   } while (0)
 
-struct ncclEpHandleSlot {
-  void* base = nullptr;
-  size_t bytes = 0;
-  int* gathered = nullptr;       // [R][rec_ints]
-  int* recv_row = nullptr;       // [R * Tmax * Kmax]
-  int* src_of_row = nullptr;     // [src_rows]
-  unsigned long long* err_key = nullptr;  // placed right after src_of_row (one 0xff memset)
-  int* cnt = nullptr;            // [R * L]
-  int* off = nullptr;            // [R * L]
-  nccl_ep::LayoutMeta* meta = nullptr;
-  int* hist = nullptr;           // [E], right after meta (one zero memset)
-  size_t ff_bytes = 0;           // bytes from recv_row to the end of err_key
-  size_t zero_bytes = 0;         // bytes from meta to the end of hist
+namespace nccl_ep {
+
+// A typed view of a part of a buffer: its place is decided once, by BufferPlan.
+template <typename T>
+struct View {
+  T* ptr = nullptr;
+  size_t count = 0;
+  size_t bytes() const { return sizeof(T) * count; }
 };
 
+// Lays out views one after another in one allocation (each aligned), then binds them to a base.
+class BufferPlan {
+ public:
+  template <typename T>
+  void add(View<T>* v, size_t count, size_t align = 256) {
+    offset_ = align_up(offset_, align);
+    v->count = count;
+    v->ptr = reinterpret_cast<T*>(offset_);  // an offset until bind()
+    bound_.push_back(reinterpret_cast<void**>(&v->ptr));
+    offset_ += sizeof(T) * count;
+  }
+  // A view of one T whose storage is `bytes` long (a struct with a flexible tail).
+  template <typename T>
+  void add_bytes(View<T>* v, size_t bytes, size_t align = 256) {
+    add(v, 1, align);
+    offset_ += bytes - sizeof(T);
+  }
+  size_t bytes() const { return offset_ == 0 ? 16 : offset_; }
+  void bind(void* base) {
+    for (void** p : bound_) *p = reinterpret_cast<char*>(base) + reinterpret_cast<size_t>(*p);
+    bound_.clear();
+  }
+
+ private:
+  size_t offset_ = 0;
+  std::vector<void**> bound_;
+};
+
+// One handle's device buffers (a pool slot) and its host readback.
+struct HandleSlot {
+  void* base = nullptr;          // one device allocation for every view below
+  View<int> own_routing;         // [Tmax * Kmax] this rank's expert ids
+  View<int> recv_row;            // [R * Tmax * Kmax]
+  View<int> src_of_row;          // [src_rows]
+  View<int> cnt, off;            // [R * L]
+  View<int> hist;                // [E]
+  View<unsigned long long> err_key;
+  View<LayoutMeta> meta;         // LayoutMeta with its [L] tokens_per_expert tail
+  LayoutMeta* host_meta = nullptr;  // pinned: the exact-mode readback
+  cudaEvent_t meta_ready = nullptr; // recorded after the readback copy
+};
+
+// Windows of a local team (ncclEpCreateLocalTeam): freed when the last member goes.
+struct LocalTeam {
+  std::vector<void*> windows;
+  ncclEpAllocFn_t alloc_fn = nullptr;
+  ncclEpFreeFn_t free_fn = nullptr;
+  void* alloc_ctx = nullptr;
+  ~LocalTeam();
+};
+
+}  // namespace nccl_ep
+
 struct ncclEpGroup {
-  ncclComm_t comm = nullptr;
+  std::mutex mu;                 // guards the pool and the live handles
+  ncclComm_t comm = nullptr;     // null for a local team
+  std::shared_ptr<nccl_ep::LocalTeam> team;
   ncclEpGroupConfig_t cfg{};
   int rank = 0, nranks = 1, num_local = 0;
   int elt = 2;                   // token element bytes
   size_t row_bytes = 0;          // hidden * elt
-  size_t stage_row_bytes = 0;    // row_bytes rounded up to 16
-  int chunk = 0;                 // C: staged tokens per source rank
-  int num_chunks = 1;
-  int num_sms = 24;
   long long capacity = -1;       // capacity mode rows, -1 in exact mode
-  int rec_ints = 0;
   long long src_rows = 0;        // rows that src_of_row covers
+  int device = 0;
   // symmetric window
-  void* win_buf = nullptr;
-  size_t win_bytes = 0;
-  ncclWindow_t win = nullptr;
-  bool win_is_local = false;     // one rank: a plain device buffer, no NCCL window
-  size_t flags_off = 0, tok_off = 0, prob_off = 0;
+  nccl_ep::WindowLayout win{};
+  void* win_buf = nullptr;       // NCCL: ncclMemAlloc'd; local team: the team's window
+  ncclWindow_t nccl_win = nullptr;
   void** d_peers = nullptr;      // device [R]
-  std::vector<void*> peers;
-  unsigned long long* d_epoch = nullptr;  // [0] barrier epoch, [1] failed (BarrierArgs)
+  std::vector<void*> peers;      // host copy
+  nccl_ep::DeviceState* d_state = nullptr;
   nccl_ep::ErrorInfo* h_err = nullptr;  // host-mapped pinned error word
   nccl_ep::ErrorInfo* d_err = nullptr;  // its device alias
-  void* h_meta = nullptr;        // pinned readback of LayoutMeta (exact mode)
-  size_t meta_bytes = 0;
   // handle pool
   size_t slot_bytes = 0;
-  std::vector<ncclEpHandleSlot*> free_slots;
-  std::vector<ncclEpHandleSlot*> all_slots;
+  std::vector<nccl_ep::HandleSlot*> free_slots;
+  std::vector<nccl_ep::HandleSlot*> all_slots;
   std::vector<ncclEpHandle*> live;
   unsigned handles_created = 0;  // the next handle's creation number (ncclEpHandle::seq)
 };
 
 struct ncclEpHandle {
   ncclEpGroup* group = nullptr;
-  ncclEpHandleSlot* slot = nullptr;
+  nccl_ep::HandleSlot* slot = nullptr;
   int num_tokens = 0, topk = 0;
+  bool from_map = false;
   unsigned seq = 0;              // creation number in its group: the same on every rank
-  long long num_recv = 0;        // rows of dispatch outputs
-  std::vector<long long> tokens_per_expert;  // exact mode host copy
+  // Exact mode: filled from the readback at the first call that needs it (read_layout).
+  bool layout_read = false;
+  ncclResult_t layout_result = ncclSuccess;
+  std::string layout_error;
+  long long num_recv = 0;        // rows of dispatch outputs (capacity: the capacity)
+  std::vector<long long> tokens_per_expert;
 };
 
 namespace nccl_ep {
 
-// group.cc
-ncclResult_t check_group_errors(ncclEpGroup* g);
-// A cross-rank barrier of one operation; `call` is its call_signature() (api.cuh).
-ncclResult_t barrier(ncclEpGroup* g, unsigned call, cudaStream_t stream);
+// config.cc
+ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks);
+// Sizes and offsets of the window for this config (the same on every rank).
+WindowLayout plan_window(const ncclEpGroupConfig_t& c, int nranks);
+int default_channels(const ncclEpGroupConfig_t& c);
+// Checks that every rank of an NCCL group has the same configuration (collective).
+ncclResult_t agree_config(ncclEpGroup* g, int lsa_size, int nccl_version, cudaStream_t stream);
+ncclResult_t host_all_gather(ncclEpGroup* g, const void* mine, size_t bytes, void* all,
+                             cudaStream_t stream);
+
+// window.cc
+ncclResult_t open_nccl_window(ncclEpGroup* g, cudaStream_t stream);
+void close_window(ncclEpGroup* g);
+
+// pool.cc
 ncclResult_t alloc_device(ncclEpGroup* g, void** ptr, size_t bytes);
 void free_device(ncclEpGroup* g, void* ptr);
-ncclResult_t acquire_slot(ncclEpGroup* g, ncclEpHandleSlot** out);
-void release_slot(ncclEpGroup* g, ncclEpHandleSlot* slot);
+ncclResult_t acquire_slot(ncclEpGroup* g, HandleSlot** out);
+void release_slot(ncclEpGroup* g, HandleSlot* slot);
+void free_slots(ncclEpGroup* g);
+size_t slot_device_bytes(const ncclEpGroup* g);
+
+// group.cc
+ncclResult_t check_group_errors(ncclEpGroup* g);
+// The handle-creation barrier; `call` is its call_signature().
+ncclResult_t barrier(ncclEpGroup* g, unsigned call, cudaStream_t stream);
+
 // handle.cc
-void destroy_handle_state(ncclEpHandle* h);
+void destroy_handle_state(ncclEpHandle* h);  // caller holds g->mu
 ncclResult_t check_op_config(const ncclEpOpConfig_t* config, const char* fn);
+// Exact mode: waits for the handle's layout readback (once) and returns its result.
+ncclResult_t read_layout(ncclEpHandle* h);
+
+// errors.cc
 // Formats a device error word into the thread-local message and returns its ncclResult_t.
 ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& e, const LayoutMeta* meta);
 

@@ -1,17 +1,19 @@
 /*
- * ops.cc: ncclEpDispatch, ncclEpCombine, ncclEpCombineTopkWeights: argument checks, then per
- * chunk of C staged tokens: entry barrier -> push kernel -> barrier -> local kernel, all on the
- * caller's stream, no host synchronization. The barriers carry the call's signature (operation,
- * handle, probs or not), so ranks that are not making the same call fail with a clear error.
+ * ops.cc: ncclEpDispatch, ncclEpCombine, ncclEpCombineTopkWeights: argument checks, then one
+ * kernel on the exchange engine (kernels/exchange.cuh), filled by one driver (exchange_args):
+ * no host synchronization (exact mode: the handle's first op waits for its layout, once).
  *
  * NOTES:
- *  - The number of chunks comes from the group config (max_tokens_per_rank / C), never from
- *    this rank's T, so every rank runs the same barriers in the same order.
- *  - The entry barrier guarantees every peer finished reading its staging from the previous
- *    operation (its local kernel precedes its entry barrier in stream order) before anyone
- *    overwrites it. Double buffering could remove it later.
+ *  - The op's call signature (op, handle, probs or not) travels in its ready flags, so ranks
+ *    that are not making the same call fail with a clear error instead of exchanging garbage.
+ *  - Warps that push, per op: dispatch pushes each row once per peer while its receivers write
+ *    each row ~K/R times, so a quarter of the warps; combine reads rows on both sides (senders
+ *    the peers' rows, receivers their own plus the partials), split by the peers' share of rows;
+ *    combine_probs moves a few bytes per token.
  */
 #include <stdint.h>
+
+#include <algorithm>
 
 #include "internal.h"
 
@@ -48,42 +50,66 @@ ncclResult_t check_tensor(const ncclEpTensor_t& t, const char* name, long long d
   return ncclSuccess;
 }
 
+// Routing weights in slot order [T, K] (TOPK_WEIGHTS) or dense [T, E] (ROUTING_PROBS).
+ncclResult_t check_weights(const ncclEpTensor_t& t, const char* name, const ncclEpHandle* h,
+                           int* dense) {
+  const ncclEpGroup* g = h->group;
+  EP_CHECK(is_float_dtype(t.dtype), ncclInvalidArgument,
+           "%s must have a floating dtype (float16, bfloat16, float32, float64), got %s", name,
+           dtype_name(t.dtype));
+  EP_CHECK(t.tag == NCCL_EP_TENSOR_TOPK_WEIGHTS || t.tag == NCCL_EP_TENSOR_ROUTING_PROBS,
+           ncclInvalidArgument, "%s must be tagged TOPK_WEIGHTS [T, K] or ROUTING_PROBS [T, E]",
+           name);
+  *dense = t.tag == NCCL_EP_TENSOR_ROUTING_PROBS;
+  return check_tensor(t, name, h->num_tokens, *dense ? g->cfg.num_experts : h->topk, t.dtype);
+}
+
 bool aligned16(const void* p) { return ((uintptr_t)p & 15u) == 0; }
 
-void fill_exchange(const ncclEpHandle* h, int chunk_index, ExchangeArgs* e) {
-  const ncclEpGroup* g = h->group;
-  const ncclEpHandleSlot* s = h->slot;
-  e->peers = g->d_peers;
-  e->tok_off = g->tok_off;
-  e->prob_off = g->prob_off;
-  e->stage_row_bytes = g->stage_row_bytes;
-  e->chunk = g->chunk;
-  e->c0 = chunk_index * g->chunk;
-  e->first_chunk = chunk_index == 0;
-  e->num_ranks = g->nranks;
-  e->rank = g->rank;
-  e->num_local = g->num_local;
-  e->max_tokens = g->cfg.max_tokens_per_rank;
-  e->max_topk = g->cfg.max_topk;
-  e->topk = h->topk;
-  e->num_tokens = h->num_tokens;
-  e->gathered = s->gathered;
-  e->rec_ints = g->rec_ints;
-  e->own_routing = s->gathered + (size_t)g->rank * g->rec_ints + kRecordHeader;
-  e->recv_row = s->recv_row;
-  e->src_of_row = s->src_of_row;
-  e->src_rows = g->src_rows;
-  e->rows = h->num_recv;
-  e->hidden = g->cfg.hidden;
-  e->vec = 0;
-  e->num_sms = g->num_sms;
-  e->failed = g->d_epoch + 1;
+int send_warps(OpKind op, int num_ranks) {
+  if (num_ranks == 1) return 0;
+  if (op == kOpCombine) {
+    const int share = (kCombineWarps * (num_ranks - 1) + num_ranks / 2) / num_ranks;
+    return std::min(kCombineWarps - 3, std::max(3, share));
+  }
+  return 4;
 }
 
 ncclResult_t check_entry(ncclEpHandle_t handle, const ncclEpOpConfig_t* config, const char* fn) {
   EP_CHECK(handle != nullptr, ncclInvalidArgument, "%s: handle is NULL", fn);
   EP_RETURN_IF(check_op_config(config, fn));
-  return check_group_errors(handle->group);
+  EP_RETURN_IF(check_group_errors(handle->group));
+  return read_layout(handle);  // exact mode: N_d (and the handle's routing errors)
+}
+
+// The engine's arguments for one op of handle h (everything but the op's tensors).
+ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, bool with_probs, bool vec) {
+  const ncclEpGroup* g = h->group;
+  const HandleSlot* s = h->slot;
+  ExchangeArgs e;
+  e.peers = g->d_peers;
+  e.win = g->win;
+  e.state = g->d_state;
+  e.err = g->d_err;
+  e.timeout_ns = (long long)g->cfg.timeout_ms * 1000000ll;
+  e.call = call_signature(op, with_probs, h->seq);
+  e.send_warps = send_warps(op, g->nranks);
+  e.num_ranks = g->nranks;
+  e.rank = g->rank;
+  e.num_local = g->num_local;
+  e.num_experts = g->cfg.num_experts;
+  e.max_tokens = g->cfg.max_tokens_per_rank;
+  e.max_topk = g->cfg.max_topk;
+  e.topk = h->topk;
+  e.own_routing = s->own_routing.ptr;
+  e.tokens_of = s->meta.ptr->tokens;
+  e.recv_row = s->recv_row.ptr;
+  e.src_of_row = s->src_of_row.ptr;
+  e.num_rows_dev = &s->meta.ptr->num_rows;
+  e.rows = h->num_recv;
+  e.hidden = g->cfg.hidden;
+  e.vec = vec ? 1 : 0;
+  return e;
 }
 
 }  // namespace
@@ -105,32 +131,23 @@ extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispat
   // Presence is ndim, not data: a rank with no tokens passes an empty probs tensor (data may be
   // NULL) and must still write the probs of the rows it receives.
   const bool with_probs = inputs->topk_weights.ndim != 0;
-  int prob_bytes = 4;
-  if (with_probs) {
-    const ncclDataType_t pd = inputs->topk_weights.dtype;
-    EP_CHECK(is_float_dtype(pd), ncclInvalidArgument,
-             "probs must have a floating dtype (float16, bfloat16, float32, float64), got %s",
-             dtype_name(pd));
-    EP_RETURN_IF(check_tensor(inputs->topk_weights, "probs", T, handle->topk, pd));
-    EP_RETURN_IF(check_tensor(outputs->recv_topk_weights, "recv_probs", N, -1, pd));
-    prob_bytes = dtype_bytes(pd);
-  }
   DispatchArgs a;
+  a.prob_bytes = 4;
+  a.probs_dense = 0;
+  if (with_probs) {
+    EP_RETURN_IF(check_weights(inputs->topk_weights, "probs", handle, &a.probs_dense));
+    EP_RETURN_IF(check_tensor(outputs->recv_topk_weights, "recv_probs", N, -1,
+                              inputs->topk_weights.dtype));
+    a.prob_bytes = dtype_bytes(inputs->topk_weights.dtype);
+  }
   a.dtype = (int)g->cfg.token_dtype;
   a.x = inputs->tokens.data;
   a.probs = with_probs ? inputs->topk_weights.data : nullptr;
-  a.prob_bytes = prob_bytes;
   a.recv_x = outputs->recv_tokens.data;
   a.recv_probs = with_probs ? outputs->recv_topk_weights.data : nullptr;
-  const int vec = g->row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv_x);
-  for (int c = 0; c < g->num_chunks; ++c) {
-    fill_exchange(handle, c, &a.ex);
-    a.ex.vec = vec;
-    EP_RETURN_IF(barrier(g, call_signature(1, with_probs, handle->seq), stream));
-    EP_CUDA(launch_dispatch_send(a, stream));
-    EP_RETURN_IF(barrier(g, call_signature(2, with_probs, handle->seq), stream));
-    EP_CUDA(launch_dispatch_expand(a, stream));
-  }
+  const bool vec = g->row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv_x);
+  a.ex = exchange_args(handle, kOpDispatch, with_probs, vec);
+  EP_CUDA(launch_dispatch(a, stream));
   return ncclSuccess;
 }
 
@@ -148,15 +165,9 @@ extern "C" ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombine
   a.dtype = (int)g->cfg.token_dtype;
   a.expert_out = inputs->expert_tokens.data;
   a.y = outputs->tokens.data;
-  const int vec = g->row_bytes % 16 == 0 && aligned16(a.expert_out) && aligned16(a.y);
-  for (int c = 0; c < g->num_chunks; ++c) {
-    fill_exchange(handle, c, &a.ex);
-    a.ex.vec = vec;
-    EP_RETURN_IF(barrier(g, call_signature(3, false, handle->seq), stream));
-    EP_CUDA(launch_combine_reduce(a, stream));
-    EP_RETURN_IF(barrier(g, call_signature(4, false, handle->seq), stream));
-    EP_CUDA(launch_combine_gather(a, stream));
-  }
+  const bool vec = g->row_bytes % 16 == 0 && aligned16(a.expert_out) && aligned16(a.y);
+  a.ex = exchange_args(handle, kOpCombine, false, vec);
+  EP_CUDA(launch_combine(a, stream));
   return ncclSuccess;
 }
 
@@ -167,25 +178,21 @@ extern "C" ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
   EP_RETURN_IF(check_entry(handle, nullptr, "ncclEpCombineTopkWeights"));
   EP_CHECK(grad_recv_topk_weights != nullptr && grad_topk_weights != nullptr,
            ncclInvalidArgument, "ncclEpCombineTopkWeights: a tensor argument is NULL");
-  ncclEpGroup* g = handle->group;
   const ncclDataType_t pd = grad_recv_topk_weights->dtype;
   EP_CHECK(is_float_dtype(pd), ncclInvalidArgument,
            "grad_recv_probs must have a floating dtype (float16, bfloat16, float32, float64), "
            "got %s",
            dtype_name(pd));
   EP_RETURN_IF(check_tensor(*grad_recv_topk_weights, "grad_recv_probs", handle->num_recv, -1, pd));
-  EP_RETURN_IF(check_tensor(*grad_topk_weights, "grad_probs", handle->num_tokens, handle->topk,
-                            pd));
   CombineProbsArgs a;
+  EP_RETURN_IF(check_weights(*grad_topk_weights, "grad_probs", handle, &a.grad_dense));
+  EP_CHECK(grad_topk_weights->dtype == pd, ncclInvalidArgument,
+           "grad_probs must have the dtype of grad_recv_probs (%s), got %s", dtype_name(pd),
+           dtype_name(grad_topk_weights->dtype));
   a.prob_bytes = dtype_bytes(pd);
   a.grad_recv = grad_recv_topk_weights->data;
   a.grad = grad_topk_weights->data;
-  for (int c = 0; c < g->num_chunks; ++c) {
-    fill_exchange(handle, c, &a.ex);
-    EP_RETURN_IF(barrier(g, call_signature(5, false, handle->seq), stream));
-    EP_CUDA(launch_combine_probs_send(a, stream));
-    EP_RETURN_IF(barrier(g, call_signature(6, false, handle->seq), stream));
-    EP_CUDA(launch_combine_probs_gather(a, stream));
-  }
+  a.ex = exchange_args(handle, kOpCombineProbs, false, false);
+  EP_CUDA(launch_combine_probs(a, stream));
   return ncclSuccess;
 }

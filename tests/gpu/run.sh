@@ -2,10 +2,10 @@
 # The one device script (shared/DEVICE.md): on a bare GPU machine, from the repository root,
 #   bash tests/gpu/run.sh [build] [tests] [bench]        (no argument: all three, in this order)
 # builds the extension, runs the GPU tests, runs the benchmark, and leaves under $OUT:
-#   env.txt  build.log  gpu_tests.log  bench.log  bench.json  summary.md
+#   env.txt  build.log  gpu_tests.log  team_tests.log  bench.log  bench.json  summary.md
 # (the device tool returns at most 8 files from $OUT). Each stage has its own time limit, so the
-# whole stays inside one 10-minute call: BUILD_TIMEOUT (150 s), TESTS_TIMEOUT (180 s),
-# BENCH_TIMEOUT (180 s). BENCH_ARGS adds benchmark flags, e.g. BENCH_ARGS="--sections kernels".
+# whole stays inside one 10-minute call: BUILD_TIMEOUT (150 s), TESTS_TIMEOUT (180 s) and
+# TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s). BENCH_ARGS adds benchmark flags, e.g. BENCH_ARGS="--sections kernels".
 # Carried wheels in .whl/ (megatron-core, which the image lacks) are installed first.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
@@ -19,6 +19,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}  # the image's python3 (the one that holds torch)
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-150}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
+TEAM_TIMEOUT=${TEAM_TIMEOUT:-150}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-180}
 BENCH_ARGS=${BENCH_ARGS:-}
 JOBS=$(nproc)
@@ -96,21 +97,32 @@ if wants build; then
     fi
 fi
 
-if wants tests; then
-    start=$SECONDS
-    per_test=()
+# One pytest run under a time limit, its summary into the summary file.
+#   run_pytest LABEL LIMIT_S LOG [pytest args...]
+run_pytest() {
+    local label=$1 limit=$2 log=$3 start=$SECONDS per_test=()
+    shift 3
     # pytest-timeout (in the image) turns a hung test into a traceback instead of a silent kill.
-    "$PY" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=$((TESTS_TIMEOUT - 20)))
-    timeout -k 10 "$TESTS_TIMEOUT" "$PY" -m pytest -q -rfEP "${per_test[@]}" tests/gpu \
-        >"$OUT/gpu_tests.log" 2>&1
-    rc=$?
-    counts=$(grep -E '[0-9]+ (passed|failed|error|errors|skipped)' "$OUT/gpu_tests.log" | tail -n 1)
+    "$PY" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=$((limit - 20)))
+    timeout -k 10 "$limit" "$PY" -m pytest -q -rfEP "${per_test[@]}" "$@" >"$log" 2>&1
+    local rc=$?
+    local counts
+    counts=$(grep -E '[0-9]+ (passed|failed|error|errors|skipped)' "$log" | tail -n 1)
     [ $rc -eq 0 ] || STATUS=1
-    note "- tests: rc $rc ($((SECONDS - start)) s; 124 = timed out): ${counts:-no pytest summary line}"
-    grep -E '^(FAILED|ERROR) ' "$OUT/gpu_tests.log" | head -n 20 | sed 's/^/  - /' | tee -a "$SUMMARY"
+    note "- $label: rc $rc ($((SECONDS - start)) s; 124 = timed out): ${counts:-no pytest summary line}"
+    grep -E '^(FAILED|ERROR) ' "$log" | head -n 20 | sed 's/^/  - /' | tee -a "$SUMMARY"
     if [ $rc -ne 0 ]; then
-        { echo '```'; tail -n 30 "$OUT/gpu_tests.log"; echo '```'; } | tee -a "$SUMMARY"
+        { echo '```'; tail -n 30 "$log"; echo '```'; } | tee -a "$SUMMARY"
     fi
+}
+
+if wants tests; then
+    run_pytest "tests (one rank per GPU, C example)" "$TESTS_TIMEOUT" "$OUT/gpu_tests.log" \
+        tests/gpu --ignore=tests/gpu/test_cuda_local_team.py
+    # Local teams run every rank's kernels in one process, where they wait for each other: no
+    # kernel may be loaded lazily while another spins (a lazy load may wait for the device).
+    CUDA_MODULE_LOADING=EAGER run_pytest "tests (local teams: EP 2/4/8 on one GPU)" \
+        "$TEAM_TIMEOUT" "$OUT/team_tests.log" tests/gpu/test_cuda_local_team.py
 fi
 
 if wants bench; then

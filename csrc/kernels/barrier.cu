@@ -1,23 +1,25 @@
 /*
- * runtime.cu: the kernels of the group runtime: peer pointer resolution through NCCL's device
+ * barrier.cu: the kernels of the group runtime: peer pointer resolution through NCCL's device
  * API, and the cross-rank flag barrier.
  *
  * NOTES (barrier choice): we use our own flag barrier over the symmetric window instead of
  * NCCL's ncclLsaBarrierSession because it must time out (the LSA barrier spins forever), must
  * keep its epoch on the device (so a captured CUDA graph replays correctly), and must catch ranks
- * that are not making the same call. Flags only grow: rank p writes (epoch, call signature) into
- * flags[p] of every peer with st.release.sys after fence.acq_rel.sys, and waits with
- * ld.acquire.sys until every peer's flag reached the epoch, so no reset is ever needed. A peer
- * seen at this epoch with another signature is a kErrCallMismatch (a peer already past this
- * epoch checked this rank's signature itself: it could not pass without reading it). A rank that holds a device-side error (a timeout, a capacity-mode routing error)
- * stops waiting and writes the abort slot of every peer, whose barriers then stop waiting too
- * and report it: errors are sticky and global, and the group must be rebuilt.
+ * that are not making the same call. It runs once per handle creation (the ops synchronize
+ * through their ring flags, exchange.cuh). Flags only grow: rank p writes (epoch, call
+ * signature) into flags[p] of every peer with st.release.sys after fence.acq_rel.sys, and waits
+ * with ld.acquire.sys until every peer's flag reached the epoch, so no reset is ever needed. A
+ * peer seen at this epoch with another signature is a kErrCallMismatch (a peer already past this
+ * epoch checked this rank's signature itself: it could not pass without reading it). A rank that
+ * holds a device-side error (a timeout, a capacity-mode routing error) stops waiting and writes
+ * the abort slot of every peer, whose waits then stop too and report it: errors are sticky and
+ * global, and the group must be rebuilt.
  */
 #include <nccl.h>
 #include <nccl_device.h>
 
 #include "api.cuh"
-#include "transport.cuh"
+#include "device.cuh"
 
 namespace nccl_ep {
 
@@ -41,13 +43,15 @@ __global__ void __launch_bounds__(kMaxRanks) barrier_kernel(BarrierArgs a) {
   __shared__ unsigned long long epoch, origin;
   __shared__ int give_up;
   unsigned long long* const my_flags = reinterpret_cast<unsigned long long*>(
-      reinterpret_cast<char*>(a.peers[a.rank]) + a.flags_off);
+      reinterpret_cast<char*>(a.peers[a.rank]) + a.sync_off);
   if (threadIdx.x == 0) {
-    epoch = *a.epoch + 1;
+    epoch = a.state->barrier_epoch + 1;
     origin = ld_acquire_sys(my_flags + kAbortSlot);  // a peer's error stopped the group
-    if (origin != 0) raise_error(a.err, kErrPeerAbort, a.rank, (int)origin - 1, a.tag, 0, 0);
-    give_up = ld_volatile_int(&a.err->code) != kErrNone;
-    if (give_up && origin == 0) origin = (unsigned long long)a.rank + 1;
+    if (origin != 0)
+      raise_error(a.err, kErrPeerAbort, a.rank, (int)origin - 1, (int)call_op(a.call), 0, 0);
+    give_up = ld_volatile_int(&a.err->code) != kErrNone || a.state->failed != 0;
+    if (give_up && origin == 0)
+      origin = a.state->failed != 0 ? a.state->failed : (unsigned long long)a.rank + 1;
   }
   __syncthreads();
   const int p = threadIdx.x;
@@ -56,7 +60,7 @@ __global__ void __launch_bounds__(kMaxRanks) barrier_kernel(BarrierArgs a) {
     // before the flag by the fence + release store at system scope.
     fence_acq_rel_sys();
     unsigned long long* peer_flags = reinterpret_cast<unsigned long long*>(
-        reinterpret_cast<char*>(a.peers[p]) + a.flags_off);
+        reinterpret_cast<char*>(a.peers[p]) + a.sync_off);
     st_release_sys(peer_flags + a.rank, (epoch << kCallBits) | a.call);
     const unsigned long long start = global_timer_ns();
     int spins = 0;
@@ -66,20 +70,20 @@ __global__ void __launch_bounds__(kMaxRanks) barrier_kernel(BarrierArgs a) {
       spins = 0;
       const unsigned long long by = ld_acquire_sys(my_flags + kAbortSlot);
       if (by != 0) {
-        raise_error(a.err, kErrPeerAbort, a.rank, (int)by - 1, a.tag, 0, 0);
+        raise_error(a.err, kErrPeerAbort, a.rank, (int)by - 1, (int)call_op(a.call), 0, 0);
         origin = by;
         break;
       }
       if ((long long)(global_timer_ns() - start) > a.timeout_ns) {
-        raise_error(a.err, kErrTimeout, a.rank, p, a.tag, (long long)epoch,
-                    a.timeout_ns / 1000000);
+        raise_error(a.err, kErrTimeout, a.rank, p, (int)call_op(a.call), (long long)epoch,
+                    a.timeout_ns / 1000000, (int)kWaitBarrier);
         origin = (unsigned long long)a.rank + 1;
         break;
       }
     }
     const unsigned peer_call = (unsigned)(seen & ((1ull << kCallBits) - 1));
     if ((seen >> kCallBits) == epoch && peer_call != a.call) {
-      raise_error(a.err, kErrCallMismatch, a.rank, p, a.tag, a.call, peer_call);
+      raise_error(a.err, kErrCallMismatch, a.rank, p, (int)call_op(a.call), a.call, peer_call);
       origin = (unsigned long long)a.rank + 1;
     }
     fence_acq_rel_sys();
@@ -87,15 +91,15 @@ __global__ void __launch_bounds__(kMaxRanks) barrier_kernel(BarrierArgs a) {
   __syncthreads();
   // A rank that holds an error tells every peer, so that nobody waits for it and nobody goes on
   // with barriers that no longer order anything.
-  if (p < a.num_ranks && origin != 0) {
-    st_release_sys(reinterpret_cast<unsigned long long*>(
-                       reinterpret_cast<char*>(a.peers[p]) + a.flags_off) + kAbortSlot,
-                   origin);
-  }
   if (threadIdx.x == 0) {
-    *a.epoch = epoch;
-    if (origin != 0) *a.failed = origin;
+    a.state->barrier_epoch = epoch;
+    if (origin != 0) stop_group(a.peers, a.sync_off, a.num_ranks, &a.state->failed, origin);
   }
+}
+
+cudaError_t preload_barrier() {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, barrier_kernel);
 }
 
 cudaError_t launch_barrier(const BarrierArgs& args, cudaStream_t stream) {

@@ -1,0 +1,177 @@
+/*
+ * device.cuh: device-side building blocks shared by the kernels: system-scope release/acquire
+ * flags, the error word protocol, the global timer, element packs, float conversions and warp
+ * copies.
+ *
+ * NOTES:
+ *  - Peer memory is reached through plain pointers resolved once at group creation (barrier.cu),
+ *    so loads/stores below are ordinary global accesses that travel over NVLink when remote.
+ *  - Arithmetic helpers never fuse or reorder: sums are written as acc = acc + v, starting from
+ *    +0.0f, in the order of the design's combine. The build never uses --use_fast_math.
+ */
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <nccl.h>
+#include <stdint.h>
+
+#include "protocol.cuh"
+
+namespace nccl_ep {
+
+#define EP_DEVICE __device__ __forceinline__
+
+EP_DEVICE void st_release_sys(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+EP_DEVICE unsigned long long ld_acquire_sys(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+EP_DEVICE void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+EP_DEVICE unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+EP_DEVICE int ld_volatile_int(const int* p) { return *(const volatile int*)p; }
+EP_DEVICE unsigned long long ld_volatile_u64(const unsigned long long* p) {
+  return *(const volatile unsigned long long*)p;
+}
+
+// Named barrier over `threads` (a multiple of 32) of the CTA; id 0 is __syncthreads.
+EP_DEVICE void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// One writer per error word (claim), fields first, code last.
+EP_DEVICE void raise_error(ErrorInfo* e, int code, int rank, int token, int slot,
+                           long long value, long long extra, int aux = 0, long long where = -1) {
+  if (atomicCAS(&e->claim, 0, 1) != 0) return;
+  e->rank = rank;
+  e->aux = aux;
+  e->token = token;
+  e->slot = slot;
+  e->value = value;
+  e->extra = extra;
+  e->where = where;
+  __threadfence_system();
+  atomicExch(&e->code, code);
+  __threadfence_system();
+}
+
+// Marks the group failed (origin = the rank whose error stopped it, + 1) and tells every peer,
+// whose waits then stop and report it: errors are sticky and global.
+EP_DEVICE void stop_group(void* const* peers, size_t sync_off, int num_ranks,
+                          unsigned long long* failed, unsigned long long origin) {
+  atomicCAS(failed, 0ull, origin);
+  for (int p = 0; p < num_ranks; ++p) {
+    st_release_sys(reinterpret_cast<unsigned long long*>(
+                       reinterpret_cast<char*>(peers[p]) + sync_off) + kAbortSlot,
+                   origin);
+  }
+}
+
+// A vector of N elements of T moved as one aligned access (16 bytes on the vector path).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <typename T>
+EP_DEVICE float to_float(T v);
+template <>
+EP_DEVICE float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
+  // Exact (bf16 is the top half of a float); as bit moves it costs no extra registers per element.
+  return __uint_as_float((unsigned)__bfloat16_as_ushort(v) << 16);
+}
+template <>
+EP_DEVICE float to_float<__half>(__half v) { return __half2float(v); }
+template <>
+EP_DEVICE float to_float<float>(float v) { return v; }
+
+// Round to nearest even into the token dtype.
+template <typename T>
+EP_DEVICE T from_float(float v);
+template <>
+EP_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+EP_DEVICE __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+EP_DEVICE float from_float<float>(float v) { return v; }
+
+// Copies `units` U-sized elements from src to the n destinations dst_of(0 .. n) with one warp:
+// kUnroll loads in flight per lane, each value stored to every destination.
+template <typename U, int kUnroll = 4, typename DstOf>
+EP_DEVICE void warp_copy_rows(const void* src, int units, int lane, int n, DstOf dst_of) {
+  const U* s = reinterpret_cast<const U*>(src);
+  for (int j0 = lane; j0 < units; j0 += 32 * kUnroll) {
+    U v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (j0 + 32 * u < units) v[u] = s[j0 + 32 * u];
+    for (int k = 0; k < n; ++k) {
+      U* d = reinterpret_cast<U*>(dst_of(k));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (j0 + 32 * u < units) d[j0 + 32 * u] = v[u];
+    }
+  }
+}
+
+template <typename U>
+EP_DEVICE void warp_zero(void* dst, int units, int lane) {
+  U* d = reinterpret_cast<U*>(dst);
+  U z;
+  memset(&z, 0, sizeof(U));
+  for (int i = lane; i < units; i += 32) d[i] = z;
+}
+
+// Copies one probability of 2, 4 or 8 bytes.
+EP_DEVICE void copy_prob(void* dst, const void* src, int bytes) {
+  if (bytes == 8) {
+    *reinterpret_cast<unsigned long long*>(dst) = *reinterpret_cast<const unsigned long long*>(src);
+  } else if (bytes == 4) {
+    *reinterpret_cast<unsigned int*>(dst) = *reinterpret_cast<const unsigned int*>(src);
+  } else {
+    *reinterpret_cast<unsigned short*>(dst) = *reinterpret_cast<const unsigned short*>(src);
+  }
+}
+
+EP_DEVICE void zero_prob(void* dst, int bytes) {
+  if (bytes == 8) {
+    *reinterpret_cast<unsigned long long*>(dst) = 0ull;
+  } else if (bytes == 4) {
+    *reinterpret_cast<unsigned int*>(dst) = 0u;
+  } else {
+    *reinterpret_cast<unsigned short*>(dst) = 0;
+  }
+}
+
+// Destination ranks of one token (bit d set: the token has a slot on rank d), from its routing
+// row; every lane computes the same mask.
+EP_DEVICE unsigned long long dest_mask(const int* routing_row, int topk, int num_local,
+                                       int num_ranks) {
+  unsigned long long m = 0;
+  for (int k = 0; k < topk; ++k) {
+    int e = routing_row[k];
+    if (e >= 0) {
+      int d = e / num_local;
+      if (d < num_ranks) m |= 1ull << d;
+    }
+  }
+  return m;
+}
+
+// Token element size: 2 for bf16/fp16, 4 for fp32 (the only token dtypes the host accepts).
+__host__ __device__ __forceinline__ int elt_bytes(int dtype) {
+  return dtype == (int)ncclBfloat16 || dtype == (int)ncclFloat16 ? 2 : 4;
+}
+
+}  // namespace nccl_ep

@@ -1,0 +1,358 @@
+/*
+ * exchange.cuh: the exchange engine, written once for every op (dispatch, combine,
+ * combine_probs): channels, chunks, ring slots, and the ready / credit protocol with timeouts.
+ *
+ *   channel b   CTA b of every rank. Channel b of a rank's T tokens is [T * b / C, T * (b+1) / C)
+ *               (C = channels); it moves in chunks of `chunk` tokens, chunk j to ring slot
+ *               j mod depth of the receiving rank's ring for (channel b, this sender).
+ *   senders     warps [0, send_warps) of the CTA: for each round j, wait until every peer freed
+ *               the slot (credit), write the chunk (Op::send_round), then post ready(j + 1)
+ *               (kAllChunks for the last chunk, or at once when there is none).
+ *   receivers   the other warps: Op::recv_prologue once; per round j, Op::recv_local (work that
+ *               needs no peer), wait for every peer's ready(j + 1), Op::recv_remote, then give the
+ *               slot back (credit j + 1; the last one (op epoch + 1, 0): the whole ring is free for
+ *               the next op). A peer with no chunk still posts its ready (the call signature is
+ *               checked on every channel of every op).
+ *
+ * NOTES:
+ *  - Who owns the tokens of a channel: dispatch sends this rank's tokens and receives the peers';
+ *    combine sends partial sums of the peers' tokens and receives its own tokens' partials
+ *    (Op::kSendsOwnTokens). Both sides compute the same chunks from the all-gathered T_s.
+ *  - No deadlock: a round's waits depend only on earlier rounds of the peers (credits for chunk
+ *    j - depth, ready for chunk j, sent by senders that need only credits), and every CTA of every
+ *    rank is resident (grid <= SMs, one CTA per SM).
+ *  - Memory order: a role's warps write, meet at a named barrier, then one thread fences at
+ *    system scope and release-stores the flag; the peer's acquire-load of the flag precedes its
+ *    reads (a named barrier carries it to the other warps).
+ *  - Waits time out (global timer) into kErrTimeout, see a peer's abort, and stop when another
+ *    CTA of this rank failed: every error stops the whole group (sticky), and every role leaves
+ *    its loop together (the stop flag is read after a named barrier).
+ */
+#pragma once
+
+#include "api.cuh"
+#include "device.cuh"
+
+namespace nccl_ep {
+
+constexpr int kSendBarrier = 1;  // named barrier ids (0 is __syncthreads)
+constexpr int kRecvBarrier = 2;
+
+struct ExchangeShared {
+  unsigned long long epoch;   // this op's epoch
+  int tokens[kMaxRanks];      // T_s of every rank
+  int send_stop, recv_stop;   // set by a role's leader when a wait failed
+  int start_stop;             // the group already held an error when the op started
+  int rows_sh[kMaxWarps][kMaxTopk];   // per warp: the rows of the current item
+  int slots_sh[kMaxWarps][kMaxTopk];  // and their slots k
+};
+
+struct ChunkRange {
+  int begin, end;  // tokens [begin, end); empty when begin >= end
+  __device__ int size() const { return end > begin ? end - begin : 0; }
+};
+
+__device__ __forceinline__ void channel_tokens(int tokens, int channels, int b, int* begin,
+                                               int* end) {
+  *begin = (int)((long long)tokens * b / channels);
+  *end = (int)((long long)tokens * (b + 1) / channels);
+}
+
+__device__ __forceinline__ int chunks_of(int tokens, const WindowLayout& w, int b) {
+  int cb, ce;
+  channel_tokens(tokens, w.channels, b, &cb, &ce);
+  return (ce - cb + w.chunk - 1) / w.chunk;
+}
+
+__device__ __forceinline__ ChunkRange chunk_of(int tokens, const WindowLayout& w, int b, int j) {
+  int cb, ce;
+  channel_tokens(tokens, w.channels, b, &cb, &ce);
+  const int begin = cb + j * w.chunk;
+  return {begin, min(ce, begin + w.chunk)};
+}
+
+// The ring of sender `from` at rank `at` (a rank keeps no ring for itself).
+__device__ __forceinline__ int ring_index(int from, int at, int num_ranks) {
+  return (from - at - 1 + num_ranks) % num_ranks;
+}
+
+__device__ __forceinline__ char* ring_row(void* base, const WindowLayout& w, int b, int q, int j,
+                                          int i) {
+  return reinterpret_cast<char*>(base) + w.ring_off +
+         (w.ring_items(b, q, j % w.depth) + i) * w.row_stride;
+}
+
+__device__ __forceinline__ char* ring_prob(void* base, const WindowLayout& w, int b, int q, int j,
+                                           int i, int k) {
+  return reinterpret_cast<char*>(base) + w.ring_prob_off +
+         ((w.ring_items(b, q, j % w.depth) + i) * w.max_topk + k) * 8;
+}
+
+// Flags of (channel b, peer p) in the window at `base`.
+__device__ __forceinline__ ChannelFlags* channel_flags(void* base, const WindowLayout& w, int b,
+                                                       int p) {
+  return reinterpret_cast<ChannelFlags*>(reinterpret_cast<char*>(base) + w.channel_off) +
+         (size_t)b * w.num_ranks + p;
+}
+
+// The slot rows of token (s, t) on this rank: recv_row[s][t][0 .. max_topk).
+__device__ __forceinline__ const int* token_rows(const ExchangeArgs& e, int s, int t) {
+  return e.recv_row + ((size_t)s * e.max_tokens + t) * e.max_topk;
+}
+
+// The rows here of token (s, t), compacted in ascending k into rows_out[] (and their slots k
+// into slots_out[]), skipping rows past the output (capacity overflow, already reported).
+// Returns how many, or -1 when (s, t) has no slot here at all. Warp-wide.
+__device__ __forceinline__ int collect_rows(const ExchangeArgs& e, int s, int t, int lane,
+                                            int* rows_out, int* slots_out) {
+  const int row = lane < e.topk ? token_rows(e, s, t)[lane] : -1;
+  if (__ballot_sync(0xffffffffu, row >= 0) == 0) return -1;
+  const unsigned usable = __ballot_sync(0xffffffffu, row >= 0 && row < e.rows);
+  if ((usable >> lane) & 1u) {
+    const int j = __popc(usable & ((1u << lane) - 1u));
+    rows_out[j] = row;
+    slots_out[j] = lane;
+  }
+  __syncwarp();
+  return __popc(usable);
+}
+
+// Records an error of this rank and stops the group (every peer is told).
+__device__ __forceinline__ void fail(const ExchangeArgs& e, int code, int token, int slot,
+                                     long long value, long long extra, int aux, long long where) {
+  raise_error(e.err, code, e.rank, token, slot, value, extra, aux, where);
+  stop_group(e.peers, e.win.sync_off, e.num_ranks, &e.state->failed,
+             (unsigned long long)e.rank + 1);
+}
+
+// Spins (one thread) until ok(*word) holds. False when the group stopped meanwhile: a timeout or
+// call mismatch here (recorded), a peer's abort (recorded), or another CTA's failure.
+// `mismatch(v)` returns the peer's call signature when the word shows another call, else -1.
+template <typename Ok, typename Mismatch>
+__device__ bool wait_word(const ExchangeArgs& e, const unsigned long long* word, Ok ok,
+                          Mismatch mismatch, WaitKind kind, int peer, int b, int j,
+                          unsigned long long epoch) {
+  const unsigned long long* abort_word = reinterpret_cast<const unsigned long long*>(
+      reinterpret_cast<const char*>(e.peers[e.rank]) + e.win.sync_off) + kAbortSlot;
+  const unsigned long long start = global_timer_ns();
+  for (int spins = 0;; ++spins) {
+    const unsigned long long v = ld_acquire_sys(word);
+    const long long other = mismatch(v);
+    if (other >= 0) {
+      fail(e, kErrCallMismatch, peer, (int)call_op(e.call), (long long)e.call, other, 0, -1);
+      return false;
+    }
+    if (ok(v)) return true;
+    if ((spins & 255) != 255) continue;
+    if (ld_volatile_u64(&e.state->failed) != 0) return false;
+    const unsigned long long by = ld_acquire_sys(abort_word);
+    if (by != 0) {
+      raise_error(e.err, kErrPeerAbort, e.rank, (int)by - 1, (int)call_op(e.call), 0, 0);
+      stop_group(e.peers, e.win.sync_off, e.num_ranks, &e.state->failed, by);
+      return false;
+    }
+    if ((long long)(global_timer_ns() - start) > e.timeout_ns) {
+      fail(e, kErrTimeout, peer, (int)call_op(e.call), (long long)epoch,
+           e.timeout_ns / 1000000, (int)kind, ((long long)b << 32) | (unsigned)j);
+      return false;
+    }
+  }
+}
+
+// Waits for peer p's chunks [0, need) of this op on channel b (need = kAllChunks: all of them).
+__device__ __forceinline__ bool wait_ready(const ExchangeArgs& e, unsigned long long epoch,
+                                           int b, int p, unsigned need) {
+  const unsigned long long* word = &channel_flags(e.peers[e.rank], e.win, b, p)->ready;
+  const unsigned call = e.call & 0xffffu;
+  return wait_word(
+      e, word,
+      [&](unsigned long long v) {
+        // A peer already in a later op has finished this one (it saw this rank's sends).
+        return (v >> 32) > epoch || ((v >> 32) == epoch && (unsigned)(v & 0xffffu) >= need);
+      },
+      [&](unsigned long long v) -> long long {
+        const unsigned other = (unsigned)(v >> 16) & 0xffffu;
+        return (v >> 32) == epoch && other != call ? (long long)other : -1;
+      },
+      kWaitReady, p, b, (int)need - 1, epoch);
+}
+
+// Waits until peer d freed the ring slot of chunk j (its chunk j - depth of this op, or its whole
+// ring at the end of the previous op).
+__device__ __forceinline__ bool wait_credit(const ExchangeArgs& e, unsigned long long epoch,
+                                            int b, int d, int j) {
+  const unsigned long long* word = &channel_flags(e.peers[e.rank], e.win, b, d)->credit;
+  const unsigned long long need =
+      credit_word(epoch, j < e.win.depth ? 0u : (unsigned)(j - e.win.depth + 1));
+  return wait_word(
+      e, word, [&](unsigned long long v) { return v >= need; },
+      [](unsigned long long) -> long long { return -1; }, kWaitCredit, d, b, j, epoch);
+}
+
+__device__ __forceinline__ void post_ready(const ExchangeArgs& e, unsigned long long epoch, int b,
+                                           int p, unsigned count) {
+  st_release_sys(&channel_flags(e.peers[p], e.win, b, e.rank)->ready,
+                 ready_word(epoch, e.call, count));
+}
+
+__device__ __forceinline__ void post_credit(const ExchangeArgs& e, int b, int p,
+                                            unsigned long long value) {
+  st_release_sys(&channel_flags(e.peers[p], e.win, b, e.rank)->credit, value);
+}
+
+// Tokens of the owner of the chunks this rank sends to / receives from peer p.
+template <class Op>
+__device__ __forceinline__ int send_tokens(const ExchangeShared& sh, const ExchangeArgs& e, int p) {
+  return Op::kSendsOwnTokens ? sh.tokens[e.rank] : sh.tokens[p];
+}
+template <class Op>
+__device__ __forceinline__ int recv_tokens(const ExchangeShared& sh, const ExchangeArgs& e, int p) {
+  return Op::kSendsOwnTokens ? sh.tokens[p] : sh.tokens[e.rank];
+}
+
+template <class Op>
+__device__ void sender_role(const typename Op::Args& a, ExchangeShared& sh, int warp, int nwarps,
+                            int lane) {
+  const ExchangeArgs& e = Op::ex(a);
+  const int b = blockIdx.x, threads = nwarps * 32;
+  const bool leader = threadIdx.x == 0;  // senders are warps [0, send_warps)
+  const unsigned long long epoch = sh.epoch;
+  int rounds = 0;
+  for (int p = 0; p < e.num_ranks; ++p)
+    if (p != e.rank) rounds = max(rounds, chunks_of(send_tokens<Op>(sh, e, p), e.win, b));
+  if (leader) {
+    for (int p = 0; p < e.num_ranks; ++p)
+      if (p != e.rank && chunks_of(send_tokens<Op>(sh, e, p), e.win, b) == 0)
+        post_ready(e, epoch, b, p, kAllChunks);
+  }
+  for (int j = 0; j < rounds; ++j) {
+    if (leader) {
+      bool ok = true;
+      for (int p = 0; p < e.num_ranks && ok; ++p)
+        if (p != e.rank && j < chunks_of(send_tokens<Op>(sh, e, p), e.win, b))
+          ok = wait_credit(e, epoch, b, p, j);
+      if (!ok) sh.send_stop = 1;
+    }
+    named_barrier(kSendBarrier, threads);
+    if (*(volatile int*)&sh.send_stop) break;
+    Op::send_round(a, sh, b, j, warp, nwarps, lane);
+    named_barrier(kSendBarrier, threads);
+    if (leader) {
+      fence_acq_rel_sys();
+      for (int p = 0; p < e.num_ranks; ++p) {
+        if (p == e.rank) continue;
+        const int n = chunks_of(send_tokens<Op>(sh, e, p), e.win, b);
+        if (j < n) post_ready(e, epoch, b, p, j + 1 == n ? kAllChunks : (unsigned)j + 1);
+      }
+    }
+  }
+}
+
+template <class Op>
+__device__ void receiver_role(const typename Op::Args& a, ExchangeShared& sh, int warp,
+                              int nwarps, int lane) {
+  const ExchangeArgs& e = Op::ex(a);
+  const int b = blockIdx.x, threads = nwarps * 32;
+  const bool leader = warp == 0 && lane == 0;
+  const unsigned long long epoch = sh.epoch;
+  Op::recv_prologue(a, sh, b, warp, nwarps, lane);
+  int rounds = 0;
+  for (int p = 0; p < e.num_ranks; ++p)
+    rounds = max(rounds, chunks_of(recv_tokens<Op>(sh, e, p), e.win, b));
+  for (int j = 0; j < rounds; ++j) {
+    Op::recv_local(a, sh, b, j, warp, nwarps, lane);
+    if (leader) {
+      bool ok = true;
+      for (int p = 0; p < e.num_ranks && ok; ++p)
+        if (p != e.rank && j < chunks_of(recv_tokens<Op>(sh, e, p), e.win, b))
+          ok = wait_ready(e, epoch, b, p, (unsigned)j + 1);
+      if (!ok) sh.recv_stop = 1;
+    }
+    named_barrier(kRecvBarrier, threads);
+    if (*(volatile int*)&sh.recv_stop) return;
+    Op::recv_remote(a, sh, b, j, warp, nwarps, lane);
+    named_barrier(kRecvBarrier, threads);
+    if (leader) {
+      for (int p = 0; p < e.num_ranks; ++p) {
+        if (p == e.rank) continue;
+        const int n = chunks_of(recv_tokens<Op>(sh, e, p), e.win, b);
+        if (j + 1 < n) post_credit(e, b, p, credit_word(epoch, (unsigned)j + 1));
+        else if (j + 1 == n) post_credit(e, b, p, credit_word(epoch + 1, 0));
+      }
+    }
+  }
+  if (leader) {
+    // Peers that sent nothing on this channel: check their call, then free the ring for the
+    // next op (peers with chunks got that with their last chunk's credit).
+    for (int p = 0; p < e.num_ranks; ++p) {
+      if (p == e.rank || chunks_of(recv_tokens<Op>(sh, e, p), e.win, b) != 0) continue;
+      if (!wait_ready(e, epoch, b, p, kAllChunks)) break;
+      post_credit(e, b, p, credit_word(epoch + 1, 0));
+    }
+  }
+}
+
+// The whole op: one CTA of Op::kWarps warps per channel; warps [0, send_warps) send, the rest
+// receive.
+template <class Op>
+__device__ void run_exchange(const typename Op::Args& a) {
+  const ExchangeArgs& e = Op::ex(a);
+  __shared__ ExchangeShared sh;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (threadIdx.x < e.num_ranks) sh.tokens[threadIdx.x] = e.tokens_of[threadIdx.x];
+  if (threadIdx.x == 0) {
+    sh.epoch = ld_volatile_u64(&e.state->op_epoch);
+    sh.send_stop = sh.recv_stop = 0;
+    // A pending error (a capacity-mode routing error or overflow, a peer's abort) stops the op
+    // before it writes anything into a peer; the peers are told so that none waits for us.
+    const unsigned long long failed = ld_volatile_u64(&e.state->failed);
+    const unsigned long long by = ld_acquire_sys(reinterpret_cast<const unsigned long long*>(
+        reinterpret_cast<const char*>(e.peers[e.rank]) + e.win.sync_off) + kAbortSlot);
+    const bool pending = ld_volatile_int(&e.err->code) != kErrNone;
+    sh.start_stop = failed != 0 || by != 0 || pending;
+    if (sh.start_stop) {
+      if (by != 0) raise_error(e.err, kErrPeerAbort, e.rank, (int)by - 1, (int)call_op(e.call), 0, 0);
+      const unsigned long long origin = failed != 0 ? failed : (by != 0 ? by : e.rank + 1ull);
+      stop_group(e.peers, e.win.sync_off, e.num_ranks, &e.state->failed, origin);
+    }
+  }
+  __syncthreads();
+  if (!sh.start_stop) {
+    if (warp < e.send_warps) {
+      sender_role<Op>(a, sh, warp, e.send_warps, lane);
+    } else {
+      receiver_role<Op>(a, sh, warp - e.send_warps, Op::kWarps - e.send_warps, lane);
+    }
+  }
+  __syncthreads();
+  // The last CTA to finish moves the op epoch on (every CTA read it at its start).
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&e.state->done_ctas, 1u) == gridDim.x - 1) {
+      e.state->done_ctas = 0;
+      e.state->op_epoch = sh.epoch + 1;
+      __threadfence();
+    }
+  }
+}
+
+template <class Op>
+__global__ void __launch_bounds__(Op::kWarps * 32, 1) exchange_kernel(const typename Op::Args a) {
+  run_exchange<Op>(a);
+}
+
+// Loads the kernel now (under lazy module loading, a first launch may wait for the device,
+// which must not happen while a peer of a local team spins in another op kernel).
+template <class Op>
+cudaError_t preload_exchange() {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, exchange_kernel<Op>);
+}
+
+template <class Op>
+cudaError_t launch_exchange(const typename Op::Args& a, cudaStream_t stream) {
+  exchange_kernel<Op><<<Op::ex(a).win.channels, Op::kWarps * 32, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace nccl_ep

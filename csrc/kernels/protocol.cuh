@@ -1,0 +1,163 @@
+/*
+ * protocol.cuh: the wire format shared by every rank of a group: where things live in the
+ * symmetric window, what the flag words hold, and the error word. Host and device code both
+ * include it; nothing here depends on CUDA beyond __host__ __device__.
+ *
+ * NOTES:
+ *  - Window (one buffer per rank, the same offsets on every rank; WindowLayout):
+ *      sync     barrier flags u64 [kMaxRanks] (slot p written by rank p) + the abort slot
+ *      channel  u64 {ready, credit} [channels][R]: ready[b][p] is written by p when its sends to
+ *               this rank on channel b are in the ring; credit[b][p] by p when it has consumed
+ *               this rank's sends on channel b (so the ring slots may be refilled)
+ *      routing  int32 [2][R][rec_ints]: the routing records of handle creation, by the parity of
+ *               the handle's creation number (double buffered: see handle.cc)
+ *      ring     rows [channels][R - 1][depth][chunk] of row_stride bytes, and 8-byte prob slots
+ *               [channels][R - 1][depth][chunk][max_topk]: the staging of sender p at this rank
+ *               is ring index q = (p - rank - 1) mod R, so a rank keeps no ring for itself
+ *  - Flag words only grow, so nothing is ever reset and a CUDA graph replays correctly:
+ *      barrier  (barrier epoch << kCallBits) | call signature
+ *      ready    (op epoch << 32) | (call signature << 16) | chunks ready (kAllChunks = the last)
+ *      credit   (op epoch << 32) | chunks consumed; ((op epoch + 1) << 32) at the end of an op
+ *    Op epochs count dispatch/combine/combine_probs calls on the group (the same count on every
+ *    rank, since the calls are collective); barrier epochs count handle creations.
+ */
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+namespace nccl_ep {
+
+constexpr int kMaxRanks = 64;     // barrier flags and per-token destination masks (uint64)
+constexpr int kMaxTopk = 32;      // one lane per slot in the warp-level kernels
+constexpr int kRecordHeader = 4;  // routing record: [T_s, K_s, kind, 0] + Tmax * Kmax int32
+constexpr size_t kSyncBytes = 4096;
+
+// Record kinds (header word 2): how rank s gave its routing, for the wording of its errors.
+// From a routing map [T, E]: a token's routed experts, ascending, fill its K slots (-1 after the
+// last). A token with n > K routed experts holds -1 - n (< -1: a range error) in slot K - 1.
+enum RecordKind : int { kRecordTopkIdx = 0, kRecordRoutingMap = 1 };
+
+// flags[kAbortSlot] of a rank's window: written (origin rank + 1) by any rank that gave up after
+// a device-side error, so that every peer stops waiting and reports it (errors are sticky).
+constexpr int kAbortSlot = kMaxRanks;
+static_assert((kAbortSlot + 1) * sizeof(unsigned long long) <= kSyncBytes, "sync area");
+
+// The collective calls of a group: what a wait belongs to, in signatures and messages.
+enum OpKind : int {
+  kOpCreateHandle = 1,
+  kOpDispatch = 2,
+  kOpCombine = 3,
+  kOpCombineProbs = 4,
+};
+
+// What a rank was waiting for when a wait failed.
+enum WaitKind : int {
+  kWaitBarrier = 0,  // the handle-creation barrier
+  kWaitReady = 1,    // a peer's sends of one chunk (the data this rank reads)
+  kWaitCredit = 2,   // a peer's consumption of a ring slot (the space this rank writes)
+};
+
+// A call signature: which call (op kind, 3 bits), whether dispatch moves probs (1 bit), and
+// which handle (its creation number on this rank, 12 bits: creation is collective, so the same
+// handle has the same number on every rank). Flags carry it, so that a waiter that meets a peer
+// in another call knows the ranks are not making the same calls.
+constexpr int kCallBits = 16;
+__host__ __device__ inline unsigned call_signature(OpKind op, bool with_probs, unsigned handle_seq) {
+  return ((unsigned)op & 7u) | ((with_probs ? 1u : 0u) << 3) | ((handle_seq & 0xfffu) << 4);
+}
+__host__ __device__ inline OpKind call_op(unsigned call) { return (OpKind)(call & 7u); }
+__host__ __device__ inline bool call_with_probs(unsigned call) { return (call >> 3) & 1u; }
+__host__ __device__ inline unsigned call_handle(unsigned call) { return (call >> 4) & 0xfffu; }
+
+constexpr unsigned kAllChunks = 0xffffu;  // ready count of a sender's last chunk (or of none)
+constexpr int kMaxChunksPerChannel = (int)kAllChunks - 1;
+
+__host__ __device__ inline unsigned long long ready_word(unsigned long long epoch, unsigned call,
+                                                         unsigned count) {
+  return (epoch << 32) | ((unsigned long long)(call & 0xffffu) << 16) | (count & 0xffffu);
+}
+__host__ __device__ inline unsigned long long credit_word(unsigned long long epoch,
+                                                          unsigned count) {
+  return (epoch << 32) | (count & 0xffffu);
+}
+
+struct ChannelFlags {
+  unsigned long long ready;
+  unsigned long long credit;
+};
+
+// Offsets of the window, the same on every rank (computed once at group creation).
+struct WindowLayout {
+  size_t sync_off;       // barrier flags + abort slot
+  size_t channel_off;    // ChannelFlags [channels][R]
+  size_t routing_off;    // int32 [2][R][rec_ints]
+  size_t ring_off;       // rows [channels][R - 1][depth][chunk]
+  size_t ring_prob_off;  // 8-byte slots [channels][R - 1][depth][chunk][max_topk]
+  size_t bytes;          // the whole window
+  size_t row_stride;     // bytes of a ring row: a token row rounded up to 16
+  int channels;          // one per CTA of an op: the SM budget
+  int depth;             // ring slots per (channel, peer)
+  int chunk;             // tokens per ring slot
+  int rec_ints;          // kRecordHeader + Tmax * Kmax
+  int num_ranks, max_topk;
+
+  __host__ __device__ size_t ring_items(int b, int q, int slot) const {
+    return (((size_t)b * (num_ranks - 1) + q) * depth + slot) * chunk;
+  }
+};
+
+// Device-side state of a group, in its local device memory (never in the window).
+struct DeviceState {
+  unsigned long long barrier_epoch;  // handle-creation barriers run so far
+  unsigned long long op_epoch;       // dispatch/combine/combine_probs calls run so far
+  unsigned long long failed;         // set (origin rank + 1) once the group holds an error
+  unsigned int done_ctas;            // CTAs of the running op that finished (the last resets it)
+  unsigned int pad;
+};
+
+enum ErrorCode : int {
+  kErrNone = 0,
+  kErrExpertRange = 1,     // rank, token, slot, value
+  kErrDuplicateExpert = 2, // rank, token, value (expert)
+  kErrTopkMismatch = 3,    // value = this rank's K; LayoutMeta::ks holds every rank's K
+  kErrCapacity = 4,        // rank, value = rows needed, extra = capacity
+  kErrTimeout = 5,         // rank (waiter), token = peer, slot = OpKind, aux = WaitKind,
+                           // value = epoch, extra = ms, where = (channel << 32) | chunk
+  kErrShape = 6,           // rank, slot = 0 (tokens) / 1 (top-k), value = T or K, extra = bound
+  kErrPeerAbort = 7,       // rank (this one), token = the rank whose error stopped the group,
+                           // slot = OpKind
+  kErrCallMismatch = 8,    // rank (this one), token = peer, value = this rank's call signature,
+                           // extra = the peer's (flags carry them)
+};
+
+// Written once per error word: the single winner of `claim` fills the fields, then publishes
+// `code` last (system-scope fence in between), so a host reader that sees code != 0 sees the rest.
+struct ErrorInfo {
+  int code;
+  int claim;
+  int rank;
+  int token;
+  int slot;
+  int aux;                 // kErrExpertRange / kErrShape: the record kind; kErrTimeout: WaitKind
+  long long value;
+  long long extra;
+  long long where;         // kErrTimeout: (channel << 32) | chunk, -1 when not in a channel
+};
+static_assert(sizeof(ErrorInfo) == 48, "ErrorInfo layout");
+
+// Per-handle results of the layout, copied to the host once in exact mode.
+struct LayoutMeta {
+  ErrorInfo err;           // exact mode: layout errors land here (capacity: the group's word)
+  long long num_rows;      // N_d including alignment padding
+  int ks[kMaxRanks];       // K of every rank (for the top-k mismatch message)
+  int ts[kMaxRanks];       // T of every rank as given (may be out of bounds: an error)
+  int tokens[kMaxRanks];   // T of every rank that the ops use (0 for a record out of bounds)
+  long long tokens_per_expert[1];  // [L], flexible tail
+};
+
+inline size_t layout_meta_bytes(int num_local_experts) {
+  return offsetof(LayoutMeta, tokens_per_expert) + sizeof(long long) * (size_t)num_local_experts;
+}
+
+}  // namespace nccl_ep

@@ -1,0 +1,205 @@
+/*
+ * config.cc: the group configuration: its checks, the window it implies, and the agreement of
+ * every rank on it.
+ *
+ * NOTES:
+ *  - The window's shape (channels, ring depth and chunk, routing records) follows from the config
+ *    alone, so ranks that agree on the config agree on every offset.
+ *  - Default chunk: the power of two of tokens whose rows fill ~256 KiB (at least 8, at most 256
+ *    tokens): large enough that a flag round trip is small next to moving the chunk, small enough
+ *    that the ring stays a few MB per peer. Default depth 2 (double buffering).
+ */
+#include <string.h>
+
+#include <algorithm>
+
+#include "internal.h"
+
+namespace nccl_ep {
+
+namespace {
+
+constexpr int kDefaultSms = 24;
+constexpr int kDefaultDepth = 2;
+constexpr size_t kChunkTargetBytes = 256 << 10;
+
+struct ConfigRecord {  // all-gathered at creation; int64 fields so the compare is trivial
+  long long magic, version, mode, num_experts, hidden, max_tokens, max_topk, token_dtype,
+      recv_mode, capacity, align, num_sms, timeout_ms, chunk, depth, nccl_version, lsa_size;
+};
+const char* kConfigFields[] = {"magic", "version", "mode", "num_experts", "hidden",
+                               "max_tokens_per_rank", "max_topk", "token_dtype",
+                               "recv_count_mode", "max_recv_tokens_per_rank", "expert_alignment",
+                               "num_sms", "timeout_ms", "staging_chunk_tokens", "staging_depth",
+                               "nccl_version", "lsa_size"};
+constexpr int kConfigFieldCount = (int)(sizeof(ConfigRecord) / sizeof(long long));
+static_assert(sizeof(kConfigFields) / sizeof(kConfigFields[0]) == kConfigFieldCount, "fields");
+constexpr int kLsaField = kConfigFieldCount - 1;  // checked with its own message
+
+int chunk_tokens(const ncclEpGroupConfig_t& c, size_t row_stride) {
+  if (c.staging_chunk_tokens > 0) return c.staging_chunk_tokens;
+  int chunk = 8;
+  while (chunk < 256 && (size_t)chunk * 2 * row_stride <= kChunkTargetBytes) chunk *= 2;
+  return chunk;
+}
+
+}  // namespace
+
+size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+int default_channels(const ncclEpGroupConfig_t& c) {
+  return c.num_sms > 0 ? c.num_sms : kDefaultSms;
+}
+
+WindowLayout plan_window(const ncclEpGroupConfig_t& c, int nranks) {
+  WindowLayout w{};
+  const int elt = dtype_bytes(c.token_dtype);
+  w.num_ranks = nranks;
+  w.max_topk = c.max_topk;
+  w.row_stride = align_up((size_t)c.hidden * elt, 16);
+  w.channels = default_channels(c);
+  w.depth = c.staging_depth > 0 ? c.staging_depth : kDefaultDepth;
+  w.chunk = chunk_tokens(c, w.row_stride);
+  w.rec_ints = kRecordHeader + c.max_tokens_per_rank * c.max_topk;
+  const size_t ring_items = (size_t)w.channels * (nranks - 1) * w.depth * w.chunk;
+  size_t o = 0;
+  w.sync_off = o;
+  o += kSyncBytes;
+  w.channel_off = o;
+  o = align_up(o + sizeof(ChannelFlags) * w.channels * nranks, 256);
+  w.routing_off = o;
+  o = align_up(o + sizeof(int) * 2 * (size_t)nranks * w.rec_ints, 256);
+  w.ring_off = o;
+  o = align_up(o + ring_items * w.row_stride, 256);
+  w.ring_prob_off = o;
+  o = align_up(o + ring_items * c.max_topk * 8, 256);
+  w.bytes = align_up(o, 1 << 21);
+  return w;
+}
+
+ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks) {
+  EP_CHECK(c->size >= sizeof(ncclEpGroupConfig_t) && c->version == NCCL_EP_API_VERSION,
+           ncclInvalidArgument,
+           "ncclEpCreateGroup: config.size/version (%zu/%u) do not match this library (%zu/%d); "
+           "initialize the config with NCCL_EP_GROUP_CONFIG_INITIALIZER",
+           c->size, c->version, sizeof(ncclEpGroupConfig_t), NCCL_EP_API_VERSION);
+  EP_CHECK(c->mode == ncclEpModeHighThroughput, ncclInvalidUsage,
+           "ncclEpCreateGroup: mode %d is not implemented (only ncclEpModeHighThroughput)",
+           (int)c->mode);
+  EP_CHECK(nranks >= 1 && nranks <= kMaxRanks, ncclInvalidUsage,
+           "ncclEpCreateGroup: the group has %d ranks, 1 to %d are supported", nranks, kMaxRanks);
+  EP_CHECK(c->num_experts > 0 && c->num_experts % nranks == 0, ncclInvalidArgument,
+           "ncclEpCreateGroup: num_experts (%d) must be > 0 and a multiple of the group size (%d)",
+           c->num_experts, nranks);
+  EP_CHECK(c->num_experts <= 65535, ncclInvalidArgument,
+           "ncclEpCreateGroup: num_experts must be <= 65535, got %d", c->num_experts);
+  EP_CHECK(c->hidden > 0, ncclInvalidArgument, "ncclEpCreateGroup: hidden must be > 0, got %d",
+           c->hidden);
+  EP_CHECK(c->max_tokens_per_rank >= 1, ncclInvalidArgument,
+           "ncclEpCreateGroup: max_tokens_per_rank must be >= 1, got %d", c->max_tokens_per_rank);
+  EP_CHECK(c->max_topk >= 1 && c->max_topk <= c->num_experts && c->max_topk <= kMaxTopk,
+           ncclInvalidArgument,
+           "ncclEpCreateGroup: max_topk must be in [1, min(num_experts=%d, %d)], got %d",
+           c->num_experts, kMaxTopk, c->max_topk);
+  EP_CHECK(c->token_dtype == ncclBfloat16 || c->token_dtype == ncclFloat16 ||
+               c->token_dtype == ncclFloat32,
+           ncclInvalidArgument,
+           "ncclEpCreateGroup: token dtype %s is not supported: the cuda backend supports "
+           "bfloat16, float16 and float32 tokens",
+           dtype_name(c->token_dtype));
+  EP_CHECK(c->recv_count_mode == ncclEpRecvCountExact ||
+               c->recv_count_mode == ncclEpRecvCountCapacity,
+           ncclInvalidArgument, "ncclEpCreateGroup: recv_count_mode %d is invalid",
+           (int)c->recv_count_mode);
+  if (c->recv_count_mode == ncclEpRecvCountCapacity) {
+    EP_CHECK(c->max_recv_tokens_per_rank >= 0 && c->max_recv_tokens_per_rank < (1ll << 31),
+             ncclInvalidArgument,
+             "ncclEpCreateGroup: capacity mode needs 0 <= max_recv_tokens_per_rank < 2^31, "
+             "got %lld",
+             (long long)c->max_recv_tokens_per_rank);
+  }
+  EP_CHECK(c->expert_alignment >= 1 && c->expert_alignment <= (1 << 20), ncclInvalidArgument,
+           "ncclEpCreateGroup: expert_alignment must be in [1, 2^20], got %d",
+           c->expert_alignment);
+  EP_CHECK(c->num_sms >= 0 && c->num_sms <= 1024, ncclInvalidArgument,
+           "ncclEpCreateGroup: num_sms must be in [0, 1024] (0 = default %d), got %d",
+           kDefaultSms, c->num_sms);
+  EP_CHECK(c->timeout_ms > 0, ncclInvalidArgument,
+           "ncclEpCreateGroup: timeout_ms must be > 0, got %lld", (long long)c->timeout_ms);
+  EP_CHECK(c->staging_chunk_tokens >= 0 && c->staging_chunk_tokens <= (1 << 16) &&
+               c->staging_depth >= 0 && c->staging_depth <= 64,
+           ncclInvalidArgument,
+           "ncclEpCreateGroup: staging_chunk_tokens must be in [0, 65536] and staging_depth in "
+           "[0, 64] (0 = default), got %d and %d",
+           c->staging_chunk_tokens, c->staging_depth);
+  const long long slots = (long long)nranks * c->max_tokens_per_rank * c->max_topk;
+  const long long rows = (long long)nranks * c->max_tokens_per_rank *
+                             std::min(c->max_topk, c->num_experts / nranks) +
+                         (long long)(c->num_experts / nranks) * (c->expert_alignment - 1);
+  EP_CHECK(slots + kRecordHeader * nranks < (1ll << 31) && rows < (1ll << 31),
+           ncclInvalidArgument,
+           "ncclEpCreateGroup: group size x max_tokens_per_rank x max_topk (%lld) must stay "
+           "below 2^31",
+           slots);
+  const WindowLayout w = plan_window(*c, nranks);
+  const long long per_channel = (c->max_tokens_per_rank + w.channels - 1) / w.channels;
+  EP_CHECK((per_channel + w.chunk - 1) / w.chunk <= kMaxChunksPerChannel, ncclInvalidArgument,
+           "ncclEpCreateGroup: max_tokens_per_rank=%d needs more than %d chunks of %d tokens per "
+           "channel; raise staging_chunk_tokens or num_sms",
+           c->max_tokens_per_rank, kMaxChunksPerChannel, w.chunk);
+  EP_CHECK((c->alloc_fn == nullptr) == (c->free_fn == nullptr), ncclInvalidArgument,
+           "alloc_fn and free_fn must be given together");
+  return ncclSuccess;
+}
+
+// All-gathers one small host record per rank into all[R] over the group's communicator
+// (collective, synchronizes the stream).
+ncclResult_t host_all_gather(ncclEpGroup* g, const void* mine, size_t bytes, void* all,
+                             cudaStream_t stream) {
+  void* tmp = nullptr;
+  EP_CUDA(cudaMalloc(&tmp, bytes * g->nranks));
+  char* d_all = reinterpret_cast<char*>(tmp);
+  cudaError_t ce = cudaMemcpyAsync(d_all + bytes * g->rank, mine, bytes, cudaMemcpyHostToDevice,
+                                   stream);
+  ncclResult_t nr = ncclSuccess;
+  if (ce == cudaSuccess)
+    nr = ncclAllGather(d_all + bytes * g->rank, d_all, bytes, ncclUint8, g->comm, stream);
+  if (ce == cudaSuccess && nr == ncclSuccess)
+    ce = cudaMemcpyAsync(all, d_all, bytes * g->nranks, cudaMemcpyDeviceToHost, stream);
+  if (ce == cudaSuccess && nr == ncclSuccess) ce = cudaStreamSynchronize(stream);
+  cudaFree(tmp);
+  EP_CUDA(ce);
+  EP_NCCL(nr);
+  return ncclSuccess;
+}
+
+ncclResult_t agree_config(ncclEpGroup* g, int lsa_size, int nccl_version, cudaStream_t stream) {
+  const ncclEpGroupConfig_t& c = g->cfg;
+  const ConfigRecord mine = {0x4e43434c4550ll, NCCL_EP_API_VERSION, (long long)c.mode,
+                             c.num_experts, c.hidden, c.max_tokens_per_rank, c.max_topk,
+                             (long long)c.token_dtype, (long long)c.recv_count_mode,
+                             g->capacity, c.expert_alignment, c.num_sms, (long long)c.timeout_ms,
+                             c.staging_chunk_tokens, c.staging_depth, nccl_version, lsa_size};
+  const int R = g->nranks;
+  std::vector<ConfigRecord> all(R);
+  EP_RETURN_IF(host_all_gather(g, &mine, sizeof(mine), all.data(), stream));
+  for (int r = 0; r < R; ++r) {
+    const long long* a = reinterpret_cast<const long long*>(&all[r]);
+    const long long* b = reinterpret_cast<const long long*>(&mine);
+    for (int f = 0; f < kLsaField; ++f) {
+      EP_CHECK(a[f] == b[f], ncclInvalidArgument,
+               "inconsistent configuration across ranks: %s=%lld on rank %d but %lld on rank %d; "
+               "every rank of the EP group must create its group with the same configuration",
+               kConfigFields[f], a[f], r, b[f], g->rank);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    EP_CHECK(R == 1 || all[r].lsa_size == R, ncclInvalidUsage,
+             "peers not NVLink-connected: rank %d sees an LSA (load/store accessible) team of %lld "
+             "of the %d ranks; the PCIe / host fallback is not implemented",
+             r, all[r].lsa_size, R);
+  }
+  return ncclSuccess;
+}
+
+}  // namespace nccl_ep

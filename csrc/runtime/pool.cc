@@ -1,0 +1,107 @@
+/*
+ * pool.cc: device memory through the user's callbacks, and the per-group pool of handle slots.
+ *
+ * NOTES:
+ *  - A slot is one device allocation laid out by a BufferPlan (typed views, no hand-computed
+ *    offsets), plus a pinned host LayoutMeta and an event for the exact-mode readback. Slots are
+ *    made on demand and reused; group destroy frees them all.
+ *  - Nothing in a slot needs clearing between handles: the pack and layout kernels reset what
+ *    they read (layout.cu).
+ */
+#include "internal.h"
+
+namespace nccl_ep {
+
+namespace {
+
+// The slot's views for this group's sizes; base == nullptr only sizes them.
+size_t plan_slot(const ncclEpGroup* g, HandleSlot* s, void* base) {
+  const int R = g->nranks, L = g->num_local;
+  const size_t Tm = (size_t)g->cfg.max_tokens_per_rank, Km = (size_t)g->cfg.max_topk;
+  BufferPlan plan;
+  plan.add(&s->own_routing, Tm * Km);
+  plan.add(&s->recv_row, (size_t)R * Tm * Km);
+  plan.add(&s->src_of_row, (size_t)g->src_rows);
+  plan.add(&s->cnt, (size_t)R * L);
+  plan.add(&s->off, (size_t)R * L);
+  plan.add(&s->hist, (size_t)g->cfg.num_experts);
+  plan.add(&s->err_key, 1);
+  plan.add_bytes(&s->meta, layout_meta_bytes(L));
+  if (base != nullptr) plan.bind(base);
+  return plan.bytes();
+}
+
+void delete_slot(ncclEpGroup* g, HandleSlot* s) {
+  free_device(g, s->base);
+  if (s->host_meta != nullptr) cudaFreeHost(s->host_meta);
+  if (s->meta_ready != nullptr) cudaEventDestroy(s->meta_ready);
+  delete s;
+}
+
+}  // namespace
+
+ncclResult_t alloc_device(ncclEpGroup* g, void** ptr, size_t bytes) {
+  *ptr = nullptr;
+  if (bytes == 0) bytes = 16;
+  if (g->cfg.alloc_fn != nullptr) {
+    EP_CHECK(g->cfg.alloc_fn(ptr, bytes, g->cfg.alloc_ctx) == 0 && *ptr != nullptr,
+             ncclSystemError, "alloc_fn failed to allocate %zu bytes", bytes);
+    return ncclSuccess;
+  }
+  EP_CUDA(cudaMalloc(ptr, bytes));
+  return ncclSuccess;
+}
+
+void free_device(ncclEpGroup* g, void* ptr) {
+  if (ptr == nullptr) return;
+  if (g->cfg.free_fn != nullptr) {
+    g->cfg.free_fn(ptr, g->cfg.alloc_ctx);
+  } else {
+    cudaFree(ptr);
+  }
+}
+
+size_t slot_device_bytes(const ncclEpGroup* g) {
+  HandleSlot probe;
+  return plan_slot(g, &probe, nullptr);
+}
+
+ncclResult_t acquire_slot(ncclEpGroup* g, HandleSlot** out) {
+  if (!g->free_slots.empty()) {
+    *out = g->free_slots.back();
+    g->free_slots.pop_back();
+    return ncclSuccess;
+  }
+  HandleSlot* s = new HandleSlot();
+  const size_t bytes = plan_slot(g, s, nullptr);
+  ncclResult_t res = alloc_device(g, &s->base, bytes);
+  if (res == ncclSuccess) {
+    plan_slot(g, s, s->base);
+    cudaError_t ce = cudaHostAlloc(reinterpret_cast<void**>(&s->host_meta),
+                                   layout_meta_bytes(g->num_local), cudaHostAllocDefault);
+    if (ce == cudaSuccess) ce = cudaEventCreateWithFlags(&s->meta_ready, cudaEventDisableTiming);
+    if (ce != cudaSuccess) {
+      set_error("allocating a handle's readback buffer failed: %s", cudaGetErrorString(ce));
+      res = ncclUnhandledCudaError;
+    }
+  }
+  if (res != ncclSuccess) {
+    delete_slot(g, s);
+    return res;
+  }
+  g->all_slots.push_back(s);
+  *out = s;
+  return ncclSuccess;
+}
+
+void release_slot(ncclEpGroup* g, HandleSlot* slot) {
+  if (slot != nullptr) g->free_slots.push_back(slot);
+}
+
+void free_slots(ncclEpGroup* g) {
+  for (HandleSlot* s : g->all_slots) delete_slot(g, s);
+  g->all_slots.clear();
+  g->free_slots.clear();
+}
+
+}  // namespace nccl_ep

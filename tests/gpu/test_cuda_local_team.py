@@ -1,0 +1,426 @@
+"""Multi-rank groups on ONE GPU: ``Group.local_team`` puts every rank of an EP group in this
+process (each driven from its own thread and CUDA stream, the windows plain device memory), so
+every device code path of 2, 4 and 8 ranks (the rings, ready/credit flags, the handle-creation
+barrier, the call checks, the timeouts) runs without a second GPU.
+
+Outputs are compared BITWISE with the single-process oracle of tests/dense.py (written from the
+design, independent of both backends). Outputs are fresh allocations from a NaN-poisoned caching
+allocator and the comparison covers every row (padding and the capacity tail included); expert
+outputs and incoming gradients carry NaN in their padding rows, which the kernels must not read.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+import dense
+import megatron_nccl_ep as ep
+from gpu_common import poison_allocator, requires_gpus
+
+pytestmark = requires_gpus
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def sms_available() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def run_ranks(groups, fn, timeout_s: float = 300.0, poison: bool = True):
+    """Runs ``fn(rank, group)`` for every rank at once, each in its own thread on its own stream;
+    returns the results, raises the first rank's exception (by rank). ``poison``: each thread
+    first fills freed caching-allocator memory of its stream with NaN (the allocator caches
+    blocks per stream), so its outputs start as NaN."""
+    device = groups[0].device
+    results, errors = [None] * len(groups), [None] * len(groups)
+
+    def body(rank):
+        torch.cuda.set_device(device)
+        stream = torch.cuda.Stream(device)
+        try:
+            with torch.cuda.stream(stream):
+                if poison:
+                    poison_allocator(device, large_bytes=1 << 30, small_blocks=16)
+                results[rank] = fn(rank, groups[rank])
+            stream.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, with its rank
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(len(groups))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    assert not hung, f"ranks {hung} still running after {timeout_s} s"
+    for rank, exc in enumerate(errors):
+        if exc is not None:
+            raise AssertionError(f"rank {rank}: {type(exc).__name__}: {exc}") from exc
+    return results
+
+
+def make_team(world, case, **extra):
+    kwargs = dict(num_experts=case["experts"], hidden=case["hidden"],
+                  max_tokens_per_rank=max(1, case["max_tokens"]), max_topk=case["topk"],
+                  dtype=case["dtype"], expert_alignment=case.get("alignment", 1),
+                  num_sms=case.get("num_sms", 16),
+                  staging_chunk_tokens=case.get("chunk", 0), staging_depth=case.get("depth", 0))
+    kwargs.update(extra)
+    return ep.Group.local_team(world, **kwargs)
+
+
+def destroy_team(groups):
+    for g in groups:
+        g.destroy()
+
+
+def routing_map_of(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    routing_map = torch.zeros(idx.shape[0], num_experts, dtype=torch.bool, device=idx.device)
+    valid = idx >= 0
+    tokens = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1).expand_as(idx)
+    routing_map[tokens[valid], idx[valid]] = True
+    return routing_map
+
+
+def dense_probs_of(idx: torch.Tensor, probs: torch.Tensor, num_experts: int, gen):
+    """A router's dense [T, E]: the slot probs in their experts' columns, other columns random
+    (dispatch must not read them)."""
+    out = torch.rand(idx.shape[0], num_experts, generator=gen, dtype=torch.float64).to(probs.dtype)
+    t, k = (idx >= 0).nonzero(as_tuple=True)
+    out[t, idx[t, k]] = probs[t, k]
+    return out
+
+
+# Each case: world size, tokens per rank (cycled), hidden, top-k, experts, dtype, routing, and the
+# library options. ``chunk``/``depth`` shrink the staging ring so that an op wraps it many times.
+CASES = {
+    "ep2_bench_shape": dict(world=2, tokens=4096, hidden=7168, topk=8, experts=256, dtype=BF16,
+                            routing="random", num_sms=24),
+    "ep2_ring_wraps_chunk4_depth2": dict(world=2, tokens=(1000, 777), hidden=2048, topk=4,
+                                         experts=16, dtype=BF16, routing="random", chunk=4,
+                                         depth=2, num_sms=8),
+    "ep2_zero_token_rank_capacity_align16": dict(world=2, tokens=(0, 33), hidden=256, topk=8,
+                                                 experts=8, dtype=FP32, routing="one_expert",
+                                                 capacity=True, alignment=16),
+    "ep4_masked_fp16_align16_int32": dict(world=4, tokens=(300, 17, 0, 512), hidden=128, topk=8,
+                                          experts=64, dtype=FP16, routing="masked",
+                                          alignment=16, idx_dtype=torch.int32, chunk=8),
+    "ep4_rows_not_16_byte_multiple": dict(world=4, tokens=300, hidden=100, topk=4, experts=8,
+                                          dtype=BF16, routing="masked", probs_dtype=BF16),
+    "ep4_capacity_h7168": dict(world=4, tokens=(64, 1), hidden=7168, topk=2, experts=256,
+                               dtype=BF16, routing="random", capacity=True),
+    "ep8_top8_e64_num_sms16": dict(world=8, tokens=600, hidden=512, topk=8, experts=64,
+                                   dtype=BF16, routing="random", num_sms=16, chunk=16),
+    "ep2_no_probs_top1": dict(world=2, tokens=1024, hidden=2048, topk=1, experts=8, dtype=FP16,
+                              routing="random", probs_dtype=None),
+}
+
+
+def slots_ascending(problem: dense.Problem) -> dense.Problem:
+    """The problem as routing-map handles see it: each token's experts in ascending order (-1
+    after the last), probs moved with their slots (combine sums a token's rows in slot order)."""
+    idx, probs = [], []
+    for s in range(problem.world_size):
+        i = problem.topk_idx[s].long()
+        key = torch.where(i >= 0, i, problem.num_experts)
+        key, order = key.sort(dim=1)
+        idx.append(torch.where(key < problem.num_experts, key, -1).to(problem.topk_idx[s].dtype))
+        p = problem.probs[s]
+        probs.append(None if p is None else p.gather(1, order))
+    return dense.Problem(problem.world_size, problem.num_experts, problem.x, idx, probs)
+
+
+def resolve(name):
+    case = dict(CASES[name])
+    world = case["world"]
+    counts = [case["tokens"]] * world if isinstance(case["tokens"], int) else [
+        case["tokens"][r % len(case["tokens"])] for r in range(world)]
+    case["max_tokens"] = max(counts)
+    return case
+
+
+def check_team(name: str, seed: int, from_map: bool = False) -> str:
+    case = resolve(name)
+    world, device = case["world"], torch.device("cuda", torch.cuda.current_device())
+    if world * case.get("num_sms", 16) > sms_available():
+        pytest.skip(f"{world} ranks x {case.get('num_sms', 16)} SMs > {sms_available()} SMs")
+    problem = dense.make_problem(seed, world, case["tokens"], case["hidden"], case["experts"],
+                                 case["topk"], case["dtype"],
+                                 probs_dtype=case.get("probs_dtype", FP32),
+                                 idx_dtype=case.get("idx_dtype", torch.int64),
+                                 routing=case["routing"])
+    if from_map:
+        problem = slots_ascending(problem)
+    align = case.get("alignment", 1)
+    rows = [dense.layout(problem, d, align).num_rows for d in range(world)]
+    capacity = max(rows) + 37 if case.get("capacity") else None
+    extra = dict(recv_mode="capacity", max_recv_tokens_per_rank=capacity) if capacity else {}
+    groups = make_team(world, case, **extra)
+    gen = torch.Generator().manual_seed(seed + 99)
+    inputs = []
+    for r in range(world):
+        x, idx, probs = problem.x[r], problem.topk_idx[r], problem.probs[r]
+        dense_probs = None if probs is None else dense_probs_of(idx.long(), probs,
+                                                                case["experts"], gen)
+        inputs.append((x.to(device), idx.to(device), None if probs is None else probs.to(device),
+                       None if dense_probs is None else dense_probs.to(device)))
+    want = [dense.dispatch(problem, d, align, capacity) for d in range(world)]
+    handles = [None] * world
+
+    def phase_dispatch(r, g):
+        x, idx, probs, dense_probs = inputs[r]
+        h = g.create_handle(routing_map=routing_map_of(idx.long(), case["experts"])) \
+            if from_map else g.create_handle(idx)
+        handles[r] = h
+        recv_x, recv_probs = h.dispatch(x, dense_probs if from_map else probs)
+        return h.num_recv_tokens, h.tokens_per_expert.cpu(), recv_x, recv_probs
+
+    got = run_ranks(groups, phase_dispatch)
+    for d in range(world):
+        n, tpe, recv_x, recv_probs = got[d]
+        w_x, w_p, w_tpe, w_rows = want[d]
+        assert n == w_x.shape[0], f"rank {d}: num_recv_tokens {n}, expected {w_x.shape[0]}"
+        dense.assert_bitwise_equal(tpe, w_tpe, f"{name} rank {d}: tokens_per_expert")
+        dense.assert_bitwise_equal(recv_x, w_x, f"{name} rank {d}: recv_x")
+        if w_p is None:
+            assert recv_probs is None
+        else:
+            dense.assert_bitwise_equal(recv_probs, w_p, f"{name} rank {d}: recv_probs")
+
+    # Combine: expert outputs with NaN in every row that carries no (token, slot).
+    expert_out, grad_recv = [], []
+    for d in range(world):
+        lay = dense.layout(problem, d, align)
+        n = want[d][0].shape[0]
+        used = torch.zeros(n, dtype=torch.bool)
+        used[:lay.num_rows] = torch.tensor([r is not None for r in lay.rows], dtype=torch.bool)
+        eo = dense.wide_values(gen, (n, case["hidden"]), case["dtype"])
+        eo[~used] = math.nan
+        gr = torch.rand(n, generator=gen).to(want[d][1].dtype if want[d][1] is not None else FP32)
+        gr[~used] = math.nan
+        expert_out.append(eo)
+        grad_recv.append(gr)
+
+    def phase_combine(r, g):
+        h = handles[r]
+        y = h.combine(expert_out[r].to(device))
+        gp = h.combine_probs(grad_recv[r].to(device), dense=from_map)
+        h.destroy()
+        return y, gp
+
+    got = run_ranks(groups, phase_combine)
+    cut = [e[:dense.layout(problem, d, align).num_rows] for d, e in enumerate(expert_out)]
+    for s in range(world):
+        y, gp = got[s]
+        dense.assert_bitwise_equal(y, dense.combine(problem, cut, s, align), f"{name} rank {s}: y")
+        w_gp = dense.combine_probs(problem, grad_recv, s, align)
+        if from_map:  # dense [T, E]: the slot values in their experts' columns, 0 elsewhere
+            idx = problem.topk_idx[s].long()
+            w_dense = torch.zeros(idx.shape[0], case["experts"], dtype=w_gp.dtype)
+            t, k = (idx >= 0).nonzero(as_tuple=True)
+            w_dense[t, idx[t, k]] = w_gp[t, k]
+            w_gp = w_dense
+        dense.assert_bitwise_equal(gp, w_gp, f"{name} rank {s}: combine_probs")
+    info = groups[0].info()
+    destroy_team(groups)
+    return (f"{name}: EP={world} T={[x.shape[0] for x, *_ in inputs]} N={rows} "
+            f"channels={info['channels']} chunk={info['staging_chunk_tokens']} "
+            f"depth={info['staging_depth']} staging={info['staging_bytes'] / 2**20:.1f} MiB")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_local_team_bitwise_equals_oracle(name, seed, summary_line):
+    summary_line(check_team(name, seed) + ": dispatch, counts, probs, combine, combine_probs "
+                 "bitwise equal")
+
+
+@pytest.mark.parametrize("name", ["ep2_bench_shape", "ep4_masked_fp16_align16_int32",
+                                  "ep2_ring_wraps_chunk4_depth2"])
+def test_local_team_routing_map_dense_probs(name, seed, summary_line):
+    summary_line(check_team(name, seed, from_map=True) + ": routing-map handles with dense "
+                 "[T, E] probs and grads, bitwise equal")
+
+
+def test_local_team_repeats_bitwise_identical(seed, summary_line):
+    """The same inputs through 10 fresh handles: identical bits every time (no arrival order
+    leaks into any output), with the ring wrapping many times per op."""
+    case = resolve("ep2_ring_wraps_chunk4_depth2")
+    problem = dense.make_problem(seed, 2, case["tokens"], case["hidden"], case["experts"],
+                                 case["topk"], case["dtype"])
+    device = torch.device("cuda", torch.cuda.current_device())
+    groups = make_team(2, case)
+    runs = []
+    for i in range(10):
+        def body(r, g):
+            h = g.create_handle(problem.topk_idx[r].to(device))
+            recv_x, recv_p = h.dispatch(problem.x[r].to(device), problem.probs[r].to(device))
+            y = h.combine(recv_x)
+            gp = h.combine_probs(recv_p)
+            h.destroy()
+            return [dense.bits(t) for t in (recv_x, recv_p, y, gp)]
+
+        runs.append(run_ranks(groups, body))
+    for i, run in enumerate(runs[1:], 1):
+        for r in range(2):
+            for name, a, b in zip(("recv_x", "recv_probs", "y", "combine_probs"), run[r],
+                                  runs[0][r]):
+                assert torch.equal(a, b), f"run {i} rank {r}: {name} differs from run 0"
+    destroy_team(groups)
+    summary_line("EP=2 local team, 10 runs (ring wrapped ~30 times per op): bitwise identical")
+
+
+def test_local_team_autograd_matches_direct_calls(seed):
+    """Through the autograd functions (dense router probs, as the Megatron dispatcher calls
+    them): grad x = combine(grad recv_x), grad probs = combine_probs(grad recv_probs) in [T, E],
+    grad expert_out = dispatch(grad y), on every rank."""
+    case = resolve("ep4_masked_fp16_align16_int32")
+    world = case["world"]
+    problem = dense.make_problem(seed, world, case["tokens"], case["hidden"], case["experts"],
+                                 case["topk"], case["dtype"], routing=case["routing"])
+    device = torch.device("cuda", torch.cuda.current_device())
+    groups = make_team(world, case)
+    gen = torch.Generator().manual_seed(seed)
+    dense_probs = [dense_probs_of(problem.topk_idx[r].long(), problem.probs[r], case["experts"],
+                                  gen) for r in range(world)]
+
+    def body(r, g):
+        idx = problem.topk_idx[r].to(device).long()
+        x = problem.x[r].to(device).requires_grad_(True)
+        probs = dense_probs[r].to(device).requires_grad_(True)
+        h = g.create_handle(routing_map=routing_map_of(idx, case["experts"]))
+        seen = {}
+        recv_x, recv_p = ep.dispatch(h, x, probs)
+        recv_x.register_hook(lambda grad: seen.__setitem__("recv_x", grad))
+        recv_p.register_hook(lambda grad: seen.__setitem__("recv_p", grad))
+        out = recv_x * recv_p.to(recv_x.dtype)[:, None]
+        out.register_hook(lambda grad: seen.__setitem__("out", grad))
+        y = ep.combine(h, out)
+        grad_y = dense.wide_values(torch.Generator(device=device).manual_seed(seed + r),
+                                   tuple(y.shape), y.dtype)
+        y.backward(grad_y)
+        return (x.grad, h.combine(seen["recv_x"]), probs.grad,
+                h.combine_probs(seen["recv_p"], dense=True), seen["out"], h.dispatch(grad_y)[0])
+
+    for r, (gx, wx, gp, wp, gout, wout) in enumerate(run_ranks(groups, body)):
+        dense.assert_bitwise_equal(gx, wx, f"rank {r}: grad x")
+        dense.assert_bitwise_equal(gp, wp, f"rank {r}: grad probs (dense)")
+        dense.assert_bitwise_equal(gout, wout, f"rank {r}: grad expert_out")
+    destroy_team(groups)
+
+
+def test_local_team_call_mismatch_raises_on_both_ranks(seed):
+    """Rank 0 dispatches while rank 1 combines: both raise the library's mismatch error naming
+    both calls, within the timeout, and the group stays stopped."""
+    case = dict(resolve("ep2_no_probs_top1"), tokens=64, max_tokens=64)
+    problem = dense.make_problem(seed, 2, 64, case["hidden"], case["experts"], case["topk"],
+                                 case["dtype"])
+    device = torch.device("cuda", torch.cuda.current_device())
+    groups = make_team(2, case, timeout_s=20.0)
+
+    def body(r, g):
+        h = g.create_handle(problem.topk_idx[r].to(device))
+        n = h.num_recv_tokens
+        start = time.monotonic()
+        try:
+            if r == 0:
+                h.dispatch(problem.x[r].to(device))
+            else:
+                h.combine(torch.zeros(n, case["hidden"], dtype=case["dtype"], device=device))
+            g.check_errors()
+        except ep.NcclEpError as exc:
+            return str(exc), time.monotonic() - start
+        return None, time.monotonic() - start
+
+    for r, (msg, took) in enumerate(run_ranks(groups, body)):
+        assert msg is not None, f"rank {r} raised nothing"
+        assert "inconsistent collective calls" in msg and "dispatch" in msg and "combine" in msg, msg
+        assert took < 10.0, f"rank {r} took {took:.1f} s to fail"
+    destroy_team(groups)
+
+
+def test_local_team_rank_that_never_calls_times_out(seed):
+    """Rank 1 skips a dispatch: rank 0 raises a timeout naming rank 1 after timeout_s (not a
+    hang); rank 1's next call raises that rank 0 stopped the group."""
+    case = dict(resolve("ep2_no_probs_top1"), tokens=64, max_tokens=64)
+    problem = dense.make_problem(seed, 2, 64, case["hidden"], case["experts"], case["topk"],
+                                 case["dtype"])
+    device = torch.device("cuda", torch.cuda.current_device())
+    groups = make_team(2, case, timeout_s=2.0)
+    handles = [None, None]
+
+    def create(r, g):
+        handles[r] = g.create_handle(problem.topk_idx[r].to(device))
+        return handles[r].num_recv_tokens
+
+    run_ranks(groups, create)
+    start = time.monotonic()
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        handles[0].dispatch(problem.x[0].to(device))
+        with pytest.raises(ep.NcclEpError, match=r"timed out .* rank 0 waited for rank 1"):
+            groups[0].check_errors()
+    took = time.monotonic() - start
+    assert 1.5 < took < 15.0, f"timeout after {took:.1f} s, configured 2 s"
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        with pytest.raises(ep.NcclEpError, match="rank 0 stopped this group"):
+            handles[1].dispatch(problem.x[1].to(device))
+            groups[1].check_errors()
+    destroy_team(groups)
+
+
+def test_local_team_handles_destroyed_from_another_thread(seed):
+    """A thread destroys handles (as a garbage collector would) while the ranks keep creating
+    handles and running ops on the same groups: no crash, results stay right."""
+    case = dict(resolve("ep2_no_probs_top1"), tokens=256, max_tokens=256)
+    problem = dense.make_problem(seed, 2, 256, case["hidden"], case["experts"], case["topk"],
+                                 case["dtype"])
+    device = torch.device("cuda", torch.cuda.current_device())
+    groups = make_team(2, case)
+    graveyard, lock, stop = [], threading.Lock(), threading.Event()
+
+    def reaper():
+        while not stop.is_set() or graveyard:
+            with lock:
+                doomed = graveyard[:]
+                graveyard.clear()
+            for h in doomed:
+                h.destroy()
+            time.sleep(0.0005)
+
+    reaper_thread = threading.Thread(target=reaper, daemon=True)
+    reaper_thread.start()
+    want = [dense.dispatch(problem, d)[0] for d in range(2)]
+
+    def body(r, g):
+        for _ in range(200):
+            h = g.create_handle(problem.topk_idx[r].to(device))
+            recv_x, _ = h.dispatch(problem.x[r].to(device))
+            torch.cuda.current_stream().synchronize()
+            with lock:
+                graveyard.append(h)
+        return recv_x
+
+    got = run_ranks(groups, body)
+    stop.set()
+    reaper_thread.join(30)
+    for d in range(2):
+        dense.assert_bitwise_equal(got[d], want[d], f"rank {d}: recv_x after 200 cycles")
+    destroy_team(groups)
+
+
+def test_local_team_staging_independent_of_max_tokens():
+    """The ring is sized by channels x depth x chunk, not by max_tokens_per_rank."""
+    sizes = {}
+    for max_tokens in (1024, 16384):
+        groups = ep.Group.local_team(2, num_experts=256, hidden=7168,
+                                     max_tokens_per_rank=max_tokens, max_topk=8, num_sms=24)
+        sizes[max_tokens] = groups[0].info()
+        destroy_team(groups)
+    assert sizes[1024]["staging_bytes"] == sizes[16384]["staging_bytes"] > 0, sizes
+    assert sizes[1024]["routing_bytes"] < sizes[16384]["routing_bytes"], sizes
