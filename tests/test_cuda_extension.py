@@ -88,6 +88,12 @@ def test_shared_library_exports_only_the_c_api():
     with open(HEADER) as f:
         declared = sorted(set(re.findall(r"\b(ncclEp[A-Za-z]+)\(", f.read())))
     assert exported == declared, f"exported {exported}, header declares {declared}"
+    # nvcc compiles a host call into a __device__-only function (legal in a template) to
+    # exit(1): the library must never end the caller's process.
+    imported = subprocess.run([nm, "-D", "--undefined-only", lib], capture_output=True, text=True,
+                              check=True).stdout.split()
+    assert not {"exit", "_exit", "abort"} & {name.split("@")[0] for name in imported}, (
+        "libnccl_ep.so imports exit/_exit/abort")
 
 
 def test_c_example_builds_against_the_library(tmp_path):

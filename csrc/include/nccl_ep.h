@@ -181,9 +181,12 @@ ncclResult_t ncclEpCreateGroup(ncclEpGroup_t* group, ncclComm_t comm,
 /* A whole group of nranks ranks inside this process, on the current device, without NCCL:
  * groups[r] is rank r, and the ranks reach each other's windows through plain device memory.
  * For development and tests on one GPU (every device code path of a multi-rank group runs).
- * Each rank needs its own stream and, since exact-mode calls wait for the peers, its own host
- * thread; nranks x the SM budget must fit on the GPU (every CTA must be resident at once).
- * Destroy every member; the windows are freed with the last one. */
+ * Each rank needs its own non-blocking stream and, since exact-mode calls wait for the peers,
+ * its own host thread; nranks x the SM budget must fit on the GPU (every CTA must be resident at
+ * once). While one rank is inside a collective call, no thread may do what waits for the whole
+ * device (a blocking-stream or legacy-stream copy, cudaDeviceSynchronize, cudaFree, a device or
+ * pinned allocation may): allocate first. Destroy every member; the windows are freed with the
+ * last one. */
 ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
                                    const ncclEpGroupConfig_t* config, cudaStream_t stream);
 /* What the group allocated and chose (staging sizes, channels). Not collective. */

@@ -132,7 +132,8 @@ struct CombineOp {
   using P = Pack<T, N>;
   static constexpr bool kSendsOwnTokens = false;
   static constexpr int kWarps = kCombineWarps;
-  static __device__ const ExchangeArgs& ex(const Args& a) { return a.ex; }
+  // Host and device: the launch reads the channel count through it.
+  static __host__ __device__ const ExchangeArgs& ex(const Args& a) { return a.ex; }
 
   // Stage 1 for the peers' tokens: their partials go to the owner's ring.
   static __device__ void send_round(const Args& a, ExchangeShared& sh, int b, int j, int warp,
@@ -188,7 +189,8 @@ struct CombineProbsOp {
   using Args = CombineProbsArgs;
   static constexpr bool kSendsOwnTokens = false;
   static constexpr int kWarps = kCombineProbsWarps;
-  static __device__ const ExchangeArgs& ex(const Args& a) { return a.ex; }
+  // Host and device: the launch reads the channel count through it.
+  static __host__ __device__ const ExchangeArgs& ex(const Args& a) { return a.ex; }
 
   static __device__ const char* grad_recv_at(const Args& a, int row) {
     return reinterpret_cast<const char*>(a.grad_recv) + (size_t)row * a.prob_bytes;

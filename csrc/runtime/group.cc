@@ -36,6 +36,22 @@ void destroy_group_state(ncclEpGroup* g) {
   delete g;
 }
 
+// Handle slots made at group creation, so that the first handles allocate nothing: a device or
+// pinned allocation may wait for the whole device, which a local team's peer may keep busy.
+constexpr int kPreallocatedSlots = 2;
+
+ncclResult_t preallocate_slots(ncclEpGroup* g) {
+  std::lock_guard<std::mutex> lock(g->mu);
+  std::vector<HandleSlot*> made;
+  for (int i = 0; i < kPreallocatedSlots; ++i) {
+    HandleSlot* s = nullptr;
+    EP_RETURN_IF(acquire_slot(g, &s));
+    made.push_back(s);
+  }
+  for (HandleSlot* s : made) release_slot(g, s);
+  return ncclSuccess;
+}
+
 // Everything a group needs besides its window: checked config, sizes, error word, state.
 ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int nranks, int rank,
                         cudaStream_t stream) {
@@ -61,7 +77,7 @@ ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int n
   EP_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&g->d_err), g->h_err, 0));
   EP_RETURN_IF(alloc_device(g, reinterpret_cast<void**>(&g->d_state), sizeof(DeviceState)));
   EP_CUDA(cudaMemsetAsync(g->d_state, 0, sizeof(DeviceState), stream));
-  return ncclSuccess;
+  return preallocate_slots(g);
 }
 
 ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGroupConfig_t* config,

@@ -51,6 +51,8 @@ ncclResult_t read_layout(ncclEpHandle* h) {
   if (g->capacity >= 0) return ncclSuccess;  // nothing to read: the count is the capacity
   if (!h->layout_read) {
     EP_CUDA(cudaEventSynchronize(h->slot->meta_ready));
+    // A group error (a failed barrier: the records may be stale) explains any layout error.
+    EP_RETURN_IF(check_group_errors(g));
     const LayoutMeta* m = h->slot->host_meta;
     if (m->err.code != kErrNone) {
       h->layout_result = report_error(g, m->err, m);

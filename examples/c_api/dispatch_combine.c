@@ -100,8 +100,11 @@ static void* run_rank(void* arg) {
   Rank* r = (Rank*)arg;
   const int E = kExpertsPerRank * r->nranks;
   CHECK_CUDA(cudaSetDevice(r->device));
+  /* NOTES: a local team's ranks wait for each other inside one process, so nothing here may
+   * synchronize the device while a peer is inside a collective call: non-blocking streams,
+   * stream-ordered copies, and every buffer allocated before the first collective. */
   cudaStream_t stream;
-  CHECK_CUDA(cudaStreamCreate(&stream));
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   ncclComm_t comm = NULL;
   if (r->group == NULL) { /* one rank per GPU, over NCCL */
     if (ncclCommInitRank(&comm, r->nranks, r->id, r->rank) != ncclSuccess) {
@@ -122,12 +125,18 @@ static void* run_rank(void* arg) {
   for (int t = 0; t < kTokens; ++t)
     for (int h = 0; h < kHidden; ++h) x[t * kHidden + h] = token_value(r->rank, t, h);
   int64_t* d_idx;
-  float *d_x, *d_y;
+  float *d_x, *d_y, *d_recv;
+  /* At most every token of every rank, once per local expert it routes to. */
+  const int64_t max_rows = (int64_t)r->nranks * kTokens *
+                           (kTopk < kExpertsPerRank ? kTopk : kExpertsPerRank);
   CHECK_CUDA(cudaMalloc((void**)&d_idx, sizeof(int64_t) * kTokens * kTopk));
   CHECK_CUDA(cudaMalloc((void**)&d_x, sizeof(float) * kTokens * kHidden));
   CHECK_CUDA(cudaMalloc((void**)&d_y, sizeof(float) * kTokens * kHidden));
-  CHECK_CUDA(cudaMemcpy(d_idx, idx, sizeof(int64_t) * kTokens * kTopk, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(d_x, x, sizeof(float) * kTokens * kHidden, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMalloc((void**)&d_recv, sizeof(float) * max_rows * kHidden));
+  CHECK_CUDA(cudaMemcpyAsync(d_idx, idx, sizeof(int64_t) * kTokens * kTopk,
+                             cudaMemcpyHostToDevice, stream));
+  CHECK_CUDA(cudaMemcpyAsync(d_x, x, sizeof(float) * kTokens * kHidden, cudaMemcpyHostToDevice,
+                             stream));
 
   /* Handle: the routing exchange; the receive count is read when asked for. */
   ncclEpHandle_t handle;
@@ -137,8 +146,6 @@ static void* run_rank(void* arg) {
   CHECK_EP(ncclEpHandleGetNumRecvTokens(handle, &n));
 
   /* Dispatch into the expert-major layout: [n, hidden]. */
-  float* d_recv;
-  CHECK_CUDA(cudaMalloc((void**)&d_recv, sizeof(float) * (n > 0 ? n : 1) * kHidden));
   ncclEpDispatchInputs_t din;
   ncclEpDispatchOutputs_t dout;
   memset(&din, 0, sizeof(din));
@@ -176,7 +183,9 @@ static void* run_rank(void* arg) {
   }
   for (int l = 0; l < kExpertsPerRank; ++l) counted += tokens_per_expert[l];
   float* y = (float*)malloc(sizeof(float) * kTokens * kHidden);
-  CHECK_CUDA(cudaMemcpy(y, d_y, sizeof(float) * kTokens * kHidden, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpyAsync(y, d_y, sizeof(float) * kTokens * kHidden, cudaMemcpyDeviceToHost,
+                             stream));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
   long long wrong = 0;
   for (int t = 0; t < kTokens; ++t) {
     int routed = 0;

@@ -103,8 +103,9 @@ run_pytest() {
     local label=$1 limit=$2 log=$3 start=$SECONDS per_test=()
     shift 3
     # pytest-timeout (in the image) turns a hung test into a traceback instead of a silent kill.
-    "$PY" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=$((limit - 20)))
-    timeout -k 10 "$limit" "$PY" -m pytest -q -rfEP "${per_test[@]}" "$@" >"$log" 2>&1
+    "$PY" -c 'import pytest_timeout' 2>/dev/null &&
+        per_test=(--timeout="${PER_TEST_TIMEOUT:-$((limit - 20))}")
+    timeout -k 10 "$limit" "$PY" -m pytest -q --tb=short -rfEP "${per_test[@]}" "$@" >"$log" 2>&1
     local rc=$?
     local counts
     counts=$(grep -E '[0-9]+ (passed|failed|error|errors|skipped)' "$log" | tail -n 1)
@@ -121,7 +122,7 @@ if wants tests; then
         tests/gpu --ignore=tests/gpu/test_cuda_local_team.py
     # Local teams run every rank's kernels in one process, where they wait for each other: no
     # kernel may be loaded lazily while another spins (a lazy load may wait for the device).
-    CUDA_MODULE_LOADING=EAGER run_pytest "tests (local teams: EP 2/4/8 on one GPU)" \
+    CUDA_MODULE_LOADING=EAGER PER_TEST_TIMEOUT=90 run_pytest "tests (local teams: EP 2/4/8 on one GPU)" \
         "$TEAM_TIMEOUT" "$OUT/team_tests.log" tests/gpu/test_cuda_local_team.py
 fi
 
