@@ -183,7 +183,8 @@ ncclResult_t ncclEpCreateGroup(ncclEpGroup_t* group, ncclComm_t comm,
  * For development and tests on one GPU (every device code path of a multi-rank group runs).
  * Each rank needs its own non-blocking stream and, since exact-mode calls wait for the peers,
  * its own host thread; nranks x the SM budget must fit on the GPU (every CTA must be resident at
- * once). While one rank is inside a collective call, no thread may do what waits for the whole
+ * once), and the streams must reach the GPU on separate hardware queues: set
+ * CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts (at least 2 x nranks is checked). While one rank is inside a collective call, no thread may do what waits for the whole
  * device (a blocking-stream or legacy-stream copy, cudaDeviceSynchronize, cudaFree, a device or
  * pinned allocation may): allocate first. Destroy every member; the windows are freed with the
  * last one. */

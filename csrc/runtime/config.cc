@@ -59,7 +59,9 @@ WindowLayout plan_window(const ncclEpGroupConfig_t& c, int nranks) {
   w.row_stride = align_up((size_t)c.hidden * elt, 16);
   w.channels = default_channels(c);
   w.depth = c.staging_depth > 0 ? c.staging_depth : kDefaultDepth;
-  w.chunk = chunk_tokens(c, w.row_stride);
+  // One rank has no ring: its channel is one round (chunks only pace the peers' transfers).
+  w.chunk = nranks == 1 ? std::max(1, (c.max_tokens_per_rank + w.channels - 1) / w.channels)
+                        : chunk_tokens(c, w.row_stride);
   w.rec_ints = kRecordHeader + c.max_tokens_per_rank * c.max_topk;
   const size_t ring_items = (size_t)w.channels * (nranks - 1) * w.depth * w.chunk;
   size_t o = 0;

@@ -12,6 +12,7 @@
  *  - The device code reads NCCL's ncclWindow_vidmem layout through the headers it was compiled
  *    against, so the runtime NCCL must have the same major.minor as the headers (checked).
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include <algorithm>
@@ -174,6 +175,16 @@ extern "C" ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
   EP_CHECK(nranks >= 1 && nranks <= kMaxRanks, ncclInvalidArgument,
            "ncclEpCreateLocalTeam: nranks must be in [1, %d], got %d", kMaxRanks, nranks);
   for (int r = 0; r < nranks; ++r) groups[r] = nullptr;
+  // The ranks' kernels wait for each other: their streams must reach the GPU through separate
+  // hardware queues, or one rank's kernel queues behind a peer's waiting one (a deadlock until
+  // the timeout). CUDA gives a context CUDA_DEVICE_MAX_CONNECTIONS queues (default 8).
+  const char* conn = getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  const int connections = conn != nullptr ? atoi(conn) : 8;
+  EP_CHECK(connections >= 2 * nranks, ncclInvalidUsage,
+           "ncclEpCreateLocalTeam: %d ranks need at least %d CUDA hardware queues, the process "
+           "has %d (CUDA_DEVICE_MAX_CONNECTIONS%s); set CUDA_DEVICE_MAX_CONNECTIONS=32 before "
+           "CUDA starts",
+           nranks, 2 * nranks, connections, conn != nullptr ? "" : " unset: default 8");
   auto team = std::make_shared<LocalTeam>();
   team->alloc_fn = config->alloc_fn;
   team->free_fn = config->free_fn;

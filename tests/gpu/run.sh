@@ -51,6 +51,7 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
     "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
 "nccl", ".".join(map(str, torch.cuda.nccl.version())), "gpus", torch.cuda.device_count())'
     git rev-parse HEAD 2>/dev/null || echo "no git metadata in this copy"
+    echo "## CUDA / NCCL environment"; env | grep -E '^(CUDA|NCCL|TORCH)_' | sort
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 {
@@ -118,11 +119,14 @@ run_pytest() {
 }
 
 if wants tests; then
-    run_pytest "tests (one rank per GPU, C example)" "$TESTS_TIMEOUT" "$OUT/gpu_tests.log" \
-        tests/gpu --ignore=tests/gpu/test_cuda_local_team.py
+    # Local teams (the C example's, the team tests') put every rank's stream in one process:
+    # each needs its own hardware queue (nccl_ep.h, ncclEpCreateLocalTeam).
+    CUDA_DEVICE_MAX_CONNECTIONS=32 run_pytest "tests (one rank per GPU, C example)" \
+        "$TESTS_TIMEOUT" "$OUT/gpu_tests.log" tests/gpu --ignore=tests/gpu/test_cuda_local_team.py
     # Local teams run every rank's kernels in one process, where they wait for each other: no
     # kernel may be loaded lazily while another spins (a lazy load may wait for the device).
-    CUDA_MODULE_LOADING=EAGER PER_TEST_TIMEOUT=90 run_pytest "tests (local teams: EP 2/4/8 on one GPU)" \
+    CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PER_TEST_TIMEOUT=90 \
+        run_pytest "tests (local teams: EP 2/4/8 on one GPU)" \
         "$TEAM_TIMEOUT" "$OUT/team_tests.log" tests/gpu/test_cuda_local_team.py
 fi
 
