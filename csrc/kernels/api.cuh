@@ -142,9 +142,10 @@ cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream);
 cudaError_t launch_combine_probs(const CombineProbsArgs& args, cudaStream_t stream);
 
-// Load every kernel that waits for peers (barrier.cu, dispatch.cu, combine.cu) before any runs:
-// under lazy module loading a first launch may wait for the device, which must not happen while
-// a local team's peer spins in another kernel of the same process.
+// Load every kernel of the library before any runs: under lazy module loading a first launch
+// may wait for the device, which must not happen while a local team's peer spins in another
+// kernel of the same process (its layout kernels are launched while its barrier waits).
+cudaError_t preload_layout();
 cudaError_t preload_barrier();
 cudaError_t preload_dispatch();
 cudaError_t preload_combine();

@@ -327,6 +327,24 @@ __global__ void __launch_bounds__(kLayoutThreads) scatter_kernel(LayoutArgs a) {
   }
 }
 
+cudaError_t preload_layout() {
+  cudaFuncAttributes attr;
+  const void* kernels[] = {
+      reinterpret_cast<const void*>(pack_topk_kernel<long long>),
+      reinterpret_cast<const void*>(pack_topk_kernel<int>),
+      reinterpret_cast<const void*>(pack_map_kernel),
+      reinterpret_cast<const void*>(copy_topk_kernel),
+      reinterpret_cast<const void*>(validate_kernel),
+      reinterpret_cast<const void*>(count_kernel),
+      reinterpret_cast<const void*>(bases_kernel),
+      reinterpret_cast<const void*>(scatter_kernel)};
+  for (const void* k : kernels) {
+    const cudaError_t e = cudaFuncGetAttributes(&attr, k);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 cudaError_t launch_layout(const LayoutArgs& a, cudaStream_t stream) {
   const long long tokens = (long long)a.num_ranks * a.max_tokens;
   if (tokens > 0) {  // (validate also initializes recv_row: it must run first)

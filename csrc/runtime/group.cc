@@ -39,7 +39,7 @@ void destroy_group_state(ncclEpGroup* g) {
 
 // Handle slots made at group creation, so that the first handles allocate nothing: a device or
 // pinned allocation may wait for the whole device, which a local team's peer may keep busy.
-constexpr int kPreallocatedSlots = 2;
+constexpr int kPreallocatedSlots = 4;
 
 ncclResult_t preallocate_slots(ncclEpGroup* g) {
   std::lock_guard<std::mutex> lock(g->mu);
@@ -221,7 +221,8 @@ extern "C" ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
   }
   if (res == ncclSuccess) {
     // The ranks' kernels wait for each other inside one process: load them all now.
-    cudaError_t ce = preload_barrier();
+    cudaError_t ce = preload_layout();
+    if (ce == cudaSuccess) ce = preload_barrier();
     if (ce == cudaSuccess) ce = preload_dispatch();
     if (ce == cudaSuccess) ce = preload_combine();
     if (ce != cudaSuccess) {

@@ -20,7 +20,7 @@ import torch
 
 import dense
 import megatron_nccl_ep as ep
-from gpu_common import poison_allocator, requires_gpus
+from gpu_common import requires_gpus
 
 pytestmark = requires_gpus
 
@@ -31,13 +31,28 @@ def sms_available() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 
+def poison_stream(device, large_bytes: int = 1 << 30, small_blocks: int = 16) -> None:
+    """``poison_allocator`` for the current stream only (the caching allocator keeps freed blocks
+    per stream), waiting for this stream alone: a device-wide synchronize would wait for a
+    peer's kernel, which waits for this rank."""
+    big = torch.empty(large_bytes // 4, dtype=torch.float32, device=device).fill_(math.nan)
+    small = [torch.empty(128 * 1024, dtype=torch.float32, device=device).fill_(math.nan)
+             for _ in range(small_blocks)]
+    del big, small
+    torch.cuda.current_stream(device).synchronize()
+
+
 def run_ranks(groups, fn, timeout_s: float = 300.0, poison: bool = True):
     """Runs ``fn(rank, group)`` for every rank at once, each in its own thread on its own stream;
-    returns the results, raises the first rank's exception (by rank). ``poison``: each thread
-    first fills freed caching-allocator memory of its stream with NaN (the allocator caches
-    blocks per stream), so its outputs start as NaN."""
+    returns the results, raises the first rank's exception (by rank).
+
+    NOTES: the ranks' kernels wait for each other inside this one process, so nothing may wait
+    for the whole device while a rank is inside a collective call: each thread first takes its
+    stream's memory (``poison``: NaN-filled, so outputs start as NaN; later outputs come from
+    that cache, not from a device allocation), then all threads meet before the first call."""
     device = groups[0].device
     results, errors = [None] * len(groups), [None] * len(groups)
+    ready = threading.Barrier(len(groups))
 
     def body(rank):
         torch.cuda.set_device(device)
@@ -45,7 +60,8 @@ def run_ranks(groups, fn, timeout_s: float = 300.0, poison: bool = True):
         try:
             with torch.cuda.stream(stream):
                 if poison:
-                    poison_allocator(device, large_bytes=1 << 30, small_blocks=16)
+                    poison_stream(device)
+                ready.wait(timeout=120)
                 results[rank] = fn(rank, groups[rank])
             stream.synchronize()
         except BaseException as exc:  # noqa: BLE001 - re-raised below, with its rank
@@ -404,6 +420,10 @@ def test_local_team_handles_destroyed_from_another_thread(seed):
             torch.cuda.current_stream().synchronize()
             with lock:
                 graveyard.append(h)
+            # At most a few live handles per rank: the group's preallocated slots (a new slot is
+            # a device allocation, which must not happen while a peer waits in a kernel).
+            while len(graveyard) > 2 and reaper_thread.is_alive():
+                time.sleep(0.0002)
         return recv_x
 
     got = run_ranks(groups, body)
