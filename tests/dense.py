@@ -1,4 +1,4 @@
-"""An independent, single-process oracle for dispatch and combine, written from shared DESIGN.md
+"""An independent, single-process oracle for dispatch and combine, written from docs/design.md
 (§3 layout, §4 arithmetic), not from the reference backend.
 
 Every rank of a distributed test builds the whole problem (all ranks' inputs) from one seed, runs
@@ -117,7 +117,7 @@ def make_problem(seed: int, world_size: int, tokens, hidden: int, num_experts: i
 
 
 # ----------------------------------------------------------------------------------------------
-# layout (DESIGN §3)
+# layout (docs/design.md §3)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -201,7 +201,7 @@ def combine(problem: Problem, expert_out: list, source: int, alignment: int = 1,
             acc_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Expected ``y`` on rank ``source`` from every rank's ``expert_out[d] [N_d, H]``.
 
-    Defaults are DESIGN §4. The keyword switches build wrong variants (slot order reversed, rank
+    Defaults are docs/design.md §4. The keyword switches build wrong variants (slot order reversed, rank
     order reversed, one flat sum without the per-rank rounding, accumulation in another dtype);
     the tests use them to show that the inputs they use tell the orders apart.
     """

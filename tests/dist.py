@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 
-# shared/DEVICE.md: NVLink multicast stays off in every process started on the GPU machine.
+# NVLink multicast stays off in every process started on a GPU machine (shared GPU hosts).
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1"}
 

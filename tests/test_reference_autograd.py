@@ -1,4 +1,4 @@
-"""DESIGN §5 on the reference backend: gradients through megatron_nccl_ep.dispatch/combine equal a
+"""docs/design.md §5 on the reference backend: gradients through megatron_nccl_ep.dispatch/combine equal a
 dense single-process float64 computation; the backward ops are exactly the handle's combine,
 combine_probs and dispatch; several handles alive at once, used out of order (micro-batches)."""
 

@@ -1,4 +1,4 @@
-"""DESIGN §4 on the reference backend: the two-stage, ordered combine compared bitwise with the
+"""docs/design.md §4 on the reference backend: the two-stage, ordered combine compared bitwise with the
 independent oracle, on inputs where the summation order shows in the bits; and the round trip
 dispatch -> rows * probs -> combine == x * sum(probs)."""
 
@@ -48,8 +48,8 @@ def test_oracle_distinguishes_summation_orders(variant, dtype, seed):
         wrong = dense.combine(problem, expert_out, source, **wrong_variant(variant, dtype))
         assert not torch.isnan(right).any()
         differ += int((dense.bits(right) != dense.bits(wrong)).sum())
-    print(f"{variant}, {dtype}: {differ} elements differ from DESIGN §4")
-    assert differ > 0, (f"{variant} gives the same bits as DESIGN §4 for {dtype}: the inputs do "
+    print(f"{variant}, {dtype}: {differ} elements differ from docs/design.md §4")
+    assert differ > 0, (f"{variant} gives the same bits as docs/design.md §4 for {dtype}: the inputs do "
                         "not exercise the summation order")
 
 

@@ -1,4 +1,4 @@
-"""DESIGN §3 on the reference backend: rows, their order, tokens_per_expert and recv probs, compared
+"""docs/design.md §3 on the reference backend: rows, their order, tokens_per_expert and recv probs, compared
 bitwise with the independent oracle (tests/dense.py), on 1, 2 and 4 gloo ranks."""
 
 import math

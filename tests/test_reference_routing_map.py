@@ -101,3 +101,40 @@ def check_map_with_too_many_tokens(seed: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_routing_map_with_too_many_tokens_raises_on_every_rank(world_size, seed):
     dist.run(world_size, check_map_with_too_many_tokens, seed)
+
+
+def check_dense_probs(seed: int) -> None:
+    """A router's dense probs [T, E] dispatch exactly like their slot-order form [T, K] (slot k
+    reads the column of its expert; the other columns are never read), and their gradient comes
+    back dense: each routed expert's column holds its slot's gradient, every other column 0."""
+    rank, _ = ep_cases.rank_and_size()
+    gen = torch.Generator().manual_seed(seed * 7 + rank)
+    routing_map = random_map(gen, T - rank, K)
+    x = dense.wide_values(gen, (T - rank, H), torch.bfloat16)
+    dense_probs = torch.rand(T - rank, E, generator=gen) + 0.1
+    group = group_for_test()
+    h = group.create_handle(routing_map=routing_map)
+    idx = h.topk_idx
+    slot_probs = dense_probs.gather(1, idx.clamp(min=0))
+    assert h.probs_are_dense(dense_probs) and not h.probs_are_dense(slot_probs)
+    got, want = h.dispatch(x, dense_probs), h.dispatch(x, slot_probs)
+    dense.assert_bitwise_equal(got[1], want[1], "recv_probs from dense probs")
+    grad_recv = torch.rand(h.num_recv_tokens, generator=gen)
+    slot_grad = h.combine_probs(grad_recv)
+    dense_grad = h.combine_probs(grad_recv, dense=True)
+    want_dense = torch.zeros(T - rank, E)
+    for t in range(T - rank):
+        for k in range(K):
+            if idx[t, k] >= 0:
+                want_dense[t, idx[t, k]] = slot_grad[t, k]
+    dense.assert_bitwise_equal(dense_grad, want_dense, "dense combine_probs")
+    # Through autograd: the gradient of dense probs is dense.
+    probs = dense_probs.clone().requires_grad_(True)
+    recv_x, recv_p = ep.dispatch(h, x, probs)
+    (recv_p * grad_recv).sum().backward()
+    dense.assert_bitwise_equal(probs.grad, want_dense, "autograd gradient of dense probs")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_dense_router_probs(world_size, seed):
+    dist.run(world_size, check_dense_probs, seed)

@@ -27,34 +27,28 @@
     }                                           \
   } while (0)
 
-#define EP_LAUNCH_BY_DTYPE(vec, dtype, T, N, ...)      \
-  do {                                                 \
-    if ((dtype) == (int)ncclBfloat16) {                \
-      using T = __nv_bfloat16;                         \
-      if (vec) {                                       \
-        constexpr int N = 8;                           \
-        __VA_ARGS__;                                   \
-      } else {                                         \
-        constexpr int N = 1;                           \
-        __VA_ARGS__;                                   \
-      }                                                \
-    } else if ((dtype) == (int)ncclFloat16) {          \
-      using T = __half;                                \
-      if (vec) {                                       \
-        constexpr int N = 8;                           \
-        __VA_ARGS__;                                   \
-      } else {                                         \
-        constexpr int N = 1;                           \
-        __VA_ARGS__;                                   \
-      }                                                \
-    } else {                                           \
-      using T = float;                                 \
-      if (vec) {                                       \
-        constexpr int N = 4;                           \
-        __VA_ARGS__;                                   \
-      } else {                                         \
-        constexpr int N = 1;                           \
-        __VA_ARGS__;                                   \
-      }                                                \
-    }                                                  \
+// N = packs of n_vec elements on the vector path, single elements otherwise.
+#define EP_LAUNCH_PACKS(vec, N, n_vec, ...) \
+  do {                                      \
+    if (vec) {                              \
+      constexpr int N = n_vec;              \
+      __VA_ARGS__;                          \
+    } else {                                \
+      constexpr int N = 1;                  \
+      __VA_ARGS__;                          \
+    }                                       \
+  } while (0)
+
+#define EP_LAUNCH_BY_DTYPE(vec, dtype, T, N, ...)       \
+  do {                                                  \
+    if ((dtype) == (int)ncclBfloat16) {                 \
+      using T = __nv_bfloat16;                          \
+      EP_LAUNCH_PACKS(vec, N, 8, __VA_ARGS__);          \
+    } else if ((dtype) == (int)ncclFloat16) {           \
+      using T = __half;                                 \
+      EP_LAUNCH_PACKS(vec, N, 8, __VA_ARGS__);          \
+    } else {                                            \
+      using T = float;                                  \
+      EP_LAUNCH_PACKS(vec, N, 4, __VA_ARGS__);          \
+    }                                                   \
   } while (0)

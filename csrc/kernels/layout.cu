@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
       }
       // The block's alignment padding: rows of no slot (dispatch writes zeros there).
       for (long long r = run; r < carry + base + block && r < a.src_rows; ++r) a.src_of_row[r] = -1;
-      m->tokens_per_expert[l] = block;  // padded block: sum == N_d (DESIGN §3, reference)
+      m->tokens_per_expert[l] = block;  // padded block: sum == N_d (docs/design.md §3, reference)
     }
     carry += tile;
     __syncthreads();  // tmp is reused by the next tile

@@ -75,3 +75,12 @@ def nan_outside(t: torch.Tensor, used_rows: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     t[~used_rows] = math.nan
     return t
+
+
+def routing_map_of(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The dense boolean routing map [T, E] of ``idx`` (masked slots route nowhere)."""
+    routing_map = torch.zeros(idx.shape[0], num_experts, dtype=torch.bool, device=idx.device)
+    valid = idx >= 0
+    tokens = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1).expand_as(idx)
+    routing_map[tokens[valid], idx[valid]] = True
+    return routing_map

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The one device script (shared/DEVICE.md): on a bare GPU machine, from the repository root,
+# The GPU script: on a bare GPU machine, from the repository root,
 #   bash tests/gpu/run.sh [build] [tests] [bench]        (no argument: all three, in this order)
 # builds the extension, runs the GPU tests, runs the benchmark, and leaves under $OUT:
 #   env.txt  build.log  gpu_tests.log  team_tests.log  bench.log  bench.json  summary.md
-# (the device tool returns at most 8 files from $OUT). Each stage has its own time limit, so the
+# (keep it to 8 files: what a remote runner may copy back). Each stage has its own time limit, so the
 # whole stays inside one 10-minute call: BUILD_TIMEOUT (150 s), TESTS_TIMEOUT (180 s) and
 # TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s). BENCH_ARGS adds benchmark flags, e.g. BENCH_ARGS="--sections kernels".
 # Carried wheels in .whl/ (megatron-core, which the image lacks) are installed first.
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 
-# NVLink multicast stays off in every process started from here (KINDS.md of the device tool).
+# NVLink multicast stays off in every process started from here (shared GPU hosts).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

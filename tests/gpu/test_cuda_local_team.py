@@ -20,7 +20,7 @@ import torch
 
 import dense
 import megatron_nccl_ep as ep
-from gpu_common import requires_gpus
+from gpu_common import requires_gpus, routing_map_of
 
 pytestmark = requires_gpus
 
@@ -94,14 +94,6 @@ def make_team(world, case, **extra):
 def destroy_team(groups):
     for g in groups:
         g.destroy()
-
-
-def routing_map_of(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    routing_map = torch.zeros(idx.shape[0], num_experts, dtype=torch.bool, device=idx.device)
-    valid = idx >= 0
-    tokens = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1).expand_as(idx)
-    routing_map[tokens[valid], idx[valid]] = True
-    return routing_map
 
 
 def dense_probs_of(idx: torch.Tensor, probs: torch.Tensor, num_experts: int, gen):

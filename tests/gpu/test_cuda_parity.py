@@ -1,5 +1,5 @@
 """The CUDA backend against the reference backend on the same GPUs and the same NCCL process group:
-every output and every gradient must be BITWISE equal (DESIGN §3/§4 fix both the layout and the
+every output and every gradient must be BITWISE equal (docs/design.md §3/§4 fix both the layout and the
 order of arithmetic, and the reference runs the same elementwise IEEE operations on the GPU).
 
 Each case runs both backends on identical inputs in one spawned 2-rank (and 4-rank, when 4 GPUs
@@ -17,8 +17,8 @@ import dense
 import dist
 import ep_cases
 import megatron_nccl_ep as ep
-from gpu_common import (nan_outside, poison_allocator, rank_inputs, requires_gpus, tokens_of,
-                        world_sizes)
+from gpu_common import (nan_outside, poison_allocator, rank_inputs, requires_gpus,
+                        routing_map_of, tokens_of, world_sizes)
 
 pytestmark = requires_gpus
 
@@ -111,15 +111,6 @@ def full_pass(handle, x, probs, grads, device):
     return {"recv_x": recv_x, "recv_probs": recv_probs, "grad_x": xg.grad,
             "grad_probs": None if pg is None else pg.grad, "y": y,
             "grad_expert_out": expert_out.grad, "combine_probs": grad_probs_direct}
-
-
-def routing_map_of(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """The dense boolean routing map [T, E] of ``idx`` (masked slots route nowhere)."""
-    routing_map = torch.zeros(idx.shape[0], num_experts, dtype=torch.bool, device=idx.device)
-    valid = idx >= 0
-    tokens = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1).expand_as(idx)
-    routing_map[tokens[valid], idx[valid]] = True
-    return routing_map
 
 
 def check_parity(case_name: str, seed: int, subgroups=None, from_map: bool = False) -> str:
