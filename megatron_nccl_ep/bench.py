@@ -2,15 +2,18 @@
 
     python -m megatron_nccl_ep.bench [--tokens 4096 --hidden 7168 --topk 8 --experts 256]
                                      [--backend cuda|torch] [--json PATH] [--sections ...]
+                                     [--sweep-tokens 1024,2048,...] [--sweep-sms 16,...,all]
 
-One process per GPU, started here (no torchrun). Each section (``ceilings``, ``kernels``,
-``megatron``) runs in its own fresh set of processes with its own deadline, and every measured
-item inside a section is guarded on its own: a failing or hanging item costs its section's
-remaining items, never the others. The parent process collects per-iteration times from every
-rank as they arrive, so whatever finished before a crash or a kill still reaches the table and
-the JSON.
+One process per GPU, started here (no torchrun); without a GPU, 2 gloo processes run the
+reference backend at a small shape and skip what only GPUs can measure (DEVICE_DEFAULTS). Each
+section (``ceilings``, ``kernels``, ``megatron``) and each sweep point (the kernels section at
+another tokens-per-rank or SM budget) runs in its own fresh set of processes with its own
+deadline, and every measured item inside is guarded on its own: a failing or hanging item costs
+its section's remaining items, never the others. The parent process collects per-iteration
+times from every rank as they arrive, so whatever finished before a crash or a kill still
+reaches the table and the JSON.
 
-How things are timed (shared/DEVICE.md, METHOD.md of the device tool):
+How things are timed:
 * warm-up iterations first, then ``--iters`` timed ones, rotating over ``--rotate`` input sets,
   each with its own fresh random routing (never zeros);
 * CUDA events on the current stream; per iteration the time of the slowest rank is kept, and
@@ -20,7 +23,7 @@ How things are timed (shared/DEVICE.md, METHOD.md of the device tool):
 * ``e2e`` mode: every GPU idle and the hosts lined up by a gloo barrier before the call, so host
   launch overhead and any host synchronization inside the call are included.
 
-Bandwidth is reported two ways (shared/DESIGN.md §8): **physical** = bytes that cross the link,
+Bandwidth is reported two ways (docs/design.md §8): **physical** = bytes that cross the link,
 unique (token, destination rank != source rank) pairs x hidden x element size, per rank;
 **logical** (DeepEP's convention) = unique (token, rank) pairs received including the rank's own
 x hidden x element size, per rank. Routing probabilities are left out of both (under 0.1%).
@@ -45,7 +48,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 if TYPE_CHECKING:  # torch is imported where used: after main() has set the environment
     import torch
 
-# NVLink multicast must stay off on the lent machines (it can take a shared host's GPUs out of
+# NVLink multicast stays off on shared GPU hosts (it can take a host's GPUs out of
 # service); every process started here inherits these.
 MULTICAST_OFF_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -57,6 +60,17 @@ SECTIONS = ("ceilings", "kernels", "megatron")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 TABLE_MARKER = "== megatron_nccl_ep bench"
 
+# Flags left out take their device's value. On CPU the reference backend runs over gloo, so the
+# shape is one that takes seconds there, and what measures GPU hardware is left out (_cpu_note).
+DEVICE_DEFAULTS = {
+    "cuda": {"tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "warmup": 5,
+             "iters": 40, "rotate": 4, "copy_mib": 1024, "sections": ",".join(SECTIONS),
+             "megatron_dispatchers": "nccl_ep,alltoall"},
+    "cpu": {"tokens": 256, "hidden": 256, "topk": 2, "experts": 16, "warmup": 2, "iters": 10,
+            "rotate": 2, "copy_mib": 64, "sections": "kernels,megatron",
+            "megatron_dispatchers": "nccl_ep"},
+}
+
 # Cycles of torch.cuda._sleep that keep the GPU busy while the host enqueues a kernel-mode
 # iteration (~100 us at H200 clocks): longer than the Python overhead of one call.
 HEAD_START_CYCLES = 200_000
@@ -66,17 +80,31 @@ HEAD_START_CYCLES = 200_000
 # arguments
 
 
+def _by_device(key: str) -> str:
+    return (f"default {DEVICE_DEFAULTS['cuda'][key]} on GPUs, "
+            f"{DEVICE_DEFAULTS['cpu'][key]} on cpu")
+
+
+def _sweep_values(text: str) -> list:
+    """'16,24,all' -> [16, 24, 'all']."""
+    words = [word for word in text.split(",") if word]
+    if not words or not all(w == "all" or (w.isdigit() and int(w) >= 1) for w in words):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1: {text!r}")
+    return [w if w == "all" else int(w) for w in words]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m megatron_nccl_ep.bench",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=None,
                    help="processes (one per GPU); default: all GPUs, or 2 with --device cpu")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                   help="default: cuda when a GPU is visible; cpu runs over gloo (a code check)")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--experts", type=int, default=256)
+                   help="default: cuda when a GPU is visible; cpu runs the reference backend over "
+                        "gloo at a small shape (a check that the code runs, not a measurement)")
+    p.add_argument("--tokens", type=int, help=f"tokens per rank; {_by_device('tokens')}")
+    p.add_argument("--hidden", type=int, help=_by_device("hidden"))
+    p.add_argument("--topk", type=int, help=_by_device("topk"))
+    p.add_argument("--experts", type=int, help=_by_device("experts"))
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--num-sms", type=int, default=24, help="SM budget of our kernels")
     p.add_argument("--backend", choices=("cuda", "torch", "auto"), default=None,
@@ -84,21 +112,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recv-mode", choices=("exact", "capacity"), default="exact")
     p.add_argument("--capacity-factor", type=float, default=None,
                    help="capacity mode: rows = factor x tokens x top-k (default 1.5 x world)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=40)
-    p.add_argument("--rotate", type=int, default=4, help="input sets rotated through")
-    p.add_argument("--copy-mib", type=int, default=1024, help="size of the ceiling copies")
-    p.add_argument("--sections", default=",".join(SECTIONS),
-                   help=f"comma-separated subset of {','.join(SECTIONS)}")
-    p.add_argument("--megatron-dispatchers", default="nccl_ep,alltoall",
-                   help="Megatron dispatchers to drive: nccl_ep, alltoall, allgather")
+    p.add_argument("--warmup", type=int, help=_by_device("warmup"))
+    p.add_argument("--iters", type=int, help=_by_device("iters"))
+    p.add_argument("--rotate", type=int, help=f"input sets rotated through; {_by_device('rotate')}")
+    p.add_argument("--copy-mib", type=int,
+                   help=f"size of the ceiling copies; {_by_device('copy_mib')}")
+    p.add_argument("--sections",
+                   help=f"comma-separated subset of {','.join(SECTIONS)}; {_by_device('sections')}")
+    p.add_argument("--megatron-dispatchers",
+                   help="Megatron dispatchers to drive: nccl_ep, alltoall, allgather; "
+                        + _by_device("megatron_dispatchers"))
+    p.add_argument("--sweep-sms", type=_sweep_values, default=[], metavar="16,24,...,all",
+                   help="after the sections, the kernels section once per SM budget (at --tokens;"
+                        " all: the GPU's SM count)")
+    p.add_argument("--sweep-tokens", type=_sweep_values, default=[], metavar="1024,2048,...",
+                   help="after the sections, the kernels section once per tokens-per-rank value "
+                        "(at --num-sms)")
     p.add_argument("--device-timeout", type=float, default=20.0,
                    help="timeout_s of our Group: a device-side wait fails after this long")
     p.add_argument("--section-timeout", type=float, default=75.0,
-                   help="seconds one section may take before its processes are killed")
+                   help="seconds one section (or sweep point) may take before its processes are "
+                        "killed")
     p.add_argument("--time-budget", type=float, default=170.0,
-                   help="seconds for the whole bench; later sections get what is left")
+                   help="seconds for the whole bench; later sections and sweep points get what "
+                        "is left")
     p.add_argument("--json", default=None, help="write all results here")
+    p.add_argument("--plot", default=None,
+                   help="PNG of the sweeps (needs matplotlib); default: the --json path with .png")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and an empty table, start no process")
     args = p.parse_args(argv)
@@ -107,6 +147,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    for key, value in DEVICE_DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.backend is None:
         args.backend = "cuda" if args.device == "cuda" else "torch"
     if args.nproc is None:
@@ -125,6 +168,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--topk must be in [1, --experts]")
     if min(args.iters, args.rotate, args.tokens, args.hidden) < 1 or args.warmup < 0:
         p.error("--iters, --rotate, --tokens, --hidden must be >= 1 and --warmup >= 0")
+    if "all" in args.sweep_tokens:
+        p.error("--sweep-tokens takes numbers only")
+    if "all" in args.sweep_sms:
+        # The reference backend has no SM budget: on cpu, 'all' stands for the cores.
+        every = (torch.cuda.get_device_properties(0).multi_processor_count
+                 if args.device == "cuda" else os.cpu_count())
+        args.sweep_sms = [every if v == "all" else v for v in args.sweep_sms]
+    sweeping = bool(args.sweep_sms or args.sweep_tokens)
+    if args.plot and not sweeping:
+        p.error("--plot needs --sweep-tokens or --sweep-sms")
+    if args.plot is None and args.json and sweeping:
+        args.plot = os.path.splitext(args.json)[0] + ".png"
     if args.recv_mode == "capacity" and args.capacity_factor is None:
         # Random routing is balanced in expectation; this leaves room for its spread.
         args.capacity_factor = 1.5
@@ -272,6 +327,8 @@ def format_table(result: dict) -> str:
         f" x {shape['experts']} experts, {shape['dtype']}, {shape['num_sms']} SMs, "
         f"{shape['ranks']} ranks; medians of per-iteration slowest rank",
     ]
+    if result.get("note"):
+        lines.append(result["note"])
     ceil = result.get("ceilings", {})
     if ceil:
         lines.append(f"{'ceiling':38s} {'time_us':>9s} {'GB/s':>9s}")
@@ -299,11 +356,141 @@ def format_table(result: dict) -> str:
                 return _fmt(row["median_ms"] * scale, spec) if row else "-"
             lines.append(f"{disp:24s} {cell('dispatch', 1e3, '12.0f')} "
                          f"{cell('combine', 1e3, '12.0f')} {cell('fwd_bwd', 1.0, '12.2f')}")
+    if result.get("sweeps"):
+        lines.append(f"{'sweep, kernel mode: tokens':>26s} {'SMs':>4s} {'dispatch_us':>11s} "
+                     f"{'phys GB/s':>9s} {'logic GB/s':>10s} {'combine_us':>11s} "
+                     f"{'phys GB/s':>9s} {'logic GB/s':>10s}")
+    for point in result.get("sweeps", []):
+        cells = []
+        for op in ("dispatch", "combine"):
+            row = point["items"].get(f"{op} (kernel)", {})
+            cells += [_fmt(row["median_ms"] * 1e3 if row else None, "11.1f"),
+                      _fmt(row.get("phys_GBps"), "9.1f"), _fmt(row.get("logical_GBps"), "10.1f")]
+        # The sanity checks of every point are in the JSON; a failed one is flagged here.
+        bad = any("MISMATCH" in str(value) for per_rank in point["checks"].values()
+                  for value in per_rank.values())
+        lines.append(f"{point['tokens']:26d} {point['num_sms']:4d} {' '.join(cells)}"
+                     + ("  check MISMATCH" if bad else ""))
     for err in result.get("errors", []):
         first_line = (err["error"] or "").strip().splitlines()[:1] or [""]
         lines.append(f"ERROR {err['section']}/{err['item']} rank {err['rank']}: "
                      f"{first_line[0][:160]}")
     return "\n".join(lines)
+
+
+def _cpu_note(args: argparse.Namespace) -> str:
+    """One line for a CPU run: what it measured, what it left out and why."""
+    measured = [f"megatron ({', '.join(args.megatron_dispatchers)})" if s == "megatron" else s
+                for s in args.sections]
+    if args.sweep_tokens or args.sweep_sms:
+        measured.append(f"a kernels sweep of {len(_sweep_points(args))} points")
+    skipped = []
+    if "ceilings" not in args.sections:
+        skipped.append("ceilings (HBM/peer copies and NCCL all_to_all: GPU hardware)")
+    others = [d for d in ("alltoall", "allgather") if d not in args.megatron_dispatchers]
+    if "megatron" in args.sections and others:
+        skipped.append(f"Megatron's {'/'.join(others)} (GPU comparisons; alltoall needs CUDA "
+                       f"streams)")
+    return (f"cpu: measured {', '.join(measured) or 'nothing'} with the {args.backend} backend "
+            f"on {args.nproc} gloo processes; skipped {' and '.join(skipped) or 'nothing'}; "
+            f"CPU times check that the code runs, not GPU speed")
+
+
+def _sweep_points(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(tokens, SMs) of every sweep point: the tokens sweep at --num-sms, the SM sweep at
+    --tokens; a point of both runs once."""
+    points = [(tokens, args.num_sms) for tokens in args.sweep_tokens]
+    points += [(args.tokens, num_sms) for num_sms in args.sweep_sms]
+    return list(dict.fromkeys(points))
+
+
+def _run_into(result: dict, label: str, section: str, args: argparse.Namespace,
+              budget_end: float) -> tuple[dict, dict]:
+    """Runs ``section`` within what is left of the budget, records its run, errors and device
+    info in ``result`` under ``label``, and returns its items and checks (empty if skipped)."""
+    left = budget_end - time.monotonic()
+    if left < 10:
+        result["errors"].append({"section": label, "item": "-", "rank": "-",
+                                 "error": "skipped: --time-budget spent"})
+        return {}, {}
+    run = _run_section(section, args, min(args.section_timeout, left))
+    items, errors, info, checks = _collect(run.pop("records"))
+    result["sections"][label] = run
+    for err in errors:  # a sweep point's errors name the point
+        err["section"] = label
+    result["errors"].extend(errors)
+    for rank_info in info.get(section, {}).values():
+        for key, value in rank_info.items():
+            result["meta"].setdefault(key, value)
+    died = [rank for rank, code in enumerate(run["exit_codes"]) if code != 0]
+    if run["timed_out"] or died:
+        result["errors"].append({
+            "section": label, "item": "-", "rank": "-",
+            "error": f"section ended after {run['wall_s']} s: timed out {run['timed_out']}, "
+                     f"ranks killed {run['killed']}, exit codes {run['exit_codes']}"})
+    return items, checks
+
+
+def write_plot(result: dict, path: str) -> str:
+    """PNG of the sweeps: kernel-mode time and physical bandwidth of dispatch and combine
+    against tokens per rank and/or SMs, with the ceilings of the same run as horizontal lines.
+    Returns a line saying what was written, or why nothing was."""
+    try:
+        import matplotlib
+    except ImportError:
+        return f"no plot: matplotlib is not installed (pip install matplotlib); {path} not written"
+    matplotlib.use("Agg")  # benchmark hosts have no display
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
+
+    shape, args = result["shape"], result["args"]
+    panels = []  # (x label, [(x, items)])
+    if args["sweep_tokens"]:
+        panels.append(("tokens per rank", [(p["tokens"], p["items"]) for p in result["sweeps"]
+                                           if p["num_sms"] == shape["num_sms"]
+                                           and p["tokens"] in args["sweep_tokens"]]))
+    if args["sweep_sms"]:
+        panels.append(("SMs", [(p["num_sms"], p["items"]) for p in result["sweeps"]
+                               if p["tokens"] == shape["tokens"]
+                               and p["num_sms"] in args["sweep_sms"]]))
+    ceilings = {name: row["phys_GBps"] for name, row in result.get("ceilings", {}).items()
+                if row.get("phys_GBps")}
+    fig, axes = plt.subplots(2, len(panels), figsize=(7 * len(panels), 8), squeeze=False)
+    for col, (xlabel, points) in enumerate(panels):
+        time_ax, bw_ax = axes[0][col], axes[1][col]
+        xs = sorted(x for x, _ in points)
+        for op in ("dispatch", "combine"):
+            rows = sorted((x, items[f"{op} (kernel)"]) for x, items in points
+                          if f"{op} (kernel)" in items)
+            time_ax.plot([x for x, _ in rows], [row["median_ms"] * 1e3 for _, row in rows],
+                         marker="o", label=op)
+            bw_ax.plot([x for x, _ in rows], [row.get("phys_GBps", math.nan) for _, row in rows],
+                       marker="o", label=op)
+        for i, (name, gbps) in enumerate(ceilings.items()):
+            bw_ax.axhline(gbps, color=f"C{2 + i}", linestyle="--", linewidth=1,
+                          label=f"{name}: {gbps:.0f}")
+        time_ax.set_ylabel("kernel time (us)")
+        bw_ax.set_ylabel("physical GB/s per rank")
+        # The ceilings span HBM (TB/s) to one link (tens of GB/s).
+        bw_ax.set_yscale("log")
+        for ax in (time_ax, bw_ax):
+            if xlabel == "tokens per rank":
+                ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])  # the swept values, not powers of 2
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_xlabel(xlabel)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+    meta = result["meta"]
+    fig.suptitle(f"{shape['ranks']} x {meta.get('device_name', '?')}, backend {shape['backend']}, "
+                 f"kernel mode\n{shape['hidden']} hidden, top-{shape['topk']} of "
+                 f"{shape['experts']} experts, {shape['dtype']}; {shape['tokens']} tokens/rank "
+                 f"and {shape['num_sms']} SMs where not swept", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot: {path}"
 
 
 def main(argv=None) -> int:
@@ -321,37 +508,29 @@ def main(argv=None) -> int:
                  "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                  "env": {k: os.environ.get(k) for k in MULTICAST_OFF_ENV}},
         "shape": shape, "args": {k: v for k, v in vars(args).items()},
-        "sections": {}, "errors": [], "checks": {},
+        "sections": {}, "errors": [], "checks": {}, "sweeps": [],
     }
+    if args.device == "cpu":
+        result["note"] = _cpu_note(args)
     if args.dry_run:
         print(f"plan: sections {args.sections} on {args.nproc} {args.device} processes, "
               f"{args.warmup} warm-up + {args.iters} timed iterations over {args.rotate} input "
-              f"sets; megatron dispatchers {args.megatron_dispatchers}")
+              f"sets; megatron dispatchers {args.megatron_dispatchers}; sweep points "
+              f"(tokens, SMs) {_sweep_points(args)}")
         print(format_table(result))
         return 0
 
     budget_end = time.monotonic() + args.time_budget
     for section in args.sections:
-        left = budget_end - time.monotonic()
-        if left < 10:
-            result["errors"].append({"section": section, "item": "-", "rank": "-",
-                                     "error": "skipped: --time-budget spent"})
-            continue
-        run = _run_section(section, args, min(args.section_timeout, left))
-        items, errors, info, checks = _collect(run.pop("records"))
-        result["sections"][section] = run
-        result["errors"].extend(errors)
+        result[section], checks = _run_into(result, section, section, args, budget_end)
         result["checks"].update(checks)
-        for rank_info in info.get(section, {}).values():
-            for key, value in rank_info.items():
-                result["meta"].setdefault(key, value)
-        result[section] = items
-        died = [rank for rank, code in enumerate(run["exit_codes"]) if code != 0]
-        if run["timed_out"] or died:
-            result["errors"].append({
-                "section": section, "item": "-", "rank": "-",
-                "error": f"section ended after {run['wall_s']} s: timed out {run['timed_out']}, "
-                         f"ranks killed {run['killed']}, exit codes {run['exit_codes']}"})
+    # Each point is a fresh run of the kernels section, so one that fails costs only itself.
+    for tokens, num_sms in _sweep_points(args):
+        point = argparse.Namespace(**{**vars(args), "tokens": tokens, "num_sms": num_sms})
+        items, checks = _run_into(result, f"kernels({tokens} tokens, {num_sms} SMs)", "kernels",
+                                  point, budget_end)
+        result["sweeps"].append({"tokens": tokens, "num_sms": num_sms, "items": items,
+                                 "checks": checks})
     table = format_table(result)
     result["table"] = table
     if args.json:
@@ -359,7 +538,9 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
     print(table, flush=True)
-    measured = any(result.get(s) for s in SECTIONS)
+    if args.plot:  # last: the table and the JSON are out whatever the plot does
+        print(write_plot(result, args.plot), flush=True)
+    measured = any(result.get(s) for s in SECTIONS) or any(p["items"] for p in result["sweeps"])
     return 0 if measured and not result["errors"] else 1
 
 
@@ -732,7 +913,7 @@ def _section_kernels(me: _Rank) -> None:
 
 
 def _expected_rows(me: _Rank, topk: "torch.Tensor") -> int:
-    """Rows this rank receives (DESIGN §3: one per routed (token, slot) it owns), without
+    """Rows this rank receives (docs/design.md §3: one per routed (token, slot) it owns), without
     alignment padding."""
     per_rank = me.args.experts // me.world
     mine = [int(((topk >= 0) & (topk // per_rank == d)).sum()) for d in range(me.world)]
@@ -755,7 +936,7 @@ def _megatron_dispatcher(me: _Rank, name: str, pg_collection):
         ffn_hidden_size=args.hidden, num_moe_experts=args.experts, moe_router_topk=args.topk,
         moe_token_dispatcher_type=name, expert_model_parallel_size=me.world,
         bf16=me.dtype == torch.bfloat16, fp16=me.dtype == torch.float16, params_dtype=me.dtype,
-        # Fused permutes need transformer-engine, which the GPU image lacks (ANCHORS.md).
+        # Fused permutes need transformer-engine: without it, Megatron's unfused permutes.
         moe_permute_fusion=False, add_bias_linear=False, use_cpu_initialization=not me.cuda)
     local = args.experts // me.world
     indices = list(range(me.rank * local, (me.rank + 1) * local))

@@ -1,0 +1,111 @@
+"""The benchmark as a newcomer runs it on a machine without a GPU: no shape flags, CPU defaults,
+exit 0, kernels measured, the GPU-only parts skipped with a note; and a small tokens sweep with
+its table rows and its plot (or the note saying why there is none)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_nccl_ep import bench
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SWEEP_TOKENS = (64, 128)
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """One run for every test here (it starts a few sets of processes: ~20 s on 2 cores)."""
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    command = [sys.executable, "-m", "megatron_nccl_ep.bench", "--json", str(out), "--iters", "2",
+               "--sweep-tokens", ",".join(map(str, SWEEP_TOKENS))]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    with open(out) as f:
+        return proc.stdout, json.load(f), out
+
+
+def _positive_median(items: dict, name: str) -> float:
+    assert name in items, sorted(items)
+    median = items[name]["median_ms"]
+    assert median > 0, (name, items[name])
+    return median
+
+
+def test_cpu_defaults_measure_kernels(cpu_run):
+    _, result, _ = cpu_run
+    assert result["errors"] == []
+    cpu = bench.DEVICE_DEFAULTS["cpu"]
+    shape = result["shape"]
+    assert (shape["tokens"], shape["hidden"], shape["topk"], shape["experts"]) == (
+        cpu["tokens"], cpu["hidden"], cpu["topk"], cpu["experts"])
+    assert (shape["backend"], shape["ranks"], result["meta"]["device"]) == ("torch", 2, "cpu")
+    for op in ("dispatch", "combine"):
+        for mode in ("kernel", "e2e"):
+            _positive_median(result["kernels"], f"{op} ({mode})")
+        assert result["kernels"][f"{op} (kernel)"]["iters"] == 2
+    rows_check = result["checks"]["rows / sum(tokens_per_expert) / expected"]
+    assert sorted(rows_check) == ["0", "1"]
+    assert all(value.startswith("ok ") for value in rows_check.values()), rows_check
+
+
+def test_cpu_skips_gpu_only_parts_and_says_so(cpu_run):
+    stdout, result, _ = cpu_run
+    note = result["note"]
+    assert note.startswith("cpu: measured kernels, megatron (nccl_ep)"), note
+    assert "skipped ceilings" in note and "alltoall" in note, note
+    assert note in stdout
+    assert "ceilings" not in result["sections"] and not result.get("ceilings")
+    assert result["megatron"], "the nccl_ep dispatcher is measured on CPU"
+    assert {name.split(".")[0] for name in result["megatron"]} == {"nccl_ep"}
+
+
+def test_sweep_has_one_entry_per_point(cpu_run):
+    stdout, result, _ = cpu_run
+    sweeps = result["sweeps"]
+    assert [(p["tokens"], p["num_sms"]) for p in sweeps] == [
+        (tokens, result["shape"]["num_sms"]) for tokens in SWEEP_TOKENS]
+    for point in sweeps:
+        for op in ("dispatch", "combine"):
+            _positive_median(point["items"], f"{op} (kernel)")
+        rows_check = point["checks"]["rows / sum(tokens_per_expert) / expected"]
+        assert all(value.startswith("ok ") for value in rows_check.values()), rows_check
+        row = next(line.split() for line in stdout.splitlines()
+                   if line.split()[:2] == [str(point["tokens"]), str(point["num_sms"])])
+        assert len(row) == 8, row  # tokens, SMs, then time and two bandwidths per op
+
+
+def test_plot_or_note(cpu_run):
+    stdout, _, out = cpu_run
+    png = out.with_suffix(".png")
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"plot: {png}" in stdout
+    else:
+        assert not png.exists()
+        assert "no plot: matplotlib is not installed" in stdout
+
+
+def test_explicit_flags_win_over_cpu_defaults():
+    args = bench.parse_args(["--device", "cpu", "--tokens", "100", "--sections", "ceilings",
+                             "--megatron-dispatchers", "alltoall", "--sweep-sms", "8,all"])
+    assert (args.tokens, args.sections, args.megatron_dispatchers) == (
+        100, ["ceilings"], ["alltoall"])
+    assert args.hidden == bench.DEVICE_DEFAULTS["cpu"]["hidden"]  # not given: the CPU default
+    assert args.sweep_sms == [8, os.cpu_count()]
+    assert args.plot is None  # no --json, no --plot
+
+
+@pytest.mark.parametrize("argv", [["--sweep-tokens", "all"], ["--sweep-tokens", "0"],
+                                  ["--sweep-sms", "x"], ["--plot", "a.png"]])
+def test_bad_sweep_and_plot_flags_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--device", "cpu", *argv])
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
