@@ -171,8 +171,11 @@ __device__ __forceinline__ bool wait_ready(const ExchangeArgs& e, unsigned long 
         return (v >> 32) > epoch || ((v >> 32) == epoch && (unsigned)(v & 0xffffu) >= need);
       },
       [&](unsigned long long v) -> long long {
+        // Every posted ready counts >= 1: a count of 0 is a word nobody wrote yet (op epoch 0 on
+        // a fresh window), not another call.
         const unsigned other = (unsigned)(v >> 16) & 0xffffu;
-        return (v >> 32) == epoch && other != call ? (long long)other : -1;
+        const bool posted = (v & 0xffffu) != 0;
+        return posted && (v >> 32) == epoch && other != call ? (long long)other : -1;
       },
       kWaitReady, p, b, (int)need - 1, epoch);
 }

@@ -58,17 +58,23 @@ enum WaitKind : int {
   kWaitCredit = 2,   // a peer's consumption of a ring slot (the space this rank writes)
 };
 
-// A call signature: which call (op kind, 3 bits), whether dispatch moves probs (1 bit), and
-// which handle (its creation number on this rank, 12 bits: creation is collective, so the same
-// handle has the same number on every rank). Flags carry it, so that a waiter that meets a peer
-// in another call knows the ranks are not making the same calls.
+// A call signature: which call (op kind, 3 bits), the element size of the probs it moves (2
+// bits: 0 none, 1/2/3 for 2/4/8 bytes; ranks must agree on it, since a prob slot is copied as
+// bytes), and which handle (its creation number on this rank, 11 bits: creation is collective,
+// so the same handle has the same number on every rank). Flags carry it, so that a waiter that
+// meets a peer in another call knows the ranks are not making the same calls.
 constexpr int kCallBits = 16;
-__host__ __device__ inline unsigned call_signature(OpKind op, bool with_probs, unsigned handle_seq) {
-  return ((unsigned)op & 7u) | ((with_probs ? 1u : 0u) << 3) | ((handle_seq & 0xfffu) << 4);
+__host__ __device__ inline unsigned call_signature(OpKind op, int prob_bytes, unsigned handle_seq) {
+  const unsigned size_code = prob_bytes == 2 ? 1u : prob_bytes == 4 ? 2u : prob_bytes == 8 ? 3u : 0u;
+  return ((unsigned)op & 7u) | (size_code << 3) | ((handle_seq & 0x7ffu) << 5);
 }
 __host__ __device__ inline OpKind call_op(unsigned call) { return (OpKind)(call & 7u); }
-__host__ __device__ inline bool call_with_probs(unsigned call) { return (call >> 3) & 1u; }
-__host__ __device__ inline unsigned call_handle(unsigned call) { return (call >> 4) & 0xfffu; }
+// Bytes per prob the call moves: 0 (none), 2, 4 or 8.
+__host__ __device__ inline int call_prob_bytes(unsigned call) {
+  const unsigned code = (call >> 3) & 3u;
+  return code == 0 ? 0 : 1 << code;
+}
+__host__ __device__ inline unsigned call_handle(unsigned call) { return (call >> 5) & 0x7ffu; }
 
 constexpr unsigned kAllChunks = 0xffffu;  // ready count of a sender's last chunk (or of none)
 constexpr int kMaxChunksPerChannel = (int)kAllChunks - 1;

@@ -60,11 +60,13 @@ static const char* op_name(int op) {
   }
 }
 
-// "dispatch (with probs) of handle #3", from a call_signature().
+// "dispatch (with probs of 4 bytes) of handle #3", from a call_signature().
 static std::string describe_call(unsigned call) {
   const OpKind op = call_op(call);
+  const int prob_bytes = call_prob_bytes(call);
   std::string s = op_name(op);
-  if (op == kOpDispatch) s += call_with_probs(call) ? " (with probs)" : " (without probs)";
+  if (op == kOpDispatch && prob_bytes == 0) s += " (without probs)";
+  if (prob_bytes != 0) s += " (with probs of " + std::to_string(prob_bytes) + " bytes)";
   return s + " of handle #" + std::to_string(call_handle(call));
 }
 

@@ -53,10 +53,27 @@ ncclResult_t preallocate_slots(ncclEpGroup* g) {
   return ncclSuccess;
 }
 
+// The op kernels wait for their peers' CTAs: every CTA of every rank on this GPU (a local team
+// puts `ranks_here` ranks on it) must be resident at once, one per SM.
+ncclResult_t check_residency(const ncclEpGroupConfig_t& c, int ranks_here) {
+  int device = 0, sms = 0;
+  EP_CUDA(cudaGetDevice(&device));
+  EP_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int channels = default_channels(c);
+  EP_CHECK((long long)channels * ranks_here <= sms, ncclInvalidArgument,
+           "num_sms=%d x %d rank(s) on this GPU needs %lld CTAs resident at once, but the GPU "
+           "has %d SMs; lower num_sms%s",
+           channels, ranks_here, (long long)channels * ranks_here, sms,
+           ranks_here > 1 ? " or the team size" : "");
+  return ncclSuccess;
+}
+
 // Everything a group needs besides its window: checked config, sizes, error word, state.
+// ranks_here: the ranks of the group on this GPU (1, or the size of a local team).
 ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int nranks, int rank,
-                        cudaStream_t stream) {
+                        int ranks_here, cudaStream_t stream) {
   EP_RETURN_IF(check_config(config, nranks));
+  EP_RETURN_IF(check_residency(*config, ranks_here));
   g->cfg = *config;
   const ncclEpGroupConfig_t& c = g->cfg;
   g->nranks = nranks;
@@ -87,7 +104,7 @@ ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGrou
   int nranks = 0, rank = 0;
   EP_NCCL(ncclCommCount(comm, &nranks));
   EP_NCCL(ncclCommUserRank(comm, &rank));
-  EP_RETURN_IF(init_group(g, config, nranks, rank, stream));
+  EP_RETURN_IF(init_group(g, config, nranks, rank, 1, stream));
   int runtime_version = 0;
   EP_NCCL(ncclGetVersion(&runtime_version));
   EP_CHECK(runtime_version / 100 == NCCL_VERSION_CODE / 100, ncclInvalidUsage,
@@ -195,7 +212,7 @@ extern "C" ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
     ncclEpGroup* g = new ncclEpGroup();
     groups[r] = g;
     g->team = team;
-    res = init_group(g, config, nranks, r, stream);
+    res = init_group(g, config, nranks, r, nranks, stream);
     if (res == ncclSuccess) res = alloc_device(g, &team->windows[r], g->win.bytes);
     if (res == ncclSuccess && cudaMemsetAsync(team->windows[r], 0, g->win.bytes, stream) !=
                                   cudaSuccess) {

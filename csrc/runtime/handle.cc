@@ -129,7 +129,7 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   p.hist = s->hist.ptr;
   p.meta_err = &s->meta.ptr->err;
   EP_CUDA(launch_pack(p, stream));
-  EP_RETURN_IF(barrier(g, call_signature(kOpCreateHandle, false, h->seq), stream));
+  EP_RETURN_IF(barrier(g, call_signature(kOpCreateHandle, 0, h->seq), stream));
 
   LayoutArgs a;
   a.gathered = reinterpret_cast<const int*>(reinterpret_cast<const char*>(g->peers[g->rank]) +

@@ -4,8 +4,9 @@
  * no host synchronization (exact mode: the handle's first op waits for its layout, once).
  *
  * NOTES:
- *  - The op's call signature (op, handle, probs or not) travels in its ready flags, so ranks
- *    that are not making the same call fail with a clear error instead of exchanging garbage.
+ *  - The op's call signature (op, handle, size of the probs it moves) travels in its ready flags,
+ *    so ranks that are not making the same call fail with a clear error instead of exchanging
+ *    garbage.
  *  - Warps that push, per op: dispatch pushes each row once per peer while its receivers write
  *    each row ~K/R times, so a quarter of the warps; combine reads rows on both sides (senders
  *    the peers' rows, receivers their own plus the partials), split by the peers' share of rows;
@@ -83,7 +84,7 @@ ncclResult_t check_entry(ncclEpHandle_t handle, const ncclEpOpConfig_t* config, 
 }
 
 // The engine's arguments for one op of handle h (everything but the op's tensors).
-ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, bool with_probs, bool vec) {
+ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, int prob_bytes, bool vec) {
   const ncclEpGroup* g = h->group;
   const HandleSlot* s = h->slot;
   ExchangeArgs e;
@@ -92,7 +93,7 @@ ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, bool with_probs, bo
   e.state = g->d_state;
   e.err = g->d_err;
   e.timeout_ns = (long long)g->cfg.timeout_ms * 1000000ll;
-  e.call = call_signature(op, with_probs, h->seq);
+  e.call = call_signature(op, prob_bytes, h->seq);
   e.send_warps = send_warps(op, g->nranks);
   e.num_ranks = g->nranks;
   e.rank = g->rank;
@@ -146,7 +147,7 @@ extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispat
   a.recv_x = outputs->recv_tokens.data;
   a.recv_probs = with_probs ? outputs->recv_topk_weights.data : nullptr;
   const bool vec = g->row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv_x);
-  a.ex = exchange_args(handle, kOpDispatch, with_probs, vec);
+  a.ex = exchange_args(handle, kOpDispatch, with_probs ? a.prob_bytes : 0, vec);
   EP_CUDA(launch_dispatch(a, stream));
   return ncclSuccess;
 }
@@ -166,7 +167,7 @@ extern "C" ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombine
   a.expert_out = inputs->expert_tokens.data;
   a.y = outputs->tokens.data;
   const bool vec = g->row_bytes % 16 == 0 && aligned16(a.expert_out) && aligned16(a.y);
-  a.ex = exchange_args(handle, kOpCombine, false, vec);
+  a.ex = exchange_args(handle, kOpCombine, 0, vec);
   EP_CUDA(launch_combine(a, stream));
   return ncclSuccess;
 }
@@ -192,7 +193,7 @@ extern "C" ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
   a.prob_bytes = dtype_bytes(pd);
   a.grad_recv = grad_recv_topk_weights->data;
   a.grad = grad_topk_weights->data;
-  a.ex = exchange_args(handle, kOpCombineProbs, false, false);
+  a.ex = exchange_args(handle, kOpCombineProbs, a.prob_bytes, false);
   EP_CUDA(launch_combine_probs(a, stream));
   return ncclSuccess;
 }

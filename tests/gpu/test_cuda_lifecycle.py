@@ -292,6 +292,8 @@ def check_call_mismatch(case_name: str, seed: int) -> str:
         first.dispatch(x, None if odd else probs)
     elif case_name == "different_handles":
         (second if odd else first).dispatch(x, probs)
+    elif case_name == "probs_dtype_differs":  # prob slots are copied as bytes: must agree
+        first.dispatch(x, probs.to(torch.bfloat16) if odd else probs)
     with pytest.raises(ep.NcclEpError) as info:
         group.check_errors()
     group.destroy()
@@ -299,13 +301,16 @@ def check_call_mismatch(case_name: str, seed: int) -> str:
 
 
 CALL_MISMATCHES = {
-    "dispatch_vs_combine": r"dispatch \(with probs\) of handle #0 while rank \d called combine "
-                           r"of handle #0|combine of handle #0 while rank \d called dispatch "
-                           r"\(with probs\) of handle #0",
-    "probs_on_some_ranks": r"dispatch \(with(out)? probs\) of handle #0 while rank \d called "
-                           r"dispatch \(with(out)? probs\) of handle #0",
-    "different_handles": r"dispatch \(with probs\) of handle #[01] while rank \d called dispatch "
-                         r"\(with probs\) of handle #[01]",
+    "dispatch_vs_combine": r"dispatch \(with probs of 4 bytes\) of handle #0 while rank \d called "
+                           r"combine of handle #0|combine of handle #0 while rank \d called "
+                           r"dispatch \(with probs of 4 bytes\) of handle #0",
+    "probs_on_some_ranks": r"dispatch \((with probs of 4 bytes|without probs)\) of handle #0 while "
+                           r"rank \d called dispatch \((with probs of 4 bytes|without probs)\) of "
+                           r"handle #0",
+    "different_handles": r"dispatch \(with probs of 4 bytes\) of handle #[01] while rank \d called "
+                         r"dispatch \(with probs of 4 bytes\) of handle #[01]",
+    "probs_dtype_differs": r"dispatch \(with probs of [24] bytes\) of handle #0 while rank \d "
+                           r"called dispatch \(with probs of [24] bytes\) of handle #0",
 }
 
 
