@@ -96,15 +96,19 @@ class CudaHandleState:
         return self._tokens_per_expert
 
 
-def _group_args(config: GroupConfig) -> tuple:
-    """The C group configuration's fields, in the bindings' order (after comm / nranks)."""
-    capacity = config.max_recv_tokens_per_rank if config.recv_mode == "capacity" else 0
-    return (config.num_experts, config.hidden, config.max_tokens_per_rank, config.max_topk,
-            _dtype_code(config.dtype),
-            _MODE_CAPACITY if config.recv_mode == "capacity" else _MODE_EXACT,
-            int(capacity or 0), config.expert_alignment, config.num_sms,
-            max(1, int(math.ceil(config.timeout_s * 1000))), config.staging_chunk_tokens,
-            config.staging_depth)
+def _c_config(config: GroupConfig):
+    """The C library's group configuration for ``config``."""
+    c = _C.GroupConfig()
+    c.num_experts, c.hidden = config.num_experts, config.hidden
+    c.max_tokens_per_rank, c.max_topk = config.max_tokens_per_rank, config.max_topk
+    c.token_dtype = _dtype_code(config.dtype)
+    c.recv_count_mode = _MODE_CAPACITY if config.recv_mode == "capacity" else _MODE_EXACT
+    if config.recv_mode == "capacity":
+        c.max_recv_tokens_per_rank = int(config.max_recv_tokens_per_rank)
+    c.expert_alignment, c.num_sms = config.expert_alignment, config.num_sms
+    c.timeout_ms = max(1, int(math.ceil(config.timeout_s * 1000)))
+    c.staging_chunk_tokens, c.staging_depth = config.staging_chunk_tokens, config.staging_depth
+    return c
 
 
 class CudaBackend:
@@ -126,7 +130,7 @@ class CudaBackend:
         with torch.cuda.device(self.device):
             self._comm = _call(_C.comm_init_rank, self.world_size, unique_id, self.rank)
             try:
-                self._group = _call(_C.create_group, self._comm, *_group_args(config),
+                self._group = _call(_C.create_group, self._comm, _c_config(config),
                                     self._stream())
             except BaseException:
                 _C.comm_destroy(self._comm)
@@ -157,7 +161,7 @@ class CudaBackend:
         ``Group.local_team``."""
         leader = cls.__new__(cls)
         leader._setup(config, device)
-        groups = _call(_C.create_local_team, world_size, *_group_args(config), leader._stream())
+        groups = _call(_C.create_local_team, world_size, _c_config(config), leader._stream())
         team = []
         for rank, ptr in enumerate(groups):
             member = leader if rank == 0 else cls.__new__(cls)

@@ -39,19 +39,20 @@ def test_runs_on_the_nccl_torch_loaded(ext):
         "built against other NCCL headers than the NCCL torch ships")
 
 
-def group_args(ext, **changes):
-    """The bindings' group configuration (after comm / nranks), valid unless changed."""
-    args = dict(num_experts=8, hidden=128, max_tokens_per_rank=16, max_topk=2,
-                token_dtype=ext.DTYPES["bfloat16"], recv_count_mode=0,
-                max_recv_tokens_per_rank=0, expert_alignment=1, num_sms=24, timeout_ms=1000,
-                staging_chunk_tokens=0, staging_depth=0, stream=0)
-    args.update(changes)
-    return args
+def group_config(ext, **changes):
+    """The bindings' group configuration, valid unless changed."""
+    config = ext.GroupConfig()
+    fields = dict(num_experts=8, hidden=128, max_tokens_per_rank=16, max_topk=2,
+                  token_dtype=ext.DTYPES["bfloat16"], num_sms=24, timeout_ms=1000)
+    fields.update(changes)
+    for name, value in fields.items():
+        setattr(config, name, value)
+    return config
 
 
 def test_error_code_becomes_exception_with_reason(ext):
     with pytest.raises(ValueError, match="ncclEpCreateGroup: comm is NULL"):
-        ext.create_group(0, **group_args(ext))
+        ext.create_group(0, group_config(ext), 0)
     assert "comm is NULL" in ext.get_last_error()
 
 
@@ -64,12 +65,12 @@ def test_error_code_becomes_exception_with_reason(ext):
 def test_local_team_config_errors_name_the_field(ext, change, message):
     """Configuration checks run before any CUDA call, so they are exercised here without a GPU."""
     with pytest.raises(ValueError, match=message):
-        ext.create_local_team(2, **group_args(ext, **change))
+        ext.create_local_team(2, group_config(ext, **change), 0)
 
 
 def test_local_team_size_is_checked(ext):
     with pytest.raises(ValueError, match=r"nranks must be in \[1, 64\], got 65"):
-        ext.create_local_team(65, **group_args(ext))
+        ext.create_local_team(65, group_config(ext), 0)
 
 
 def test_shared_library_exports_only_the_c_api():

@@ -70,27 +70,6 @@ ncclEpTensor_t tensor2d(uintptr_t data, int64_t rows, int64_t cols, int dtype,
   return t;
 }
 
-ncclEpGroupConfig_t make_config(int num_experts, int hidden, int max_tokens_per_rank,
-                                int max_topk, int token_dtype, int recv_count_mode,
-                                int64_t max_recv_tokens_per_rank, int expert_alignment,
-                                int num_sms, int64_t timeout_ms, int staging_chunk_tokens,
-                                int staging_depth) {
-  ncclEpGroupConfig_t cfg = NCCL_EP_GROUP_CONFIG_INITIALIZER;
-  cfg.num_experts = num_experts;
-  cfg.hidden = hidden;
-  cfg.max_tokens_per_rank = max_tokens_per_rank;
-  cfg.max_topk = max_topk;
-  cfg.token_dtype = static_cast<ncclDataType_t>(token_dtype);
-  cfg.recv_count_mode = static_cast<ncclEpRecvCountMode_t>(recv_count_mode);
-  cfg.max_recv_tokens_per_rank = max_recv_tokens_per_rank;
-  cfg.expert_alignment = expert_alignment;
-  cfg.num_sms = num_sms;
-  cfg.timeout_ms = timeout_ms;
-  cfg.staging_chunk_tokens = staging_chunk_tokens;
-  cfg.staging_depth = staging_depth;
-  return cfg;
-}
-
 // Routing weights: [T, K] in slot order, or [T, E] dense.
 ncclEpTensor_t weights2d(uintptr_t data, int64_t rows, int64_t cols, int dtype, bool dense) {
   return tensor2d(data, rows, cols, dtype,
@@ -149,36 +128,43 @@ PYBIND11_MODULE(_C, m) {
       py::arg("comm"), py::call_guard<py::gil_scoped_release>());
 
   // --- group ---------------------------------------------------------------------------------
+  // The group configuration: NCCL_EP_GROUP_CONFIG_INITIALIZER, fields set by name.
+  py::class_<ncclEpGroupConfig_t>(m, "GroupConfig")
+      .def(py::init([]() {
+        ncclEpGroupConfig_t cfg = NCCL_EP_GROUP_CONFIG_INITIALIZER;
+        return cfg;
+      }))
+      .def_readwrite("num_experts", &ncclEpGroupConfig_t::num_experts)
+      .def_readwrite("hidden", &ncclEpGroupConfig_t::hidden)
+      .def_readwrite("max_tokens_per_rank", &ncclEpGroupConfig_t::max_tokens_per_rank)
+      .def_readwrite("max_topk", &ncclEpGroupConfig_t::max_topk)
+      .def_property(
+          "token_dtype", [](const ncclEpGroupConfig_t& c) { return (int)c.token_dtype; },
+          [](ncclEpGroupConfig_t& c, int v) { c.token_dtype = static_cast<ncclDataType_t>(v); })
+      .def_property(
+          "recv_count_mode", [](const ncclEpGroupConfig_t& c) { return (int)c.recv_count_mode; },
+          [](ncclEpGroupConfig_t& c, int v) {
+            c.recv_count_mode = static_cast<ncclEpRecvCountMode_t>(v);
+          })
+      .def_readwrite("max_recv_tokens_per_rank", &ncclEpGroupConfig_t::max_recv_tokens_per_rank)
+      .def_readwrite("expert_alignment", &ncclEpGroupConfig_t::expert_alignment)
+      .def_readwrite("num_sms", &ncclEpGroupConfig_t::num_sms)
+      .def_readwrite("timeout_ms", &ncclEpGroupConfig_t::timeout_ms)
+      .def_readwrite("staging_chunk_tokens", &ncclEpGroupConfig_t::staging_chunk_tokens)
+      .def_readwrite("staging_depth", &ncclEpGroupConfig_t::staging_depth);
   m.def(
       "create_group",
-      [](uintptr_t comm, int num_experts, int hidden, int max_tokens_per_rank, int max_topk,
-         int token_dtype, int recv_count_mode, int64_t max_recv_tokens_per_rank,
-         int expert_alignment, int num_sms, int64_t timeout_ms, int staging_chunk_tokens,
-         int staging_depth, uintptr_t stream) {
-        ncclEpGroupConfig_t cfg = make_config(
-            num_experts, hidden, max_tokens_per_rank, max_topk, token_dtype, recv_count_mode,
-            max_recv_tokens_per_rank, expert_alignment, num_sms, timeout_ms,
-            staging_chunk_tokens, staging_depth);
+      [](uintptr_t comm, const ncclEpGroupConfig_t& cfg, uintptr_t stream) {
         ncclEpGroup_t g = nullptr;
         check(ncclEpCreateGroup(&g, as_ptr<ncclComm>(comm), &cfg, as_stream(stream)),
               "ncclEpCreateGroup");
         return reinterpret_cast<uintptr_t>(g);
       },
-      py::arg("comm"), py::arg("num_experts"), py::arg("hidden"), py::arg("max_tokens_per_rank"),
-      py::arg("max_topk"), py::arg("token_dtype"), py::arg("recv_count_mode"),
-      py::arg("max_recv_tokens_per_rank"), py::arg("expert_alignment"), py::arg("num_sms"),
-      py::arg("timeout_ms"), py::arg("staging_chunk_tokens"), py::arg("staging_depth"),
-      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+      py::arg("comm"), py::arg("config"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>());
   m.def(
       "create_local_team",
-      [](int nranks, int num_experts, int hidden, int max_tokens_per_rank, int max_topk,
-         int token_dtype, int recv_count_mode, int64_t max_recv_tokens_per_rank,
-         int expert_alignment, int num_sms, int64_t timeout_ms, int staging_chunk_tokens,
-         int staging_depth, uintptr_t stream) {
-        ncclEpGroupConfig_t cfg = make_config(
-            num_experts, hidden, max_tokens_per_rank, max_topk, token_dtype, recv_count_mode,
-            max_recv_tokens_per_rank, expert_alignment, num_sms, timeout_ms,
-            staging_chunk_tokens, staging_depth);
+      [](int nranks, const ncclEpGroupConfig_t& cfg, uintptr_t stream) {
         std::vector<ncclEpGroup_t> groups(nranks > 0 ? nranks : 1, nullptr);
         {
           py::gil_scoped_release nogil;
@@ -189,11 +175,7 @@ PYBIND11_MODULE(_C, m) {
         for (int r = 0; r < nranks; ++r) out.append(reinterpret_cast<uintptr_t>(groups[r]));
         return out;
       },
-      py::arg("nranks"), py::arg("num_experts"), py::arg("hidden"),
-      py::arg("max_tokens_per_rank"), py::arg("max_topk"), py::arg("token_dtype"),
-      py::arg("recv_count_mode"), py::arg("max_recv_tokens_per_rank"),
-      py::arg("expert_alignment"), py::arg("num_sms"), py::arg("timeout_ms"),
-      py::arg("staging_chunk_tokens"), py::arg("staging_depth"), py::arg("stream"));
+      py::arg("nranks"), py::arg("config"), py::arg("stream"));
   m.def(
       "group_info",
       [](uintptr_t group) {
