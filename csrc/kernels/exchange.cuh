@@ -41,6 +41,9 @@ constexpr int kRecvBarrier = 2;
 struct ExchangeShared {
   unsigned long long epoch;   // this op's epoch
   int tokens[kMaxRanks];      // T_s of every rank
+  int send_chunks[kMaxRanks]; // chunks this CTA's channel sends to / receives from each peer
+  int recv_chunks[kMaxRanks]; // (0 for this rank itself)
+  int send_rounds, recv_rounds;  // the most of each, over the peers (receive: this rank too)
   int send_stop, recv_stop;   // set by a role's leader when a wait failed
   int start_stop;             // the group already held an error when the op started
   int rows_sh[kMaxWarps][kMaxTopk];   // per warp: the rows of the current item
@@ -203,14 +206,15 @@ __device__ __forceinline__ void post_credit(const ExchangeArgs& e, int b, int p,
   st_release_sys(&channel_flags(e.peers[p], e.win, b, e.rank)->credit, value);
 }
 
-// Tokens of the owner of the chunks this rank sends to / receives from peer p.
+// This channel's chunk counts per peer, from the tokens of whoever owns them: dispatch sends this
+// rank's tokens and receives the peers'; combine sends for the peers' tokens and receives its
+// own. Thread p of the CTA fills entry p (after sh.tokens is filled).
 template <class Op>
-__device__ __forceinline__ int send_tokens(const ExchangeShared& sh, const ExchangeArgs& e, int p) {
-  return Op::kSendsOwnTokens ? sh.tokens[e.rank] : sh.tokens[p];
-}
-template <class Op>
-__device__ __forceinline__ int recv_tokens(const ExchangeShared& sh, const ExchangeArgs& e, int p) {
-  return Op::kSendsOwnTokens ? sh.tokens[p] : sh.tokens[e.rank];
+__device__ __forceinline__ void count_chunks(ExchangeShared& sh, const ExchangeArgs& e, int p) {
+  const int mine = sh.tokens[e.rank], theirs = sh.tokens[p];
+  sh.send_chunks[p] =
+      p == e.rank ? 0 : chunks_of(Op::kSendsOwnTokens ? mine : theirs, e.win, blockIdx.x);
+  sh.recv_chunks[p] = chunks_of(Op::kSendsOwnTokens ? theirs : mine, e.win, blockIdx.x);
 }
 
 template <class Op>
@@ -220,20 +224,15 @@ __device__ void sender_role(const typename Op::Args& a, ExchangeShared& sh, int 
   const int b = blockIdx.x, threads = nwarps * 32;
   const bool leader = threadIdx.x == 0;  // senders are warps [0, send_warps)
   const unsigned long long epoch = sh.epoch;
-  int rounds = 0;
-  for (int p = 0; p < e.num_ranks; ++p)
-    if (p != e.rank) rounds = max(rounds, chunks_of(send_tokens<Op>(sh, e, p), e.win, b));
   if (leader) {
     for (int p = 0; p < e.num_ranks; ++p)
-      if (p != e.rank && chunks_of(send_tokens<Op>(sh, e, p), e.win, b) == 0)
-        post_ready(e, epoch, b, p, kAllChunks);
+      if (p != e.rank && sh.send_chunks[p] == 0) post_ready(e, epoch, b, p, kAllChunks);
   }
-  for (int j = 0; j < rounds; ++j) {
+  for (int j = 0; j < sh.send_rounds; ++j) {
     if (leader) {
       bool ok = true;
       for (int p = 0; p < e.num_ranks && ok; ++p)
-        if (p != e.rank && j < chunks_of(send_tokens<Op>(sh, e, p), e.win, b))
-          ok = wait_credit(e, epoch, b, p, j);
+        if (j < sh.send_chunks[p]) ok = wait_credit(e, epoch, b, p, j);
       if (!ok) sh.send_stop = 1;
     }
     named_barrier(kSendBarrier, threads);
@@ -243,8 +242,7 @@ __device__ void sender_role(const typename Op::Args& a, ExchangeShared& sh, int 
     if (leader) {
       fence_acq_rel_sys();
       for (int p = 0; p < e.num_ranks; ++p) {
-        if (p == e.rank) continue;
-        const int n = chunks_of(send_tokens<Op>(sh, e, p), e.win, b);
+        const int n = sh.send_chunks[p];
         if (j < n) post_ready(e, epoch, b, p, j + 1 == n ? kAllChunks : (unsigned)j + 1);
       }
     }
@@ -259,16 +257,12 @@ __device__ void receiver_role(const typename Op::Args& a, ExchangeShared& sh, in
   const bool leader = warp == 0 && lane == 0;
   const unsigned long long epoch = sh.epoch;
   Op::recv_prologue(a, sh, b, warp, nwarps, lane);
-  int rounds = 0;
-  for (int p = 0; p < e.num_ranks; ++p)
-    rounds = max(rounds, chunks_of(recv_tokens<Op>(sh, e, p), e.win, b));
-  for (int j = 0; j < rounds; ++j) {
+  for (int j = 0; j < sh.recv_rounds; ++j) {
     Op::recv_local(a, sh, b, j, warp, nwarps, lane);
     if (leader) {
       bool ok = true;
       for (int p = 0; p < e.num_ranks && ok; ++p)
-        if (p != e.rank && j < chunks_of(recv_tokens<Op>(sh, e, p), e.win, b))
-          ok = wait_ready(e, epoch, b, p, (unsigned)j + 1);
+        if (p != e.rank && j < sh.recv_chunks[p]) ok = wait_ready(e, epoch, b, p, (unsigned)j + 1);
       if (!ok) sh.recv_stop = 1;
     }
     named_barrier(kRecvBarrier, threads);
@@ -278,7 +272,7 @@ __device__ void receiver_role(const typename Op::Args& a, ExchangeShared& sh, in
     if (leader) {
       for (int p = 0; p < e.num_ranks; ++p) {
         if (p == e.rank) continue;
-        const int n = chunks_of(recv_tokens<Op>(sh, e, p), e.win, b);
+        const int n = sh.recv_chunks[p];
         if (j + 1 < n) post_credit(e, b, p, credit_word(epoch, (unsigned)j + 1));
         else if (j + 1 == n) post_credit(e, b, p, credit_word(epoch + 1, 0));
       }
@@ -288,7 +282,7 @@ __device__ void receiver_role(const typename Op::Args& a, ExchangeShared& sh, in
     // Peers that sent nothing on this channel: check their call, then free the ring for the
     // next op (peers with chunks got that with their last chunk's credit).
     for (int p = 0; p < e.num_ranks; ++p) {
-      if (p == e.rank || chunks_of(recv_tokens<Op>(sh, e, p), e.win, b) != 0) continue;
+      if (p == e.rank || sh.recv_chunks[p] != 0) continue;
       if (!wait_ready(e, epoch, b, p, kAllChunks)) break;
       post_credit(e, b, p, credit_word(epoch + 1, 0));
     }
@@ -303,7 +297,15 @@ __device__ void run_exchange(const typename Op::Args& a) {
   __shared__ ExchangeShared sh;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x < e.num_ranks) sh.tokens[threadIdx.x] = e.tokens_of[threadIdx.x];
+  __syncthreads();
+  if (threadIdx.x < e.num_ranks) count_chunks<Op>(sh, e, threadIdx.x);
+  __syncthreads();
   if (threadIdx.x == 0) {
+    sh.send_rounds = sh.recv_rounds = 0;
+    for (int p = 0; p < e.num_ranks; ++p) {
+      sh.send_rounds = max(sh.send_rounds, sh.send_chunks[p]);
+      sh.recv_rounds = max(sh.recv_rounds, sh.recv_chunks[p]);
+    }
     sh.epoch = ld_volatile_u64(&e.state->op_epoch);
     sh.send_stop = sh.recv_stop = 0;
     // A pending error (a capacity-mode routing error or overflow, a peer's abort) stops the op

@@ -79,8 +79,7 @@ ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int n
   g->nranks = nranks;
   g->rank = rank;
   g->num_local = c.num_experts / nranks;
-  g->elt = dtype_bytes(c.token_dtype);
-  g->row_bytes = (size_t)c.hidden * g->elt;
+  g->row_bytes = (size_t)c.hidden * dtype_bytes(c.token_dtype);
   g->capacity = c.recv_count_mode == ncclEpRecvCountCapacity ? (long long)c.max_recv_tokens_per_rank
                                                              : -1;
   const long long bound = (long long)nranks * c.max_tokens_per_rank *

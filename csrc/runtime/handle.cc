@@ -96,7 +96,6 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   // whose header holds the real shape, so every rank reports the error together (kErrShape)
   // instead of leaving its peers in the collective.
   const bool fits = T <= c.max_tokens_per_rank && K >= 1 && K <= c.max_topk;
-  h->from_map = from_map;
   h->num_tokens = fits ? (int)T : 0;
   h->topk = fits ? (int)K : 1;
 

@@ -136,8 +136,7 @@ struct ncclEpGroup {
   std::shared_ptr<nccl_ep::LocalTeam> team;
   ncclEpGroupConfig_t cfg{};
   int rank = 0, nranks = 1, num_local = 0;
-  int elt = 2;                   // token element bytes
-  size_t row_bytes = 0;          // hidden * elt
+  size_t row_bytes = 0;          // hidden * token element bytes
   long long capacity = -1;       // capacity mode rows, -1 in exact mode
   long long src_rows = 0;        // rows that src_of_row covers
   int device = 0;
@@ -162,7 +161,6 @@ struct ncclEpHandle {
   ncclEpGroup* group = nullptr;
   nccl_ep::HandleSlot* slot = nullptr;
   int num_tokens = 0, topk = 0;
-  bool from_map = false;
   unsigned seq = 0;              // creation number in its group: the same on every rank
   // Exact mode: filled from the readback at the first call that needs it (read_layout).
   bool layout_read = false;
