@@ -431,6 +431,22 @@ def _run_into(result: dict, label: str, section: str, args: argparse.Namespace,
     return items, checks
 
 
+def sweep_series(result: dict) -> "list[tuple[str, list]]":
+    """The plot's panels: (x label, [(x, kernels items)] in x order) for the tokens sweep and/or
+    the SMs sweep. The kernels section, when it ran, is the point (--tokens, --num-sms) of both."""
+    shape, args = result["shape"], result["args"]
+    base = [(shape["tokens"], shape["num_sms"], result["kernels"])] if result.get("kernels") else []
+    points = base + [(p["tokens"], p["num_sms"], p["items"]) for p in result["sweeps"]]
+    panels = []
+    if args["sweep_tokens"]:
+        by_tokens = {t: items for t, sms, items in points if sms == shape["num_sms"]}
+        panels.append(("tokens per rank", sorted(by_tokens.items())))
+    if args["sweep_sms"]:
+        by_sms = {sms: items for t, sms, items in points if t == shape["tokens"]}
+        panels.append(("SMs", sorted(by_sms.items())))
+    return panels
+
+
 def write_plot(result: dict, path: str) -> str:
     """PNG of the sweeps: kernel-mode time and physical bandwidth of dispatch and combine
     against tokens per rank and/or SMs, with the ceilings of the same run as horizontal lines.
@@ -443,16 +459,8 @@ def write_plot(result: dict, path: str) -> str:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullLocator
 
-    shape, args = result["shape"], result["args"]
-    panels = []  # (x label, [(x, items)])
-    if args["sweep_tokens"]:
-        panels.append(("tokens per rank", [(p["tokens"], p["items"]) for p in result["sweeps"]
-                                           if p["num_sms"] == shape["num_sms"]
-                                           and p["tokens"] in args["sweep_tokens"]]))
-    if args["sweep_sms"]:
-        panels.append(("SMs", [(p["num_sms"], p["items"]) for p in result["sweeps"]
-                               if p["tokens"] == shape["tokens"]
-                               and p["num_sms"] in args["sweep_sms"]]))
+    shape = result["shape"]
+    panels = sweep_series(result)
     ceilings = {name: row["phys_GBps"] for name, row in result.get("ceilings", {}).items()
                 if row.get("phys_GBps")}
     fig, axes = plt.subplots(2, len(panels), figsize=(7 * len(panels), 8), squeeze=False)

@@ -81,6 +81,16 @@ def test_sweep_has_one_entry_per_point(cpu_run):
         assert len(row) == 8, row  # tokens, SMs, then time and two bandwidths per op
 
 
+def test_plot_series_include_the_kernels_section_point(cpu_run):
+    # The sweeps' x values, plus the kernels section at (--tokens, --num-sms), in x order.
+    _, result, _ = cpu_run
+    (label, series), = bench.sweep_series(result)
+    assert label == "tokens per rank"
+    xs = [x for x, _ in series]
+    assert xs == sorted({result["shape"]["tokens"], *SWEEP_TOKENS}), xs
+    assert dict(series)[result["shape"]["tokens"]] is result["kernels"]
+
+
 def test_plot_or_note(cpu_run):
     stdout, _, out = cpu_run
     png = out.with_suffix(".png")

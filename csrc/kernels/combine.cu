@@ -171,7 +171,8 @@ struct CombineOp {
     const ChunkRange c = chunk_of(sh.tokens[e.rank], e.win, b, j);
     for (int t = c.begin + warp; t < c.end; t += nwarps) {
       const unsigned long long mask =
-          dest_mask(e.own_routing + (size_t)t * e.topk, e.topk, e.num_local, e.num_ranks);
+          dest_mask(e.own_routing + (size_t)t * e.topk, e.topk, e.num_local, e.num_ranks,
+                    lane);
       int n_own = 0;  // mask is warp-uniform, so collect_rows runs on the whole warp
       if ((mask >> e.rank) & 1ull)
         n_own = max(0, collect_rows(e, e.rank, t, lane, sh.rows_sh[w], sh.slots_sh[w]));

@@ -155,18 +155,16 @@ EP_DEVICE void zero_prob(void* dst, int bytes) {
 }
 
 // Destination ranks of one token (bit d set: the token has a slot on rank d), from its routing
-// row; every lane computes the same mask.
+// row: lane k reads slot k (one load per lane, not a chain of topk dependent loads); warp-wide,
+// every lane gets the mask.
 EP_DEVICE unsigned long long dest_mask(const int* routing_row, int topk, int num_local,
-                                       int num_ranks) {
-  unsigned long long m = 0;
-  for (int k = 0; k < topk; ++k) {
-    int e = routing_row[k];
-    if (e >= 0) {
-      int d = e / num_local;
-      if (d < num_ranks) m |= 1ull << d;
-    }
-  }
-  return m;
+                                       int num_ranks, int lane) {
+  const int e = lane < topk ? routing_row[lane] : -1;
+  const int d = e >= 0 ? e / num_local : -1;
+  const bool ok = d >= 0 && d < num_ranks;
+  const unsigned lo = __reduce_or_sync(0xffffffffu, ok && d < 32 ? 1u << d : 0u);
+  const unsigned hi = __reduce_or_sync(0xffffffffu, ok && d >= 32 ? 1u << (d - 32) : 0u);
+  return ((unsigned long long)hi << 32) | lo;
 }
 
 // Token element size: 2 for bf16/fp16, 4 for fp32 (the only token dtypes the host accepts).

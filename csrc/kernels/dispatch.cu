@@ -50,7 +50,7 @@ struct DispatchOp {
       const int* routing = e.own_routing + (size_t)t * e.topk;
       // This rank's own rows are expanded straight from x by its receivers.
       unsigned long long mask =
-          dest_mask(routing, e.topk, e.num_local, e.num_ranks) & ~(1ull << e.rank);
+          dest_mask(routing, e.topk, e.num_local, e.num_ranks, lane) & ~(1ull << e.rank);
       const char* src = reinterpret_cast<const char*>(a.x) + (size_t)t * row_bytes;
       const int expert = lane < e.topk ? routing[lane] : -1;
       for (; mask; mask &= mask - 1) {
