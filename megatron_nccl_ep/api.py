@@ -64,6 +64,13 @@ class GroupConfig:
     # CUDA staging ring per (channel, peer): slots of this many tokens (0 = library default)
     staging_chunk_tokens: int = 0
     staging_depth: int = 0  # ring slots (0 = library default)
+    # Ranks per node G (docs/design.md §4, groups that span nodes): consecutive ranks, node
+    # n = rank // G; 0 = the whole group is one node (the flat combine).
+    ranks_per_node: int = 0
+
+    def nodes_of(self, world_size: int) -> int:
+        """Ranks per node as used: G, or world_size for 0."""
+        return self.ranks_per_node or world_size
 
     def validate(self, world_size: int) -> None:
         def need(ok: bool, what: str) -> None:
@@ -92,6 +99,10 @@ class GroupConfig:
         need(self.staging_chunk_tokens >= 0 and self.staging_depth >= 0,
              "staging_chunk_tokens and staging_depth must be >= 0 (0 = default), got "
              f"{self.staging_chunk_tokens} and {self.staging_depth}")
+        need(self.ranks_per_node == 0 or (1 <= self.ranks_per_node <= world_size
+                                          and world_size % self.ranks_per_node == 0),
+             f"ranks_per_node must be 0 (one node) or a divisor of the group size ({world_size}) "
+             f"from 1 to {world_size}, got {self.ranks_per_node}")
 
 
 def capacity_from_factor(capacity_factor: float, max_tokens_per_rank: int, max_topk: int,
@@ -127,21 +138,15 @@ def _resolve_device(device) -> torch.device:
     return device
 
 
-def _make_config(world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int,
-                 max_topk: int, dtype: torch.dtype, recv_mode: str,
-                 max_recv_tokens_per_rank: Optional[int], capacity_factor: Optional[float],
-                 expert_alignment: int, num_sms: int, timeout_s: float,
-                 staging_chunk_tokens: int, staging_depth: int) -> GroupConfig:
-    if recv_mode == "capacity" and max_recv_tokens_per_rank is None and capacity_factor:
-        max_recv_tokens_per_rank = capacity_from_factor(
-            capacity_factor, max_tokens_per_rank, max_topk, num_experts // world_size,
-            expert_alignment)
-    config = GroupConfig(
-        num_experts=num_experts, hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
-        max_topk=max_topk, dtype=dtype, recv_mode=recv_mode,
-        max_recv_tokens_per_rank=max_recv_tokens_per_rank, expert_alignment=expert_alignment,
-        num_sms=num_sms, timeout_s=timeout_s, staging_chunk_tokens=staging_chunk_tokens,
-        staging_depth=staging_depth)
+def _make_config(world_size: int, capacity_factor: Optional[float], **fields) -> GroupConfig:
+    """The validated GroupConfig of ``fields``; capacity mode without max_recv_tokens_per_rank
+    takes it from ``capacity_factor``."""
+    if (fields["recv_mode"] == "capacity" and fields["max_recv_tokens_per_rank"] is None
+            and capacity_factor):
+        fields["max_recv_tokens_per_rank"] = capacity_from_factor(
+            capacity_factor, fields["max_tokens_per_rank"], fields["max_topk"],
+            fields["num_experts"] // world_size, fields["expert_alignment"])
+    config = GroupConfig(**fields)
     config.validate(world_size)
     return config
 
@@ -190,7 +195,9 @@ class Group:
 
     Collective: every rank of ``process_group`` constructs it with the same arguments.
     ``process_group=None`` uses the default group, or a single-rank group when torch.distributed
-    is not initialized.
+    is not initialized. ``ranks_per_node`` splits the group into nodes of that many consecutive
+    ranks for the hierarchical combine of docs/design.md §4 (0: one node, the flat combine); the
+    cuda backend runs one node only.
     """
 
     def __init__(self, process_group=None, *, num_experts: int, hidden: int,
@@ -199,7 +206,7 @@ class Group:
                  max_recv_tokens_per_rank: Optional[int] = None,
                  capacity_factor: Optional[float] = None, expert_alignment: int = 1,
                  num_sms: int = 24, timeout_s: float = 100.0, staging_chunk_tokens: int = 0,
-                 staging_depth: int = 0):
+                 staging_depth: int = 0, ranks_per_node: int = 0):
         if dist.is_available() and dist.is_initialized():
             self.process_group = process_group if process_group is not None else dist.group.WORLD
             self.rank = dist.get_rank(self.process_group)
@@ -209,10 +216,13 @@ class Group:
                 raise ValueError("process_group given but torch.distributed is not initialized")
             self.process_group, self.rank, self.world_size = None, 0, 1
         self.device = _resolve_device(device)
-        self.config = _make_config(self.world_size, num_experts, hidden, max_tokens_per_rank,
-                                   max_topk, dtype, recv_mode, max_recv_tokens_per_rank,
-                                   capacity_factor, expert_alignment, num_sms, timeout_s,
-                                   staging_chunk_tokens, staging_depth)
+        self.config = _make_config(
+            self.world_size, capacity_factor, num_experts=num_experts, hidden=hidden,
+            max_tokens_per_rank=max_tokens_per_rank, max_topk=max_topk, dtype=dtype,
+            recv_mode=recv_mode, max_recv_tokens_per_rank=max_recv_tokens_per_rank,
+            expert_alignment=expert_alignment, num_sms=num_sms, timeout_s=timeout_s,
+            staging_chunk_tokens=staging_chunk_tokens, staging_depth=staging_depth,
+            ranks_per_node=ranks_per_node)
         _check_config_across_ranks(self.config, self.process_group, self.world_size)
         self.num_local_experts = num_experts // self.world_size
         self.backend_name = backend
@@ -240,10 +250,12 @@ class Group:
         if device.type != "cuda" or not cuda_backend.available():
             raise RuntimeError("Group.local_team needs a CUDA device and the built extension: "
                                f"{cuda_backend.unavailable_reason() or device}")
-        config = _make_config(world_size, num_experts, hidden, max_tokens_per_rank, max_topk,
-                              dtype, recv_mode, max_recv_tokens_per_rank, capacity_factor,
-                              expert_alignment, num_sms, timeout_s, staging_chunk_tokens,
-                              staging_depth)
+        config = _make_config(
+            world_size, capacity_factor, num_experts=num_experts, hidden=hidden,
+            max_tokens_per_rank=max_tokens_per_rank, max_topk=max_topk, dtype=dtype,
+            recv_mode=recv_mode, max_recv_tokens_per_rank=max_recv_tokens_per_rank,
+            expert_alignment=expert_alignment, num_sms=num_sms, timeout_s=timeout_s,
+            staging_chunk_tokens=staging_chunk_tokens, staging_depth=staging_depth)
         groups = []
         for rank, backend in enumerate(cuda_backend.CudaBackend.local_team(config, world_size,
                                                                            device)):

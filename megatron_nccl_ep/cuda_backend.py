@@ -118,6 +118,13 @@ class CudaBackend:
         self._setup(config, device)
         self.group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
+        if config.nodes_of(self.world_size) != self.world_size:
+            # Checked on every rank alike (the config is agreed), before any collective.
+            raise ValueError(
+                f"GroupConfig: ranks_per_node={config.ranks_per_node} splits the group of "
+                f"{self.world_size} ranks into nodes; the cuda backend runs one node only "
+                f"(ranks_per_node 0 or {self.world_size}). backend='torch' computes the "
+                "hierarchical combine (docs/design.md §4)")
         self.rank = 0 if process_group is None else dist.get_rank(process_group)
         self.num_local_experts = config.num_experts // self.world_size
 

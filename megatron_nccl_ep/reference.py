@@ -5,7 +5,7 @@ a GPU (gloo on CPU).
 Its transport mirrors the CUDA one: a token travels once to each rank that owns one of its experts
 (``all_to_all_single`` of byte rows), then the destination expands it into its expert rows; combine
 reduces a token's rows on each rank, sends one partial per (token, rank) back, and the source sums
-the partials in rank order. Every sum starts from +0.0 and adds in the order of the contract, one
+the partials in rank order (by node first when the group has ``ranks_per_node``). Every sum starts from +0.0 and adds in the order of the contract, one
 elementwise IEEE add at a time, so the bits do not depend on the device that runs it.
 
 NOTES: errors that one rank detects (bad routing, capacity overflow) are agreed on by every rank
@@ -245,13 +245,22 @@ class ReferenceBackend:
             partial[has] = partial[has] + expert_out[slot[has]].to(acc_dtype)
         partial = partial.to(expert_out.dtype)
         returned = self._all_to_all_rows(partial, state.recv_counts, self._send_counts(state))
-        # Stage 2, at the source: partials summed over ranks in ascending order, rounded.
+        # Stage 2, at the source, node by node (one node: the flat sum over ranks): 2a each
+        # node's partials summed over its ranks in ascending order, rounded; 2b those summed
+        # over the nodes in ascending order, rounded. The bits do not depend on where 2a runs.
         tokens = state.topk_idx.shape[0]
+        G = self.config.nodes_of(self.world_size)
         y = torch.zeros((tokens, hidden), dtype=acc_dtype, device=expert_out.device)
         start = 0
-        for idx in state.send_tokens:
-            y[idx] = y[idx] + returned[start:start + len(idx)].to(acc_dtype)
+        for d, idx in enumerate(state.send_tokens):
+            if d % G == 0:
+                node = torch.zeros_like(y)
+                in_node = torch.zeros(tokens, dtype=torch.bool, device=y.device)
+            node[idx] = node[idx] + returned[start:start + len(idx)].to(acc_dtype)
+            in_node[idx] = True
             start += len(idx)
+            if d % G == G - 1:
+                y[in_node] = y[in_node] + node[in_node].to(expert_out.dtype).to(acc_dtype)
         return y.to(expert_out.dtype)
 
     def combine_probs(self, state: ReferenceHandleState, grad_recv_probs: torch.Tensor,

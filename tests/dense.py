@@ -197,13 +197,16 @@ def acc_dtype_for(dtype: torch.dtype) -> torch.dtype:
 
 
 def combine(problem: Problem, expert_out: list, source: int, alignment: int = 1, *,
-            k_descending: bool = False, rank_descending: bool = False, two_stage: bool = True,
+            ranks_per_node: Optional[int] = None, k_descending: bool = False,
+            rank_descending: bool = False, two_stage: bool = True,
             acc_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Expected ``y`` on rank ``source`` from every rank's ``expert_out[d] [N_d, H]``.
 
-    Defaults are docs/design.md §4. The keyword switches build wrong variants (slot order reversed, rank
-    order reversed, one flat sum without the per-rank rounding, accumulation in another dtype);
-    the tests use them to show that the inputs they use tell the orders apart.
+    Defaults are docs/design.md §4 (flat). ``ranks_per_node=G``: §4 for groups that span nodes,
+    2a and 2b over nodes of G consecutive ranks, always both steps (so G = 1 and G = R can be
+    compared with the flat sum). The keyword switches build wrong variants (slot order reversed,
+    rank order reversed, one flat sum without the per-rank rounding, accumulation in another
+    dtype); the tests use them to show that the inputs they use tell the orders apart.
     """
     dtype = expert_out[0].dtype
     acc = acc_dtype if acc_dtype is not None else acc_dtype_for(dtype)
@@ -230,7 +233,13 @@ def combine(problem: Problem, expert_out: list, source: int, alignment: int = 1,
                 continue  # adding +0.0 to an accumulator that started at +0.0 changes nothing
             vals = expert_out[d][rows.clamp(min=0)].to(acc)
             partial = partial + torch.where(on_d[:, None], vals, torch.zeros((), dtype=acc))
-        if two_stage:
+        if ranks_per_node is not None:  # 2a into this node's sum; 2b after its last rank
+            if d % ranks_per_node == 0:
+                node = torch.zeros(T, H, dtype=acc)
+            node = node + partial.to(dtype).to(acc)
+            if d % ranks_per_node == ranks_per_node - 1:
+                total = total + node.to(dtype).to(acc)
+        elif two_stage:
             total = total + partial.to(dtype).to(acc)
         else:
             total = partial
