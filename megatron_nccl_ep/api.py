@@ -119,8 +119,8 @@ def shape_error(topk_idx: torch.Tensor, config: GroupConfig,
     top-k form of a routing map, ``name``) against the group's bounds, or None."""
     tokens, topk = topk_idx.shape
     if tokens > config.max_tokens_per_rank:
-        return (f"{name} has {tokens} tokens, more than max_tokens_per_rank="
-                f"{config.max_tokens_per_rank} of this group")
+        return (f"{name} has {tokens} token{'s' if tokens != 1 else ''}, more than "
+                f"max_tokens_per_rank={config.max_tokens_per_rank} of this group")
     if not 1 <= topk <= config.max_topk:
         return f"topk_idx has top-k {topk}, expected 1 <= top-k <= max_topk={config.max_topk}"
     return None
@@ -280,7 +280,8 @@ class Group:
         if t.dim() != ndim:
             raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
         if t.dtype not in dtypes:
-            raise TypeError(f"{name} must have dtype in {tuple(dtypes)}, got {t.dtype}")
+            want = f"dtype {dtypes[0]}" if len(dtypes) == 1 else f"dtype in {tuple(dtypes)}"
+            raise TypeError(f"{name} must have {want}, got {t.dtype}")
         if t.device != self.device:
             raise ValueError(f"{name} must be on {self.device}, got {t.device}")
         if shape is not None:
@@ -391,6 +392,19 @@ class Handle:
         cfg = self.group.config
         self.group._check_tensor(name, t, 2, (cfg.dtype,), (self.num_recv_tokens, cfg.hidden))
 
+    def _check_agreed(self, op: str, check) -> None:
+        """Runs ``check`` (this call's argument checks, raising TypeError / ValueError) and lets
+        the backend settle the outcome with the peers: on a multi-rank reference group every rank
+        raises when any rank's arguments are wrong, instead of the others waiting in a collective
+        until the process group times out. (The cuda backend raises on the failing rank only; its
+        peers' device-side waits time out naming that rank.)"""
+        error = None
+        try:
+            check()
+        except (TypeError, ValueError) as e:
+            error = e
+        self.group._backend.agree_on_arguments(op, error)
+
     def probs_are_dense(self, probs: torch.Tensor) -> bool:
         """Whether ``probs`` is a router's dense ``[T, E]`` (slot k reads the column of its
         expert) rather than ``[T, K]`` in slot order; when E == K the shapes coincide and slot
@@ -404,28 +418,31 @@ class Handle:
         expert-major layout of docs/design.md §3. Not differentiable: use
         ``megatron_nccl_ep.dispatch`` for autograd."""
         self._require_alive()
-        self._check_x("x", x)
-        dense = False
-        if probs is not None:
-            dense = self.probs_are_dense(probs)
-            cols = self.group.config.num_experts if dense else self.topk
-            self.group._check_tensor("probs", probs, 2, PROB_DTYPES, (self.num_tokens, cols))
-            probs = probs.contiguous()
+        dense = isinstance(probs, torch.Tensor) and self.probs_are_dense(probs)
+
+        def check():
+            self._check_x("x", x)
+            if probs is not None:
+                cols = self.group.config.num_experts if dense else self.topk
+                self.group._check_tensor("probs", probs, 2, PROB_DTYPES, (self.num_tokens, cols))
+
+        self._check_agreed("dispatch", check)
+        probs = None if probs is None else probs.contiguous()
         return self.group._backend.dispatch(self._state, x.contiguous(), probs, dense)
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """``expert_out [N, H]`` in the layout -> ``y [T, H]``, the unweighted, ordered sum of
         docs/design.md §4."""
         self._require_alive()
-        self._check_rows("expert_out", expert_out)
+        self._check_agreed("combine", lambda: self._check_rows("expert_out", expert_out))
         return self.group._backend.combine(self._state, expert_out.contiguous())
 
     def combine_probs(self, grad_recv_probs: torch.Tensor, dense: bool = False) -> torch.Tensor:
         """Reverse of the probs dispatch: ``[N] -> [T, K]`` (0 at masked slots), or ``[T, E]``
         with ``dense`` (0 at every unrouted expert)."""
         self._require_alive()
-        self.group._check_tensor("grad_recv_probs", grad_recv_probs, 1, PROB_DTYPES,
-                                 (self.num_recv_tokens,))
+        self._check_agreed("combine_probs", lambda: self.group._check_tensor(
+            "grad_recv_probs", grad_recv_probs, 1, PROB_DTYPES, (self.num_recv_tokens,)))
         return self.group._backend.combine_probs(self._state, grad_recv_probs.contiguous(),
                                                  dense)
 

@@ -183,6 +183,12 @@ class CudaBackend:
     def info(self) -> dict:
         return dict(_call(_C.group_info, self._group))
 
+    def agree_on_arguments(self, op: str, error: Optional[Exception]) -> None:
+        """No host collective on the hot path: the failing rank raises here, before launching;
+        its peers' waits in ``op`` time out after timeout_s naming it."""
+        if error is not None:
+            raise error
+
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
 

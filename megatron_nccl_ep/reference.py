@@ -87,6 +87,7 @@ class ReferenceBackend:
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self.rank = 0 if process_group is None else dist.get_rank(process_group)
         self.num_local_experts = config.num_experts // self.world_size
+        self.device = torch.device("cpu") if device is None else torch.device(device)
 
     # -- collectives (identity with a single rank) -------------------------------------------------
     def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -123,6 +124,24 @@ class ReferenceBackend:
         where = "" if self.world_size == 1 else f" (rank {first})"
         raise exc_type(messages[first] + where)
 
+    def agree_on_arguments(self, op: str, error: Optional[Exception]) -> None:
+        """Raises on every rank when any rank's arguments to ``op`` are wrong: the failing rank
+        its own exception, the others a ValueError naming that rank and its reason."""
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        flags = self._all_gather(torch.tensor([error is not None], device=self.device))
+        if not bool(flags.any()):
+            return
+        messages = [None] * self.world_size
+        dist.all_gather_object(messages, None if error is None else str(error), group=self.group)
+        if error is not None:
+            raise error
+        first = next(r for r, m in enumerate(messages) if m is not None)
+        raise ValueError(f"{op}: rank {first} passed wrong arguments ({messages[first]}); every "
+                         "rank of the group raises")
+
     # -- handle ------------------------------------------------------------------------------------
     def create_handle(self, routing: torch.Tensor, from_map: bool) -> ReferenceHandleState:
         cfg, R, L = self.config, self.world_size, self.num_local_experts
@@ -141,10 +160,12 @@ class ReferenceBackend:
         if any(k != topk for _, k, _ in shapes):
             raise ValueError(f"topk_idx top-k differs across ranks: {[k for _, k, _ in shapes]}; "
                              "every rank must route with the same top-k")
-        padded = torch.full((cfg.max_tokens_per_rank, topk), -1, dtype=torch.int64,
-                            device=device)
+        # Padded to the most tokens any rank has now, not to max_tokens_per_rank: the cost
+        # follows the batch.
+        t_pad = max(1, max(t for t, _, _ in shapes))
+        padded = torch.full((t_pad, topk), -1, dtype=torch.int64, device=device)
         padded[:tokens] = topk_idx
-        routing = self._all_gather(padded)  # [R, Tmax, K]: every rank's routing
+        routing = self._all_gather(padded)  # [R, t_pad, K]: every rank's routing
 
         # Rows per (destination rank, local expert), then the expert-major bases of every rank.
         owner = torch.where(routing >= 0, routing // L, -1)
@@ -172,7 +193,7 @@ class ReferenceBackend:
         # Output row of every slot owned here: ordered by (local expert, source rank, token).
         s_idx, t_idx, k_idx = (owner == me).nonzero(as_tuple=True)
         local_expert = routing[s_idx, t_idx, k_idx] - me * L
-        order = torch.argsort((local_expert * R + s_idx) * cfg.max_tokens_per_rank + t_idx)
+        order = torch.argsort((local_expert * R + s_idx) * t_pad + t_idx)
         le_sorted = local_expert[order]
         first_of_expert = torch.cumsum(per_expert[me], 0) - per_expert[me]
         rows_sorted = base[le_sorted] + torch.arange(len(order), device=device) \
@@ -181,7 +202,7 @@ class ReferenceBackend:
         slot_rows[s_idx[order], t_idx[order], k_idx[order]] = rows_sorted
 
         # Tokens received: one per (source, token) with a slot here, source-major, token order.
-        has_slot_here = (owner == me).any(2)  # [R, Tmax]
+        has_slot_here = (owner == me).any(2)  # [R, t_pad]
         recv_counts = has_slot_here.sum(1).tolist()
         recv_rows = slot_rows[has_slot_here]  # [n_recv, K], (s, t) order
         send_tokens = [(owner[me, :tokens] == d).any(1).nonzero().flatten() for d in range(R)]

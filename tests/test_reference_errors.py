@@ -103,6 +103,49 @@ ARGUMENT_CASES = {
                         ValueError, r"dtype must be one of"),
 }
 
+# A wrong argument on one rank only: that rank raises its own error, every other rank a
+# ValueError naming it, at once (not after the process group's timeout); the next, correct call
+# works everywhere. name -> (the op called with the wrong argument on the bad rank, own pattern).
+ONE_RANK_CASES = {
+    "dispatch_x_wrong_hidden": (
+        "dispatch", lambda h, x, p, rows: h.dispatch(x[:, :-1], p),
+        rf"x must have shape \({T}, {H}\), got \({T}, {H - 1}\)"),
+    "combine_rows_wrong_count": (
+        "combine", lambda h, x, p, rows: h.combine(rows[:-1]), r"expert_out must have shape"),
+    "combine_probs_wrong_dtype": (
+        "combine_probs", lambda h, x, p, rows: h.combine_probs(torch.ones(rows.shape[0],
+                                                                          dtype=torch.int32)),
+        r"grad_recv_probs must have dtype in"),
+}
+
+
+def check_one_rank_argument_error(case_name: str, bad_rank: int, seed: int) -> None:
+    op, wrong_call, pattern = ONE_RANK_CASES[case_name]
+    rank, _ = ep_cases.rank_and_size()
+    _, group, x, idx, probs = setup(seed)
+    handle = group.create_handle(idx)
+    rows = torch.ones(handle.num_recv_tokens, H, dtype=torch.bfloat16)
+    good_calls = {"dispatch": lambda: handle.dispatch(x, probs),
+                  "combine": lambda: handle.combine(rows),
+                  "combine_probs": lambda: handle.combine_probs(torch.ones(rows.shape[0]))}
+    if rank == bad_rank:
+        with pytest.raises((TypeError, ValueError), match=pattern):
+            wrong_call(handle, x, probs, rows)
+    else:
+        with pytest.raises(ValueError, match=rf"{op}: rank {bad_rank} passed wrong arguments "
+                                             rf"\(.*\); every rank of the group raises"):
+            good_calls[op]()
+    recv_x, recv_p = handle.dispatch(x, probs)  # the group is still usable
+    assert recv_x.shape == (handle.num_recv_tokens, H) and recv_p is not None
+    assert handle.combine(recv_x).shape == x.shape
+
+
+@pytest.mark.parametrize("world_size,bad_rank", [(2, 1), (4, 0)])
+@pytest.mark.parametrize("case_name", list(ONE_RANK_CASES))
+def test_argument_error_on_one_rank_raises_on_every_rank(case_name, world_size, bad_rank, seed):
+    dist.run(world_size, check_one_rank_argument_error, case_name, bad_rank, seed, timeout=60)
+
+
 # Routing errors, in values or in the shape against the group's bounds: the group stays usable
 # afterwards. name -> (edit of one rank's topk_idx, pattern the message must contain).
 ROUTING_CASES = {
