@@ -2,8 +2,9 @@
 
 The package itself is pure Python. The CUDA backend is the C library ``libnccl_ep.so`` (csrc/:
 the C/CUDA library behind csrc/include/nccl_ep.h) and the pybind11 module ``megatron_nccl_ep._C``
-over it, both built into the package directory with nvcc when nvcc and the NCCL headers are
-found; otherwise a reference-only package is installed and a notice is printed.
+over it, both built into the package directory with nvcc where they can run (a GPU is visible) or
+when asked (NCCL_EP_BUILD_EXT=1, as CI does for its compile check), given nvcc and the NCCL
+headers; otherwise a reference-only package is installed and a notice says why.
 
     pip install --no-build-isolation -e .     # from the project venv
     python setup.py build_ext --inplace       # compile check (also used by CI)
@@ -14,7 +15,8 @@ the NCCL torch already loaded. CUDA runtime: linked statically (no libtorch, no 
 
 Environment knobs: NCCL_EP_CUDA_ARCHS (default "90"; e.g. "90;100"), NCCL_INCLUDE_DIR /
 NCCL_LIB_DIR (override the wheel), CUDA_HOME, NCCL_EP_WERROR=1 (warnings are errors),
-NCCL_EP_PTXAS_VERBOSE=1 (register/smem report), NCCL_EP_SKIP_EXT=1 (reference-only), MAX_JOBS.
+NCCL_EP_PTXAS_VERBOSE=1 (register/smem report), NCCL_EP_BUILD_EXT (auto: when a GPU is visible
+(default); 1: always; 0: never, reference-only), MAX_JOBS.
 """
 
 import glob
@@ -81,8 +83,13 @@ def _pybind11_include():
 
 
 def _why_no_extension():
-    if os.environ.get("NCCL_EP_SKIP_EXT") == "1":
-        return "NCCL_EP_SKIP_EXT=1"
+    wanted = os.environ.get("NCCL_EP_BUILD_EXT", "auto")
+    if wanted not in ("auto", "0", "1"):
+        raise SystemExit(f"NCCL_EP_BUILD_EXT must be auto, 0 or 1, got {wanted!r}")
+    if wanted == "0":
+        return "NCCL_EP_BUILD_EXT=0"
+    if wanted == "auto" and not glob.glob("/dev/nvidia[0-9]*"):
+        return "no GPU visible on this machine; NCCL_EP_BUILD_EXT=1 compiles it anyway"
     if _nvcc() is None:
         return "nvcc not found (set CUDA_HOME or put nvcc on PATH)"
     if _nccl_dirs()[0] is None:

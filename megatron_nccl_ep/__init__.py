@@ -1,23 +1,24 @@
 """megatron_nccl_ep: deterministic expert-parallel dispatch/combine for Megatron-Core MoE training.
 
 ``Group``/``Handle`` (api), differentiable ``dispatch``/``combine`` (autograd), the Megatron
-dispatcher ``NcclEpTokenDispatcher`` and ``register()`` (imported lazily: they import Megatron).
+dispatcher ``NcclEpTokenDispatcher`` and ``register()``. Every name is imported on first use, so
+that tools which need neither torch nor Megatron (``python -m megatron_nccl_ep.launch --help``)
+start at once.
 """
 
-from .api import Group, GroupConfig, Handle, NcclEpError
-from .autograd import combine, dispatch
+import importlib
 
-__all__ = ["Group", "GroupConfig", "Handle", "NcclEpError", "dispatch", "combine",
-           "NcclEpTokenDispatcher", "register"]
+# name -> the submodule that defines it
+_WHERE = {"Group": "api", "GroupConfig": "api", "Handle": "api", "NcclEpError": "api",
+          "dispatch": "autograd", "combine": "autograd",
+          "NcclEpTokenDispatcher": "dispatcher", "register": "megatron"}
+
+__all__ = list(_WHERE)
 
 
 def __getattr__(name):
-    if name == "NcclEpTokenDispatcher":
-        from .dispatcher import NcclEpTokenDispatcher
-
-        return NcclEpTokenDispatcher
-    if name == "register":
-        from .megatron import register
-
-        return register
-    raise AttributeError(f"module 'megatron_nccl_ep' has no attribute {name!r}")
+    if name not in _WHERE:
+        raise AttributeError(f"module 'megatron_nccl_ep' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value

@@ -952,7 +952,7 @@ def _megatron_dispatcher(me: _Rank, name: str, pg_collection):
         import megatron_nccl_ep
 
         megatron_nccl_ep.register()
-        from .dispatcher import NcclEpOptions
+        from .options import NcclEpOptions
 
         options = {"backend": args.backend, "recv_mode": args.recv_mode,
                    "num_sms": args.num_sms, "max_tokens_per_rank": args.tokens}

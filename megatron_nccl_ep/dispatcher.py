@@ -20,40 +20,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .api import Group
 from .autograd import combine, dispatch
-
-BACKENDS = ("auto", "torch", "cuda")
-RECV_MODES = ("exact", "capacity")
-
-
-@dataclasses.dataclass(frozen=True)
-class NcclEpOptions:
-    """What the dispatcher needs beyond Megatron's TransformerConfig."""
-
-    backend: str = "auto"  # "auto" | "torch" | "cuda"
-    recv_mode: str = "exact"  # "exact" | "capacity"
-    # Capacity mode: rows per rank = factor * tokens per rank * top-k (the balanced share).
-    capacity_factor: float = 2.0
-    num_sms: int = 24
-    # Tokens per rank the group is sized for. None: from Megatron's training arguments when they
-    # are parsed (seq_length x micro_batch_size, divided by the tensor-parallel size under sequence
-    # parallelism), else the next power of two of the batch's token count, which needs equal
-    # counts on the ranks of an EP group.
-    max_tokens_per_rank: Optional[int] = None
-
-    def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"nccl_ep backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.recv_mode not in RECV_MODES:
-            raise ValueError(
-                f"nccl_ep recv_mode must be one of {RECV_MODES}, got {self.recv_mode!r}")
-        if not self.capacity_factor > 0:
-            raise ValueError(f"nccl_ep capacity_factor must be > 0, got {self.capacity_factor}")
-        if self.num_sms < 1:
-            raise ValueError(f"nccl_ep num_sms must be >= 1, got {self.num_sms}")
-        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
-            raise ValueError(
-                f"nccl_ep max_tokens_per_rank must be >= 1 or None, got {self.max_tokens_per_rank}")
-
+from .options import NcclEpOptions
 
 _options = NcclEpOptions()
 

@@ -11,12 +11,12 @@ Megatron is patched in memory only (its files on disk are never touched):
 
 from __future__ import annotations
 
-import argparse
 import functools
 import inspect
 import typing
 
-from .dispatcher import BACKENDS, RECV_MODES, NcclEpOptions, NcclEpTokenDispatcher, set_options
+from .dispatcher import NcclEpTokenDispatcher, set_options
+from .options import add_arguments, options_from_args
 
 DISPATCHER_TYPE = "nccl_ep"
 
@@ -58,34 +58,6 @@ def _patch_moe_layer() -> None:
             pg_collection=bound.arguments.get("pg_collection"))
 
     MoELayer.__init__ = init
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``--nccl-ep-*`` flags (defaults: ``NcclEpOptions``)."""
-    defaults = NcclEpOptions()
-    group = parser.add_argument_group(title="nccl_ep token dispatcher")
-    group.add_argument("--nccl-ep-backend", choices=BACKENDS, default=defaults.backend,
-                       help="auto: CUDA kernels on GPUs when built, else the torch reference.")
-    group.add_argument("--nccl-ep-recv-mode", choices=RECV_MODES, default=defaults.recv_mode,
-                       help="exact: receive counts read once per layer (one host sync); "
-                            "capacity: fixed-size outputs, no host sync.")
-    group.add_argument("--nccl-ep-capacity-factor", type=float, default=defaults.capacity_factor,
-                       help="capacity mode: received rows per rank = factor x tokens x top-k.")
-    group.add_argument("--nccl-ep-num-sms", type=int, default=defaults.num_sms,
-                       help="SM budget of each dispatch/combine kernel.")
-    group.add_argument("--nccl-ep-max-tokens-per-rank", type=int,
-                       default=defaults.max_tokens_per_rank,
-                       help="tokens per rank the groups are sized for (default: the next power "
-                            "of two of each batch's token count, which must then be equal on "
-                            "the ranks of an EP group).")
-    return parser
-
-
-def options_from_args(args: argparse.Namespace) -> NcclEpOptions:
-    return NcclEpOptions(backend=args.nccl_ep_backend, recv_mode=args.nccl_ep_recv_mode,
-                         capacity_factor=args.nccl_ep_capacity_factor,
-                         num_sms=args.nccl_ep_num_sms,
-                         max_tokens_per_rank=args.nccl_ep_max_tokens_per_rank)
 
 
 def _patch_arguments() -> None:

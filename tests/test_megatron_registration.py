@@ -53,6 +53,26 @@ def test_launcher_registers_and_runs_the_script(training_script):
     assert "PARSED nccl_ep 4 capacity 1.5 True" in result.stdout
 
 
+def test_launcher_help_lists_our_flags_without_importing_torch_or_megatron():
+    code = textwrap.dedent("""
+        import sys
+        from megatron_nccl_ep import launch
+        try:
+            launch.main(["--help"])
+        except SystemExit as e:
+            assert e.code == 0, e.code
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "megatron"))
+        print("IMPORTED", heavy)
+    """)
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for flag in ("--nccl-ep-backend", "--nccl-ep-recv-mode", "--nccl-ep-capacity-factor",
+                 "--nccl-ep-num-sms", "--nccl-ep-max-tokens-per-rank"):
+        assert flag in result.stdout, flag
+    assert "github.com/NVIDIA/Megatron-LM" in result.stdout
+    assert "IMPORTED []" in result.stdout, result.stdout
+
+
 def test_register_is_idempotent_and_sets_options_from_flags():
     code = textwrap.dedent(f"""
         import sys

@@ -1,0 +1,69 @@
+"""The plugin's options (``NcclEpOptions``) and their ``--nccl-ep-*`` flags. Imports neither torch
+nor Megatron, so that ``python -m megatron_nccl_ep.launch --help`` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Optional
+
+BACKENDS = ("auto", "torch", "cuda")
+RECV_MODES = ("exact", "capacity")
+
+
+@dataclasses.dataclass(frozen=True)
+class NcclEpOptions:
+    """What the dispatcher needs beyond Megatron's TransformerConfig."""
+
+    backend: str = "auto"  # "auto" | "torch" | "cuda"
+    recv_mode: str = "exact"  # "exact" | "capacity"
+    # Capacity mode: rows per rank = factor * tokens per rank * top-k (the balanced share).
+    capacity_factor: float = 2.0
+    num_sms: int = 24
+    # Tokens per rank the group is sized for. None: from Megatron's training arguments when they
+    # are parsed (seq_length x micro_batch_size, divided by the tensor-parallel size under sequence
+    # parallelism), else the next power of two of the batch's token count, which needs equal
+    # counts on the ranks of an EP group.
+    max_tokens_per_rank: Optional[int] = None
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"nccl_ep backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.recv_mode not in RECV_MODES:
+            raise ValueError(
+                f"nccl_ep recv_mode must be one of {RECV_MODES}, got {self.recv_mode!r}")
+        if not self.capacity_factor > 0:
+            raise ValueError(f"nccl_ep capacity_factor must be > 0, got {self.capacity_factor}")
+        if self.num_sms < 1:
+            raise ValueError(f"nccl_ep num_sms must be >= 1, got {self.num_sms}")
+        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
+            raise ValueError(
+                f"nccl_ep max_tokens_per_rank must be >= 1 or None, got {self.max_tokens_per_rank}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``--nccl-ep-*`` flags (defaults: ``NcclEpOptions``)."""
+    defaults = NcclEpOptions()
+    group = parser.add_argument_group(title="nccl_ep token dispatcher")
+    group.add_argument("--nccl-ep-backend", choices=BACKENDS, default=defaults.backend,
+                       help="auto: CUDA kernels on GPUs when built, else the torch reference.")
+    group.add_argument("--nccl-ep-recv-mode", choices=RECV_MODES, default=defaults.recv_mode,
+                       help="exact: receive counts read once per layer (one host sync); "
+                            "capacity: fixed-size outputs, no host sync.")
+    group.add_argument("--nccl-ep-capacity-factor", type=float, default=defaults.capacity_factor,
+                       help="capacity mode: received rows per rank = factor x tokens x top-k.")
+    group.add_argument("--nccl-ep-num-sms", type=int, default=defaults.num_sms,
+                       help="SM budget of each dispatch/combine kernel.")
+    group.add_argument("--nccl-ep-max-tokens-per-rank", type=int,
+                       default=defaults.max_tokens_per_rank,
+                       help="tokens per rank the groups are sized for (default: the next power "
+                            "of two of each batch's token count, which must then be equal on "
+                            "the ranks of an EP group).")
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> NcclEpOptions:
+    return NcclEpOptions(backend=args.nccl_ep_backend, recv_mode=args.nccl_ep_recv_mode,
+                         capacity_factor=args.nccl_ep_capacity_factor,
+                         num_sms=args.nccl_ep_num_sms,
+                         max_tokens_per_rank=args.nccl_ep_max_tokens_per_rank)
