@@ -108,9 +108,12 @@ class GroupConfig:
 def capacity_from_factor(capacity_factor: float, max_tokens_per_rank: int, max_topk: int,
                          num_local_experts: int, expert_alignment: int) -> int:
     """Rows for capacity mode: capacity_factor times the balanced share of rows per rank
-    (T * K), plus the worst-case alignment padding of every local expert."""
+    (T * K), plus the worst-case alignment padding of every local expert, rounded up to a
+    multiple of the alignment (so the unused tail, counted by Megatron's dispatcher as the last
+    expert's rows, keeps that expert's count aligned)."""
     rows = math.ceil(capacity_factor * max_tokens_per_rank * max_topk)
-    return rows + num_local_experts * (expert_alignment - 1)
+    rows += num_local_experts * (expert_alignment - 1)
+    return -(-rows // expert_alignment) * expert_alignment
 
 
 def shape_error(topk_idx: torch.Tensor, config: GroupConfig,

@@ -15,7 +15,8 @@ import dataclasses
 from typing import List, Optional
 
 import torch
-from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.moe_utils import (get_align_size_for_quantization,
+                                                     get_default_pg_collection)
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .api import Group
@@ -57,12 +58,12 @@ def _training_tokens_per_rank() -> Optional[int]:
 
 
 def _group_for(ep_group, num_experts: int, topk: int, tokens: torch.Tensor,
-               options: NcclEpOptions) -> Group:
+               options: NcclEpOptions, alignment: int) -> Group:
     num_tokens = tokens.shape[0]
     max_tokens = (options.max_tokens_per_rank or _training_tokens_per_rank()
                   or 1 << max(num_tokens - 1, 0).bit_length())
     key = (ep_group, num_experts, topk, tokens.shape[1], tokens.dtype, tokens.device, max_tokens,
-           options)
+           options, alignment)
     group = _groups.get(key)
     if group is None:
         group = Group(ep_group, num_experts=num_experts, hidden=tokens.shape[1],
@@ -70,7 +71,7 @@ def _group_for(ep_group, num_experts: int, topk: int, tokens: torch.Tensor,
                       backend=options.backend, device=tokens.device, recv_mode=options.recv_mode,
                       capacity_factor=(options.capacity_factor
                                        if options.recv_mode == "capacity" else None),
-                      num_sms=options.num_sms)
+                      expert_alignment=alignment, num_sms=options.num_sms)
         _groups[key] = group
     return group
 
@@ -101,10 +102,10 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
                 f"(expert_tensor_parallel_size={self.tp_size}); use "
                 "--expert-tensor-parallel-size 1 (attention tensor parallelism with sequence "
                 "parallelism is fine)")
-        # The padding options route a token to more than top-k experts; the overlap options need
-        # a dispatcher that runs on a side stream.
-        for flag in ("moe_pad_expert_input_to_capacity", "moe_router_padding_for_quantization",
-                     "moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm"):
+        # Drop-and-pad routes a token to more than top-k experts; the overlap options need a
+        # dispatcher that runs on a side stream.
+        for flag in ("moe_pad_expert_input_to_capacity", "moe_shared_expert_overlap",
+                     "overlap_moe_expert_parallel_comm"):
             if getattr(config, flag, False):
                 raise NotImplementedError(f"nccl_ep dispatcher: {flag} is not supported")
         # Handle creation exchanges the routing and, in exact mode, reads the receive count on
@@ -135,6 +136,16 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
     def options(self) -> NcclEpOptions:
         return getattr(self.config, "nccl_ep_options", None) or get_options()
 
+    def expert_alignment(self) -> int:
+        """Rows per local expert are padded to a multiple of this (the layout's alignment
+        padding: zero rows with prob 0, which combine never reads). With
+        ``moe_router_padding_for_quantization`` it is Megatron's FP8/FP4 GEMM alignment, so the
+        experts, which then skip their own padding, get aligned counts without a padding copy
+        or a routing-map edit; else 1."""
+        if not getattr(self.config, "moe_router_padding_for_quantization", False):
+            return 1
+        return max(1, get_align_size_for_quantization(self.config))
+
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
                             probs: torch.Tensor):
         """[S, B, H] -> [T, H]; creates this forward's Handle straight from the dense routing map
@@ -144,7 +155,7 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = hidden_states.shape
         hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
         group = _group_for(self.ep_group, self.num_experts, self.topk, hidden_states,
-                           self.options())
+                           self.options(), self.expert_alignment())
         self._handle = group.create_handle(routing_map=routing_map.reshape(-1, self.num_experts))
         return hidden_states, probs.reshape(-1, self.num_experts)
 

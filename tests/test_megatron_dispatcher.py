@@ -69,7 +69,7 @@ def run_layer(layer, x, grad_out):
 
 
 def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact", tp: int = 1,
-                ep: int = 0, **config_fields):
+                ep: int = 0, quantization_padding: bool = False, **config_fields):
     rank = torch.distributed.get_rank()
     ep = ep or torch.distributed.get_world_size()
     if tp > 1:
@@ -81,6 +81,19 @@ def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact"
         ours.config.nccl_ep_options = NcclEpOptions(backend="torch", recv_mode=recv_mode)
         ours.load_state_dict(baseline.state_dict())
         assert isinstance(ours.token_dispatcher, NcclEpTokenDispatcher)
+        counts = []
+        if quantization_padding:
+            # FP8 training's padding flag, set after construction: TransformerConfig refuses
+            # fp8 without transformer-engine, and the local experts here never quantize.
+            ours.config.fp8, ours.config.moe_router_padding_for_quantization = "hybrid", True
+            postprocess = ours.token_dispatcher.dispatch_postprocess
+
+            def record_counts(*args):
+                rows, tokens_per_expert, probs = postprocess(*args)
+                counts.append((rows.shape[0], tokens_per_expert.tolist()))
+                return rows, tokens_per_expert, probs
+
+            ours.token_dispatcher.dispatch_postprocess = record_counts
         assert (ours.attn_tp_group.size(), ours.token_dispatcher.ep_size) == (tp, ep)
 
         torch.manual_seed(seed + rank + 1)  # each rank has its own tokens
@@ -96,6 +109,11 @@ def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact"
             assert want_grads[name].abs().sum() > 0, f"{name} got no gradient in the baseline"
             torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0, atol=1e-6,
                                        msg=lambda m: f"{name}: {m}")
+
+        for rows, tokens_per_expert in counts:  # FP8 alignment: 16 rows per expert block
+            assert all(n % 16 == 0 for n in tokens_per_expert), tokens_per_expert
+            assert sum(tokens_per_expert) == rows, (rows, tokens_per_expert)
+        assert bool(counts) == quantization_padding
 
         # Rerun: bitwise the same.
         again_out, again_dx, again_grads = run_layer(ours, x, grad_out)
@@ -126,6 +144,14 @@ def test_parity_with_dropped_tokens(seed):
     # Megatron's capacity dropping leaves some tokens with fewer than top-k experts (-1 slots).
     assert all(dist.run(2, parity_case, 4, 2, seed, moe_expert_capacity_factor=0.5,
                         moe_router_load_balancing_type="aux_loss"))
+
+
+@pytest.mark.parametrize("recv_mode", ["exact", "capacity"])
+def test_parity_with_quantization_padding(recv_mode, seed):
+    # moe_router_padding_for_quantization: each local expert's rows padded to FP8's 16 by the
+    # layout (zero rows, prob 0, never combined); outputs and gradients as without padding.
+    assert all(dist.run(2, parity_case, 4, 2, seed, recv_mode=recv_mode,
+                        quantization_padding=True))
 
 
 def handle_lifetime_case(seed: int):

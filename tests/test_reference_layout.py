@@ -94,7 +94,8 @@ def test_layout_matches_design(case_name, world_size, seed):
 
 
 def check_capacity_factor(seed: int, alignment: int) -> None:
-    """The capacity from a factor is the documented bound: ceil(factor * T * K) + L * (A - 1)."""
+    """The capacity from a factor is the documented bound, ceil(factor * T * K) + L * (A - 1),
+    rounded up to a multiple of A."""
     import megatron_nccl_ep as ep
 
     rank, world = ep_cases.rank_and_size()
@@ -107,6 +108,7 @@ def check_capacity_factor(seed: int, alignment: int) -> None:
                      dtype=torch.bfloat16, backend="torch", device="cpu", recv_mode="capacity",
                      capacity_factor=factor, expert_alignment=alignment)
     capacity = math.ceil(factor * tokens * topk) + (experts // world) * (alignment - 1)
+    capacity = -(-capacity // alignment) * alignment
     assert group.config.max_recv_tokens_per_rank == capacity
     x, idx, probs = ep_cases.share(problem, rank)
     handle = group.create_handle(idx)
