@@ -108,17 +108,20 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
                      "overlap_moe_expert_parallel_comm"):
             if getattr(config, flag, False):
                 raise NotImplementedError(f"nccl_ep dispatcher: {flag} is not supported")
-        # Handle creation exchanges the routing and, in exact mode, reads the receive count on
-        # the host: nothing a CUDA graph could replay. (An empty module list captures whole
-        # layers.)
+        # dispatch_preprocess is local (no communication, no host read), so the moe_router and
+        # moe_preprocess scopes can be captured; the routing exchange and, in exact mode, the
+        # host read of the receive count happen in token_dispatch, which a graph of the whole
+        # layer would replay with the handle of the captured step. (An empty module list
+        # captures whole layers.)
         graph_impl = getattr(config, "cuda_graph_impl", "none")
         modules = {getattr(m, "name", str(m)) for m in getattr(config, "cuda_graph_modules", [])}
         if graph_impl == "full_iteration" or (graph_impl != "none" and (
-                not modules or modules & {"moe", "moe_router", "moe_preprocess"})):
+                not modules or "moe" in modules)):
             raise NotImplementedError(
-                f"nccl_ep dispatcher: CUDA graph capture of MoE layers is not supported "
-                f"(cuda_graph_impl={graph_impl!r}, cuda_graph_modules={sorted(modules)}); capture "
-                "other modules only (e.g. attn) or use cuda_graph_impl='none'")
+                f"nccl_ep dispatcher: CUDA graph capture of whole MoE layers is not supported "
+                f"(cuda_graph_impl={graph_impl!r}, cuda_graph_modules={sorted(modules)}): each "
+                "step's routing needs its own handle. Capture attn, moe_router and "
+                "moe_preprocess instead")
         num_experts = config.num_moe_experts
         if num_local_experts * self.ep_size != num_experts or list(local_expert_indices) != list(
                 range(self.ep_rank * num_local_experts, (self.ep_rank + 1) * num_local_experts)):
@@ -131,7 +134,11 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         self.num_experts = num_experts
         self.topk = config.moe_router_topk
         self.hidden_shape = None
+        self.routing_map = None
         self._handle = None
+        # What dispatch_preprocess leaves for token_dispatch: a graph of the moe_preprocess scope
+        # returns it as an output and sets it back on replay.
+        self.cudagraph_attrs = ["routing_map"]
 
     def options(self) -> NcclEpOptions:
         return getattr(self.config, "nccl_ep_options", None) or get_options()
@@ -148,20 +155,23 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
                             probs: torch.Tensor):
-        """[S, B, H] -> [T, H]; creates this forward's Handle straight from the dense routing map
-        (the routing exchange, enqueued on the stream: nothing waits here). The router's dense
-        probs [T, E] go to dispatch as they are: the kernels pick each routed expert's column,
-        and the gradient comes back dense, zero where a token is not routed."""
+        """[S, B, H] -> [T, H], and the dense routing map kept for token_dispatch. Local: no
+        communication, no host read (CUDA-graph capturable). The router's dense probs [T, E] go
+        to dispatch as they are: the kernels pick each routed expert's column, and the gradient
+        comes back dense, zero where a token is not routed."""
         self.hidden_shape = hidden_states.shape
-        hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
-        group = _group_for(self.ep_group, self.num_experts, self.topk, hidden_states,
-                           self.options(), self.expert_alignment())
-        self._handle = group.create_handle(routing_map=routing_map.reshape(-1, self.num_experts))
-        return hidden_states, probs.reshape(-1, self.num_experts)
+        self.routing_map = routing_map.reshape(-1, self.num_experts)
+        return (hidden_states.reshape(-1, self.hidden_shape[-1]),
+                probs.reshape(-1, self.num_experts))
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Dispatches tokens and their probs with this forward's Handle (exact mode: the
+        """Creates this forward's Handle straight from the routing map (the routing exchange,
+        enqueued on the stream) and dispatches tokens and probs with it (exact mode: the
         handle's receive count is read here, the layer's one host read)."""
+        group = _group_for(self.ep_group, self.num_experts, self.topk, hidden_states,
+                           self.options(), self.expert_alignment())
+        self._handle = group.create_handle(routing_map=self.routing_map)
+        self.routing_map = None
         return dispatch(self._handle, hidden_states, probs)
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):

@@ -231,12 +231,12 @@ def preprocess_case(seed: int) -> bool:
         hidden = torch.randn(tokens, 1, HIDDEN, dtype=torch.float64)
         h, dense_probs = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
         assert dense_probs.shape == (tokens, experts) and torch.equal(dense_probs, probs)
+        dispatched = dispatcher.token_dispatch(h, dense_probs)
         topk_idx = dispatcher._handle.topk_idx
         for t in range(tokens):
             experts_t = routing_map[t].nonzero().flatten().tolist()
             assert topk_idx[t].tolist() == experts_t + [-1] * (topk - len(experts_t))
-        rows, _, row_probs = dispatcher.dispatch_postprocess(
-            *dispatcher.token_dispatch(h, dense_probs))
+        rows, _, row_probs = dispatcher.dispatch_postprocess(*dispatched)
         weights = torch.randn(rows.shape[0], dtype=torch.float64)
         (row_probs * weights).sum().backward()
         # One rank: rows are expert-major, tokens in order within an expert.
@@ -263,9 +263,57 @@ def build_graphed_layer(impl: str, modules) -> bool:
     return True
 
 
-@pytest.mark.parametrize("impl,modules", [("local", ["moe_router"]), ("local", []),
-                                          ("transformer_engine", ["moe_router", "moe_preprocess"]),
+@pytest.mark.parametrize("impl,modules", [("local", ["moe_router"]),
+                                          ("local", ["moe_router", "moe_preprocess"]),
+                                          ("transformer_engine",
+                                           ["attn", "moe_router", "moe_preprocess"])])
+def test_cuda_graph_scopes_up_to_preprocess_are_accepted(impl, modules):
+    assert all(dist.run(1, build_graphed_layer, impl, modules))
+
+
+@pytest.mark.parametrize("impl,modules", [("local", []), ("transformer_engine", []),
                                           ("full_iteration", [])])
-def test_cuda_graph_capture_of_moe_is_rejected(impl, modules):
-    with pytest.raises(Exception, match="CUDA graph capture of MoE layers is not supported"):
+def test_cuda_graph_capture_of_whole_moe_layers_is_rejected(impl, modules):
+    with pytest.raises(Exception, match="CUDA graph capture of whole MoE layers is not supported"
+                                        ".*Capture attn, moe_router and moe_preprocess"):
         dist.run(1, build_graphed_layer, impl, modules)
+
+
+def local_preprocess_case(seed: int) -> bool:
+    """dispatch_preprocess communicates with no one (what a moe_preprocess CUDA graph needs):
+    with every collective made to fail, it still runs, makes no handle, and leaves the routing
+    map in its cudagraph_attrs; token_dispatch then makes the handle."""
+    with megatron_on_cpu(torch.distributed.get_world_size()):
+        torch.manual_seed(seed)
+        layer = moe_layer("nccl_ep", 4, 2)
+        layer.config.nccl_ep_options = NcclEpOptions(backend="torch")
+        dispatcher = layer.token_dispatcher
+        routing_map = torch.zeros(SEQ * BATCH, 4, dtype=torch.bool)
+        routing_map[:, :2] = True
+        probs = routing_map.double() / 2
+        hidden = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64)
+        names = ("all_gather", "all_gather_object", "all_to_all_single", "all_reduce",
+                 "broadcast", "broadcast_object_list", "barrier")
+        saved = {name: getattr(torch.distributed, name) for name in names}
+
+        def no_collective(*args, **kwargs):
+            raise AssertionError("dispatch_preprocess communicated")
+
+        try:
+            for name in names:
+                setattr(torch.distributed, name, no_collective)
+            h, p = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
+        finally:
+            for name, fn in saved.items():
+                setattr(torch.distributed, name, fn)
+        assert dispatcher._handle is None
+        assert dispatcher.cudagraph_attrs == ["routing_map"]
+        assert torch.equal(dispatcher.routing_map, routing_map)
+        rows, _ = dispatcher.token_dispatch(h, p)
+        assert dispatcher._handle is not None and dispatcher.routing_map is None
+        assert rows.shape[1] == HIDDEN
+    return True
+
+
+def test_dispatch_preprocess_is_local(seed):
+    assert all(dist.run(2, local_preprocess_case, seed))
