@@ -23,12 +23,27 @@ DISPATCHER_TYPE = "nccl_ep"
 _registered = False
 
 
+def literal_choices(hint) -> tuple:
+    """The values of ``Literal[...]`` or ``Optional[Literal[...]]``."""
+    for h in (hint, *typing.get_args(hint)):
+        if typing.get_origin(h) is typing.Literal:
+            return typing.get_args(h)
+    raise RuntimeError(
+        "megatron_nccl_ep.register(): TransformerConfig.moe_token_dispatcher_type is annotated "
+        f"{hint!r}, not a Literal of dispatcher names; this Megatron-Core version is not "
+        "supported")
+
+
 def _allow_dispatcher_type() -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    # Subclasses (MLA, heterogeneous configs) share this Field object.
+    # Subclasses (MLA, heterogeneous configs) share this Field object. The annotation may be a
+    # string (postponed evaluation) or wrap the Literal in Optional[...]: resolve both.
     field = TransformerConfig.__dataclass_fields__["moe_token_dispatcher_type"]
-    choices = typing.get_args(field.type)
+    hint = field.type
+    if isinstance(hint, str):
+        hint = typing.get_type_hints(TransformerConfig)["moe_token_dispatcher_type"]
+    choices = literal_choices(hint)
     if DISPATCHER_TYPE not in choices:
         field.type = typing.Literal[choices + (DISPATCHER_TYPE,)]
         TransformerConfig.__annotations__["moe_token_dispatcher_type"] = field.type
@@ -56,6 +71,10 @@ def _patch_moe_layer() -> None:
         self.token_dispatcher = NcclEpTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config=self.config,
             pg_collection=bound.arguments.get("pg_collection"))
+        # inference_optimized layers keep the training dispatcher aside and swap it back in at
+        # each training forward: that must be ours, not the stand-in built above.
+        if getattr(self, "_training_token_dispatcher", None) is not None:
+            self._training_token_dispatcher = self.token_dispatcher
 
     MoELayer.__init__ = init
 

@@ -62,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def options_from_args(args: argparse.Namespace) -> NcclEpOptions:
-    return NcclEpOptions(backend=args.nccl_ep_backend, recv_mode=args.nccl_ep_recv_mode,
-                         capacity_factor=args.nccl_ep_capacity_factor,
-                         num_sms=args.nccl_ep_num_sms,
-                         max_tokens_per_rank=args.nccl_ep_max_tokens_per_rank)
+def options_from_args(args) -> NcclEpOptions:
+    """The options in parsed arguments: argparse's namespace, or the namespace Megatron builds
+    from ``--yaml-cfg`` (top-level ``nccl_ep_*`` keys; absent ones take the defaults)."""
+    return NcclEpOptions(**{field.name: getattr(args, f"nccl_ep_{field.name}", field.default)
+                            for field in dataclasses.fields(NcclEpOptions)})

@@ -317,3 +317,18 @@ def local_preprocess_case(seed: int) -> bool:
 
 def test_dispatch_preprocess_is_local(seed):
     assert all(dist.run(2, local_preprocess_case, seed))
+
+
+def inference_optimized_case() -> bool:
+    # Such layers keep the training dispatcher aside and swap it in at each training forward.
+    with megatron_on_cpu(torch.distributed.get_world_size()):
+        layer = moe_layer("nccl_ep", 4, 2, transformer_impl="inference_optimized",
+                          inference_grouped_gemm_backend="torch", moe_router_dtype="fp32",
+                          normalization="RMSNorm")
+        assert isinstance(layer.token_dispatcher, NcclEpTokenDispatcher)
+        assert layer._training_token_dispatcher is layer.token_dispatcher
+    return True
+
+
+def test_inference_optimized_layers_train_with_nccl_ep():
+    assert all(dist.run(2, inference_optimized_case))

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
+import typing
 
 import pytest
 
@@ -109,3 +111,22 @@ def test_bad_flag_value_is_rejected(training_script):
                         "--nccl-ep-backend", "nvshmem")
     assert result.returncode == 2
     assert "--nccl-ep-backend: invalid choice: 'nvshmem'" in result.stderr
+
+
+def test_dispatcher_choices_from_plain_and_optional_literals():
+    from megatron_nccl_ep.megatron import literal_choices
+
+    assert literal_choices(typing.Literal["a", "b"]) == ("a", "b")
+    assert literal_choices(typing.Optional[typing.Literal["a", "b"]]) == ("a", "b")
+    with pytest.raises(RuntimeError, match="not a Literal of dispatcher names"):
+        literal_choices(str)
+
+
+def test_options_from_yaml_style_namespace():
+    # Megatron's --yaml-cfg path returns a SimpleNamespace of the file's keys: ours may be absent.
+    from megatron_nccl_ep.options import NcclEpOptions, options_from_args
+
+    assert options_from_args(types.SimpleNamespace(seq_length=8)) == NcclEpOptions()
+    assert options_from_args(types.SimpleNamespace(nccl_ep_recv_mode="capacity",
+                                                   nccl_ep_num_sms=16)) == NcclEpOptions(
+        recv_mode="capacity", num_sms=16)
