@@ -96,12 +96,6 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         super().__init__(config=config, pg_collection=pg_collection)
-        if self.tp_size > 1:
-            raise NotImplementedError(
-                "nccl_ep dispatcher: expert tensor parallelism is not supported "
-                f"(expert_tensor_parallel_size={self.tp_size}); use "
-                "--expert-tensor-parallel-size 1 (attention tensor parallelism with sequence "
-                "parallelism is fine)")
         # Drop-and-pad routes a token to more than top-k experts; the overlap options need a
         # dispatcher that runs on a side stream.
         for flag in ("moe_pad_expert_input_to_capacity", "moe_shared_expert_overlap",
@@ -133,6 +127,12 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         self.local_expert_indices = local_expert_indices
         self.num_experts = num_experts
         self.topk = config.moe_router_topk
+        # Expert tensor parallelism folds TP x EP into one group (as Megatron's flex dispatcher
+        # does): each expert is tp_size virtual experts, one per rank of its TP group (rank
+        # ep_rank * tp_size + tp_rank of the TP x EP group), which receive the same tokens and
+        # hold the expert's weight shards; combine's sum over ranks completes the shards'
+        # partial outputs, dispatch's backward sums their partial input gradients.
+        self.comm_group = self.tp_ep_group if self.tp_size > 1 else self.ep_group
         self.hidden_shape = None
         self.routing_map = None
         self._handle = None
@@ -160,16 +160,26 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         to dispatch as they are: the kernels pick each routed expert's column, and the gradient
         comes back dense, zero where a token is not routed."""
         self.hidden_shape = hidden_states.shape
-        self.routing_map = routing_map.reshape(-1, self.num_experts)
-        return (hidden_states.reshape(-1, self.hidden_shape[-1]),
-                probs.reshape(-1, self.num_experts))
+        self.routing_map = self._over_tp(routing_map)
+        return hidden_states.reshape(-1, self.hidden_shape[-1]), self._over_tp(probs)
+
+    def _over_tp(self, per_expert: torch.Tensor) -> torch.Tensor:
+        """[..., E] -> [T, tp_size * E]: each expert's column repeated for the ranks of its TP
+        group, in the order of the TP x EP group (a view's copy; autograd sums the repeats)."""
+        per_expert = per_expert.reshape(-1, self.num_experts)
+        if self.tp_size == 1:
+            return per_expert
+        tokens = per_expert.shape[0]
+        return (per_expert.reshape(tokens, self.ep_size, 1, self.num_local_experts)
+                .expand(-1, -1, self.tp_size, -1).reshape(tokens, -1))
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Creates this forward's Handle straight from the routing map (the routing exchange,
         enqueued on the stream) and dispatches tokens and probs with it (exact mode: the
         handle's receive count is read here, the layer's one host read)."""
-        group = _group_for(self.ep_group, self.num_experts, self.topk, hidden_states,
-                           self.options(), self.expert_alignment())
+        group = _group_for(self.comm_group, self.tp_size * self.num_experts,
+                           self.tp_size * self.topk, hidden_states, self.options(),
+                           self.expert_alignment())
         self._handle = group.create_handle(routing_map=self.routing_map)
         self.routing_map = None
         return dispatch(self._handle, hidden_states, probs)

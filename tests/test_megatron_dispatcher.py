@@ -69,12 +69,14 @@ def run_layer(layer, x, grad_out):
 
 
 def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact", tp: int = 1,
-                ep: int = 0, quantization_padding: bool = False, **config_fields):
+                ep: int = 0, etp: int = 1, quantization_padding: bool = False, **config_fields):
     rank = torch.distributed.get_rank()
     ep = ep or torch.distributed.get_world_size()
     if tp > 1:
         config_fields.update(tensor_model_parallel_size=tp, sequence_parallel=True)
-    with megatron_on_cpu(ep, tp=tp):
+    if etp > 1:
+        config_fields.update(expert_tensor_parallel_size=etp)
+    with megatron_on_cpu(ep, etp=etp, tp=tp):
         torch.manual_seed(seed)  # same weights on every rank and in both layers
         baseline = moe_layer("allgather", num_experts, topk, **config_fields)
         ours = moe_layer("nccl_ep", num_experts, topk, **config_fields)
@@ -182,15 +184,11 @@ def test_handle_lives_as_long_as_the_graph(seed):
     assert dist.run(2, handle_lifetime_case, seed) == [3, 3]
 
 
-def expert_tensor_parallel_case():
-    with megatron_on_cpu(ep=1, etp=2):
-        with pytest.raises(NotImplementedError, match="expert tensor parallelism"):
-            moe_layer("nccl_ep", 4, 2)
-    return True
-
-
-def test_expert_tensor_parallel_is_refused():
-    assert all(dist.run(2, expert_tensor_parallel_case))
+@pytest.mark.parametrize("ep,etp,tp", [(1, 2, 1), (2, 2, 1), (2, 2, 2)])
+def test_parity_with_expert_tensor_parallel(ep, etp, tp, seed):
+    # TP x EP folded into one group: each expert's two weight shards receive the same tokens,
+    # combine sums their partial outputs (world: ep * etp ranks).
+    assert all(dist.run(ep * etp, parity_case, 4, 2, seed, ep=ep, etp=etp, tp=tp))
 
 
 def padded_routing_case():
