@@ -96,10 +96,9 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         super().__init__(config=config, pg_collection=pg_collection)
-        # Drop-and-pad routes a token to more than top-k experts; the overlap options need a
-        # dispatcher that runs on a side stream.
-        for flag in ("moe_pad_expert_input_to_capacity", "moe_shared_expert_overlap",
-                     "overlap_moe_expert_parallel_comm"):
+        # Drop-and-pad routes a token to more than top-k experts; EP overlap needs the ops on
+        # the fine-grained schedule's communication stream.
+        for flag in ("moe_pad_expert_input_to_capacity", "overlap_moe_expert_parallel_comm"):
             if getattr(config, flag, False):
                 raise NotImplementedError(f"nccl_ep dispatcher: {flag} is not supported")
         # dispatch_preprocess is local (no communication, no host read), so the moe_router and
@@ -135,10 +134,21 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         self.comm_group = self.tp_ep_group if self.tp_size > 1 else self.ep_group
         self.hidden_shape = None
         self.routing_map = None
+        self.shared_experts = None  # set by MoELayer with moe_shared_expert_overlap
         self._handle = None
         # What dispatch_preprocess leaves for token_dispatch: a graph of the moe_preprocess scope
         # returns it as an output and sets it back on replay.
         self.cudagraph_attrs = ["routing_map"]
+
+    def set_shared_experts(self, shared_experts) -> None:
+        """``moe_shared_expert_overlap``: the shared expert runs on its own stream, its steps
+        placed around ours as Megatron's alltoall dispatcher places them (input gather in
+        dispatch_preprocess, fc1 after dispatch, fc2 and the output scatter after combine, the
+        sum in combine_postprocess)."""
+        super().set_shared_experts(shared_experts)
+        if shared_experts.use_shared_expert_gate:
+            self.cudagraph_attrs.append("shared_experts.gate_score")
+        self.cudagraph_attrs.append("shared_experts.cached_fc1_input")
 
     def options(self) -> NcclEpOptions:
         return getattr(self.config, "nccl_ep_options", None) or get_options()
@@ -161,6 +171,8 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         comes back dense, zero where a token is not routed."""
         self.hidden_shape = hidden_states.shape
         self.routing_map = self._over_tp(routing_map)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states)
         return hidden_states.reshape(-1, self.hidden_shape[-1]), self._over_tp(probs)
 
     def _over_tp(self, per_expert: torch.Tensor) -> torch.Tensor:
@@ -177,12 +189,17 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         """Creates this forward's Handle straight from the routing map (the routing exchange,
         enqueued on the stream) and dispatches tokens and probs with it (exact mode: the
         handle's receive count is read here, the layer's one host read)."""
+        if self.shared_experts is not None:  # its fc1 may not start before our inputs exist
+            self.shared_experts.wait_current_stream()
         group = _group_for(self.comm_group, self.tp_size * self.num_experts,
                            self.tp_size * self.topk, hidden_states, self.options(),
                            self.expert_alignment())
         self._handle = group.create_handle(routing_map=self.routing_map)
         self.routing_map = None
-        return dispatch(self._handle, hidden_states, probs)
+        recv_x, recv_probs = dispatch(self._handle, hidden_states, probs)
+        if self.shared_experts is not None:  # overlaps the routed experts' work
+            self.shared_experts.linear_fc1_forward_and_act(recv_x)
+        return recv_x, recv_probs
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """The rows are already expert-major: (rows, tokens_per_expert, 1-D probs).
@@ -204,8 +221,17 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
     def token_combine(self, hidden_states: torch.Tensor):
         """Unweighted combine; from here on only the autograd graph holds the Handle."""
         handle, self._handle = self._handle, None
-        return combine(handle, hidden_states)
+        if self.shared_experts is not None:  # fc2 after the routed experts' work is queued
+            self.shared_experts.wait_current_stream()
+        y = combine(handle, hidden_states)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(y)
+            self.shared_experts.post_forward_comm()
+        return y
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
-        return hidden_states.view(self.hidden_shape)
+        output = hidden_states.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts.get_output()
+        return output
 

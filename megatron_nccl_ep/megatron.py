@@ -4,6 +4,7 @@ Megatron is patched in memory only (its files on disk are never touched):
 
 * ``TransformerConfig.moe_token_dispatcher_type``'s Literal gains ``"nccl_ep"``; Megatron's
   argparse builds the flag's choices from that annotation;
+* ``TransformerConfig.__post_init__`` admits ``moe_shared_expert_overlap`` with ``nccl_ep``;
 * ``MoELayer.__init__`` builds ``NcclEpTokenDispatcher`` when the config asks for ``nccl_ep``;
 * ``megatron.training.arguments`` gets the ``--nccl-ep-*`` flags, and ``parse_args`` turns them
   into the process-wide ``NcclEpOptions`` (``dispatcher.set_options``).
@@ -49,6 +50,27 @@ def _allow_dispatcher_type() -> None:
         TransformerConfig.__annotations__["moe_token_dispatcher_type"] = field.type
 
 
+def _allow_shared_expert_overlap() -> None:
+    """TransformerConfig admits moe_shared_expert_overlap for the alltoall and flex dispatchers
+    only; nccl_ep drives the same shared-expert hooks, so such a config is validated as an
+    alltoall one (its other checks included), then given its type back."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    original = TransformerConfig.__post_init__
+
+    @functools.wraps(original)
+    def post_init(self):
+        if self.moe_token_dispatcher_type != DISPATCHER_TYPE or not self.moe_shared_expert_overlap:
+            return original(self)
+        self.moe_token_dispatcher_type = "alltoall"
+        try:
+            original(self)
+        finally:
+            self.moe_token_dispatcher_type = DISPATCHER_TYPE
+
+    TransformerConfig.__post_init__ = post_init
+
+
 def _patch_moe_layer() -> None:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -71,6 +93,8 @@ def _patch_moe_layer() -> None:
         self.token_dispatcher = NcclEpTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config=self.config,
             pg_collection=bound.arguments.get("pg_collection"))
+        if self.shared_expert_overlap:  # MoELayer handed the shared expert to the stand-in
+            self.token_dispatcher.set_shared_experts(self.shared_experts)
         # inference_optimized layers keep the training dispatcher aside and swap it back in at
         # each training forward: that must be ours, not the stand-in built above.
         if getattr(self, "_training_token_dispatcher", None) is not None:
@@ -107,6 +131,7 @@ def register() -> None:
     if _registered:
         return
     _allow_dispatcher_type()
+    _allow_shared_expert_overlap()
     _patch_moe_layer()
     try:
         import megatron.training.arguments  # noqa: F401

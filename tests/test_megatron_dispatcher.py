@@ -46,6 +46,29 @@ def megatron_on_cpu(ep: int, etp: int = 1, tp: int = 1):
         torch.cuda.current_device = current_device
 
 
+@contextlib.contextmanager
+def cuda_streams_on_cpu():
+    """Megatron's shared-expert overlap puts the shared expert on a torch.cuda stream; on CPU
+    every stream is the one CPU stream, so what runs is the order of the calls (and Megatron's
+    shared-expert state machine checks that order)."""
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    saved = torch.cuda.Stream, torch.cuda.stream, torch.cuda.current_stream
+    torch.cuda.Stream = Stream
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda device=None: Stream()
+    SharedExpertMLP.stream = None
+    try:
+        yield
+    finally:
+        torch.cuda.Stream, torch.cuda.stream, torch.cuda.current_stream = saved
+        SharedExpertMLP.stream = None
+
+
 def moe_layer(dispatcher_type: str, num_experts: int, topk: int, **config_fields):
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=2,
@@ -69,17 +92,20 @@ def run_layer(layer, x, grad_out):
 
 
 def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact", tp: int = 1,
-                ep: int = 0, etp: int = 1, quantization_padding: bool = False, **config_fields):
+                ep: int = 0, etp: int = 1, quantization_padding: bool = False,
+                shared_expert_overlap: bool = False, **config_fields):
     rank = torch.distributed.get_rank()
     ep = ep or torch.distributed.get_world_size()
     if tp > 1:
         config_fields.update(tensor_model_parallel_size=tp, sequence_parallel=True)
     if etp > 1:
         config_fields.update(expert_tensor_parallel_size=etp)
-    with megatron_on_cpu(ep, etp=etp, tp=tp):
+    streams = cuda_streams_on_cpu() if shared_expert_overlap else contextlib.nullcontext()
+    with megatron_on_cpu(ep, etp=etp, tp=tp), streams:
         torch.manual_seed(seed)  # same weights on every rank and in both layers
         baseline = moe_layer("allgather", num_experts, topk, **config_fields)
-        ours = moe_layer("nccl_ep", num_experts, topk, **config_fields)
+        ours = moe_layer("nccl_ep", num_experts, topk, **config_fields,
+                         **({"moe_shared_expert_overlap": True} if shared_expert_overlap else {}))
         ours.config.nccl_ep_options = NcclEpOptions(backend="torch", recv_mode=recv_mode)
         ours.load_state_dict(baseline.state_dict())
         assert isinstance(ours.token_dispatcher, NcclEpTokenDispatcher)
@@ -154,6 +180,14 @@ def test_parity_with_quantization_padding(recv_mode, seed):
     # layout (zero rows, prob 0, never combined); outputs and gradients as without padding.
     assert all(dist.run(2, parity_case, 4, 2, seed, recv_mode=recv_mode,
                         quantization_padding=True))
+
+
+@pytest.mark.parametrize("ep,tp", [(2, 1), (2, 2)])
+def test_parity_with_shared_expert_overlap(ep, tp, seed):
+    # The baseline computes its shared expert in MoELayer (allgather has no overlap); ours runs it
+    # in the pieces the dispatcher schedules around dispatch and combine: the same sums.
+    assert all(dist.run(ep * tp, parity_case, 4, 2, seed, ep=ep, tp=tp,
+                        shared_expert_overlap=True, moe_shared_expert_intermediate_size=FFN))
 
 
 def handle_lifetime_case(seed: int):
