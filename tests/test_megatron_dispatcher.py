@@ -130,12 +130,12 @@ def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact"
         want_out, want_dx, want_grads = run_layer(baseline, x, grad_out)
         got_out, got_dx, got_grads = run_layer(ours, x, grad_out)
 
-        torch.testing.assert_close(got_out, want_out, rtol=0, atol=1e-6)
-        torch.testing.assert_close(got_dx, want_dx, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got_out, want_out, rtol=0, atol=1e-12)
+        torch.testing.assert_close(got_dx, want_dx, rtol=0, atol=1e-12)
         assert got_grads.keys() == want_grads.keys() and "router.weight" in got_grads
         for name in want_grads:
             assert want_grads[name].abs().sum() > 0, f"{name} got no gradient in the baseline"
-            torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0, atol=1e-6,
+            torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0, atol=1e-12,
                                        msg=lambda m: f"{name}: {m}")
 
         for rows, tokens_per_expert in counts:  # FP8 alignment: 16 rows per expert block
