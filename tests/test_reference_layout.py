@@ -172,3 +172,36 @@ def check_subgroups(layout_name: str, seed: int) -> str:
 def test_ep_subgroups_of_the_world(layout_name, seed):
     for line in dist.run(4, check_subgroups, layout_name, seed):
         print(line)
+
+
+def check_handle_cost_follows_tokens(seed: int) -> None:
+    """Handle creation works on the tokens passed, not on max_tokens_per_rank: with a bound of
+    2^23 tokens and a few tokens per rank, nothing it gathers holds more rows than the largest
+    batch (the layout still matches the oracle)."""
+    import megatron_nccl_ep as ep
+
+    rank, world = ep_cases.rank_and_size()
+    problem = dense.make_problem(seed, world, tokens=(5, 9), hidden=8, num_experts=8, topk=2,
+                                 dtype=torch.bfloat16)
+    group = ep.Group(num_experts=8, hidden=8, max_tokens_per_rank=1 << 23, max_topk=2,
+                     dtype=torch.bfloat16, backend="torch", device="cpu")
+    gathered = []
+    all_gather = group._backend._all_gather
+
+    def recording(t):
+        gathered.append(tuple(t.shape))
+        return all_gather(t)
+
+    group._backend._all_gather = recording
+    x, idx, probs = ep_cases.share(problem, rank)
+    handle = group.create_handle(idx)
+    most = max(t.shape[0] for t in problem.x)
+    assert gathered and all(shape[0] <= max(most, 3) for shape in gathered), gathered
+    want_x, _, want_tpe, _ = dense.dispatch(problem, rank)
+    dense.assert_bitwise_equal(handle.dispatch(x, probs)[0], want_x, "recv_x")
+    dense.assert_bitwise_equal(handle.tokens_per_expert, want_tpe, "tokens_per_expert")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_handle_creation_cost_follows_the_tokens_passed(world_size, seed):
+    dist.run(world_size, check_handle_cost_follows_tokens, seed)
