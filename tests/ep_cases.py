@@ -73,3 +73,15 @@ def capacity_or_rows(problem: dense.Problem, alignment: int, capacity):
     """Rows of each rank's dispatch output: the capacity when given, else the exact count."""
     return [capacity if capacity is not None else dense.layout(problem, d, alignment).num_rows
             for d in range(problem.world_size)]
+
+
+# Tokens with slots on every rank (top-12 of 16 over 4 ranks): a few terms per partial and partials
+# from all 4 ranks, so that the order and grouping of the sums show in the bits.
+ORDER_PROBLEM = dict(tokens=64, hidden=128, num_experts=16, topk=12)
+
+
+def order_sensitive_outputs(seed: int, dtype: torch.dtype):
+    """A 4-rank problem of ORDER_PROBLEM's shape and every rank's expert outputs for it."""
+    problem = dense.make_problem(seed, 4, dtype=dtype, **ORDER_PROBLEM)
+    rows = [dense.layout(problem, d).num_rows for d in range(4)]
+    return problem, poisoned_rows(problem, seed + 7, rows)

@@ -29,19 +29,12 @@ def wrong_variant(name: str, dtype: torch.dtype) -> dict:
     return dict(acc_dtype=OTHER_ACC[dtype]) if spec == "acc" else spec
 
 
-# Order matters only for sums of 3+ terms: 4 ranks with 4 local experts each and top-12 of 16
-# give tokens with 3-4 slots on one rank and partials from all 4 ranks.
-ORDER_PROBLEM = dict(tokens=64, hidden=128, num_experts=16, topk=12)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("variant", list(WRONG_ORDERS))
 def test_oracle_distinguishes_summation_orders(variant, dtype, seed):
     """The inputs the combine tests use are order sensitive: each wrong arithmetic gives other
     bits than §4 somewhere, so the bitwise comparison below would catch it."""
-    problem = dense.make_problem(seed, 4, dtype=dtype, **ORDER_PROBLEM)
-    rows = [dense.layout(problem, d).num_rows for d in range(4)]
-    expert_out = ep_cases.poisoned_rows(problem, seed + 7, rows)
+    problem, expert_out = ep_cases.order_sensitive_outputs(seed, dtype)
     differ = 0
     for source in range(4):
         right = dense.combine(problem, expert_out, source)

@@ -13,16 +13,11 @@ import ep_cases
 import megatron_nccl_ep as ep
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
-# Tokens with slots on every rank (top-12 of 16 over 4 ranks), values wide enough that the
-# association of the sums shows in the bits.
-ORDER_PROBLEM = dict(tokens=64, hidden=128, num_experts=16, topk=12)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_oracle_nodes_of_one_and_of_all_ranks_are_the_flat_combine(dtype, seed):
-    problem = dense.make_problem(seed, 4, dtype=dtype, **ORDER_PROBLEM)
-    rows = [dense.layout(problem, d).num_rows for d in range(4)]
-    expert_out = ep_cases.poisoned_rows(problem, seed + 5, rows)
+    problem, expert_out = ep_cases.order_sensitive_outputs(seed, dtype)
     differ = 0
     for source in range(4):
         flat = dense.combine(problem, expert_out, source)
