@@ -5,8 +5,9 @@ step: ``dispatch_postprocess`` hands the received rows to Megatron's experts as 
 combine is the unweighted sum of docs/design.md §4 (Megatron's experts apply the probs themselves).
 
 Plugin options (``NcclEpOptions``) come from ``config.nccl_ep_options`` when a TransformerConfig
-carries one, else from the process-wide options set by ``set_options()`` or by the ``--nccl-ep-*``
-flags (``megatron_nccl_ep.megatron``).
+carries one, else from the process-wide options set by ``set_options()``, else from the
+``--nccl-ep-*`` flags in Megatron's parsed training arguments (``megatron.training.get_args``,
+``--yaml-cfg`` included), else the defaults.
 """
 
 from __future__ import annotations
@@ -21,35 +22,47 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .api import Group
 from .autograd import combine, dispatch
-from .options import NcclEpOptions
+from .options import NcclEpOptions, options_from_args
 
-_options = NcclEpOptions()
+_options: Optional[NcclEpOptions] = None  # set_options()'s; None: never called
 
 
 def set_options(options: Optional[NcclEpOptions] = None, **fields) -> NcclEpOptions:
     """Sets the process-wide options: a whole ``NcclEpOptions``, or some fields of the current
     ones. Dispatchers read them at each forward, so set them before training starts."""
     global _options
-    _options = dataclasses.replace(options or _options, **fields)
+    _options = dataclasses.replace(options or get_options(), **fields)
     return _options
 
 
 def get_options() -> NcclEpOptions:
-    return _options
+    """``set_options()``'s, else the ``--nccl-ep-*`` flags of Megatron's parsed training
+    arguments, else the defaults."""
+    if _options is not None:
+        return _options
+    args = _training_args()
+    return NcclEpOptions() if args is None else options_from_args(args)
 
 
 # One Group per EP process group and shape class, shared by every layer of that class.
 _groups: dict = {}
 
 
-def _training_tokens_per_rank() -> Optional[int]:
-    """Tokens per rank entering an MoE layer in Megatron training, when its arguments are parsed:
-    the same on every rank, so every rank picks the same group without communicating."""
+def _training_args():
+    """Megatron's parsed training arguments, or None outside Megatron training."""
     try:
         from megatron.training.global_vars import get_args
 
-        args = get_args()
-    except (ImportError, AssertionError):  # not under Megatron training
+        return get_args()
+    except (ImportError, AssertionError):
+        return None
+
+
+def _training_tokens_per_rank() -> Optional[int]:
+    """Tokens per rank entering an MoE layer in Megatron training, when its arguments are parsed:
+    the same on every rank, so every rank picks the same group without communicating."""
+    args = _training_args()
+    if args is None:
         return None
     tokens = args.seq_length * args.micro_batch_size
     if getattr(args, "sequence_parallel", False):

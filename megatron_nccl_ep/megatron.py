@@ -6,8 +6,8 @@ Megatron is patched in memory only (its files on disk are never touched):
   argparse builds the flag's choices from that annotation;
 * ``TransformerConfig.__post_init__`` admits ``moe_shared_expert_overlap`` with ``nccl_ep``;
 * ``MoELayer.__init__`` builds ``NcclEpTokenDispatcher`` when the config asks for ``nccl_ep``;
-* ``megatron.training.arguments`` gets the ``--nccl-ep-*`` flags, and ``parse_args`` turns them
-  into the process-wide ``NcclEpOptions`` (``dispatcher.set_options``).
+* ``megatron.training.arguments`` gets the ``--nccl-ep-*`` flags; the dispatcher reads their
+  values from the parsed training arguments (``dispatcher.get_options``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import functools
 import inspect
 import typing
 
-from .dispatcher import NcclEpTokenDispatcher, set_options
-from .options import add_arguments, options_from_args
+from .dispatcher import NcclEpTokenDispatcher
+from .options import add_arguments
 
 DISPATCHER_TYPE = "nccl_ep"
 
@@ -106,22 +106,16 @@ def _patch_moe_layer() -> None:
 def _patch_arguments() -> None:
     from megatron.training import arguments
 
-    add_megatron_arguments, parse_args = arguments.add_megatron_arguments, arguments.parse_args
+    add_megatron_arguments = arguments.add_megatron_arguments
 
     @functools.wraps(add_megatron_arguments)
     def add_all_arguments(parser):
         return add_arguments(add_megatron_arguments(parser))
 
-    @functools.wraps(parse_args)
-    def parse_args_and_set_options(*args, **kwargs):
-        parsed = parse_args(*args, **kwargs)
-        set_options(options_from_args(parsed))
-        return parsed
-
-    # parse_args looks add_megatron_arguments up in its module at call time; the training
-    # entry points (parse_and_validate_args, ft_integration) do the same for parse_args.
+    # parse_args looks add_megatron_arguments up in its module at call time, so a parse_args
+    # imported before register() sees the flags too; the dispatcher reads their values from the
+    # parsed arguments (get_args), so parse_args itself is left alone.
     arguments.add_megatron_arguments = add_all_arguments
-    arguments.parse_args = parse_args_and_set_options
 
 
 def register() -> None:

@@ -84,16 +84,21 @@ def test_register_is_idempotent_and_sets_options_from_flags():
         from megatron.training import arguments
         from megatron_nccl_ep.dispatcher import get_options
 
+        parse_args = arguments.parse_args  # imported before register(): still sees our flags
         megatron_nccl_ep.register()
-        init, parse_args = MoELayer.__init__, arguments.parse_args
+        init, add = MoELayer.__init__, arguments.add_megatron_arguments
         megatron_nccl_ep.register()
-        assert MoELayer.__init__ is init and arguments.parse_args is parse_args, "patched twice"
+        assert MoELayer.__init__ is init and arguments.add_megatron_arguments is add, \
+            "patched twice"
         field = TransformerConfig.__dataclass_fields__["moe_token_dispatcher_type"]
         assert str(field.type).count("nccl_ep") == 1, field.type
 
         sys.argv = ["train"] + {MEGATRON_ARGS!r} + ["--nccl-ep-backend", "torch",
                                                     "--nccl-ep-num-sms", "16"]
         args = parse_args()
+        from megatron.training.global_vars import set_args
+
+        set_args(args)  # what initialize_megatron does with them
         options = get_options()
         assert (options.backend, options.num_sms, options.recv_mode) == ("torch", 16, "exact"), \\
             options
