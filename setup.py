@@ -15,7 +15,8 @@ the NCCL torch already loaded. CUDA runtime: linked statically (no libtorch, no 
 
 Environment knobs: NCCL_EP_CUDA_ARCHS (default "90"; e.g. "90;100"), NCCL_INCLUDE_DIR /
 NCCL_LIB_DIR (override the wheel), CUDA_HOME, NCCL_EP_WERROR=1 (warnings are errors),
-NCCL_EP_PTXAS_VERBOSE=1 (register/smem report), NCCL_EP_BUILD_EXT (auto: when a GPU is visible
+NCCL_EP_PTXAS_VERBOSE=1 (register/smem report), NCCL_EP_TRACE=1 (per-role timers printed by the
+op kernels, csrc/kernels/exchange.cuh; rebuild with --force when toggling), NCCL_EP_BUILD_EXT (auto: when a GPU is visible
 (default); 1: always; 0: never, reference-only), MAX_JOBS.
 """
 
@@ -145,6 +146,8 @@ class BuildExt(build_ext):
                     cmd.append(f"-gencode=arch=compute_{a},code=sm_{a}")
                 if os.environ.get("NCCL_EP_PTXAS_VERBOSE") == "1":
                     cmd += ["-Xptxas", "-v"]
+                if os.environ.get("NCCL_EP_TRACE") == "1":
+                    cmd += ["-DEP_TRACE=1"]
                 cmd += includes
             else:
                 cmd = [cxx, "-c", src, "-o", obj, "-std=c++17", "-O2", "-fPIC",

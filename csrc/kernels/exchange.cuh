@@ -30,8 +30,17 @@
  */
 #pragma once
 
+#include <cstdio>
+
 #include "api.cuh"
 #include "device.cuh"
+
+// Per-role timers, a developer build (NCCL_EP_TRACE=1 python setup.py build_ext --force): each
+// role's leader sums per op the time it waited for peers and the time its warps worked, and CTAs
+// 0 and C - 1 of every rank print one line per op ("EP_TRACE op=... us"). Off: compiled out.
+#ifndef EP_TRACE
+#define EP_TRACE 0
+#endif
 
 namespace nccl_ep {
 
@@ -48,7 +57,20 @@ struct ExchangeShared {
   int start_stop;             // the group already held an error when the op started
   int rows_sh[kMaxWarps][kMaxTopk];   // per warp: the rows of the current item
   int slots_sh[kMaxWarps][kMaxTopk];  // and their slots k
+  // EP_TRACE: ns per op, summed over rounds by each role's leader
+  unsigned long long send_wait_ns, send_work_ns, recv_local_ns, recv_wait_ns, recv_remote_ns;
 };
+
+constexpr bool kTrace = EP_TRACE != 0;
+
+__device__ __forceinline__ unsigned long long trace_clock() {
+  return kTrace ? global_timer_ns() : 0ull;
+}
+
+// *sum += now - since, in trace builds.
+__device__ __forceinline__ void trace_add(unsigned long long* sum, unsigned long long since) {
+  if (kTrace) *sum += global_timer_ns() - since;
+}
 
 struct ChunkRange {
   int begin, end;  // tokens [begin, end); empty when begin >= end
@@ -229,17 +251,21 @@ __device__ void sender_role(const typename Op::Args& a, ExchangeShared& sh, int 
       if (p != e.rank && sh.send_chunks[p] == 0) post_ready(e, epoch, b, p, kAllChunks);
   }
   for (int j = 0; j < sh.send_rounds; ++j) {
+    unsigned long long since = trace_clock();
     if (leader) {
       bool ok = true;
       for (int p = 0; p < e.num_ranks && ok; ++p)
         if (j < sh.send_chunks[p]) ok = wait_credit(e, epoch, b, p, j);
       if (!ok) sh.send_stop = 1;
+      trace_add(&sh.send_wait_ns, since);
     }
     named_barrier(kSendBarrier, threads);
     if (*(volatile int*)&sh.send_stop) break;
+    since = trace_clock();
     Op::send_round(a, sh, b, j, warp, nwarps, lane);
     named_barrier(kSendBarrier, threads);
     if (leader) {
+      trace_add(&sh.send_work_ns, since);
       fence_acq_rel_sys();
       for (int p = 0; p < e.num_ranks; ++p) {
         const int n = sh.send_chunks[p];
@@ -258,18 +284,24 @@ __device__ void receiver_role(const typename Op::Args& a, ExchangeShared& sh, in
   const unsigned long long epoch = sh.epoch;
   Op::recv_prologue(a, sh, b, warp, nwarps, lane);
   for (int j = 0; j < sh.recv_rounds; ++j) {
+    unsigned long long since = trace_clock();
     Op::recv_local(a, sh, b, j, warp, nwarps, lane);
     if (leader) {
+      trace_add(&sh.recv_local_ns, since);  // the leader's own share of the local work
+      since = trace_clock();
       bool ok = true;
       for (int p = 0; p < e.num_ranks && ok; ++p)
         if (p != e.rank && j < sh.recv_chunks[p]) ok = wait_ready(e, epoch, b, p, (unsigned)j + 1);
       if (!ok) sh.recv_stop = 1;
+      trace_add(&sh.recv_wait_ns, since);
     }
     named_barrier(kRecvBarrier, threads);
     if (*(volatile int*)&sh.recv_stop) return;
+    since = trace_clock();
     Op::recv_remote(a, sh, b, j, warp, nwarps, lane);
     named_barrier(kRecvBarrier, threads);
     if (leader) {
+      trace_add(&sh.recv_remote_ns, since);
       for (int p = 0; p < e.num_ranks; ++p) {
         if (p == e.rank) continue;
         const int n = sh.recv_chunks[p];
@@ -296,6 +328,9 @@ __device__ void run_exchange(const typename Op::Args& a) {
   const ExchangeArgs& e = Op::ex(a);
   __shared__ ExchangeShared sh;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const unsigned long long start_ns = trace_clock();
+  if (kTrace && threadIdx.x == 0)
+    sh.send_wait_ns = sh.send_work_ns = sh.recv_local_ns = sh.recv_wait_ns = sh.recv_remote_ns = 0;
   if (threadIdx.x < e.num_ranks) sh.tokens[threadIdx.x] = e.tokens_of[threadIdx.x];
   __syncthreads();
   if (threadIdx.x < e.num_ranks) count_chunks<Op>(sh, e, threadIdx.x);
@@ -330,6 +365,12 @@ __device__ void run_exchange(const typename Op::Args& a) {
     }
   }
   __syncthreads();
+  if (kTrace && threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1))
+    printf("EP_TRACE op=%d rank=%d cta=%d rounds=%d/%d send_warps=%d | send wait %.1f work %.1f "
+           "| recv local %.1f wait %.1f remote %.1f | total %.1f us\n",
+           (int)call_op(e.call), e.rank, blockIdx.x, sh.send_rounds, sh.recv_rounds,
+           e.send_warps, sh.send_wait_ns / 1e3, sh.send_work_ns / 1e3, sh.recv_local_ns / 1e3,
+           sh.recv_wait_ns / 1e3, sh.recv_remote_ns / 1e3, (global_timer_ns() - start_ns) / 1e3);
   // The last CTA to finish moves the op epoch on (every CTA read it at its start).
   if (threadIdx.x == 0) {
     __threadfence();
