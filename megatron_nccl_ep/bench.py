@@ -915,6 +915,36 @@ def _section_kernels(me: _Rank) -> None:
             f"combine ({mode})",
             lambda i: pick(i)["handle"].combine(pick(i)["expert_out"]),
             mode=mode, extra=combine_bytes))
+
+    def rank_major():
+        # DeepEP's layout, as our own lower bound: the same tokens and link bytes, but one row
+        # per (token, destination rank) instead of per (token, expert), i.e. a group with one
+        # "expert" per rank routed by each token's destination ranks (a K-th of the rows to
+        # write and to sum at top-K).
+        per_rank = args.experts // me.world
+        rm_group = Group(num_experts=me.world, hidden=args.hidden,
+                         max_tokens_per_rank=args.tokens, max_topk=min(args.topk, me.world),
+                         dtype=me.dtype, backend=args.backend, device=me.device,
+                         num_sms=args.num_sms, timeout_s=args.device_timeout)
+        for s, st in enumerate(sets):
+            dest = torch.zeros(args.tokens, me.world, dtype=torch.bool, device=me.device)
+            dest.scatter_(1, st["topk"] // per_rank, True)
+            st["rm_handle"] = rm_group.create_handle(routing_map=dest)
+            st["rm_rows"] = _random_tokens(me, st["rm_handle"].num_recv_tokens,
+                                           seed=900 + 10 * s + me.rank)
+        try:
+            me.measure("dispatch, rank-major (kernel)",
+                       lambda i: pick(i)["rm_handle"].dispatch(pick(i)["x"]), mode="kernel",
+                       extra=dispatch_bytes)
+            me.measure("combine, rank-major (kernel)",
+                       lambda i: pick(i)["rm_handle"].combine(pick(i)["rm_rows"]),
+                       mode="kernel", extra=combine_bytes)
+        finally:
+            for st in sets:
+                st.pop("rm_handle").destroy()
+            rm_group.destroy()
+
+    me.attempt("rank_major", rank_major)
     for st in sets:
         st["handle"].destroy()
     group.destroy()

@@ -50,6 +50,11 @@ def test_cpu_defaults_measure_kernels(cpu_run):
         for mode in ("kernel", "e2e"):
             _positive_median(result["kernels"], f"{op} ({mode})")
         assert result["kernels"][f"{op} (kernel)"]["iters"] == 2
+        # DeepEP's rank-major layout through the same library: the lower bound, same link bytes
+        lower = f"{op}, rank-major (kernel)"
+        _positive_median(result["kernels"], lower)
+        assert result["kernels"][lower]["phys_bytes"] == \
+            result["kernels"][f"{op} (kernel)"]["phys_bytes"]
     rows_check = result["checks"]["rows / sum(tokens_per_expert) / expected"]
     assert sorted(rows_check) == ["0", "1"]
     assert all(value.startswith("ok ") for value in rows_check.values()), rows_check
