@@ -23,6 +23,17 @@ import torch.distributed as dist
 from .api import GroupConfig, NcclEpError, shape_error
 
 
+def _bytes_as(byte_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[n, w]`` uint8 (a column slice of received rows) as ``[n, w / itemsize]`` of ``dtype``.
+    A copy into a fresh tensor: ``.contiguous()`` keeps the slice's row stride when n is 0, which
+    ``view`` then rejects for wider dtypes."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    out = torch.empty((byte_rows.shape[0], byte_rows.shape[1] // itemsize), dtype=dtype,
+                      device=byte_rows.device)
+    out.view(torch.uint8).copy_(byte_rows)
+    return out
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 tokens accumulate in float64, every other token dtype in float32 (docs/design.md §4)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -239,7 +250,7 @@ class ReferenceBackend:
             payload.append(probs[send_idx].view(torch.uint8))
         received = self._all_to_all_rows(torch.cat(payload, 1), self._send_counts(state),
                                          state.recv_counts)
-        recv_tokens = received[:, :hidden_bytes].contiguous().view(x.dtype)
+        recv_tokens = _bytes_as(received[:, :hidden_bytes], x.dtype)
 
         recv_x = torch.zeros((state.num_recv_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
         slot_valid = state.recv_rows >= 0
@@ -249,7 +260,7 @@ class ReferenceBackend:
         recv_x[rows] = recv_tokens[token_of_slot[slot_valid]]
         if probs is None:
             return recv_x, None
-        recv_slot_probs = received[:, hidden_bytes:].contiguous().view(probs.dtype)
+        recv_slot_probs = _bytes_as(received[:, hidden_bytes:], probs.dtype)
         recv_probs = torch.zeros(state.num_recv_tokens, dtype=probs.dtype, device=x.device)
         recv_probs[rows] = recv_slot_probs[slot_valid]
         return recv_x, recv_probs

@@ -205,3 +205,29 @@ def check_handle_cost_follows_tokens(seed: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_handle_creation_cost_follows_the_tokens_passed(world_size, seed):
     dist.run(world_size, check_handle_cost_follows_tokens, seed)
+
+
+def check_nothing_received(dtype: torch.dtype) -> None:
+    """A rank that receives no token gets empty outputs of the right dtypes (the received byte
+    rows of width hidden + probs must not be viewed through their strides when there are none)."""
+    import megatron_nccl_ep as ep
+
+    rank, _ = ep_cases.rank_and_size()
+    group = ep.Group(num_experts=4, hidden=5, max_tokens_per_rank=4, max_topk=2, dtype=dtype,
+                     backend="torch", device="cpu")
+    # Rank 0 has no tokens; rank 1 routes only to its own experts (2, 3).
+    tokens = 0 if rank == 0 else 3
+    idx = torch.tensor([[2, 3]] * tokens, dtype=torch.int64).reshape(tokens, 2)
+    x = torch.ones(tokens, 5, dtype=dtype)
+    probs = torch.full((tokens, 2), 0.5, dtype=torch.float32)
+    handle = group.create_handle(idx)
+    recv_x, recv_p = handle.dispatch(x, probs)
+    want = 0 if rank == 0 else 6
+    assert recv_x.shape == (want, 5) and recv_x.dtype == dtype
+    assert recv_p.shape == (want,) and recv_p.dtype == torch.float32
+    assert handle.combine(recv_x).shape == (tokens, 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_rank_that_receives_nothing(dtype):
+    dist.run(2, check_nothing_received, dtype)
