@@ -84,7 +84,8 @@ def _group_for(ep_group, num_experts: int, topk: int, tokens: torch.Tensor,
                       backend=options.backend, device=tokens.device, recv_mode=options.recv_mode,
                       capacity_factor=(options.capacity_factor
                                        if options.recv_mode == "capacity" else None),
-                      expert_alignment=alignment, num_sms=options.num_sms)
+                      expert_alignment=alignment, num_sms=options.num_sms,
+                      ranks_per_node=options.ranks_per_node)
         _groups[key] = group
     return group
 

@@ -25,6 +25,9 @@ class NcclEpOptions:
     # parallelism), else the next power of two of the batch's token count, which needs equal
     # counts on the ranks of an EP group.
     max_tokens_per_rank: Optional[int] = None
+    # Ranks per node of the communication group (docs/design.md §4, groups that span nodes);
+    # 0: one node. The torch backend computes any divisor; the cuda backend one node only.
+    ranks_per_node: int = 0
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -39,6 +42,8 @@ class NcclEpOptions:
         if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
             raise ValueError(
                 f"nccl_ep max_tokens_per_rank must be >= 1 or None, got {self.max_tokens_per_rank}")
+        if self.ranks_per_node < 0:
+            raise ValueError(f"nccl_ep ranks_per_node must be >= 0, got {self.ranks_per_node}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -59,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="tokens per rank the groups are sized for (default: the next power "
                             "of two of each batch's token count, which must then be equal on "
                             "the ranks of an EP group).")
+    group.add_argument("--nccl-ep-ranks-per-node", type=int, default=defaults.ranks_per_node,
+                       help="ranks per node of the dispatcher's group: the combine sums node by "
+                            "node (0: one node; the cuda backend runs one node only).")
     return parser
 
 

@@ -93,7 +93,7 @@ def run_layer(layer, x, grad_out):
 
 def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact", tp: int = 1,
                 ep: int = 0, etp: int = 1, quantization_padding: bool = False,
-                shared_expert_overlap: bool = False, **config_fields):
+                shared_expert_overlap: bool = False, ranks_per_node: int = 0, **config_fields):
     rank = torch.distributed.get_rank()
     ep = ep or torch.distributed.get_world_size()
     if tp > 1:
@@ -106,7 +106,8 @@ def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact"
         baseline = moe_layer("allgather", num_experts, topk, **config_fields)
         ours = moe_layer("nccl_ep", num_experts, topk, **config_fields,
                          **({"moe_shared_expert_overlap": True} if shared_expert_overlap else {}))
-        ours.config.nccl_ep_options = NcclEpOptions(backend="torch", recv_mode=recv_mode)
+        ours.config.nccl_ep_options = NcclEpOptions(backend="torch", recv_mode=recv_mode,
+                                                    ranks_per_node=ranks_per_node)
         ours.load_state_dict(baseline.state_dict())
         assert isinstance(ours.token_dispatcher, NcclEpTokenDispatcher)
         counts = []
@@ -138,6 +139,11 @@ def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact"
             torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0, atol=1e-12,
                                        msg=lambda m: f"{name}: {m}")
 
+        if ranks_per_node:  # the option reached the group the layer used
+            from megatron_nccl_ep import dispatcher as dispatcher_module
+
+            assert {g.config.ranks_per_node for g in dispatcher_module._groups.values()} == {
+                ranks_per_node}
         for rows, tokens_per_expert in counts:  # FP8 alignment: 16 rows per expert block
             assert all(n % 16 == 0 for n in tokens_per_expert), tokens_per_expert
             assert sum(tokens_per_expert) == rows, (rows, tokens_per_expert)
@@ -190,6 +196,12 @@ def test_parity_with_shared_expert_overlap(ep, tp, seed):
                         shared_expert_overlap=True, moe_shared_expert_intermediate_size=FFN))
 
 
+@pytest.mark.parametrize("ranks_per_node", [1, 2])
+def test_parity_with_nodes(ranks_per_node, seed):
+    # Emulated nodes (the combine sums node by node): the same outputs and gradients.
+    assert all(dist.run(4, parity_case, 8, 2, seed, ranks_per_node=ranks_per_node))
+
+
 def handle_lifetime_case(seed: int):
     with megatron_on_cpu(torch.distributed.get_world_size()):
         torch.manual_seed(seed)
@@ -239,7 +251,7 @@ def test_padded_routing_is_refused():
 
 @pytest.mark.parametrize("field,value", [("backend", "nccl"), ("recv_mode", "dropless"),
                                          ("capacity_factor", 0.0), ("num_sms", 0),
-                                         ("max_tokens_per_rank", 0)])
+                                         ("max_tokens_per_rank", 0), ("ranks_per_node", -1)])
 def test_options_reject_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         NcclEpOptions(**{field: value})
