@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU script: on a bare GPU machine, from the repository root,
-#   bash tests/gpu/run.sh [build] [tests] [bench]        (no argument: all three, in this order)
+#   bash tests/gpu/run.sh [build] [tests] [bench] [micro] [example]
+#                                                        (no argument: build tests bench)
 # builds the extension, runs the GPU tests, runs the benchmark, and leaves under $OUT:
 #   env.txt  build.log  gpu_tests.log  team_tests.log  bench.log  bench.json  summary.md
 # (keep it to 8 files: what a remote runner may copy back). Each stage has its own time limit, so the
 # whole stays inside one 10-minute call: BUILD_TIMEOUT (150 s), TESTS_TIMEOUT (180 s) and
-# TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s). BENCH_ARGS adds benchmark flags, e.g. BENCH_ARGS="--sections kernels".
+# TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s), MICRO_TIMEOUT (90 s per
+# microbenchmark; MICRO_SMS: sm_budget's SM count, 24). BENCH_ARGS adds benchmark flags, e.g.
+# BENCH_ARGS="--sections kernels".
 # Carried wheels in .whl/ (megatron-core, which the image lacks) are installed first.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
@@ -28,8 +31,8 @@ STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(build tests bench)
 for stage in "${STAGES[@]}"; do
     case "$stage" in
-        build|tests|bench|example) ;;
-        *) echo "unknown stage '$stage' (choose from: build tests bench example)" >&2; exit 2 ;;
+        build|tests|bench|micro|example) ;;
+        *) echo "unknown stage '$stage' (choose from: build tests bench micro example)" >&2; exit 2 ;;
     esac
 done
 wants() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
@@ -142,6 +145,24 @@ if wants bench; then
     note "- bench: rc $rc ($((SECONDS - start)) s; 1 = some item failed, 124 = timed out)"
     table=$(sed -n '/^== megatron_nccl_ep bench/,$p' "$OUT/bench.log")
     { echo; echo '```'; echo "${table:-$(tail -n 30 "$OUT/bench.log")}"; echo '```'; } >>"$SUMMARY"
+fi
+
+if wants micro; then
+    # The standalone hardware ceilings (benchmarks/micro, no library), appended to bench.log:
+    # what N SMs move locally and over NVLink, and the expansion / summation under an SM budget.
+    start=$SECONDS
+    rc=0
+    {
+        for bench in peer_ceilings sm_budget; do
+            echo "== benchmarks/micro/$bench.cu"
+            nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o "/tmp/$bench" \
+                "benchmarks/micro/$bench.cu" || exit 1
+        done
+        timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/peer_ceilings || exit 1
+        timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/sm_budget "${MICRO_SMS:-24}" || exit 1
+    } >>"$OUT/bench.log" 2>&1 || rc=$?
+    [ $rc -eq 0 ] || STATUS=1
+    note "- micro: rc $rc ($((SECONDS - start)) s; output at the end of bench.log)"
 fi
 
 if wants example; then
