@@ -68,7 +68,7 @@ class GroupConfig:
     # n = rank // G; 0 = the whole group is one node (the flat combine).
     ranks_per_node: int = 0
 
-    def nodes_of(self, world_size: int) -> int:
+    def node_size(self, world_size: int) -> int:
         """Ranks per node as used: G, or world_size for 0."""
         return self.ranks_per_node or world_size
 

@@ -118,7 +118,7 @@ class CudaBackend:
         self._setup(config, device)
         self.group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
-        if config.nodes_of(self.world_size) != self.world_size:
+        if config.node_size(self.world_size) != self.world_size:
             # Checked on every rank alike (the config is agreed), before any collective.
             raise ValueError(
                 f"GroupConfig: ranks_per_node={config.ranks_per_node} splits the group of "

@@ -12,7 +12,8 @@ import sys
 
 from .options import add_arguments
 
-USAGE = "usage: python -m megatron_nccl_ep.launch SCRIPT [ARGS...]"
+COMMAND = "python -m megatron_nccl_ep.launch SCRIPT [ARGS...]"
+USAGE = f"usage: {COMMAND}"
 ABOUT = """Runs SCRIPT, a Megatron training script, with the nccl_ep token dispatcher registered:
 SCRIPT then accepts --moe-token-dispatcher-type nccl_ep and the flags below, next to Megatron's
 own. Megatron-LM's scripts (pretrain_gpt.py, ...) come from its repository
@@ -22,7 +23,7 @@ Megatron's flags."""
 
 def help_text() -> str:
     """The usage, what the launcher does, and the --nccl-ep-* flags (no torch or Megatron import)."""
-    parser = argparse.ArgumentParser(prog="python -m megatron_nccl_ep.launch", usage=USAGE[7:],
+    parser = argparse.ArgumentParser(usage=COMMAND,
                                      description=ABOUT, add_help=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     return add_arguments(parser).format_help()

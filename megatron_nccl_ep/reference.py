@@ -5,8 +5,9 @@ a GPU (gloo on CPU).
 Its transport mirrors the CUDA one: a token travels once to each rank that owns one of its experts
 (``all_to_all_single`` of byte rows), then the destination expands it into its expert rows; combine
 reduces a token's rows on each rank, sends one partial per (token, rank) back, and the source sums
-the partials in rank order (by node first when the group has ``ranks_per_node``). Every sum starts from +0.0 and adds in the order of the contract, one
-elementwise IEEE add at a time, so the bits do not depend on the device that runs it.
+the partials in rank order (node by node when the group has ``ranks_per_node``). Every sum starts
+from +0.0 and adds in the order of the contract, one elementwise IEEE add at a time, so the bits do
+not depend on the device that runs it.
 
 NOTES: errors that one rank detects (bad routing, capacity overflow) are agreed on by every rank
 before anyone raises, so no rank is left waiting in a collective.
@@ -123,17 +124,22 @@ class ReferenceBackend:
                                group=self.group)
         return out
 
+    def _first_error(self, error: Optional[str]) -> tuple:
+        """(rank, message) of the lowest rank whose ``error`` is not None. Collective: call it
+        on every rank once a collective has shown that some rank has one."""
+        messages = [error] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(messages, error, group=self.group)
+        return next((r, m) for r, m in enumerate(messages) if m is not None)
+
     def _raise_agreed_error(self, error: Optional[str], any_error: bool, exc_type) -> None:
         """Raise ``exc_type`` on every rank when any rank found an error (``any_error``, agreed
         by a collective the caller already made); the message is the first failing rank's."""
         if not any_error:
             return
-        messages = [error] * self.world_size
-        if self.world_size > 1:
-            dist.all_gather_object(messages, error, group=self.group)
-        first = next(r for r, m in enumerate(messages) if m is not None)
+        first, message = self._first_error(error)
         where = "" if self.world_size == 1 else f" (rank {first})"
-        raise exc_type(messages[first] + where)
+        raise exc_type(message + where)
 
     def agree_on_arguments(self, op: str, error: Optional[Exception]) -> None:
         """Raises on every rank when any rank's arguments to ``op`` are wrong: the failing rank
@@ -145,13 +151,11 @@ class ReferenceBackend:
         flags = self._all_gather(torch.tensor([error is not None], device=self.device))
         if not bool(flags.any()):
             return
-        messages = [None] * self.world_size
-        dist.all_gather_object(messages, None if error is None else str(error), group=self.group)
+        first, message = self._first_error(None if error is None else str(error))
         if error is not None:
             raise error
-        first = next(r for r, m in enumerate(messages) if m is not None)
-        raise ValueError(f"{op}: rank {first} passed wrong arguments ({messages[first]}); every "
-                         "rank of the group raises")
+        raise ValueError(f"{op}: rank {first} passed wrong arguments ({message}); every rank of "
+                         "the group raises")
 
     # -- handle ------------------------------------------------------------------------------------
     def create_handle(self, routing: torch.Tensor, from_map: bool) -> ReferenceHandleState:
@@ -277,22 +281,26 @@ class ReferenceBackend:
             partial[has] = partial[has] + expert_out[slot[has]].to(acc_dtype)
         partial = partial.to(expert_out.dtype)
         returned = self._all_to_all_rows(partial, state.recv_counts, self._send_counts(state))
-        # Stage 2, at the source, node by node (one node: the flat sum over ranks): 2a each
-        # node's partials summed over its ranks in ascending order, rounded; 2b those summed
-        # over the nodes in ascending order, rounded. The bits do not depend on where 2a runs.
+        # Stage 2, at the source, node by node: 2a each node's partials summed over its ranks in
+        # ascending order, rounded; 2b those summed over the nodes in ascending order, rounded.
+        # The bits do not depend on where 2a runs. One node: its sum is the output (rounding an
+        # exactly converted value again changes nothing), so it is summed into y directly.
         tokens = state.topk_idx.shape[0]
-        G = self.config.nodes_of(self.world_size)
+        G = self.config.node_size(self.world_size)
+        one_node = G == self.world_size
         y = torch.zeros((tokens, hidden), dtype=acc_dtype, device=expert_out.device)
         start = 0
         for d, idx in enumerate(state.send_tokens):
-            if d % G == 0:
+            if d % G == 0 and not one_node:
                 node = torch.zeros_like(y)
                 in_node = torch.zeros(tokens, dtype=torch.bool, device=y.device)
-            node[idx] = node[idx] + returned[start:start + len(idx)].to(acc_dtype)
-            in_node[idx] = True
+            sums = y if one_node else node
+            sums[idx] = sums[idx] + returned[start:start + len(idx)].to(acc_dtype)
             start += len(idx)
-            if d % G == G - 1:
-                y[in_node] = y[in_node] + node[in_node].to(expert_out.dtype).to(acc_dtype)
+            if not one_node:
+                in_node[idx] = True
+                if d % G == G - 1:
+                    y[in_node] = y[in_node] + node[in_node].to(expert_out.dtype).to(acc_dtype)
         return y.to(expert_out.dtype)
 
     def combine_probs(self, state: ReferenceHandleState, grad_recv_probs: torch.Tensor,
