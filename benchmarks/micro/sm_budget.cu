@@ -142,7 +142,9 @@ __global__ void __launch_bounds__(512) combine_reg(const uint4* eo, uint4* y, co
 
 // TMA: lane 0 loads the K rows' segment into smem (one mbarrier per stage), next segment
 // prefetched; lanes sum from smem.
-template <int WARPS, int SEG>
+// CONTIG: CTA b takes the contiguous tokens [T b / C, T (b+1) / C) (the engine's channels);
+// DEP: one more dependent load per token before its rows (the engine's routing / slot reads).
+template <int WARPS, int SEG, bool CONTIG = false, bool DEP = false>
 __global__ void __launch_bounds__(WARPS * 32) combine_tma(const char* eo, char* y, const int* rr) {
   extern __shared__ __align__(128) char smem[];
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -153,10 +155,14 @@ __global__ void __launch_bounds__(WARPS * 32) combine_tma(const char* eo, char* 
   __syncwarp();
   unsigned ph[2] = {0, 0};
   constexpr int nseg = (ROWB + SEG - 1) / SEG;
-  for (int t = warp; t < T; t += nw) {
+  const int t0 = CONTIG ? (int)((long long)T * blockIdx.x / gridDim.x) + wid : warp;
+  const int t1 = CONTIG ? (int)((long long)T * (blockIdx.x + 1) / gridDim.x) : T;
+  for (int t = t0; t < t1; t += CONTIG ? WARPS : nw) {
     int rows[K];
+    const int* rrt = rr + t * K;
+    if (DEP) rrt += __shfl_sync(0xffffffffu, rr[t * K + (lane & 7)] & 0, 0);  // a dependent load
 #pragma unroll
-    for (int k = 0; k < K; ++k) rows[k] = rr[t * K + k];
+    for (int k = 0; k < K; ++k) rows[k] = rrt[k];
     auto issue = [&](int s, int b) {
       const int off = s * SEG; const uint32_t bytes = min(SEG, ROWB - off);
       mbar_expect_tx(&bars[b], bytes * K);
@@ -259,6 +265,10 @@ int main(int argc, char** argv) {
     CK(cudaMemset(y2, 0x55, (size_t)T * ROWB)); \
     report("combine_tma w" #W " seg" #S, time_it([&] { k<<<sms, W * 32, smem>>>(eo, y2, d_rr); }), comb_bytes); cmp(y, y2, (size_t)T * ROWB, "combine"); }
   COMB_TMA(8, 1024) COMB_TMA(16, 512) COMB_TMA(6, 2048) COMB_TMA(12, 1024) COMB_TMA(4, 3584) COMB_TMA(24, 512)
+#define COMB_TMA_ENGINE(W, S, C, D) { auto k = combine_tma<W, S, C, D>; int smem = W * 2 * K * S + W * 16; CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
+    CK(cudaMemset(y2, 0x55, (size_t)T * ROWB)); \
+    report("combine_tma w" #W " seg" #S " contig" #C " dep" #D, time_it([&] { k<<<sms, W * 32, smem>>>(eo, y2, d_rr); }), comb_bytes); cmp(y, y2, (size_t)T * ROWB, "combine"); }
+  COMB_TMA_ENGINE(12, 1024, true, false) COMB_TMA_ENGINE(12, 1024, false, true) COMB_TMA_ENGINE(12, 1024, true, true)
   CK(cudaDeviceSynchronize());
   printf("done\n");
   return 0;

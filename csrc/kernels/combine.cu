@@ -24,47 +24,142 @@
 
 namespace nccl_ep {
 
-constexpr int kLoadsInFlight = 8;  // rows of one token loaded before they are summed
-constexpr int kPacksPerLane = 2;   // packs j, j + 32 of those rows, loaded together
+// One token's sum, described by its sources: rows [0, n_rows) are expert rows (ascending k) that
+// make this rank's partial; then n_parts peer partials, in ascending rank order. `own_at` places
+// this rank's partial in that order (before partial own_at; -1: the token has none here).
+//   kFinal = false: out = round(0 + acc(row 0) + acc(row 1) + ...)            (stage 1)
+//   kFinal = true:  out = round(0 + acc(partial d0) + acc(partial d1) + ...)  (stage 2; this
+//                   rank's partial is stage 1 of its rows, rounded, in its place)
+struct TokenSum {
+  const char* const* src;  // the sources' row starts
+  int n_rows, n_parts, own_at;
+  __device__ int sources() const { return n_rows + n_parts; }
+};
 
-// Stage 1 for the packs j0 + 32 * p (p < kPacksPerLane, those < packs) of one token:
-// out[p] = round(0 + acc(row 0) + acc(row 1) + ...), rows in ascending k. Up to kLoadsInFlight x
-// kPacksPerLane loads are issued before their adds (the combine is bound by loads in flight per
-// SM); the adds of each element stay one chain in the contract's order.
-template <typename T, int N>
-EP_DEVICE void rows_partial(const Pack<T, N>* src, const int* rows, int n, int packs, int j0,
-                            Pack<T, N> (&out)[kPacksPerLane]) {
-  float acc[kPacksPerLane][N];
-#pragma unroll
-  for (int p = 0; p < kPacksPerLane; ++p)
-#pragma unroll
-    for (int q = 0; q < N; ++q) acc[p][q] = 0.0f;
-  int live = 0;  // packs of this lane that exist (the row's last step may hold fewer)
-#pragma unroll
-  for (int p = 0; p < kPacksPerLane; ++p) live += j0 + 32 * p < packs;
-  for (int k0 = 0; k0 < n; k0 += kLoadsInFlight) {
-    Pack<T, N> v[kLoadsInFlight][kPacksPerLane];
-#pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u) {
-      if (k0 + u >= n) break;
-      const Pack<T, N>* row = src + (size_t)rows[k0 + u] * packs + j0;
-#pragma unroll
-      for (int p = 0; p < kPacksPerLane; ++p)
-        if (p < live) v[u][p] = row[32 * p];
+// Sources per warp: a token's rows here plus one partial per peer.
+constexpr int kMaxSources = kMaxTopk + kMaxRanks - 1;
+
+// Staging per warp: kStages buffers of kStageBytes. A token's rows are summed segment by segment:
+// the segment (every source's same columns) fills a buffer; while the warp sums segment g, the
+// bulk copies of the next kStages - 1 are in flight. The segment shrinks as sources grow so that
+// one always fits a buffer.
+constexpr int kStages = 2;
+constexpr int kStageBytes = 8192;  // 12 warps x 2 x 8 KiB + the static part fit 227 KiB
+constexpr size_t kCombineStagingBytes = (size_t)kCombineWarps * kStages * kStageBytes;
+static_assert(kStageBytes % 16 == 0, "stage buffers hold 16-byte packs");
+
+// The warp's staging: its source list, buffers and their barriers (phase: bit i = the parity the
+// next wait on buffer i waits for).
+struct WarpStaging {
+  const char** src;
+  char* buf;
+  unsigned long long* bar;
+  unsigned* phase;
+};
+
+EP_DEVICE WarpStaging warp_staging() {
+  __shared__ const char* sources[kMaxWarps][kMaxSources];
+  __shared__ unsigned long long bars[kMaxWarps][kStages];
+  __shared__ unsigned phases[kMaxWarps];
+  extern __shared__ __align__(128) char staging[];
+  const int w = threadIdx.x >> 5;
+  return {sources[w], staging + (size_t)w * kStages * kStageBytes, bars[w], &phases[w]};
+}
+
+// Packs [first, first + count) of every source into buffer `stage`, source i at i * seg packs: by
+// bulk copies (16-byte path; lane 0 issues, the barrier counts the bytes), else by the lanes.
+template <typename P>
+EP_DEVICE void fill_stage(const TokenSum& s, const WarpStaging& ws, int stage, int first,
+                          int count, int seg, bool bulk, int lane) {
+  P* buf = reinterpret_cast<P*>(ws.buf + (size_t)stage * kStageBytes);
+  const int n = s.sources();
+  if (bulk) {
+    if (lane == 0) {
+      fence_proxy_async_shared();  // the lanes' reads of the buffer's previous segment first
+      mbar_expect_bytes(&ws.bar[stage], (unsigned)(n * count * sizeof(P)));
+      for (int i = 0; i < n; ++i)
+        bulk_load(buf + (size_t)i * seg, reinterpret_cast<const P*>(s.src[i]) + first,
+                  (unsigned)(count * sizeof(P)), &ws.bar[stage]);
     }
-#pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u) {
-      if (k0 + u >= n) break;
-#pragma unroll
-      for (int p = 0; p < kPacksPerLane; ++p)
-#pragma unroll
-        for (int q = 0; q < N; ++q) acc[p][q] = acc[p][q] + to_float<T>(v[u][p].v[q]);
-    }
+  } else {
+    for (int i = 0; i < n; ++i)
+      for (int j = lane; j < count; j += 32)
+        buf[(size_t)i * seg + j] = reinterpret_cast<const P*>(s.src[i])[first + j];
+    __syncwarp();
   }
+}
+
+// out[j] for the packs j < count of one buffer (source i's pack j at buf[i * seg + j]).
+template <typename T, int N, bool kFinal>
+EP_DEVICE void sum_stage(const TokenSum& s, const Pack<T, N>* buf, int seg, int count,
+                         Pack<T, N>* out, int lane) {
+  for (int j = lane; j < count; j += 32) {
+    float own[N], acc[N];  // acc: stage 2 only
 #pragma unroll
-  for (int p = 0; p < kPacksPerLane; ++p)
+    for (int q = 0; q < N; ++q) own[q] = acc[q] = 0.0f;
+#pragma unroll 4
+    for (int i = 0; i < s.n_rows; ++i) {
+      const Pack<T, N> v = buf[(size_t)i * seg + j];
 #pragma unroll
-    for (int q = 0; q < N; ++q) out[p].v[q] = from_float<T>(acc[p][q]);
+      for (int q = 0; q < N; ++q) own[q] = own[q] + to_float<T>(v.v[q]);
+    }
+    Pack<T, N> r;
+    if (kFinal) {
+      for (int i = 0; i <= s.n_parts; ++i) {
+        if (i == s.own_at) {
+#pragma unroll
+          for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(from_float<T>(own[q]));
+        }
+        if (i == s.n_parts) break;
+        const Pack<T, N> v = buf[(size_t)(s.n_rows + i) * seg + j];
+#pragma unroll
+        for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(v.v[q]);
+      }
+#pragma unroll
+      for (int q = 0; q < N; ++q) r.v[q] = from_float<T>(acc[q]);
+    } else {
+#pragma unroll
+      for (int q = 0; q < N; ++q) r.v[q] = from_float<T>(own[q]);
+    }
+    out[j] = r;
+  }
+}
+
+// dst[0, packs) = the token's sum, through the warp's staging buffers.
+template <typename T, int N, bool kFinal>
+EP_DEVICE void sum_token(const TokenSum& s, const WarpStaging& ws, Pack<T, N>* dst, int packs,
+                         bool bulk, int lane) {
+  using P = Pack<T, N>;
+  const int n = s.sources();
+  // Segments of whole 128-byte lines where they fit (a bulk copy that starts mid-line costs a
+  // line more); a zero-source token still writes its (zero) sum, from an untouched buffer.
+  int seg_bytes = n == 0 ? packs * (int)sizeof(P) : kStageBytes / n;
+  seg_bytes &= seg_bytes >= 128 ? ~127 : ~15;
+  const int seg = min(packs, max(1, seg_bytes / (int)sizeof(P)));
+  const int segs = (packs + seg - 1) / seg;
+  auto fill = [&](int g) {
+    if (n > 0 && g < segs)
+      fill_stage<P>(s, ws, g % kStages, g * seg, min(seg, packs - g * seg), seg, bulk, lane);
+  };
+  for (int g = 0; g < kStages - 1; ++g) fill(g);
+  for (int g = 0; g < segs; ++g) {
+    fill(g + kStages - 1);
+    const int stage = g % kStages;
+    if (n > 0 && bulk) {
+      mbar_wait(&ws.bar[stage], (*ws.phase >> stage) & 1u);
+      __syncwarp();
+      if (lane == 0) *ws.phase ^= 1u << stage;
+    }
+    sum_stage<T, N, kFinal>(s, reinterpret_cast<const P*>(ws.buf + (size_t)stage * kStageBytes),
+                            seg, min(seg, packs - g * seg), dst + (size_t)g * seg, lane);
+    __syncwarp();  // the buffer is refilled next
+  }
+}
+
+// Points sources [0, n) at the expert rows rows[0, n). Warp-wide (n <= kMaxTopk <= 32).
+EP_DEVICE void point_at_rows(const char** src, const void* expert_out, size_t row_bytes,
+                             const int* rows, int n, int lane) {
+  if (lane < n) src[lane] = reinterpret_cast<const char*>(expert_out) + (size_t)rows[lane] * row_bytes;
 }
 
 // Calls item(p, c, i) for the tokens c.begin + i of chunk j of every peer p (their tokens: the
@@ -83,78 +178,42 @@ EP_DEVICE void for_peer_tokens(const ExchangeArgs& e, const ExchangeShared& sh, 
   }
 }
 
-// Stage 2 of one token, y = round(0 + acc(partial[d0]) + acc(partial[d1]) + ...) over the ranks
-// in `mask` ascending: this rank's partial computed here from its rows (stage 1's rounding
-// included), the others' read from their rings.
-template <typename T, int N>
-__device__ __forceinline__ void sum_partials(const Pack<T, N>* src, const int* rows, int n_own,
-                                          unsigned long long mask, int rank, int num_ranks,
-                                          const char* partial, size_t ring_stride,
-                                          Pack<T, N>* dst, int packs, int lane) {
-  using P = Pack<T, N>;
-  for (int j0 = lane; j0 < packs; j0 += 32 * kPacksPerLane) {
-    float acc[kPacksPerLane][N];
-#pragma unroll
-    for (int p = 0; p < kPacksPerLane; ++p)
-#pragma unroll
-      for (int q = 0; q < N; ++q) acc[p][q] = 0.0f;
-    for (unsigned long long m = mask; m; m &= m - 1) {
-      const int d = __ffsll((long long)m) - 1;  // ascending rank order
-      P v[kPacksPerLane];
-      if (d == rank) {
-        rows_partial<T, N>(src, rows, n_own, packs, j0, v);
-      } else {
-        const P* from = reinterpret_cast<const P*>(
-            partial + (size_t)((d - rank - 1 + num_ranks) % num_ranks) * ring_stride);
-#pragma unroll
-        for (int p = 0; p < kPacksPerLane; ++p)
-          if (j0 + 32 * p < packs) v[p] = from[j0 + 32 * p];
-      }
-#pragma unroll
-      for (int p = 0; p < kPacksPerLane; ++p)
-#pragma unroll
-        for (int q = 0; q < N; ++q) acc[p][q] = acc[p][q] + to_float<T>(v[p].v[q]);
-    }
-#pragma unroll
-    for (int p = 0; p < kPacksPerLane; ++p) {
-      if (j0 + 32 * p >= packs) continue;
-      P out;
-#pragma unroll
-      for (int q = 0; q < N; ++q) out.v[q] = from_float<T>(acc[p][q]);
-      dst[j0 + 32 * p] = out;
-    }
-  }
-}
-
 template <typename T, int N>
 struct CombineOp {
   using Args = CombineArgs;
   using P = Pack<T, N>;
   static constexpr bool kSendsOwnTokens = false;
   static constexpr int kWarps = kCombineWarps;
+  static constexpr size_t kStagingBytes = kCombineStagingBytes;
   // Host and device: the launch reads the channel count through it.
   static __host__ __device__ const ExchangeArgs& ex(const Args& a) { return a.ex; }
+
+  static __device__ void warp_setup(int lane) {
+    const WarpStaging ws = warp_staging();
+    if (lane == 0) {
+      for (int i = 0; i < kStages; ++i) mbar_init(&ws.bar[i]);
+      *ws.phase = 0;
+    }
+  }
 
   // Stage 1 for the peers' tokens: their partials go to the owner's ring.
   static __device__ void send_round(const Args& a, ExchangeShared& sh, int b, int j, int warp,
                                     int nwarps, int lane) {
     const ExchangeArgs& e = a.ex;
     const int w = threadIdx.x >> 5, packs = e.hidden / N;
-    const P* src = reinterpret_cast<const P*>(a.expert_out);
+    const size_t row_bytes = (size_t)e.hidden * sizeof(T);
+    const WarpStaging ws = warp_staging();
+    const char** src = ws.src;
     for_peer_tokens(e, sh, b, j, warp, nwarps, [&](int p, const ChunkRange& c, int i) {
       const int n = collect_rows(e, p, c.begin + i, lane, sh.rows_sh[w], sh.slots_sh[w]);
       if (n >= 0) {  // else no slot of (p, t) here: nothing to send
+        point_at_rows(src, a.expert_out, row_bytes, sh.rows_sh[w], n, lane);
+        __syncwarp();
         P* dst = reinterpret_cast<P*>(
             ring_row(e.peers[p], e.win, b, ring_index(e.rank, p, e.num_ranks), j, i));
-        for (int j0 = lane; j0 < packs; j0 += 32 * kPacksPerLane) {
-          P v[kPacksPerLane];
-          rows_partial<T, N>(src, sh.rows_sh[w], n, packs, j0, v);
-#pragma unroll
-          for (int q = 0; q < kPacksPerLane; ++q)
-            if (j0 + 32 * q < packs) dst[j0 + 32 * q] = v[q];
-        }
+        sum_token<T, N, false>({src, n, 0, 0}, ws, dst, packs, e.vec, lane);
       }
-      __syncwarp();  // rows_sh is rewritten by the next item
+      __syncwarp();  // rows_sh and the sources are rewritten by the next item
     });
   }
 
@@ -166,22 +225,38 @@ struct CombineOp {
                                      int nwarps, int lane) {
     const ExchangeArgs& e = a.ex;
     const int w = threadIdx.x >> 5, packs = e.hidden / N;
-    const P* src = reinterpret_cast<const P*>(a.expert_out);
-    void* self = e.peers[e.rank];
+    const size_t row_bytes = (size_t)e.hidden * sizeof(T);
+    const WarpStaging ws = warp_staging();
+    const char** src = ws.src;
+    if (lane == 0) fence_proxy_async_global();  // the peers' partials, acquired, go to bulk copies
     const ChunkRange c = chunk_of(sh.tokens[e.rank], e.win, b, j);
+    // The peers' partials of this chunk sit one ring apart: ring q's row i at
+    // partials + q * ring_stride + i * row_stride.
+    const char* partials = ring_row(e.peers[e.rank], e.win, b, 0, j, 0);
+    const size_t ring_stride = (size_t)e.win.depth * e.win.chunk * e.win.row_stride;
     for (int t = c.begin + warp; t < c.end; t += nwarps) {
       const unsigned long long mask =
           dest_mask(e.own_routing + (size_t)t * e.topk, e.topk, e.num_local, e.num_ranks,
                     lane);
+      const bool has_own = (mask >> e.rank) & 1ull;
       int n_own = 0;  // mask is warp-uniform, so collect_rows runs on the whole warp
-      if ((mask >> e.rank) & 1ull)
+      if (has_own) {
         n_own = max(0, collect_rows(e, e.rank, t, lane, sh.rows_sh[w], sh.slots_sh[w]));
-      // The peers' partials of token t sit one ring apart: ring q at partial + q * ring_stride.
-      const char* partial = ring_row(self, e.win, b, 0, j, t - c.begin);
-      const size_t ring_stride = (size_t)e.win.depth * e.win.chunk * e.win.row_stride;
-      sum_partials<T, N>(src, sh.rows_sh[w], n_own, mask, e.rank, e.num_ranks, partial,
-                         ring_stride, reinterpret_cast<P*>(a.y) + (size_t)t * packs, packs, lane);
-      __syncwarp();  // rows_sh is rewritten by the next token
+        point_at_rows(src, a.expert_out, row_bytes, sh.rows_sh[w], n_own, lane);
+      }
+      // The peers' partials after the rows, ascending rank: lane d points partial d.
+      const unsigned long long others = mask & ~(1ull << e.rank);
+      for (int d = lane; d < e.num_ranks; d += 32) {
+        if (((others >> d) & 1ull) == 0) continue;
+        const int i = __popcll(others & ((1ull << d) - 1ull));
+        src[n_own + i] = partials + (size_t)ring_index(d, e.rank, e.num_ranks) * ring_stride +
+                         (size_t)(t - c.begin) * e.win.row_stride;
+      }
+      __syncwarp();
+      const int own_at = has_own ? __popcll(others & ((1ull << e.rank) - 1ull)) : -1;
+      sum_token<T, N, true>({src, n_own, __popcll(others), own_at}, ws,
+                            reinterpret_cast<P*>(a.y) + (size_t)t * packs, packs, e.vec, lane);
+      __syncwarp();  // rows_sh and the sources are rewritten by the next token
     }
   }
 };
@@ -190,8 +265,10 @@ struct CombineProbsOp {
   using Args = CombineProbsArgs;
   static constexpr bool kSendsOwnTokens = false;
   static constexpr int kWarps = kCombineProbsWarps;
+  static constexpr size_t kStagingBytes = 0;
   // Host and device: the launch reads the channel count through it.
   static __host__ __device__ const ExchangeArgs& ex(const Args& a) { return a.ex; }
+  static __device__ void warp_setup(int) {}
 
   static __device__ const char* grad_recv_at(const Args& a, int row) {
     return reinterpret_cast<const char*>(a.grad_recv) + (size_t)row * a.prob_bytes;

@@ -78,6 +78,51 @@ EP_DEVICE void stop_group(void* const* peers, size_t sync_off, int num_ranks,
   }
 }
 
+// Bulk copies (TMA) from global into shared memory, completed through an mbarrier: the copies'
+// bytes are in flight without registers, so a warp can keep many KiB of rows loading while it sums.
+EP_DEVICE unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+EP_DEVICE void mbar_init(unsigned long long* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Arrives (the one expected arrival) and expects `bytes` of bulk copies in this phase.
+EP_DEVICE void mbar_expect_bytes(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+EP_DEVICE void mbar_wait(unsigned long long* bar, unsigned parity) {
+  unsigned done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  }
+}
+
+// Order this thread's earlier generic-proxy accesses before its later bulk copies: its warp's
+// reads of a shared buffer about to be refilled (shared), the data of peers it acquired through
+// a flag (global: once per round, it waits for the thread's outstanding global accesses).
+EP_DEVICE void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+EP_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+// bytes (a multiple of 16, both addresses 16-byte aligned) from global src into shared dst.
+EP_DEVICE void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
 // A vector of N elements of T moved as one aligned access (16 bytes on the vector path).
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {

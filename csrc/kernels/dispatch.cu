@@ -27,8 +27,10 @@ struct DispatchOp {
   using Args = DispatchArgs;
   static constexpr bool kSendsOwnTokens = true;
   static constexpr int kWarps = kDispatchWarps;
+  static constexpr size_t kStagingBytes = 0;  // dynamic shared memory
   // Host and device: the launch reads the channel count through it.
   static __host__ __device__ const ExchangeArgs& ex(const Args& a) { return a.ex; }
+  static __device__ void warp_setup(int) {}
 
   static __device__ int row_units(const Args& a) {
     return a.ex.hidden * elt_bytes(a.dtype) / (int)sizeof(U);

@@ -332,6 +332,7 @@ __device__ void run_exchange(const typename Op::Args& a) {
   if (kTrace && threadIdx.x == 0)
     sh.send_wait_ns = sh.send_work_ns = sh.recv_local_ns = sh.recv_wait_ns = sh.recv_remote_ns = 0;
   if (threadIdx.x < e.num_ranks) sh.tokens[threadIdx.x] = e.tokens_of[threadIdx.x];
+  Op::warp_setup(lane);  // the op's per-warp state (combine: its staging barriers)
   __syncthreads();
   if (threadIdx.x < e.num_ranks) count_chunks<Op>(sh, e, threadIdx.x);
   __syncthreads();
@@ -387,17 +388,29 @@ __global__ void __launch_bounds__(Op::kWarps * 32, 1) exchange_kernel(const type
   run_exchange<Op>(a);
 }
 
+// Lets the kernel use the op's dynamic shared memory (Op::kStagingBytes may exceed the default
+// 48 KiB). A per-device function attribute: set before every launch (a host-side call, no sync).
+template <class Op>
+cudaError_t grant_staging() {
+  if (Op::kStagingBytes == 0) return cudaSuccess;
+  return cudaFuncSetAttribute(exchange_kernel<Op>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              (int)Op::kStagingBytes);
+}
+
 // Loads the kernel now (under lazy module loading, a first launch may wait for the device,
 // which must not happen while a peer of a local team spins in another op kernel).
 template <class Op>
 cudaError_t preload_exchange() {
   cudaFuncAttributes attr;
-  return cudaFuncGetAttributes(&attr, exchange_kernel<Op>);
+  const cudaError_t e = cudaFuncGetAttributes(&attr, exchange_kernel<Op>);
+  return e == cudaSuccess ? grant_staging<Op>() : e;
 }
 
 template <class Op>
 cudaError_t launch_exchange(const typename Op::Args& a, cudaStream_t stream) {
-  exchange_kernel<Op><<<Op::ex(a).win.channels, Op::kWarps * 32, 0, stream>>>(a);
+  const cudaError_t e = grant_staging<Op>();
+  if (e != cudaSuccess) return e;
+  exchange_kernel<Op><<<Op::ex(a).win.channels, Op::kWarps * 32, Op::kStagingBytes, stream>>>(a);
   return cudaGetLastError();
 }
 
