@@ -325,8 +325,10 @@ def test_local_team_autograd_matches_direct_calls(seed):
 
 
 def test_local_team_call_mismatch_raises_on_both_ranks(seed):
-    """Rank 0 dispatches while rank 1 combines: both raise the library's mismatch error naming
-    both calls, within the timeout, and the group stays stopped."""
+    """Rank 0 dispatches while rank 1 combines: both raise within the timeout. A rank that sees
+    the mismatch raises the library's mismatch error naming both calls; a rank whose peer saw it
+    first (and stopped the group) may instead raise the stop error naming that peer. At least one
+    rank names the calls."""
     case = dict(resolve("ep2_no_probs_top1"), tokens=64, max_tokens=64)
     problem = dense.make_problem(seed, 2, 64, case["hidden"], case["experts"], case["topk"],
                                  case["dtype"])
@@ -347,11 +349,16 @@ def test_local_team_call_mismatch_raises_on_both_ranks(seed):
             return str(exc), time.monotonic() - start
         return None, time.monotonic() - start
 
-    for r, (msg, took) in enumerate(run_ranks(groups, body)):
+    mismatch = re.compile(r"inconsistent collective calls across ranks: rank \d called "
+                          r"(dispatch \(without probs\)|combine) of handle #0 while rank \d "
+                          r"called (dispatch \(without probs\)|combine) of handle #0")
+    results = run_ranks(groups, body)
+    saw = {r for r, (msg, _) in enumerate(results) if msg is not None and mismatch.search(msg)}
+    assert saw, f"no rank named the mismatched calls: {results}"
+    for r, (msg, took) in enumerate(results):
         assert msg is not None, f"rank {r} raised nothing"
-        assert re.search(r"inconsistent collective calls across ranks: rank \d called "
-                         r"(dispatch \(without probs\)|combine) of handle #0 while rank \d called "
-                         r"(dispatch \(without probs\)|combine) of handle #0", msg), msg
+        stopped_by = re.search(r"rank (\d+) stopped this group after a device-side error", msg)
+        assert r in saw or (stopped_by and int(stopped_by.group(1)) in saw), msg
         assert took < 10.0, f"rank {r} took {took:.1f} s to fail"
     destroy_team(groups)
 
