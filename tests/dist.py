@@ -13,11 +13,17 @@ may be stuck in a collective that will never complete) and the next ``run`` spaw
 
 ``fn`` must be a module-level function. It travels to the ranks as (source file, qualified name),
 not by module name, so it works whatever import mode pytest uses.
+
+``run_isolated(world_size, fn, ...)`` is for fault injection: fresh processes for one run, in which
+a rank may die (``os._exit``), hang or raise; it returns every rank's outcome (``RankRun``: value or
+traceback, exit code, whether it was killed at the deadline, and what it ``report``-ed on the way)
+instead of raising.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import importlib.util
 import itertools
@@ -28,6 +34,8 @@ import sys
 import tempfile
 import time
 import traceback
+from multiprocessing.connection import wait as wait_for_any
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -219,3 +227,141 @@ def shutdown_all() -> None:
 
 
 atexit.register(shutdown_all)
+
+
+# ------------------------------------------------------------------------------------------------
+# one-off runs in fresh processes, for faults (a rank that dies, hangs or raises)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RankRun:
+    """What one rank of ``run_isolated`` did."""
+
+    rank: int
+    value: object = None            # fn's return value (None when it raised, died or hung)
+    error: Optional[str] = None     # the traceback of what fn (or the start-up) raised
+    exitcode: Optional[int] = None  # the process's exit code (negative: killed by that signal)
+    hung: bool = False              # still running at the deadline, then killed
+    # name -> (value, time.time() when sent), from report(); "ready" when the group was up
+    reports: dict = dataclasses.field(default_factory=dict)
+
+    def outcome(self) -> str:
+        """One phrase: how the rank ended."""
+        if self.hung:
+            last = max(self.reports, key=lambda k: self.reports[k][1]) if self.reports else None
+            return f"HUNG (killed at the deadline; last report: {last})"
+        if self.error is not None:
+            return f"raised: {self.error.strip().splitlines()[-1]} (exit {self.exitcode})"
+        if self.exitcode != 0:
+            return f"died, exit code {self.exitcode}"
+        return "returned, exit 0"
+
+
+_report_conn = None  # set in run_isolated's ranks
+
+
+def report(name: str, value=None) -> None:
+    """From inside a ``run_isolated`` rank: sends ``(name, value, time.time())`` to the parent at
+    once (a pipe write, so that a report made just before ``os._exit`` arrives)."""
+    if _report_conn is None:
+        raise RuntimeError("dist.report() works only inside run_isolated's ranks")
+    _report_conn.send(("report", name, value, time.time()))
+
+
+def _isolated_worker(rank: int, world_size: int, backend: str, init_file: str, conn,
+                     sys_path: list, gpus: bool, pg_timeout: float, path: str, qualname: str,
+                     args: tuple, kwargs: dict) -> None:
+    global _report_conn
+    for p in reversed(sys_path):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    os.environ.update(GPU_ENV)
+    torch.set_num_threads(1)
+    _report_conn = conn
+    try:
+        if gpus:
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        report("ready")
+        value = _load_function(path, qualname)(*args, **kwargs)
+        conn.send(("value", None, value, time.time()))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", None, traceback.format_exc(), time.time()))
+    conn.close()
+    # No destroy_process_group(): a peer may be gone; exiting frees it all.
+
+
+def run_isolated(world_size: int, fn, *args, backend: str = "gloo", gpus: bool = False,
+                 timeout: float = DEFAULT_TIMEOUT_S, pg_timeout: float = DEFAULT_TIMEOUT_S,
+                 **kwargs) -> list:
+    """Runs ``fn(*args, **kwargs)`` once in ``world_size`` fresh spawned processes that joined one
+    process group (``backend``; ``gpus``: rank r on GPU r) and returns a ``RankRun`` per rank,
+    whatever happened: a rank may raise, exit (``os._exit``) or hang. ``timeout`` counts from the
+    moment every rank is up (or one ended before that); ranks still running then are killed
+    (``hung``). Nothing is raised here: the caller asserts on the outcomes."""
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="nccl_ep_isolated_")
+    path = os.path.abspath(sys.modules[fn.__module__].__file__)
+    if backend == "nccl" or gpus:
+        os.environ.update(GPU_ENV)
+    sys_path = [TESTS_DIR, REPO_ROOT] + [p for p in sys.path if p]
+    runs = [RankRun(rank) for rank in range(world_size)]
+    conns, procs = {}, []
+    for rank in range(world_size):
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_isolated_worker, daemon=True,
+                           args=(rank, world_size, backend, os.path.join(tmp, "rdzv"), child_end,
+                                 sys_path, gpus, pg_timeout, path, fn.__qualname__, args, kwargs))
+        proc.start()
+        child_end.close()  # the parent's copy: the pipe reads EOF once the rank is gone
+        conns[parent_end] = rank
+        procs.append(proc)
+
+    def receive(conn) -> None:
+        try:
+            kind, name, value, when = conn.recv()
+        except (EOFError, OSError):
+            del conns[conn]
+            return
+        run = runs[conns[conn]]
+        if kind == "report":
+            run.reports[name] = (value, when)
+        elif kind == "value":
+            run.value = value
+        else:
+            run.error = value
+
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    started = False
+    try:
+        while conns or any(p.exitcode is None for p in procs):
+            # The deadline runs once every rank is up, or one has ended before the others were.
+            if not started and (all("ready" in r.reports for r in runs)
+                                or any(p.exitcode is not None for p in procs)):
+                started, deadline = True, time.monotonic() + timeout
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            waitables = list(conns) + [p.sentinel for p in procs if p.exitcode is None]
+            for obj in wait_for_any(waitables, timeout=min(0.5, left)):
+                if obj in conns:
+                    receive(obj)
+            for p in procs:
+                p.join(timeout=0)
+    finally:
+        for rank, p in enumerate(procs):
+            if p.exitcode is None:
+                runs[rank].hung = True
+                p.kill()
+                p.join(timeout=10.0)
+        for conn in list(conns):  # what a killed rank sent before the kill
+            while conn in conns and conn.poll():
+                receive(conn)
+            conn.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    for rank, p in enumerate(procs):
+        runs[rank].exitcode = p.exitcode
+    return runs

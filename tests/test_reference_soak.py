@@ -1,6 +1,7 @@
 """The reference backend under load (the CPU versions of the CUDA soak and cycle tests):
-- a time-boxed random soak (shapes, dtypes, routings, modes, alignment, nodes) compared bitwise
-  with the independent oracle, 0 mismatches;
+- a time-boxed random soak (shapes, dtypes, routings, modes, alignment, nodes; drawn by
+  soak_cases.py, whose GPU space tests/gpu/test_cuda_soak.py uses) compared bitwise with the
+  independent oracle, 0 mismatches;
 - thousands of create / dispatch / combine / destroy cycles with changing routing, with the
   process's memory flat."""
 
@@ -14,22 +15,7 @@ import dense
 import dist
 import ep_cases
 import megatron_nccl_ep as ep
-
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
-ROUTINGS = ["random", "masked", "one_expert"]
-
-
-def random_case(rng: random.Random, world: int) -> dict:
-    """One soak case, drawn the same on every rank (same rng state)."""
-    local = rng.choice([1, 2, 3])
-    experts = local * world
-    return dict(
-        tokens=tuple(rng.choice([0, 1, 2, 7, 16, 33]) for _ in range(world)),
-        hidden=rng.choice([8, 24, 40]), num_experts=experts,
-        topk=rng.randint(1, min(6, experts)), dtype=rng.choice(DTYPES),
-        routing=rng.choice(ROUTINGS), alignment=rng.choice([1, 1, 4]),
-        capacity_slack=rng.choice([None, 0, 5]),
-        ranks_per_node=rng.choice([d for d in (0, 1, 2, world) if d == 0 or world % d == 0]))
+import soak_cases
 
 
 def soak(seed: int, seconds: float) -> tuple:
@@ -43,7 +29,7 @@ def soak(seed: int, seconds: float) -> tuple:
         torch.distributed.broadcast(go, src=0)
         if not bool(go):
             break
-        case = random_case(rng, world)
+        case = soak_cases.random_case(rng, world, soak_cases.CPU)
         case_seed = rng.randrange(1 << 30)
         problem = dense.make_problem(case_seed, world, tokens=case["tokens"],
                                      hidden=case["hidden"], num_experts=case["num_experts"],

@@ -20,7 +20,10 @@
  *  - Threads: calls on one group may come from several threads; the group's host state is
  *    locked. The stream rule still holds (one stream per group, or order the streams yourself),
  *    and a handle must not be destroyed while an op that uses it is being called.
- *    ncclEpHandleDestroy is safe from any thread at any time otherwise (a garbage collector).
+ *    ncclEpHandleDestroy is safe from any thread at any time otherwise (a garbage collector),
+ *    also while the handle's ops still run on the stream (its buffers are reused in stream
+ *    order). ncclEpGroupDestroy is not: no other call on the group or its handles may be in
+ *    progress or follow it.
  *  - Limits of this implementation (HT, intranode): group size <= 64, all ranks load/store
  *    accessible (one NVLink domain: NCCL's LSA team == the communicator, else ncclInvalidUsage),
  *    max_topk <= 32, num_experts <= 65535, tokens bf16/fp16/fp32, group size x

@@ -3,7 +3,6 @@ unchanged, group destroy returns its memory, and bad input raises the same clear
 reference, at the latest by the next call after a synchronize (capacity mode never syncs the
 host, so its device-side checks may surface one call later)."""
 
-import gc
 import re
 
 import pytest
@@ -13,22 +12,13 @@ import dense
 import dist
 import ep_cases
 import megatron_nccl_ep as ep
-from gpu_common import rank_inputs, requires_gpus, world_sizes
+from gpu_common import device_memory, rank_inputs, requires_gpus, world_sizes
 
 pytestmark = requires_gpus
 
 CYCLE_CASE = dict(tokens=4096, hidden=1024, topk=8, experts=64, dtype=torch.bfloat16,
                   routing="masked")
 CYCLES = 1000
-
-
-def device_memory(device):
-    """(bytes held by live torch tensors, bytes the driver reports free), with the caching
-    allocator's unused blocks handed back first so that both are comparable across time."""
-    gc.collect()
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_allocated(device), torch.cuda.mem_get_info(device)[0]
 
 
 def cuda_group(case, world, device, backend="cuda", **kwargs):
