@@ -67,10 +67,28 @@ class GroupConfig:
     # Ranks per node G (docs/design.md §4, groups that span nodes): consecutive ranks, node
     # n = rank // G; 0 = the whole group is one node (the flat combine).
     ranks_per_node: int = 0
+    # Drop-and-pad (docs/design.md §3, fixed capacity): C rows per (local expert, source rank)
+    # block; a source's slots past the C-th for an expert (in token order) are dropped, unused
+    # rows are zero (prob 0). 0 = off (the exact layout).
+    expert_capacity: int = 0
 
     def node_size(self, world_size: int) -> int:
         """Ranks per node as used: G, or world_size for 0."""
         return self.ranks_per_node or world_size
+
+    def expert_block_rows(self, world_size: int) -> Optional[int]:
+        """With ``expert_capacity`` C: the rows of each local expert's block, R * C rounded up
+        to the alignment (the same for every expert and every handle); None without."""
+        if not self.expert_capacity:
+            return None
+        rows = world_size * self.expert_capacity
+        return -(-rows // self.expert_alignment) * self.expert_alignment
+
+    def static_recv_rows(self, world_size: int) -> Optional[int]:
+        """With ``expert_capacity``: the rows of every dispatch output, L blocks of
+        ``expert_block_rows``; None without."""
+        block = self.expert_block_rows(world_size)
+        return None if block is None else (self.num_experts // world_size) * block
 
     def validate(self, world_size: int) -> None:
         def need(ok: bool, what: str) -> None:
@@ -103,6 +121,16 @@ class GroupConfig:
                                           and world_size % self.ranks_per_node == 0),
              f"ranks_per_node must be 0 (one node) or a divisor of the group size ({world_size}) "
              f"from 1 to {world_size}, got {self.ranks_per_node}")
+        need(self.expert_capacity >= 0,
+             f"expert_capacity must be >= 0 (0 = off), got {self.expert_capacity}")
+        static = self.static_recv_rows(world_size)
+        if static is not None and self.recv_mode == "capacity":
+            need(self.max_recv_tokens_per_rank == static,
+                 f"expert_capacity={self.expert_capacity} fixes every dispatch output at "
+                 f"{static} rows (L={self.num_experts // world_size} experts x R={world_size} "
+                 f"ranks x C, aligned to {self.expert_alignment}); capacity mode's "
+                 f"max_recv_tokens_per_rank must be that or None, got "
+                 f"{self.max_recv_tokens_per_rank}")
 
 
 def capacity_from_factor(capacity_factor: float, max_tokens_per_rank: int, max_topk: int,
@@ -143,7 +171,12 @@ def _resolve_device(device) -> torch.device:
 
 def _make_config(world_size: int, capacity_factor: Optional[float], **fields) -> GroupConfig:
     """The validated GroupConfig of ``fields``; capacity mode without max_recv_tokens_per_rank
-    takes it from ``capacity_factor``."""
+    takes it from ``expert_capacity`` (the drop-and-pad layout's fixed size), else from
+    ``capacity_factor``."""
+    if (fields["recv_mode"] == "capacity" and fields["max_recv_tokens_per_rank"] is None
+            and fields["expert_capacity"] > 0 and fields["expert_alignment"] >= 1):
+        # (A bad alignment is left to validate() to report.)
+        fields["max_recv_tokens_per_rank"] = GroupConfig(**fields).static_recv_rows(world_size)
     if (fields["recv_mode"] == "capacity" and fields["max_recv_tokens_per_rank"] is None
             and capacity_factor):
         fields["max_recv_tokens_per_rank"] = capacity_from_factor(
@@ -201,6 +234,15 @@ class Group:
     is not initialized. ``ranks_per_node`` splits the group into nodes of that many consecutive
     ranks for the hierarchical combine of docs/design.md §4 (0: one node, the flat combine); the
     cuda backend runs one node only.
+
+    ``expert_capacity=C`` (> 0) selects the fixed-capacity ("drop-and-pad") layout of
+    docs/design.md §3, Megatron's ``moe_pad_expert_input_to_capacity``: local expert ``l``'s
+    block holds ``R`` sub-blocks of ``C`` rows, one per source rank in rank order; a source's
+    slots for an expert fill its sub-block in token order, slots past the ``C``-th are dropped
+    (not sent, not combined, zero probability gradient), unused rows are zero with prob 0. Every
+    dispatch output has ``L * roundup(R * C, expert_alignment)`` rows and ``tokens_per_expert``
+    is that constant per expert, in exact and capacity mode alike, with no host read. The torch
+    backend implements it; the cuda backend refuses it (ValueError) until its kernels do.
     """
 
     def __init__(self, process_group=None, *, num_experts: int, hidden: int,
@@ -209,7 +251,7 @@ class Group:
                  max_recv_tokens_per_rank: Optional[int] = None,
                  capacity_factor: Optional[float] = None, expert_alignment: int = 1,
                  num_sms: int = 24, timeout_s: float = 100.0, staging_chunk_tokens: int = 0,
-                 staging_depth: int = 0, ranks_per_node: int = 0):
+                 staging_depth: int = 0, ranks_per_node: int = 0, expert_capacity: int = 0):
         if dist.is_available() and dist.is_initialized():
             self.process_group = process_group if process_group is not None else dist.group.WORLD
             self.rank = dist.get_rank(self.process_group)
@@ -225,7 +267,7 @@ class Group:
             recv_mode=recv_mode, max_recv_tokens_per_rank=max_recv_tokens_per_rank,
             expert_alignment=expert_alignment, num_sms=num_sms, timeout_s=timeout_s,
             staging_chunk_tokens=staging_chunk_tokens, staging_depth=staging_depth,
-            ranks_per_node=ranks_per_node)
+            ranks_per_node=ranks_per_node, expert_capacity=expert_capacity)
         _check_config_across_ranks(self.config, self.process_group, self.world_size)
         self.num_local_experts = num_experts // self.world_size
         self.backend_name = backend
@@ -240,7 +282,7 @@ class Group:
                    max_recv_tokens_per_rank: Optional[int] = None,
                    capacity_factor: Optional[float] = None, expert_alignment: int = 1,
                    num_sms: int = 24, timeout_s: float = 100.0, staging_chunk_tokens: int = 0,
-                   staging_depth: int = 0) -> "list[Group]":
+                   staging_depth: int = 0, expert_capacity: int = 0) -> "list[Group]":
         """``world_size`` ranks of one EP group inside this process, on one GPU, with the cuda
         backend and no NCCL (the C library's ``ncclEpCreateLocalTeam``): element ``r`` is rank
         ``r``. Every device code path of a multi-rank group runs, so one GPU can develop and test
@@ -258,7 +300,8 @@ class Group:
             max_tokens_per_rank=max_tokens_per_rank, max_topk=max_topk, dtype=dtype,
             recv_mode=recv_mode, max_recv_tokens_per_rank=max_recv_tokens_per_rank,
             expert_alignment=expert_alignment, num_sms=num_sms, timeout_s=timeout_s,
-            staging_chunk_tokens=staging_chunk_tokens, staging_depth=staging_depth)
+            staging_chunk_tokens=staging_chunk_tokens, staging_depth=staging_depth,
+            expert_capacity=expert_capacity)
         groups = []
         for rank, backend in enumerate(cuda_backend.CudaBackend.local_team(config, world_size,
                                                                            device)):
@@ -415,13 +458,18 @@ class Handle:
         E = self.group.config.num_experts
         return probs.dim() == 2 and probs.shape[1] == E and E != self.topk
 
-    def dispatch(self, x: torch.Tensor, probs: Optional[torch.Tensor] = None):
+    def dispatch(self, x: torch.Tensor, probs: Optional[torch.Tensor] = None, *,
+                 dense: Optional[bool] = None):
         """``x [T, H]``, ``probs`` (any float dtype, optional: ``[T, K]`` in slot order, or a
         router's dense ``[T, E]``) -> ``(recv_x [N, H], recv_probs [N] or None)`` in the
-        expert-major layout of docs/design.md §3. Not differentiable: use
-        ``megatron_nccl_ep.dispatch`` for autograd."""
+        expert-major layout of docs/design.md §3. ``dense`` says which form ``probs`` is (None:
+        ``probs_are_dense``, which reads ``[T, E]`` as slot order when ``E == K``, as with a
+        drop-and-pad group of ``max_topk = E``: pass ``dense=True`` for a router's probs). Not
+        differentiable: use ``megatron_nccl_ep.dispatch`` for autograd."""
         self._require_alive()
-        dense = isinstance(probs, torch.Tensor) and self.probs_are_dense(probs)
+        if dense is None:
+            dense = isinstance(probs, torch.Tensor) and self.probs_are_dense(probs)
+        dense = bool(dense) and probs is not None
 
         def check():
             self._check_x("x", x)

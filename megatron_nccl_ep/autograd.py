@@ -20,11 +20,14 @@ from .api import Handle
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, handle: Handle, x: torch.Tensor, probs: Optional[torch.Tensor]):
+    def forward(ctx, handle: Handle, x: torch.Tensor, probs: Optional[torch.Tensor],
+                dense: Optional[bool]):
         ctx.handle = handle
         ctx.has_probs = probs is not None
-        ctx.dense = probs is not None and handle.probs_are_dense(probs)
-        recv_x, recv_probs = handle.dispatch(x, probs)
+        if dense is None:
+            dense = probs is not None and handle.probs_are_dense(probs)
+        ctx.dense = bool(dense) and probs is not None
+        recv_x, recv_probs = handle.dispatch(x, probs, dense=ctx.dense)
         return recv_x, recv_probs
 
     @staticmethod
@@ -33,7 +36,7 @@ class _Dispatch(torch.autograd.Function):
         grad_probs = None
         if ctx.has_probs:  # [T, K], or [T, E] (zero where unrouted) for dense probs
             grad_probs = ctx.handle.combine_probs(grad_recv_probs, dense=ctx.dense)
-        return None, grad_x, grad_probs
+        return None, grad_x, grad_probs, None
 
 
 class _Combine(torch.autograd.Function):
@@ -48,9 +51,11 @@ class _Combine(torch.autograd.Function):
         return None, grad_expert_out
 
 
-def dispatch(handle: Handle, x: torch.Tensor, probs: Optional[torch.Tensor] = None):
-    """Differentiable ``handle.dispatch``: ``(recv_x [N, H], recv_probs [N] or None)``."""
-    return _Dispatch.apply(handle, x, probs)
+def dispatch(handle: Handle, x: torch.Tensor, probs: Optional[torch.Tensor] = None, *,
+             dense: Optional[bool] = None):
+    """Differentiable ``handle.dispatch``: ``(recv_x [N, H], recv_probs [N] or None)``;
+    ``dense`` as in ``Handle.dispatch``."""
+    return _Dispatch.apply(handle, x, probs, dense)
 
 
 def combine(handle: Handle, expert_out: torch.Tensor) -> torch.Tensor:

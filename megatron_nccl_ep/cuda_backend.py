@@ -145,6 +145,14 @@ class CudaBackend:
                 raise
 
     def _setup(self, config: GroupConfig, device: Optional[torch.device]) -> None:
+        if config.expert_capacity:
+            # Checked before anything else (every rank alike: the config is agreed), so the
+            # refusal is the same with or without the built extension.
+            raise ValueError(
+                f"GroupConfig: expert_capacity={config.expert_capacity} (the fixed-capacity "
+                "drop-and-pad layout, Megatron's moe_pad_expert_input_to_capacity) is not "
+                "implemented by the cuda backend yet; backend='torch' computes it "
+                "(docs/cuda_backend.md says what the kernels need)")
         if _C is None:
             raise RuntimeError(unavailable_reason())
         if config.dtype not in TOKEN_DTYPES:

@@ -17,7 +17,7 @@ from typing import List, Optional
 
 import torch
 from megatron.core.transformer.moe.moe_utils import (get_align_size_for_quantization,
-                                                     get_default_pg_collection)
+                                                     get_capacity, get_default_pg_collection)
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .api import Group
@@ -71,12 +71,12 @@ def _training_tokens_per_rank() -> Optional[int]:
 
 
 def _group_for(ep_group, num_experts: int, topk: int, tokens: torch.Tensor,
-               options: NcclEpOptions, alignment: int) -> Group:
+               options: NcclEpOptions, alignment: int, expert_capacity: int = 0) -> Group:
     num_tokens = tokens.shape[0]
     max_tokens = (options.max_tokens_per_rank or _training_tokens_per_rank()
                   or 1 << max(num_tokens - 1, 0).bit_length())
     key = (ep_group, num_experts, topk, tokens.shape[1], tokens.dtype, tokens.device, max_tokens,
-           options, alignment)
+           options, alignment, expert_capacity)
     group = _groups.get(key)
     if group is None:
         group = Group(ep_group, num_experts=num_experts, hidden=tokens.shape[1],
@@ -85,7 +85,7 @@ def _group_for(ep_group, num_experts: int, topk: int, tokens: torch.Tensor,
                       capacity_factor=(options.capacity_factor
                                        if options.recv_mode == "capacity" else None),
                       expert_alignment=alignment, num_sms=options.num_sms,
-                      ranks_per_node=options.ranks_per_node)
+                      ranks_per_node=options.ranks_per_node, expert_capacity=expert_capacity)
         _groups[key] = group
     return group
 
@@ -103,6 +103,10 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
     Each forward creates one Handle (one routing exchange); the autograd functions keep it for the
     backward pass, and the dispatcher drops its own reference at combine, so nothing accumulates
     across steps.
+
+    With ``moe_pad_expert_input_to_capacity`` (``drop_and_pad``, the attribute Megatron's
+    inference utilities toggle) the handle uses the library's fixed-capacity layout: each local
+    expert gets one run of C rows per source rank, Megatron alltoall's static layout.
     """
 
     def __init__(self, num_local_experts: int, local_expert_indices: List[int], config,
@@ -110,11 +114,15 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         super().__init__(config=config, pg_collection=pg_collection)
-        # Drop-and-pad routes a token to more than top-k experts; EP overlap needs the ops on
-        # the fine-grained schedule's communication stream.
-        for flag in ("moe_pad_expert_input_to_capacity", "overlap_moe_expert_parallel_comm"):
-            if getattr(config, flag, False):
-                raise NotImplementedError(f"nccl_ep dispatcher: {flag} is not supported")
+        # EP overlap needs the ops on the fine-grained schedule's communication stream.
+        if getattr(config, "overlap_moe_expert_parallel_comm", False):
+            raise NotImplementedError(
+                "nccl_ep dispatcher: overlap_moe_expert_parallel_comm is not supported")
+        # Drop-and-pad: the fixed-capacity layout (see expert_capacity).
+        self.drop_and_pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
+        if self.drop_and_pad and config.moe_expert_capacity_factor is None:
+            raise ValueError("nccl_ep dispatcher: moe_pad_expert_input_to_capacity needs "
+                             "moe_expert_capacity_factor")
         # dispatch_preprocess is local (no communication, no host read), so the moe_router and
         # moe_preprocess scopes can be captured; the routing exchange and, in exact mode, the
         # host read of the receive count happen in token_dispatch, which a graph of the whole
@@ -177,6 +185,15 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
             return 1
         return max(1, get_align_size_for_quantization(self.config))
 
+    def expert_capacity(self, num_tokens: int) -> int:
+        """Drop-and-pad: the rows each source rank gets in each expert, Megatron's capacity for
+        this rank's ``num_tokens`` (as its alltoall dispatcher computes it: every rank of the EP
+        group must have the same token count); 0 otherwise."""
+        if not self.drop_and_pad:
+            return 0
+        return get_capacity(num_tokens=num_tokens * self.topk, num_experts=self.num_experts,
+                            capacity_factor=self.config.moe_expert_capacity_factor)
+
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
                             probs: torch.Tensor):
         """[S, B, H] -> [T, H], and the dense routing map kept for token_dispatch. Local: no
@@ -205,12 +222,17 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         handle's receive count is read here, the layer's one host read)."""
         if self.shared_experts is not None:  # its fc1 may not start before our inputs exist
             self.shared_experts.wait_current_stream()
+        # Drop-and-pad: Megatron's router pads every expert's column to its capacity with
+        # zero-probability tokens, so a token may be routed to every expert (max_topk = E).
+        topk = self.num_experts if self.drop_and_pad else self.topk
         group = _group_for(self.comm_group, self.tp_size * self.num_experts,
-                           self.tp_size * self.topk, hidden_states, self.options(),
-                           self.expert_alignment())
+                           self.tp_size * topk, hidden_states, self.options(),
+                           self.expert_alignment(), self.expert_capacity(hidden_states.shape[0]))
         self._handle = group.create_handle(routing_map=self.routing_map)
         self.routing_map = None
-        recv_x, recv_probs = dispatch(self._handle, hidden_states, probs)
+        # The router's probs are dense [T, E] (said explicitly: with E == K they would be read
+        # in slot order).
+        recv_x, recv_probs = dispatch(self._handle, hidden_states, probs, dense=True)
         if self.shared_experts is not None:  # overlaps the routed experts' work
             self.shared_experts.linear_fc1_forward_and_act(recv_x)
         return recv_x, recv_probs
@@ -221,7 +243,17 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         Capacity mode: the counts stay on the device, and the buffer's unused tail (zero rows with
         prob 0, ignored by combine) is counted as part of the last local expert, so that experts
         which split their input by the counts (Megatron's SequentialMLP, grouped GEMMs) cover the
-        whole fixed-size buffer. Those rows contribute nothing to outputs or gradients."""
+        whole fixed-size buffer. Those rows contribute nothing to outputs or gradients.
+
+        Drop-and-pad: every local expert has R runs of C rows (one per source rank of the group,
+        in rank order; a run's unused rows are zero, prob 0), so the counts are the constant
+        R * C (rounded up to the FP8 alignment with ``moe_router_padding_for_quantization``), a
+        host tensor built here without reading the device, as Megatron's alltoall returns."""
+        if self.drop_and_pad:
+            config = self._handle.group.config
+            block = config.expert_block_rows(self._handle.group.world_size)
+            return hidden_states, torch.full((self.num_local_experts,), block,
+                                             dtype=torch.long), probs
         tokens_per_expert = self._handle.tokens_per_expert
         if self._handle.group.config.recv_mode == "capacity":
             unused_rows = hidden_states.shape[0] - tokens_per_expert.sum()

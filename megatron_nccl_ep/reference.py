@@ -80,6 +80,24 @@ def routing_error(topk_idx: torch.Tensor, num_experts: int,
     return None
 
 
+def drop_past_capacity(routing: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """``routing [R, T, K]`` (every source rank's top-k ids) with each source's slots for an
+    expert past the ``capacity``-th, counted in token order, masked (-1): the drop of the
+    fixed-capacity layout (docs/design.md §3). It depends on the source's own routing only."""
+    tokens = routing.shape[1]
+    s, t, k = (routing >= 0).nonzero(as_tuple=True)
+    run = s * num_experts + routing[s, t, k]  # one run per (source, expert)
+    order = torch.argsort(run * tokens + t)  # unique keys: a token names an expert once
+    run_sorted = run[order]
+    position = torch.empty_like(order)
+    position[order] = (torch.arange(len(order), device=routing.device)
+                       - torch.searchsorted(run_sorted, run_sorted))
+    drop = position >= capacity
+    routing = routing.clone()
+    routing[s[drop], t[drop], k[drop]] = -1
+    return routing
+
+
 @dataclasses.dataclass
 class ReferenceHandleState:
     num_recv_tokens: int
@@ -181,6 +199,9 @@ class ReferenceBackend:
         padded = torch.full((t_pad, topk), -1, dtype=torch.int64, device=device)
         padded[:tokens] = topk_idx
         routing = self._all_gather(padded)  # [R, t_pad, K]: every rank's routing
+        C = cfg.expert_capacity
+        if C:  # fixed capacity: dropped slots are masked from here on
+            routing = drop_past_capacity(routing, cfg.num_experts, C)
 
         # Rows per (destination rank, local expert), then the expert-major bases of every rank.
         owner = torch.where(routing >= 0, routing // L, -1)
@@ -191,7 +212,10 @@ class ReferenceBackend:
                           torch.ones_like(routing[valid]), accumulate=True)
         per_expert = counts.sum(0).view(R, L)  # [dest, local expert]
         align = cfg.expert_alignment
-        blocks = (per_expert + align - 1) // align * align
+        if C:  # R sub-blocks of C rows per expert, whatever the routing
+            blocks = torch.full_like(per_expert, cfg.expert_block_rows(R))
+        else:
+            blocks = (per_expert + align - 1) // align * align
         recv_totals = blocks.sum(1)
         if cfg.recv_mode == "capacity":
             over = [(d, int(n)) for d, n in enumerate(recv_totals.tolist())
@@ -213,6 +237,11 @@ class ReferenceBackend:
         first_of_expert = torch.cumsum(per_expert[me], 0) - per_expert[me]
         rows_sorted = base[le_sorted] + torch.arange(len(order), device=device) \
             - first_of_expert[le_sorted]
+        if C:  # each source's run starts at its own sub-block, s * C rows into the expert's
+            s_sorted = s_idx[order]
+            from_source = counts.view(R, R, L)[:, me]  # [source, local expert]: slots here
+            before = torch.cumsum(from_source, 0) - from_source  # of lower source ranks
+            rows_sorted = rows_sorted - before[s_sorted, le_sorted] + s_sorted * C
         slot_rows = torch.full_like(routing, -1)
         slot_rows[s_idx[order], t_idx[order], k_idx[order]] = rows_sorted
 

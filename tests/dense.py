@@ -144,22 +144,33 @@ def check_routing(problem: Problem) -> None:
             assert len(set(valid)) == len(valid), (s, t, slots)
 
 
-def layout(problem: Problem, dest: int, alignment: int = 1) -> RankLayout:
+def layout(problem: Problem, dest: int, alignment: int = 1, *,
+           expert_capacity: Optional[int] = None) -> RankLayout:
+    """``expert_capacity=C``: the fixed-capacity layout: each expert's block is R runs of C
+    rows, one per source rank; a run holds the source's first C slots for the expert in token
+    order (later ones are dropped: in no row), then None rows up to C."""
     L = problem.num_local_experts
     buckets = [[] for _ in range(L)]
     # Ascending s, then t; a token names an expert at most once, so (s, t) orders a bucket fully.
     for s in range(problem.world_size):
+        runs = [[] for _ in range(L)]
         for t, slots in enumerate(problem.topk_idx[s].tolist()):
             for k, e in enumerate(slots):
                 if e >= 0 and e // L == dest:
-                    buckets[e % L].append((s, t, k))
+                    runs[e % L].append((s, t, k))
+        for bucket, run in zip(buckets, runs):
+            if expert_capacity is None:
+                bucket.extend(run)
+            else:
+                kept = run[:expert_capacity]
+                bucket.extend(kept + [None] * (expert_capacity - len(kept)))
     rows, tpe, real = [], [], []
     for bucket in buckets:
         padded = -(-len(bucket) // alignment) * alignment
         rows.extend(bucket)
         rows.extend([None] * (padded - len(bucket)))
         tpe.append(padded)
-        real.append(len(bucket))
+        real.append(sum(r is not None for r in bucket))
     return RankLayout(rows, tpe, real)
 
 
@@ -172,11 +183,12 @@ def _row_gather(lay: RankLayout):
     return s, t, k, valid
 
 
-def dispatch(problem: Problem, dest: int, alignment: int = 1, capacity: Optional[int] = None):
+def dispatch(problem: Problem, dest: int, alignment: int = 1, capacity: Optional[int] = None, *,
+             expert_capacity: Optional[int] = None):
     """Expected ``(recv_x, recv_probs or None, tokens_per_expert int64 [L], used_rows)`` on rank
     ``dest``. Capacity mode: outputs have ``capacity`` rows, the tail beyond the used rows is zero
-    (prob 0)."""
-    lay = layout(problem, dest, alignment)
+    (prob 0). ``expert_capacity``: the fixed-capacity layout (see ``layout``)."""
+    lay = layout(problem, dest, alignment, expert_capacity=expert_capacity)
     n = lay.num_rows if capacity is None else capacity
     assert n >= lay.num_rows, f"capacity {capacity} < {lay.num_rows} rows needed on rank {dest}"
     recv_x = torch.zeros(n, problem.hidden, dtype=problem.x[0].dtype)
@@ -199,7 +211,8 @@ def acc_dtype_for(dtype: torch.dtype) -> torch.dtype:
 def combine(problem: Problem, expert_out: list, source: int, alignment: int = 1, *,
             ranks_per_node: Optional[int] = None, k_descending: bool = False,
             rank_descending: bool = False, two_stage: bool = True,
-            acc_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+            acc_dtype: Optional[torch.dtype] = None,
+            expert_capacity: Optional[int] = None) -> torch.Tensor:
     """Expected ``y`` on rank ``source`` from every rank's ``expert_out[d] [N_d, H]``.
 
     Defaults are docs/design.md §4 (flat). ``ranks_per_node=G``: §4 for groups that span nodes,
@@ -217,7 +230,8 @@ def combine(problem: Problem, expert_out: list, source: int, alignment: int = 1,
     row_of = []
     for d in range(R):
         m = torch.full((T, K), -1, dtype=torch.int64)
-        for i, r in enumerate(layout(problem, d, alignment).rows):
+        for i, r in enumerate(layout(problem, d, alignment,
+                                     expert_capacity=expert_capacity).rows):
             if r is not None and r[0] == source:
                 m[r[1], r[2]] = i
         row_of.append(m)
@@ -247,12 +261,14 @@ def combine(problem: Problem, expert_out: list, source: int, alignment: int = 1,
 
 
 def combine_probs(problem: Problem, grad_recv_probs: list, source: int,
-                  alignment: int = 1) -> torch.Tensor:
-    """Expected ``grad_probs [T, K]`` on rank ``source``: the row's value, 0 at masked slots."""
+                  alignment: int = 1, *, expert_capacity: Optional[int] = None) -> torch.Tensor:
+    """Expected ``grad_probs [T, K]`` on rank ``source``: the row's value, 0 at masked (and
+    dropped) slots."""
     T, K = problem.topk_idx[source].shape
     out = torch.zeros(T, K, dtype=grad_recv_probs[0].dtype)
     for d in range(problem.world_size):
-        for i, r in enumerate(layout(problem, d, alignment).rows):
+        for i, r in enumerate(layout(problem, d, alignment,
+                                     expert_capacity=expert_capacity).rows):
             if r is not None and r[0] == source:
                 out[r[1], r[2]] = grad_recv_probs[d][i]
     return out

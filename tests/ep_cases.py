@@ -51,7 +51,7 @@ def make_group(problem: dense.Problem, *, backend: str = "torch", device="cpu",
 
 
 def poisoned_rows(problem: dense.Problem, seed: int, num_rows, alignment: int = 1,
-                  dtype=None, vector: bool = False):
+                  dtype=None, vector: bool = False, expert_capacity=None):
     """For every rank d, a ``[num_rows[d], H]`` tensor (``[num_rows[d]]`` with vector=True) of
     order-sensitive values in the rows that carry a (token, slot), NaN in every padding and tail
     row: whatever combine or combine_probs reads from those rows would show up as NaN."""
@@ -59,7 +59,7 @@ def poisoned_rows(problem: dense.Problem, seed: int, num_rows, alignment: int = 
     dtype = dtype or problem.x[0].dtype
     out = []
     for d in range(problem.world_size):
-        lay = dense.layout(problem, d, alignment)
+        lay = dense.layout(problem, d, alignment, expert_capacity=expert_capacity)
         shape = (num_rows[d],) if vector else (num_rows[d], problem.hidden)
         t = dense.wide_values(gen, shape, dtype)
         used = torch.zeros(num_rows[d], dtype=torch.bool)

@@ -237,18 +237,6 @@ def test_parity_with_expert_tensor_parallel(ep, etp, tp, seed):
     assert all(dist.run(ep * etp, parity_case, 4, 2, seed, ep=ep, etp=etp, tp=tp))
 
 
-def padded_routing_case():
-    with megatron_on_cpu(ep=torch.distributed.get_world_size()):
-        with pytest.raises(NotImplementedError, match="moe_pad_expert_input_to_capacity"):
-            moe_layer("nccl_ep", 4, 2, moe_expert_capacity_factor=1.0,
-                      moe_pad_expert_input_to_capacity=True)
-    return True
-
-
-def test_padded_routing_is_refused():
-    assert all(dist.run(1, padded_routing_case))
-
-
 @pytest.mark.parametrize("field,value", [("backend", "nccl"), ("recv_mode", "dropless"),
                                          ("capacity_factor", 0.0), ("num_sms", 0),
                                          ("max_tokens_per_rank", 0), ("ranks_per_node", -1)])

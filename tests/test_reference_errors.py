@@ -227,6 +227,7 @@ MISMATCHES = {
     "expert_alignment": (dict(expert_alignment=1), lambda r: dict(expert_alignment=1 + r)),
     "max_tokens_per_rank": (dict(max_tokens_per_rank=T),
                             lambda r: dict(max_tokens_per_rank=T + r)),
+    "expert_capacity": (dict(expert_capacity=0), lambda r: dict(expert_capacity=2 + r)),
 }
 
 
