@@ -2,7 +2,7 @@
 // Standalone (not part of the library): the bench shape at EP=1 (4096 tokens x 7168 bf16, top-8
 // of 256, 32768 expert-major rows), each variant checked bitwise against the first one.
 //
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o /tmp/sm_budget \
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I <nccl include> -o /tmp/sm_budget \
 //       benchmarks/micro/sm_budget.cu && /tmp/sm_budget 24        # argument: SMs (CTAs)
 //
 // Variants: expand with 16-byte register stores (expand_v0) or TMA bulk stores from shared memory
@@ -21,6 +21,9 @@
 #include <algorithm>
 #include <random>
 #include <cstring>
+
+// The library's own per-token sum (csrc/kernels/token_sum.cuh), timed outside the exchange engine.
+#include "../../csrc/kernels/token_sum.cuh"
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1);} } while (0)
 
@@ -196,6 +199,32 @@ __global__ void __launch_bounds__(WARPS * 32) combine_tma(const char* eo, char* 
   }
 }
 
+// The engine's sum_token on the same work: per token a source list of its K rows, then the
+// library's staging (bulk copies into 2 x 8 KiB per warp). CTA b takes the engine's contiguous
+// token range; FINAL: the receivers' stage-2 path (own partial rounded, then the chain).
+template <bool FINAL>
+__global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
+    combine_library(const char* eo, char* y, const int* rr) {
+  using namespace nccl_ep;
+  using P = Pack<__nv_bfloat16, 8>;
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  const WarpStaging ws = warp_staging();
+  if (lane == 0) {
+    for (int i = 0; i < kStages; ++i) nccl_ep::mbar_init(&ws.bar[i]);
+    *ws.phase = 0;
+  }
+  __syncwarp();
+  const int t1 = (int)((long long)T * (blockIdx.x + 1) / gridDim.x);
+  for (int t = (int)((long long)T * blockIdx.x / gridDim.x) + wid; t < t1; t += kCombineWarps) {
+    if (lane < K) ws.src[lane] = eo + (size_t)rr[t * K + lane] * ROWB;
+    __syncwarp();
+    sum_token<__nv_bfloat16, 8, FINAL>({ws.src, K, 0, 0}, ws,
+                                       reinterpret_cast<P*>(y + (size_t)t * ROWB), ROWB / 16, true,
+                                       lane);
+    __syncwarp();
+  }
+}
+
 // ---- ceilings ----
 __global__ void __launch_bounds__(512) copy_reg(const uint4* s, uint4* d, size_t n) {
   for (size_t i = blockIdx.x * 512 + threadIdx.x; i < n; i += (size_t)gridDim.x * 512 * 4) {
@@ -269,6 +298,10 @@ int main(int argc, char** argv) {
     CK(cudaMemset(y2, 0x55, (size_t)T * ROWB)); \
     report("combine_tma w" #W " seg" #S " contig" #C " dep" #D, time_it([&] { k<<<sms, W * 32, smem>>>(eo, y2, d_rr); }), comb_bytes); cmp(y, y2, (size_t)T * ROWB, "combine"); }
   COMB_TMA_ENGINE(12, 1024, true, false) COMB_TMA_ENGINE(12, 1024, false, true) COMB_TMA_ENGINE(12, 1024, true, true)
+#define COMB_LIB(F) { auto k = combine_library<F>; const int smem = (int)nccl_ep::kCombineStagingBytes; CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
+    CK(cudaMemset(y2, 0x55, (size_t)T * ROWB)); \
+    report("combine_library (token_sum.cuh) final=" #F, time_it([&] { k<<<sms, nccl_ep::kCombineWarps * 32, smem>>>(eo, y2, d_rr); }), comb_bytes); cmp(y, y2, (size_t)T * ROWB, "combine"); }
+  COMB_LIB(false) COMB_LIB(true)
   CK(cudaDeviceSynchronize());
   printf("done\n");
   return 0;

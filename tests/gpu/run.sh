@@ -170,15 +170,20 @@ if wants bench; then
 fi
 
 if wants micro; then
-    # The standalone hardware ceilings (benchmarks/micro, no library), appended to bench.log:
-    # what N SMs move locally and over NVLink, and the expansion / summation under an SM budget.
+    # The standalone hardware ceilings (benchmarks/micro), appended to bench.log:
+    # what N SMs move locally and over NVLink, and the expansion / summation under an SM budget
+    # (sm_budget also times the library's own per-token sum, csrc/kernels/token_sum.cuh).
     start=$SECONDS
     rc=0
     {
+        # sm_budget includes the library's kernel headers, which include nccl.h: the headers of
+        # the nvidia-nccl wheel next to torch (as setup.py finds them), or NCCL_INCLUDE_DIR.
+        nccl_inc=${NCCL_INCLUDE_DIR:-$("$PY" -c 'import glob, nvidia
+print(([d for p in nvidia.__path__ for d in glob.glob(p + "/nccl/include")] + [""])[0])' 2>/dev/null)}
         for bench in peer_ceilings sm_budget; do
             echo "== benchmarks/micro/$bench.cu"
-            nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o "/tmp/$bench" \
-                "benchmarks/micro/$bench.cu" || exit 1
+            nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a ${nccl_inc:+-I "$nccl_inc"} \
+                -o "/tmp/$bench" "benchmarks/micro/$bench.cu" || exit 1
         done
         timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/peer_ceilings || exit 1
         timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/sm_budget "${MICRO_SMS:-24}" || exit 1

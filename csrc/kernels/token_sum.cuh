@@ -1,0 +1,156 @@
+/*
+ * token_sum.cuh: the combine's per-token sums (the design's section 4 arithmetic), staged through
+ * shared memory by bulk copies. Used by combine.cu, and by benchmarks/micro/sm_budget.cu to time
+ * the same code outside the exchange engine.
+ *
+ * NOTES:
+ *  - acc = float32; round = the token dtype's round-to-nearest-even. Every sum starts from +0.0f
+ *    and is a chain of single adds in the contract's order; nothing is reordered or fused.
+ *  - A warp owns its staging (source list, buffers, barriers): no cross-warp synchronization.
+ */
+#pragma once
+
+#include "api.cuh"
+#include "device.cuh"
+
+namespace nccl_ep {
+
+// One token's sum, described by its sources: rows [0, n_rows) are expert rows (ascending k) that
+// make this rank's partial; then n_parts peer partials, in ascending rank order. `own_at` places
+// this rank's partial in that order (before partial own_at; -1: the token has none here).
+//   kFinal = false: out = round(0 + acc(row 0) + acc(row 1) + ...)            (stage 1)
+//   kFinal = true:  out = round(0 + acc(partial d0) + acc(partial d1) + ...)  (stage 2; this
+//                   rank's partial is stage 1 of its rows, rounded, in its place)
+struct TokenSum {
+  const char* const* src;  // the sources' row starts
+  int n_rows, n_parts, own_at;
+  __device__ int sources() const { return n_rows + n_parts; }
+};
+
+// Sources per warp: a token's rows here plus one partial per peer.
+constexpr int kMaxSources = kMaxTopk + kMaxRanks - 1;
+
+// Staging per warp: kStages buffers of kStageBytes. A token's rows are summed segment by segment:
+// the segment (every source's same columns) fills a buffer; while the warp sums segment g, the
+// bulk copies of the next kStages - 1 are in flight. The segment shrinks as sources grow so that
+// one always fits a buffer.
+constexpr int kStages = 2;
+constexpr int kStageBytes = 8192;  // 12 warps x 2 x 8 KiB + the static part fit 227 KiB
+constexpr size_t kCombineStagingBytes = (size_t)kCombineWarps * kStages * kStageBytes;
+static_assert(kStageBytes % 16 == 0, "stage buffers hold 16-byte packs");
+
+// The warp's staging: its source list, buffers and their barriers (phase: bit i = the parity the
+// next wait on buffer i waits for).
+struct WarpStaging {
+  const char** src;
+  char* buf;
+  unsigned long long* bar;
+  unsigned* phase;
+};
+
+EP_DEVICE WarpStaging warp_staging() {
+  __shared__ const char* sources[kMaxWarps][kMaxSources];
+  __shared__ unsigned long long bars[kMaxWarps][kStages];
+  __shared__ unsigned phases[kMaxWarps];
+  extern __shared__ __align__(128) char staging[];
+  const int w = threadIdx.x >> 5;
+  return {sources[w], staging + (size_t)w * kStages * kStageBytes, bars[w], &phases[w]};
+}
+
+// Packs [first, first + count) of every source into buffer `stage`, source i at i * seg packs: by
+// bulk copies (16-byte path; lane 0 issues, the barrier counts the bytes), else by the lanes.
+template <typename P>
+EP_DEVICE void fill_stage(const TokenSum& s, const WarpStaging& ws, int stage, int first,
+                          int count, int seg, bool bulk, int lane) {
+  P* buf = reinterpret_cast<P*>(ws.buf + (size_t)stage * kStageBytes);
+  const int n = s.sources();
+  if (bulk) {
+    if (lane == 0) {
+      fence_proxy_async_shared();  // the lanes' reads of the buffer's previous segment first
+      mbar_expect_bytes(&ws.bar[stage], (unsigned)(n * count * sizeof(P)));
+      for (int i = 0; i < n; ++i)
+        bulk_load(buf + (size_t)i * seg, reinterpret_cast<const P*>(s.src[i]) + first,
+                  (unsigned)(count * sizeof(P)), &ws.bar[stage]);
+    }
+  } else {
+    for (int i = 0; i < n; ++i)
+      for (int j = lane; j < count; j += 32)
+        buf[(size_t)i * seg + j] = reinterpret_cast<const P*>(s.src[i])[first + j];
+    __syncwarp();
+  }
+}
+
+// out[j] for the packs j < count of one buffer (source i's pack j at buf[i * seg + j]).
+template <typename T, int N, bool kFinal>
+EP_DEVICE void sum_stage(const TokenSum& s, const Pack<T, N>* buf, int seg, int count,
+                         Pack<T, N>* out, int lane) {
+  for (int j = lane; j < count; j += 32) {
+    float own[N], acc[N];  // acc: stage 2 only
+#pragma unroll
+    for (int q = 0; q < N; ++q) own[q] = acc[q] = 0.0f;
+#pragma unroll 4
+    for (int i = 0; i < s.n_rows; ++i) {
+      const Pack<T, N> v = buf[(size_t)i * seg + j];
+#pragma unroll
+      for (int q = 0; q < N; ++q) own[q] = own[q] + to_float<T>(v.v[q]);
+    }
+    Pack<T, N> r;
+    if (kFinal) {
+      for (int i = 0; i <= s.n_parts; ++i) {
+        if (i == s.own_at) {
+#pragma unroll
+          for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(from_float<T>(own[q]));
+        }
+        if (i == s.n_parts) break;
+        const Pack<T, N> v = buf[(size_t)(s.n_rows + i) * seg + j];
+#pragma unroll
+        for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(v.v[q]);
+      }
+#pragma unroll
+      for (int q = 0; q < N; ++q) r.v[q] = from_float<T>(acc[q]);
+    } else {
+#pragma unroll
+      for (int q = 0; q < N; ++q) r.v[q] = from_float<T>(own[q]);
+    }
+    out[j] = r;
+  }
+}
+
+// dst[0, packs) = the token's sum, through the warp's staging buffers.
+template <typename T, int N, bool kFinal>
+EP_DEVICE void sum_token(const TokenSum& s, const WarpStaging& ws, Pack<T, N>* dst, int packs,
+                         bool bulk, int lane) {
+  using P = Pack<T, N>;
+  const int n = s.sources();
+  // Segments of whole 128-byte lines where they fit (a bulk copy that starts mid-line costs a
+  // line more); a zero-source token still writes its (zero) sum, from an untouched buffer.
+  int seg_bytes = n == 0 ? packs * (int)sizeof(P) : kStageBytes / n;
+  seg_bytes &= seg_bytes >= 128 ? ~127 : ~15;
+  const int seg = min(packs, max(1, seg_bytes / (int)sizeof(P)));
+  const int segs = (packs + seg - 1) / seg;
+  auto fill = [&](int g) {
+    if (n > 0 && g < segs)
+      fill_stage<P>(s, ws, g % kStages, g * seg, min(seg, packs - g * seg), seg, bulk, lane);
+  };
+  for (int g = 0; g < kStages - 1; ++g) fill(g);
+  for (int g = 0; g < segs; ++g) {
+    fill(g + kStages - 1);
+    const int stage = g % kStages;
+    if (n > 0 && bulk) {
+      mbar_wait(&ws.bar[stage], (*ws.phase >> stage) & 1u);
+      __syncwarp();
+      if (lane == 0) *ws.phase ^= 1u << stage;
+    }
+    sum_stage<T, N, kFinal>(s, reinterpret_cast<const P*>(ws.buf + (size_t)stage * kStageBytes),
+                            seg, min(seg, packs - g * seg), dst + (size_t)g * seg, lane);
+    __syncwarp();  // the buffer is refilled next
+  }
+}
+
+// Points sources [0, n) at the expert rows rows[0, n). Warp-wide (n <= kMaxTopk <= 32).
+EP_DEVICE void point_at_rows(const char** src, const void* expert_out, size_t row_bytes,
+                             const int* rows, int n, int lane) {
+  if (lane < n) src[lane] = reinterpret_cast<const char*>(expert_out) + (size_t)rows[lane] * row_bytes;
+}
+
+}  // namespace nccl_ep
