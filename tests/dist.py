@@ -79,20 +79,26 @@ def _load_function(path: str, qualname: str):
     return obj
 
 
-def _worker(rank: int, world_size: int, backend: str, init_file: str, tasks, results,
-            sys_path: list) -> None:
+def _join_group(rank: int, world_size: int, backend: str, init_file: str, sys_path: list,
+                gpus: bool, pg_timeout: float) -> None:
+    """A spawned rank's setup: the parent's import path and GPU environment, one intra-op thread
+    (ranks share few cores), its GPU (``gpus``), then the process group."""
     for p in reversed(sys_path):
         if p not in sys.path:
             sys.path.insert(0, p)
     os.environ.update(GPU_ENV)
-    # Ranks share few cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
+    if gpus:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout))
+
+
+def _worker(rank: int, world_size: int, backend: str, init_file: str, tasks, results,
+            sys_path: list) -> None:
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+        _join_group(rank, world_size, backend, init_file, sys_path, backend == "nccl",
+                    DEFAULT_TIMEOUT_S)
         results.put(("ready", rank, True, None, None))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put(("ready", rank, False, None, traceback.format_exc()))
@@ -273,18 +279,9 @@ def _isolated_worker(rank: int, world_size: int, backend: str, init_file: str, c
                      sys_path: list, gpus: bool, pg_timeout: float, path: str, qualname: str,
                      args: tuple, kwargs: dict) -> None:
     global _report_conn
-    for p in reversed(sys_path):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    os.environ.update(GPU_ENV)
-    torch.set_num_threads(1)
     _report_conn = conn
     try:
-        if gpus:
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
+        _join_group(rank, world_size, backend, init_file, sys_path, gpus, pg_timeout)
         report("ready")
         value = _load_function(path, qualname)(*args, **kwargs)
         conn.send(("value", None, value, time.time()))
