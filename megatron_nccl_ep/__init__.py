@@ -9,7 +9,7 @@ start at once.
 import importlib
 
 # name -> the submodule that defines it
-_WHERE = {"Group": "api", "GroupConfig": "api", "Handle": "api", "NcclEpError": "api",
+_WHERE = {"Group": "api", "GroupConfig": "api", "Handle": "api", "NcclEpError": "errors",
           "dispatch": "autograd", "combine": "autograd",
           "NcclEpTokenDispatcher": "dispatcher", "register": "megatron"}
 

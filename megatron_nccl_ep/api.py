@@ -6,13 +6,15 @@
 * ``cuda``: our CUDA kernels behind the C API (``cuda_backend.py``);
 * ``auto``: ``cuda`` when the tensors live on a GPU and the extension is built, else ``torch``.
 
-This module owns what both backends share: configuration, its cross-rank consistency check, and
-the argument checks on shapes, dtypes and devices. Checks on routing *values* (expert out of
-range, duplicate expert, capacity overflow) belong to the backends: the CUDA one does them on the
-device so that capacity mode never synchronizes the host.
+This module owns what both backends share: configuration, its cross-rank agreement (a timed
+rendezvous, ``rendezvous.py``), and the argument checks on shapes, dtypes and devices. Checks on
+routing *values* (expert out of range, duplicate expert, capacity overflow) belong to the
+backends: the CUDA one does them on the device so that capacity mode never synchronizes the host.
 
 Backend protocol (both backends implement it; ``state`` is backend-private):
 
+* ``Backend.check(config, world_size, device)``: the backend's local checks of a
+  configuration, no communication (run by every rank before group creation's rendezvous);
 * ``Backend(config: GroupConfig, process_group, device)``: collective;
 * ``create_handle(routing, from_map) -> state``: collective; ``routing`` is ``topk_idx [T, K]``
   or, with ``from_map``, a ``routing_map [T, E]`` (see ``Group.create_handle``);
@@ -38,13 +40,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import rendezvous
+from .errors import NcclEpError  # noqa: F401  (re-exported: megatron_nccl_ep.NcclEpError)
+
 TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int64, torch.int32)
 PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-class NcclEpError(RuntimeError):
-    """A runtime failure: device-side timeout, capacity overflow, transport error."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,7 @@ class GroupConfig:
     max_recv_tokens_per_rank: Optional[int] = None  # capacity mode: rows of each dispatch output
     expert_alignment: int = 1  # pad each expert block to a multiple of this many rows
     num_sms: int = 24  # SM budget per CUDA operation
-    timeout_s: float = 100.0  # device-side waits turn into NcclEpError after this
+    timeout_s: float = 100.0  # device-side and rendezvous waits: NcclEpError after this
     # CUDA staging ring per (channel, peer): slots of this many tokens (0 = library default)
     staging_chunk_tokens: int = 0
     staging_depth: int = 0  # ring slots (0 = library default)
@@ -187,20 +188,29 @@ def _make_config(world_size: int, capacity_factor: Optional[float], **fields) ->
     return config
 
 
-def _check_config_across_ranks(config: GroupConfig, process_group, world_size: int) -> None:
+def _agree_on_config(config: Optional[GroupConfig], error: Optional[Exception], process_group,
+                     world_size: int, timeout_s: float) -> None:
+    """Group creation's first step, before any collective: every rank posts its configuration
+    (or the error its local checks raised) through the timed rendezvous. A rank that never
+    arrives, or failed, makes every other rank raise within ``timeout_s``, naming it; then the
+    configurations must be equal."""
     if world_size == 1:
+        if error is not None:
+            raise error
         return
-    mine = dataclasses.asdict(config)
-    mine["dtype"] = str(config.dtype)
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, mine, group=process_group)
+    mine = None
+    if config is not None:
+        mine = dataclasses.asdict(config)
+        mine["dtype"] = str(config.dtype)
+    everyone = rendezvous.exchange(process_group, "Group()", mine, timeout_s, error)
+    me = dist.get_rank(process_group)
     for rank, theirs in enumerate(everyone):
         for key, value in mine.items():
             if theirs[key] != value:
                 raise ValueError(
                     f"inconsistent configuration across ranks: {key}={theirs[key]!r} on rank "
-                    f"{rank} but {value!r} on rank {dist.get_rank(process_group)}; every rank of "
-                    "the EP group must create its Group with the same configuration")
+                    f"{rank} but {value!r} on rank {me}; every rank of the EP group must create "
+                    "its Group with the same configuration")
 
 
 def _resolve_backend(name: str, device: torch.device):
@@ -260,19 +270,26 @@ class Group:
             if process_group is not None:
                 raise ValueError("process_group given but torch.distributed is not initialized")
             self.process_group, self.rank, self.world_size = None, 0, 1
-        self.device = _resolve_device(device)
-        self.config = _make_config(
-            self.world_size, capacity_factor, num_experts=num_experts, hidden=hidden,
-            max_tokens_per_rank=max_tokens_per_rank, max_topk=max_topk, dtype=dtype,
-            recv_mode=recv_mode, max_recv_tokens_per_rank=max_recv_tokens_per_rank,
-            expert_alignment=expert_alignment, num_sms=num_sms, timeout_s=timeout_s,
-            staging_chunk_tokens=staging_chunk_tokens, staging_depth=staging_depth,
-            ranks_per_node=ranks_per_node, expert_capacity=expert_capacity)
-        _check_config_across_ranks(self.config, self.process_group, self.world_size)
+        # Local checks first, collectives after the rendezvous: a rank that fails its checks is
+        # named by its peers at once instead of leaving them in a collective it never joins.
+        config, error = None, None
+        try:
+            self.device = _resolve_device(device)
+            config = _make_config(
+                self.world_size, capacity_factor, num_experts=num_experts, hidden=hidden,
+                max_tokens_per_rank=max_tokens_per_rank, max_topk=max_topk, dtype=dtype,
+                recv_mode=recv_mode, max_recv_tokens_per_rank=max_recv_tokens_per_rank,
+                expert_alignment=expert_alignment, num_sms=num_sms, timeout_s=timeout_s,
+                staging_chunk_tokens=staging_chunk_tokens, staging_depth=staging_depth,
+                ranks_per_node=ranks_per_node, expert_capacity=expert_capacity)
+            backend_cls = _resolve_backend(backend, self.device)
+            backend_cls.check(config, self.world_size, self.device)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            error = exc
+        _agree_on_config(config, error, self.process_group, self.world_size, timeout_s)
+        self.config = config
         self.num_local_experts = num_experts // self.world_size
-        self.backend_name = backend
-        self._backend = _resolve_backend(backend, self.device)(self.config, self.process_group,
-                                                               self.device)
+        self._backend = backend_cls(config, self.process_group, self.device)
         self.backend_name = self._backend.name
 
     @classmethod

@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .api import GroupConfig, NcclEpError
+from .api import GroupConfig
+from .errors import NcclEpError
 
 try:
     from . import _C  # type: ignore[attr-defined]
@@ -114,17 +115,38 @@ def _c_config(config: GroupConfig):
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, config: GroupConfig, process_group, device: Optional[torch.device] = None):
-        self._setup(config, device)
-        self.group = process_group
-        self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
-        if config.node_size(self.world_size) != self.world_size:
-            # Checked on every rank alike (the config is agreed), before any collective.
+    @staticmethod
+    def check(config: GroupConfig, world_size: int, device: Optional[torch.device]) -> None:
+        """Group creation's local checks (no communication), in the same order on every rank."""
+        if config.expert_capacity:
+            # First, so that the refusal is the same with or without the built extension.
+            raise ValueError(
+                f"GroupConfig: expert_capacity={config.expert_capacity} (the fixed-capacity "
+                "drop-and-pad layout, Megatron's moe_pad_expert_input_to_capacity) is not "
+                "implemented by the cuda backend yet; backend='torch' computes it "
+                "(docs/cuda_backend.md says what the kernels need)")
+        if config.node_size(world_size) != world_size:
             raise ValueError(
                 f"GroupConfig: ranks_per_node={config.ranks_per_node} splits the group of "
-                f"{self.world_size} ranks into nodes; the cuda backend runs one node only "
-                f"(ranks_per_node 0 or {self.world_size}). backend='torch' computes the "
+                f"{world_size} ranks into nodes; the cuda backend runs one node only "
+                f"(ranks_per_node 0 or {world_size}). backend='torch' computes the "
                 "hierarchical combine (docs/design.md §4)")
+        if _C is None:
+            raise RuntimeError(unavailable_reason())
+        if config.dtype not in TOKEN_DTYPES:
+            raise ValueError(f"GroupConfig: dtype {config.dtype} is not supported by the cuda "
+                             "backend, which supports bfloat16, float16 and float32 tokens "
+                             "(use backend='torch' for float64)")
+        current = torch.device("cuda", torch.cuda.current_device())
+        if device is not None and device != current:
+            raise ValueError(f"the cuda backend runs on the current CUDA device ({current}), got "
+                             f"device={device}; call torch.cuda.set_device({device.index}) first")
+
+    def __init__(self, config: GroupConfig, process_group, device: Optional[torch.device] = None):
+        """Collective; every rank passed ``check`` and the group's rendezvous (api.Group)."""
+        self.group = process_group
+        self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
+        self._setup(config, device, self.world_size)
         self.rank = 0 if process_group is None else dist.get_rank(process_group)
         self.num_local_experts = config.num_experts // self.world_size
 
@@ -144,27 +166,11 @@ class CudaBackend:
                 self._comm = 0
                 raise
 
-    def _setup(self, config: GroupConfig, device: Optional[torch.device]) -> None:
-        if config.expert_capacity:
-            # Checked before anything else (every rank alike: the config is agreed), so the
-            # refusal is the same with or without the built extension.
-            raise ValueError(
-                f"GroupConfig: expert_capacity={config.expert_capacity} (the fixed-capacity "
-                "drop-and-pad layout, Megatron's moe_pad_expert_input_to_capacity) is not "
-                "implemented by the cuda backend yet; backend='torch' computes it "
-                "(docs/cuda_backend.md says what the kernels need)")
-        if _C is None:
-            raise RuntimeError(unavailable_reason())
-        if config.dtype not in TOKEN_DTYPES:
-            raise ValueError(f"GroupConfig: dtype {config.dtype} is not supported by the cuda "
-                             "backend, which supports bfloat16, float16 and float32 tokens "
-                             "(use backend='torch' for float64)")
-        current = torch.device("cuda", torch.cuda.current_device())
-        if device is not None and device != current:
-            raise ValueError(f"the cuda backend runs on the current CUDA device ({current}), got "
-                             f"device={device}; call torch.cuda.set_device({device.index}) first")
+    def _setup(self, config: GroupConfig, device: Optional[torch.device],
+               world_size: int) -> None:
+        self.check(config, world_size, device)
         self.config = config
-        self.device = current
+        self.device = torch.device("cuda", torch.cuda.current_device())
         self._comm = 0
         self._group = 0
         self._handles = set()
@@ -175,13 +181,13 @@ class CudaBackend:
         """``world_size`` backends forming one group inside this process (no NCCL): see
         ``Group.local_team``."""
         leader = cls.__new__(cls)
-        leader._setup(config, device)
+        leader._setup(config, device, world_size)
         groups = _call(_C.create_local_team, world_size, _c_config(config), leader._stream())
         team = []
         for rank, ptr in enumerate(groups):
             member = leader if rank == 0 else cls.__new__(cls)
             if rank:
-                member._setup(config, device)
+                member._setup(config, device, world_size)
             member.group, member.world_size, member.rank = None, world_size, rank
             member.num_local_experts = config.num_experts // world_size
             member._group = ptr

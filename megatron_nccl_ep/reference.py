@@ -10,18 +10,24 @@ from +0.0 and adds in the order of the contract, one elementwise IEEE add at a t
 not depend on the device that runs it.
 
 NOTES: errors that one rank detects (bad routing, capacity overflow) are agreed on by every rank
-before anyone raises, so no rank is left waiting in a collective.
+before anyone raises, so no rank is left waiting in a collective. A rank that does not come (it
+stopped, died, or calls something else) is caught by ``_collective``: every collective starts
+only once the store says every rank arrived at it, within ``timeout_s``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import time
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
-from .api import GroupConfig, NcclEpError, shape_error
+from . import rendezvous
+from .api import GroupConfig, shape_error
+from .errors import NcclEpError
 
 
 def _bytes_as(byte_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -111,6 +117,10 @@ class ReferenceHandleState:
 class ReferenceBackend:
     name = "torch"
 
+    @staticmethod
+    def check(config: GroupConfig, world_size: int, device) -> None:
+        """Every validated GroupConfig runs here (any dtype, device, hierarchy, capacity)."""
+
     def __init__(self, config: GroupConfig, process_group, device=None):
         self.config = config
         self.group = process_group
@@ -118,16 +128,112 @@ class ReferenceBackend:
         self.rank = 0 if process_group is None else dist.get_rank(process_group)
         self.num_local_experts = config.num_experts // self.world_size
         self.device = torch.device("cpu") if device is None else torch.device(device)
+        self._calls = 0  # collectives entered, the same count on every rank of a healthy group
+        self._stopped: Optional[str] = None
+        if self.world_size > 1:
+            prefix, seq = rendezvous.next_scope(process_group, "progress")
+            self._progress = f"{prefix}/{seq}"
+            self._host_wait = dist.get_backend(process_group) == "gloo"
 
     # -- collectives (identity with a single rank) -------------------------------------------------
-    def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
+    def _collective(self, op: str, launch) -> None:
+        """Runs ``launch()`` (an ``async_op=True`` collective) once every rank has arrived at it,
+        as its record in the store says (calls entered, op, stopped or not), waiting at most
+        ``timeout_s`` for that and, over gloo, again for the collective (a peer dying inside). A
+        rank that is not heard from is named, and the group stops: every later call raises at
+        once, and a late peer finds the stop in the records instead of entering a collective
+        that nobody else joins (gloo aborts a process whose peer sends a mismatched one)."""
+        if self._stopped is not None:
+            raise NcclEpError(self._stopped)
+        self._calls += 1
+        kv = rendezvous.store()
+        kv.set(self._record(self.rank), f"{self._calls} {op}")
+        self._await_peers(op, kv)
+        try:
+            work = launch()
+            if self._host_wait:  # gloo: the work is done on the host anyway
+                work.wait(timeout=datetime.timedelta(seconds=self.config.timeout_s))
+            else:  # NCCL: stream-ordered, as before; its watchdog covers a peer dying inside
+                work.wait()
+        except RuntimeError as exc:
+            self._stop(op, kv, f"the collective failed: {str(exc).strip()}")
+
+    def _record(self, rank: int) -> str:
+        return f"{self._progress}/{rank}"
+
+    def _read_record(self, kv, rank: int) -> Optional[tuple]:
+        """(calls entered, last op, stopped) of ``rank``, None before its first call."""
+        key = self._record(rank)
+        if not kv.check([key]):
+            return None
+        calls, last, *state = kv.get(key).decode().split()
+        return int(calls), last, bool(state)
+
+    def _await_peers(self, op: str, kv) -> None:
+        waiting = [r for r in range(self.world_size) if r != self.rank]
+        deadline = time.monotonic() + self.config.timeout_s
+        pause = 0.0
+        while waiting:
+            for r in list(waiting):
+                record = self._read_record(kv, r)
+                if record is not None and record[2]:
+                    self._stop(op, kv, "")
+                if record is not None and record[0] >= self._calls:
+                    waiting.remove(r)
+            if waiting and time.monotonic() >= deadline:
+                self._stop(op, kv, f"not heard from within timeout_s={self.config.timeout_s:g} s")
+            if waiting:
+                time.sleep(pause)
+                pause = min(2 * pause or 1e-4, 5e-3)
+
+    def _stop(self, op: str, kv, detail: str) -> None:
+        """Stops the group on this rank and raises the reason, read from the peers' records."""
+        n, me = self._calls, self.rank
+        behind, stopped = [], []
+        for r in range(self.world_size):
+            if r == me:
+                continue
+            record = self._read_record(kv, r)
+            if record is None:
+                behind.append(f"rank {r} (no call recorded: none made, or its group destroyed)")
+            elif record[2]:
+                stopped.append(r)
+            elif record[0] < n:
+                behind.append(f"rank {r} (its last call: {record[1]}, #{record[0]})")
+        kv.set(self._record(me), f"{n} {op} stopped")
+        self._stopped = (f"this group stopped after {op} failed on rank {me}; destroy it and "
+                         "create a new one on every rank")
+        # The root cause first: a rank that never came, else one that gave up before this one.
+        if behind:
+            why = f"rank {me} waited for {', '.join(behind)}, which did not reach this {op} " \
+                  f"(call #{n})"
+        elif stopped:
+            why = f"rank {stopped[0]} stopped this group after a failure (seen by rank {me})"
+        else:
+            why = f"rank {me}: every peer reached it"
+        raise NcclEpError(f"{op}: {why}" + (f"; {detail}" if detail else "")
+                          + "; this group is stopped") from None
+
+    def _all_gather(self, op: str, t: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return t.unsqueeze(0)
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
+        self._collective(op, lambda: dist.all_gather(parts, t.contiguous(), group=self.group,
+                                                     async_op=True))
         return torch.stack(parts)
 
-    def _all_to_all_rows(self, rows: torch.Tensor, send_counts: List[int],
+    def _all_gather_text(self, op: str, text: Optional[str]) -> list:
+        """Every rank's ``text`` (None allowed), through two timed tensor all-gathers."""
+        data = torch.tensor(list((text or "").encode()), dtype=torch.uint8, device=self.device)
+        sizes = self._all_gather(op, torch.tensor([-1 if text is None else len(data)],
+                                                  dtype=torch.int64, device=self.device))
+        padded = torch.zeros(max(1, int(sizes.max())), dtype=torch.uint8, device=self.device)
+        padded[:len(data)] = data
+        rows = self._all_gather(op, padded)
+        return [None if n < 0 else bytes(rows[r, :n].tolist()).decode()
+                for r, n in enumerate(sizes.flatten().tolist())]
+
+    def _all_to_all_rows(self, op: str, rows: torch.Tensor, send_counts: List[int],
                          recv_counts: List[int]) -> torch.Tensor:
         """Sends ``rows`` (grouped by destination rank) and returns the received rows grouped by
         source rank. Rows travel as bytes so any dtype works on any backend."""
@@ -137,25 +243,25 @@ class ReferenceBackend:
         out = torch.empty((sum(recv_counts), width), dtype=rows.dtype, device=rows.device)
         if width == 0:
             return out
-        dist.all_to_all_single(out.view(torch.uint8), rows.contiguous().view(torch.uint8),
-                               output_split_sizes=recv_counts, input_split_sizes=send_counts,
-                               group=self.group)
+        self._collective(op, lambda: dist.all_to_all_single(
+            out.view(torch.uint8), rows.contiguous().view(torch.uint8),
+            output_split_sizes=recv_counts, input_split_sizes=send_counts, group=self.group,
+            async_op=True))
         return out
 
-    def _first_error(self, error: Optional[str]) -> tuple:
+    def _first_error(self, op: str, error: Optional[str]) -> tuple:
         """(rank, message) of the lowest rank whose ``error`` is not None. Collective: call it
         on every rank once a collective has shown that some rank has one."""
-        messages = [error] * self.world_size
-        if self.world_size > 1:
-            dist.all_gather_object(messages, error, group=self.group)
+        messages = [error] if self.world_size == 1 else self._all_gather_text(op, error)
         return next((r, m) for r, m in enumerate(messages) if m is not None)
 
-    def _raise_agreed_error(self, error: Optional[str], any_error: bool, exc_type) -> None:
+    def _raise_agreed_error(self, op: str, error: Optional[str], any_error: bool,
+                            exc_type) -> None:
         """Raise ``exc_type`` on every rank when any rank found an error (``any_error``, agreed
         by a collective the caller already made); the message is the first failing rank's."""
         if not any_error:
             return
-        first, message = self._first_error(error)
+        first, message = self._first_error(op, error)
         where = "" if self.world_size == 1 else f" (rank {first})"
         raise exc_type(message + where)
 
@@ -166,10 +272,10 @@ class ReferenceBackend:
             if error is not None:
                 raise error
             return
-        flags = self._all_gather(torch.tensor([error is not None], device=self.device))
+        flags = self._all_gather(op, torch.tensor([error is not None], device=self.device))
         if not bool(flags.any()):
             return
-        first, message = self._first_error(None if error is None else str(error))
+        first, message = self._first_error(op, None if error is None else str(error))
         if error is not None:
             raise error
         raise ValueError(f"{op}: rank {first} passed wrong arguments ({message}); every rank of "
@@ -187,9 +293,10 @@ class ReferenceBackend:
         name = "routing_map" if from_map else "topk_idx"
         error = (shape_error(topk_idx, cfg, name)
                  or routing_error(topk_idx, cfg.num_experts, from_map))
-        shapes = self._all_gather(torch.tensor([tokens, topk, error is not None],
-                                               dtype=torch.int64, device=device)).tolist()
-        self._raise_agreed_error(error, any(bad for _, _, bad in shapes), ValueError)
+        shapes = self._all_gather("create_handle", torch.tensor(
+            [tokens, topk, error is not None], dtype=torch.int64, device=device)).tolist()
+        self._raise_agreed_error("create_handle", error, any(bad for _, _, bad in shapes),
+                                 ValueError)
         if any(k != topk for _, k, _ in shapes):
             raise ValueError(f"topk_idx top-k differs across ranks: {[k for _, k, _ in shapes]}; "
                              "every rank must route with the same top-k")
@@ -198,7 +305,7 @@ class ReferenceBackend:
         t_pad = max(1, max(t for t, _, _ in shapes))
         padded = torch.full((t_pad, topk), -1, dtype=torch.int64, device=device)
         padded[:tokens] = topk_idx
-        routing = self._all_gather(padded)  # [R, t_pad, K]: every rank's routing
+        routing = self._all_gather("create_handle", padded)  # [R, t_pad, K]: all routing
         C = cfg.expert_capacity
         if C:  # fixed capacity: dropped slots are masked from here on
             routing = drop_past_capacity(routing, cfg.num_experts, C)
@@ -269,7 +376,12 @@ class ReferenceBackend:
         pass
 
     def destroy(self) -> None:
-        pass
+        # A stopped group keeps its record: a late peer reads who stopped it.
+        if self.world_size > 1 and self._stopped is None:
+            try:
+                rendezvous.store().delete_key(f"{self._progress}/{self.rank}")
+            except (RuntimeError, NotImplementedError):  # a store without deletion keeps it
+                pass
 
     # -- operations --------------------------------------------------------------------------------
     def dispatch(self, state: ReferenceHandleState, x: torch.Tensor,
@@ -281,8 +393,8 @@ class ReferenceBackend:
         payload = [x[send_idx].view(torch.uint8)]
         if probs is not None:
             payload.append(probs[send_idx].view(torch.uint8))
-        received = self._all_to_all_rows(torch.cat(payload, 1), self._send_counts(state),
-                                         state.recv_counts)
+        received = self._all_to_all_rows("dispatch", torch.cat(payload, 1),
+                                         self._send_counts(state), state.recv_counts)
         recv_tokens = _bytes_as(received[:, :hidden_bytes], x.dtype)
 
         recv_x = torch.zeros((state.num_recv_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
@@ -309,7 +421,8 @@ class ReferenceBackend:
             has = (slot >= 0).nonzero().flatten()
             partial[has] = partial[has] + expert_out[slot[has]].to(acc_dtype)
         partial = partial.to(expert_out.dtype)
-        returned = self._all_to_all_rows(partial, state.recv_counts, self._send_counts(state))
+        returned = self._all_to_all_rows("combine", partial, state.recv_counts,
+                                         self._send_counts(state))
         # Stage 2, at the source, node by node: 2a each node's partials summed over its ranks in
         # ascending order, rounded; 2b those summed over the nodes in ascending order, rounded.
         # The bits do not depend on where 2a runs. One node: its sum is the output (rounding an
@@ -350,7 +463,8 @@ class ReferenceBackend:
         per_slot = torch.zeros(state.recv_rows.shape, dtype=grad_recv_probs.dtype,
                                device=grad_recv_probs.device)
         per_slot[slot_valid] = grad_recv_probs[state.recv_rows[slot_valid]]
-        returned = self._all_to_all_rows(per_slot, state.recv_counts, self._send_counts(state))
+        returned = self._all_to_all_rows("combine_probs", per_slot, state.recv_counts,
+                                         self._send_counts(state))
         grad = torch.zeros(state.topk_idx.shape, dtype=grad_recv_probs.dtype,
                            device=grad_recv_probs.device)
         L, start = self.num_local_experts, 0

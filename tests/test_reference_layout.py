@@ -188,9 +188,9 @@ def check_handle_cost_follows_tokens(seed: int) -> None:
     gathered = []
     all_gather = group._backend._all_gather
 
-    def recording(t):
+    def recording(op, t):
         gathered.append(tuple(t.shape))
-        return all_gather(t)
+        return all_gather(op, t)
 
     group._backend._all_gather = recording
     x, idx, probs = ep_cases.share(problem, rank)

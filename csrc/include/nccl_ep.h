@@ -178,7 +178,10 @@ const char* ncclEpGetLastError(void);
 ncclResult_t ncclEpGetVersion(int* version);
 
 /* Collective over comm: checks the config is identical on every rank, allocates the symmetric
- * buffers, maps the NVLink peers. comm stays owned by the caller and must outlive the group. */
+ * buffers, maps the NVLink peers. comm stays owned by the caller and must outlive the group.
+ * Its NCCL collectives are not timed (as ncclCommInitRank is not): a rank that never calls it
+ * holds the others. Callers that need a deadline agree first (the Python Group does, through
+ * the process group's store). */
 ncclResult_t ncclEpCreateGroup(ncclEpGroup_t* group, ncclComm_t comm,
                                const ncclEpGroupConfig_t* config, cudaStream_t stream);
 /* A whole group of nranks ranks inside this process, on the current device, without NCCL:

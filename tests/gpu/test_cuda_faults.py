@@ -175,10 +175,6 @@ def never_creates_group(hold_s: float) -> dict:
                 took=time.monotonic() - start)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 8 item 1: Group() runs its configuration check "
-                   "(torch all_gather_object), the unique-id broadcast, ncclCommInitRank and NCCL "
-                   "all-gathers outside the timed protocol: the others wait until the silent rank "
-                   "leaves")
 @pytest.mark.parametrize("world_size", world_sizes()[1:])
 def test_rank_that_never_creates_the_group_makes_the_others_raise(world_size, summary_line):
     hold = FAULT_TIMEOUT_S + SLACK_S + 1.0
