@@ -5,15 +5,18 @@ Megatron is patched in memory only (its files on disk are never touched):
 * ``TransformerConfig.moe_token_dispatcher_type``'s Literal gains ``"nccl_ep"``; Megatron's
   argparse builds the flag's choices from that annotation;
 * ``TransformerConfig.__post_init__`` admits ``moe_shared_expert_overlap`` with ``nccl_ep``;
-* ``MoELayer.__init__`` builds ``NcclEpTokenDispatcher`` when the config asks for ``nccl_ep``;
+* ``MoELayer.__init__``'s dispatcher chain gains an ``nccl_ep`` branch that builds
+  ``NcclEpTokenDispatcher`` (the config is never modified);
 * ``megatron.training.arguments`` gets the ``--nccl-ep-*`` flags; the dispatcher reads their
   values from the parsed training arguments (``dispatcher.get_options``).
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
+import textwrap
 import typing
 
 from .dispatcher import NcclEpTokenDispatcher
@@ -71,36 +74,68 @@ def _allow_shared_expert_overlap() -> None:
     TransformerConfig.__post_init__ = post_init
 
 
+def _build_dispatcher(layer, config, pg_collection):
+    """The ``nccl_ep`` branch of MoELayer.__init__'s dispatcher choice (see _patch_moe_layer)."""
+    return NcclEpTokenDispatcher(layer.num_local_experts, layer.local_expert_indices,
+                                 config=layer.config, pg_collection=pg_collection)
+
+
+def _is_dispatcher_test(node, value: str) -> bool:
+    """``config.moe_token_dispatcher_type == value``."""
+    return (isinstance(node, ast.Compare) and len(node.ops) == 1
+            and isinstance(node.ops[0], ast.Eq)
+            and isinstance(node.left, ast.Attribute)
+            and node.left.attr == "moe_token_dispatcher_type"
+            and isinstance(node.left.value, ast.Name) and node.left.value.id == "config"
+            and len(node.comparators) == 1 and isinstance(node.comparators[0], ast.Constant)
+            and node.comparators[0].value == value)
+
+
 def _patch_moe_layer() -> None:
-    from megatron.core.transformer.moe.moe_layer import MoELayer
+    """MoELayer.__init__ picks its dispatcher in an if/elif chain on
+    ``config.moe_token_dispatcher_type`` with no registry. Its source gets one more branch in
+    front, ``if ... == "nccl_ep": self.token_dispatcher = _build_dispatcher(...)``, compiled
+    in Megatron's module with the original file name and line numbers. The rest of __init__ (the
+    shared-expert hand-over, inference_optimized's training dispatcher) then runs with ours,
+    exactly as with Megatron's own; the config is never modified. A Megatron whose __init__ has
+    no such chain is refused here, at register()."""
+    from megatron.core.transformer.moe import moe_layer
 
-    original_init = MoELayer.__init__
-    signature = inspect.signature(original_init)
-
-    @functools.wraps(original_init)
-    def init(self, config, *args, **kwargs):
-        if config.moe_token_dispatcher_type != DISPATCHER_TYPE:
-            return original_init(self, config, *args, **kwargs)
-        # MoELayer picks its dispatcher in an if/elif chain inside __init__: let it build the
-        # cheap, communication-free allgather one, then replace it.
-        config.moe_token_dispatcher_type = "allgather"
-        try:
-            original_init(self, config, *args, **kwargs)
-        finally:
-            config.moe_token_dispatcher_type = DISPATCHER_TYPE
-        bound = signature.bind(self, config, *args, **kwargs)
-        # None: the dispatcher takes Megatron's default groups, as MoELayer did.
-        self.token_dispatcher = NcclEpTokenDispatcher(
-            self.num_local_experts, self.local_expert_indices, config=self.config,
-            pg_collection=bound.arguments.get("pg_collection"))
-        if self.shared_expert_overlap:  # MoELayer handed the shared expert to the stand-in
-            self.token_dispatcher.set_shared_experts(self.shared_experts)
-        # inference_optimized layers keep the training dispatcher aside and swap it back in at
-        # each training forward: that must be ours, not the stand-in built above.
-        if getattr(self, "_training_token_dispatcher", None) is not None:
-            self._training_token_dispatcher = self.token_dispatcher
-
-    MoELayer.__init__ = init
+    init = moe_layer.MoELayer.__init__
+    filename = inspect.getsourcefile(init)
+    lines, first_line = inspect.getsourcelines(init)
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    ast.increment_lineno(tree, first_line - 1)
+    function = tree.body[0]
+    chains = [node for node in ast.walk(function) if isinstance(node, ast.If)
+              and _is_dispatcher_test(node.test, "allgather")]
+    # Compiled outside the class body, a zero-argument super() would find no __class__ cell.
+    bare_super = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                     and n.func.id == "super" and not n.args for n in ast.walk(function))
+    if len(chains) != 1 or len(function.args.args) < 2 or function.args.args[1].arg != "config" \
+            or "pg_collection" not in [a.arg for a in function.args.args] or bare_super:
+        raise RuntimeError(
+            "megatron_nccl_ep.register(): MoELayer.__init__ of this Megatron-Core version does "
+            "not choose its dispatcher in one `if config.moe_token_dispatcher_type == "
+            "\"allgather\"` chain with `config` and `pg_collection` arguments and an explicit "
+            "super(MoELayer, self); this version is not supported")
+    chain = chains[0]
+    ours = ast.parse(
+        f"if config.moe_token_dispatcher_type == {DISPATCHER_TYPE!r}:\n"
+        "    self.token_dispatcher = _nccl_ep_build_dispatcher(self, config, pg_collection)\n"
+    ).body[0]
+    for node in ast.walk(ours):  # tracebacks of our branch point at the chain's first line
+        ast.copy_location(node, chain)
+    theirs = ast.copy_location(ast.If(test=chain.test, body=chain.body, orelse=chain.orelse),
+                               chain)
+    chain.test, chain.body, chain.orelse = ours.test, ours.body, [theirs]
+    # Compiled in Megatron's own module namespace (its globals stay live), which gains the one
+    # name our branch calls.
+    moe_layer._nccl_ep_build_dispatcher = _build_dispatcher
+    namespace: dict = {}
+    exec(compile(tree, filename, "exec"), vars(moe_layer), namespace)
+    patched = functools.wraps(init)(namespace[function.name])
+    moe_layer.MoELayer.__init__ = patched
 
 
 def _patch_arguments() -> None:

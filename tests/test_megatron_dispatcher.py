@@ -35,6 +35,7 @@ def megatron_on_cpu(ep: int, etp: int = 1, tp: int = 1):
     on ``torch.cuda.current_device()``: the baseline needs that pointed at the CPU."""
     current_device = torch.cuda.current_device
     torch.cuda.current_device = lambda: "cpu"
+    before = set(torch.distributed.distributed_c10d._world.pg_map)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              expert_model_parallel_size=ep,
                                              expert_tensor_parallel_size=etp)
@@ -43,6 +44,10 @@ def megatron_on_cpu(ep: int, etp: int = 1, tp: int = 1):
     finally:
         destroy_groups()
         parallel_state.destroy_model_parallel()
+        # Megatron drops its groups but c10d keeps them, each gloo one with its own network
+        # threads: hundreds of them per pool process by the end of the suite.
+        for group in set(torch.distributed.distributed_c10d._world.pg_map) - before:
+            torch.distributed.destroy_process_group(group)
         torch.cuda.current_device = current_device
 
 
@@ -364,3 +369,43 @@ def inference_optimized_case() -> bool:
 
 def test_inference_optimized_layers_train_with_nccl_ep():
     assert all(dist.run(2, inference_optimized_case))
+
+
+def construction_case() -> bool:
+    """An nccl_ep MoELayer is built by the branch register() adds to Megatron's dispatcher
+    choice: the shared config is never written and no other dispatcher is built on the way."""
+    from megatron.core.transformer.moe import moe_layer as megatron_moe_layer
+
+    writes, built = [], []
+    original_setattr = TransformerConfig.__setattr__
+    original_allgather = megatron_moe_layer.MoEAllGatherTokenDispatcher.__init__
+
+    def record_write(self, name, value):
+        # A write to a built config (its dataclass __init__ sets each field once, first).
+        if name == "moe_token_dispatcher_type" and name in vars(self):
+            writes.append(value)
+        original_setattr(self, name, value)
+
+    def record_build(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        original_allgather(self, *args, **kwargs)
+
+    with megatron_on_cpu(torch.distributed.get_world_size()):
+        TransformerConfig.__setattr__ = record_write
+        megatron_moe_layer.MoEAllGatherTokenDispatcher.__init__ = record_build
+        try:
+            layer = moe_layer("nccl_ep", 4, 2)
+            baseline = moe_layer("allgather", 4, 2)  # the recorder itself works
+        finally:
+            TransformerConfig.__setattr__ = original_setattr
+            megatron_moe_layer.MoEAllGatherTokenDispatcher.__init__ = original_allgather
+    assert isinstance(layer.token_dispatcher, NcclEpTokenDispatcher)
+    assert layer.config.moe_token_dispatcher_type == "nccl_ep"
+    assert writes == [], writes
+    assert built == ["MoEAllGatherTokenDispatcher"], built  # the baseline's, not ours
+    assert type(baseline.token_dispatcher).__name__ == "MoEAllGatherTokenDispatcher"
+    return True
+
+
+def test_nccl_ep_layer_is_built_without_touching_the_config():
+    assert all(dist.run(2, construction_case))

@@ -135,3 +135,20 @@ def test_options_from_yaml_style_namespace():
     assert options_from_args(types.SimpleNamespace(nccl_ep_recv_mode="capacity",
                                                    nccl_ep_num_sms=16)) == NcclEpOptions(
         recv_mode="capacity", num_sms=16)
+
+
+def test_moe_layer_without_a_dispatcher_chain_is_refused(monkeypatch):
+    """register()'s MoELayer patch needs Megatron's dispatcher if/elif chain; an __init__
+    without one (another Megatron-Core version) is refused with the reason, not half-patched."""
+    from megatron.core.transformer.moe import moe_layer
+
+    from megatron_nccl_ep import megatron as registration
+
+    def init(self, config, submodules=None, pg_collection=None):
+        self.token_dispatcher = None if config is None else pg_collection
+
+    monkeypatch.setattr(moe_layer.MoELayer, "__init__", init)
+    with pytest.raises(RuntimeError, match=r"does not choose its dispatcher in one `if "
+                                           r"config.moe_token_dispatcher_type == \"allgather\"`"):
+        registration._patch_moe_layer()
+    assert moe_layer.MoELayer.__init__ is init
