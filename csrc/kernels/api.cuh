@@ -75,6 +75,15 @@ struct BarrierArgs {
   ErrorInfo* err;         // group word (host-mapped)
 };
 
+// An output of an op, as bytes: what a stopped op fills with 0xFF (a NaN in every float dtype,
+// bfloat16 and float16 alike), so that a step enqueued before the host saw the error computes
+// on NaN, not on stale memory.
+struct OutputSpan {
+  void* ptr;
+  long long bytes;
+};
+constexpr int kMaxOutputs = 2;
+
 struct ExchangeArgs {       // shared by dispatch, combine and combine_probs
   void* const* peers;       // device array [R] of window bases (peers[rank] = own window)
   WindowLayout win;
@@ -94,6 +103,7 @@ struct ExchangeArgs {       // shared by dispatch, combine and combine_probs
   long long rows;           // rows of recv / expert_out: N_d (exact) or the capacity
   int hidden;
   int vec;                  // 1: 16-byte path, 0: element path
+  OutputSpan outputs[kMaxOutputs];  // poisoned when the op stops (unused: bytes = 0)
 };
 
 struct DispatchArgs {

@@ -55,6 +55,7 @@ struct ExchangeShared {
   int send_rounds, recv_rounds;  // the most of each, over the peers (receive: this rank too)
   int send_stop, recv_stop;   // set by a role's leader when a wait failed
   int start_stop;             // the group already held an error when the op started
+  int end_stop;               // ... or holds one when this CTA's roles are done
   int rows_sh[kMaxWarps][kMaxTopk];   // per warp: the rows of the current item
   int slots_sh[kMaxWarps][kMaxTopk];  // and their slots k
   // EP_TRACE: ns per op, summed over rounds by each role's leader
@@ -321,6 +322,24 @@ __device__ void receiver_role(const typename Op::Args& a, ExchangeShared& sh, in
   }
 }
 
+// Fills every output of the op with 0xFF bytes (NaN), all of it from this CTA: the error path
+// only, where a CTA that sees the group stopped cannot know which rows the others will write.
+__device__ void poison_outputs(const ExchangeArgs& e) {
+  for (int o = 0; o < kMaxOutputs; ++o) {
+    unsigned char* p = static_cast<unsigned char*>(e.outputs[o].ptr);
+    const long long n = e.outputs[o].bytes;
+    if (n <= 0) continue;
+    // Bytes up to the first 16-byte boundary, 16-byte stores, then the tail.
+    const long long head = min(n, (long long)((16 - ((uintptr_t)p & 15)) & 15));
+    const long long vecs = (n - head) / 16;
+    for (long long i = threadIdx.x; i < head; i += blockDim.x) p[i] = 0xFF;
+    uint4* v = reinterpret_cast<uint4*>(p + head);
+    for (long long i = threadIdx.x; i < vecs; i += blockDim.x)
+      v[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
+    for (long long i = head + vecs * 16 + threadIdx.x; i < n; i += blockDim.x) p[i] = 0xFF;
+  }
+}
+
 // The whole op: one CTA of Op::kWarps warps per channel; warps [0, send_warps) send, the rest
 // receive.
 template <class Op>
@@ -366,6 +385,13 @@ __device__ void run_exchange(const typename Op::Args& a) {
     }
   }
   __syncthreads();
+  // Errors raised during an op stop the group (state->failed, device memory); the host-mapped
+  // error word was read at the start already.
+  if (threadIdx.x == 0)
+    sh.end_stop = sh.start_stop || sh.send_stop || sh.recv_stop ||
+                  ld_volatile_u64(&e.state->failed) != 0;
+  __syncthreads();
+  if (sh.end_stop) poison_outputs(e);
   if (kTrace && threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1))
     printf("EP_TRACE op=%d rank=%d cta=%d rounds=%d/%d send_warps=%d | send wait %.1f work %.1f "
            "| recv local %.1f wait %.1f remote %.1f | total %.1f us\n",

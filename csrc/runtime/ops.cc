@@ -110,6 +110,7 @@ ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, int prob_bytes, boo
   e.rows = h->num_recv;
   e.hidden = g->cfg.hidden;
   e.vec = vec ? 1 : 0;
+  for (OutputSpan& o : e.outputs) o = OutputSpan{nullptr, 0};
   return e;
 }
 
@@ -148,6 +149,8 @@ extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispat
   a.recv_probs = with_probs ? outputs->recv_topk_weights.data : nullptr;
   const bool vec = g->row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv_x);
   a.ex = exchange_args(handle, kOpDispatch, with_probs ? a.prob_bytes : 0, vec);
+  a.ex.outputs[0] = OutputSpan{a.recv_x, N * (long long)g->row_bytes};
+  if (with_probs) a.ex.outputs[1] = OutputSpan{a.recv_probs, N * a.prob_bytes};
   EP_CUDA(launch_dispatch(a, stream));
   return ncclSuccess;
 }
@@ -168,6 +171,7 @@ extern "C" ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombine
   a.y = outputs->tokens.data;
   const bool vec = g->row_bytes % 16 == 0 && aligned16(a.expert_out) && aligned16(a.y);
   a.ex = exchange_args(handle, kOpCombine, 0, vec);
+  a.ex.outputs[0] = OutputSpan{a.y, T * (long long)g->row_bytes};
   EP_CUDA(launch_combine(a, stream));
   return ncclSuccess;
 }
@@ -194,6 +198,8 @@ extern "C" ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
   a.grad_recv = grad_recv_topk_weights->data;
   a.grad = grad_topk_weights->data;
   a.ex = exchange_args(handle, kOpCombineProbs, a.prob_bytes, false);
+  const long long cols = a.grad_dense ? handle->group->cfg.num_experts : handle->topk;
+  a.ex.outputs[0] = OutputSpan{a.grad, handle->num_tokens * cols * a.prob_bytes};
   EP_CUDA(launch_combine_probs(a, stream));
   return ncclSuccess;
 }

@@ -222,6 +222,46 @@ def test_cuda_capacity_overflow_raises(routing, world_size, seed, summary_line):
     summary_line(f"x{world_size}: rank 0 {per_rank[0]}")
 
 
+def check_overflow_poisons_the_step(seed: int) -> str:
+    """Capacity mode, one row short: a whole step is enqueued before the layout kernel finds the
+    overflow (the stream sleeps first), so dispatch and combine start on a stopped group. Their
+    outputs must be NaN everywhere (0xFF bytes; the allocator's cache holds 0x5A bytes first,
+    so stale memory would show), and the next call must raise the overflow."""
+    rank, world = ep_cases.rank_and_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, idx, probs = rank_inputs(ERROR_CASE, seed, rank, device)
+    exact = cuda_group(ERROR_CASE, world, device)
+    need = torch.tensor([exact.create_handle(idx).num_recv_tokens], device=device)
+    exact.destroy()
+    torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX)
+    group = cuda_group(ERROR_CASE, world, device, recv_mode="capacity",
+                       max_recv_tokens_per_rank=int(need) - 1, timeout_s=20.0)
+    stale = torch.full((64 << 20,), 0x5A, dtype=torch.uint8, device=device)
+    del stale  # its block goes back to the cache, where the outputs below come from
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s: the host enqueues the whole step meanwhile
+    h = group.create_handle(idx)
+    recv_x, recv_probs = h.dispatch(x, probs)
+    y = h.combine(recv_x)
+    torch.cuda.synchronize()
+    for name, t in (("recv_x", recv_x), ("recv_probs", recv_probs), ("y", y)):
+        raw = t.view(torch.uint8)
+        assert raw.numel() > 0 and bool((raw == 0xFF).all()), (
+            f"rank {rank}: {name} not poisoned: {int((raw != 0xFF).sum())} of {raw.numel()} "
+            "bytes are not 0xFF")
+        assert bool(t.float().isnan().all()), name
+    with pytest.raises(ep.NcclEpError, match=r"capacity overflow"):
+        group.check_errors()
+    group.destroy()
+    return f"{recv_x.shape[0]} rows and y poisoned, then raised"
+
+
+@pytest.mark.parametrize("world_size", world_sizes())
+def test_cuda_capacity_overflow_poisons_the_step(world_size, seed, summary_line):
+    per_rank = dist.run(world_size, check_overflow_poisons_the_step, seed, backend="nccl")
+    summary_line(f"x{world_size}: rank 0 {per_rank[0]}")
+
+
 def check_argument_errors(seed: int) -> str:
     rank, world = ep_cases.rank_and_size()
     device = torch.device("cuda", torch.cuda.current_device())
