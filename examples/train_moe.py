@@ -75,7 +75,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def build_model(args, device: torch.device):
+def build_model(args, device: torch.device, **config_fields):
+    """The GPTModel of ``args``; ``config_fields`` override or extend its TransformerConfig."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -93,13 +94,14 @@ def build_model(args, device: torch.device):
             seq, batch = context.shape[2], context.shape[0]
             return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
-    config = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=2 * args.hidden,
-        num_attention_heads=args.heads, num_moe_experts=args.experts,
-        moe_router_topk=args.topk, moe_token_dispatcher_type="nccl_ep",
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
-        use_cpu_initialization=True, add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, params_dtype=torch.float32)
+    config = TransformerConfig(**{
+        **dict(num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=2 * args.hidden,
+               num_attention_heads=args.heads, num_moe_experts=args.experts,
+               moe_router_topk=args.topk, moe_token_dispatcher_type="nccl_ep",
+               moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
+               use_cpu_initialization=True, add_bias_linear=False, hidden_dropout=0.0,
+               attention_dropout=0.0, params_dtype=torch.float32),
+        **config_fields})
     config.nccl_ep_options = NcclEpOptions(backend=args.backend, recv_mode=args.recv_mode)
     spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
     spec.submodules.self_attention.submodules.core_attention = SdpaAttention

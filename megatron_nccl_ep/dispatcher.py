@@ -107,6 +107,10 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
     With ``moe_pad_expert_input_to_capacity`` (``drop_and_pad``, the attribute Megatron's
     inference utilities toggle) the handle uses the library's fixed-capacity layout: each local
     expert gets one run of C rows per source rank, Megatron alltoall's static layout.
+
+    With ``overlap_moe_expert_parallel_comm`` Megatron's 1F1B schedule calls token_dispatch and
+    token_combine (and autograd their backwards) on its communication stream: every library call
+    goes on the current stream, so they all do.
     """
 
     def __init__(self, num_local_experts: int, local_expert_indices: List[int], config,
@@ -114,10 +118,6 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         super().__init__(config=config, pg_collection=pg_collection)
-        # EP overlap needs the ops on the fine-grained schedule's communication stream.
-        if getattr(config, "overlap_moe_expert_parallel_comm", False):
-            raise NotImplementedError(
-                "nccl_ep dispatcher: overlap_moe_expert_parallel_comm is not supported")
         # Drop-and-pad: the fixed-capacity layout (see expert_capacity).
         self.drop_and_pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
         if self.drop_and_pad and config.moe_expert_capacity_factor is None:
@@ -229,6 +229,10 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
                            self.tp_size * topk, hidden_states, self.options(),
                            self.expert_alignment(), self.expert_capacity(hidden_states.shape[0]))
         self._handle = group.create_handle(routing_map=self.routing_map)
+        if self.routing_map.is_cuda:
+            # Under the 1F1B EP overlap this runs on the communication stream while the routing
+            # map came from the compute stream: keep its memory until the handle's kernels ran.
+            self.routing_map.record_stream(torch.cuda.current_stream())
         self.routing_map = None
         # The router's probs are dense [T, E] (said explicitly: with E == K they would be read
         # in slot order).

@@ -4,7 +4,9 @@ Megatron is patched in memory only (its files on disk are never touched):
 
 * ``TransformerConfig.moe_token_dispatcher_type``'s Literal gains ``"nccl_ep"``; Megatron's
   argparse builds the flag's choices from that annotation;
-* ``TransformerConfig.__post_init__`` admits ``moe_shared_expert_overlap`` with ``nccl_ep``;
+* ``TransformerConfig.__post_init__`` admits ``moe_shared_expert_overlap`` and
+  ``overlap_moe_expert_parallel_comm`` with ``nccl_ep``; the 1F1B schedule's
+  ``should_free_input`` keeps the stage inputs our backward needs;
 * ``MoELayer.__init__``'s dispatcher chain gains an ``nccl_ep`` branch that builds
   ``NcclEpTokenDispatcher`` (the config is never modified);
 * ``megatron.training.arguments`` gets the ``--nccl-ep-*`` flags; the dispatcher reads their
@@ -53,17 +55,20 @@ def _allow_dispatcher_type() -> None:
         TransformerConfig.__annotations__["moe_token_dispatcher_type"] = field.type
 
 
-def _allow_shared_expert_overlap() -> None:
-    """TransformerConfig admits moe_shared_expert_overlap for the alltoall and flex dispatchers
-    only; nccl_ep drives the same shared-expert hooks, so such a config is validated as an
-    alltoall one (its other checks included), then given its type back."""
+def _allow_overlaps() -> None:
+    """TransformerConfig admits moe_shared_expert_overlap and overlap_moe_expert_parallel_comm
+    (the fine-grained 1F1B schedule) for the alltoall and flex dispatchers only. nccl_ep drives
+    the same shared-expert hooks and the same MoELayer stages (preprocess, dispatch,
+    routed_experts_compute, combine, postprocess) as alltoall, so such a config is validated as
+    an alltoall one (every other check of the overlaps included), then given its type back."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     original = TransformerConfig.__post_init__
 
     @functools.wraps(original)
     def post_init(self):
-        if self.moe_token_dispatcher_type != DISPATCHER_TYPE or not self.moe_shared_expert_overlap:
+        if self.moe_token_dispatcher_type != DISPATCHER_TYPE or not (
+                self.moe_shared_expert_overlap or self.overlap_moe_expert_parallel_comm):
             return original(self)
         self.moe_token_dispatcher_type = "alltoall"
         try:
@@ -72,6 +77,29 @@ def _allow_shared_expert_overlap() -> None:
             self.moe_token_dispatcher_type = DISPATCHER_TYPE
 
     TransformerConfig.__post_init__ = post_init
+
+
+def _patch_free_input_policy() -> None:
+    """The 1F1B schedule frees a stage's inputs after its forward unless should_free_input says
+    they are needed by backward. For nccl_ep they are, as for flex's ncclep/hybridep backends:
+    the dispatch stage's inputs are views of what the router and layernorm saved, and the mlp
+    stage's input (dispatch_postprocess is an identity) is what the experts save, unless FP8/FP4
+    casts made their own copies. The schedule looks the function up in its module at call time."""
+    from megatron.core.models.common import utils
+
+    original = getattr(utils, "should_free_input", None)
+    if original is None:
+        raise RuntimeError("megatron_nccl_ep.register(): megatron.core.models.common.utils has no "
+                           "should_free_input; this Megatron-Core version is not supported")
+
+    @functools.wraps(original)
+    def should_free_input(name, is_moe, config, num_local_experts):
+        if not is_moe or config.moe_token_dispatcher_type != DISPATCHER_TYPE:
+            return original(name, is_moe, config, num_local_experts)
+        quantized = config.fp8 is not None or config.fp4 is not None
+        return {"mlp": quantized, "moe_combine": True, "moe_dispatch": False}.get(name, False)
+
+    utils.should_free_input = should_free_input
 
 
 def _build_dispatcher(layer, config, pg_collection):
@@ -160,8 +188,9 @@ def register() -> None:
     if _registered:
         return
     _allow_dispatcher_type()
-    _allow_shared_expert_overlap()
+    _allow_overlaps()
     _patch_moe_layer()
+    _patch_free_input_policy()
     try:
         import megatron.training.arguments  # noqa: F401
     except ImportError:

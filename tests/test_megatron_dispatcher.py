@@ -53,25 +53,67 @@ def megatron_on_cpu(ep: int, etp: int = 1, tp: int = 1):
 
 @contextlib.contextmanager
 def cuda_streams_on_cpu():
-    """Megatron's shared-expert overlap puts the shared expert on a torch.cuda stream; on CPU
-    every stream is the one CPU stream, so what runs is the order of the calls (and Megatron's
-    shared-expert state machine checks that order)."""
+    """Megatron's overlaps (the shared expert's stream, the 1F1B schedule's communication stream
+    and events) take torch.cuda streams; on CPU every stream is the one CPU stream, so what runs
+    is the order of the calls (and Megatron's shared-expert state machine checks that order).
+    The schedule also records tensors on streams and makes one torch.zeros(device="cuda")."""
+    from megatron.core.pipeline_parallel import utils as schedule_utils
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
+    class Event:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def wait(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
     class Stream:
+        def __init__(self, *args, **kwargs):
+            pass
+
         def wait_stream(self, other):
             pass
 
-    saved = torch.cuda.Stream, torch.cuda.stream, torch.cuda.current_stream
-    torch.cuda.Stream = Stream
+        def record_event(self, event=None):
+            return event or Event()
+
+        def synchronize(self):
+            pass
+
+        @staticmethod
+        def priority_range():
+            return 0, -1
+
+    zeros = torch.zeros
+
+    def zeros_on_cpu(*args, **kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return zeros(*args, **kwargs)
+
+    current = Stream()
+    saved = (torch.cuda.Stream, torch.cuda.Event, torch.cuda.stream, torch.cuda.current_stream,
+             torch.Tensor.record_stream)
+    torch.cuda.Stream, torch.cuda.Event = Stream, Event
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
-    torch.cuda.current_stream = lambda device=None: Stream()
+    torch.cuda.current_stream = lambda device=None: current
+    torch.Tensor.record_stream = lambda self, stream: None
+    torch.zeros = zeros_on_cpu
     SharedExpertMLP.stream = None
     try:
         yield
     finally:
-        torch.cuda.Stream, torch.cuda.stream, torch.cuda.current_stream = saved
+        (torch.cuda.Stream, torch.cuda.Event, torch.cuda.stream, torch.cuda.current_stream,
+         torch.Tensor.record_stream) = saved
+        torch.zeros = zeros
         SharedExpertMLP.stream = None
+        schedule_utils._COMM_STREAM = None  # made once per process from torch.cuda.Stream
 
 
 def moe_layer(dispatcher_type: str, num_experts: int, topk: int, **config_fields):
