@@ -29,12 +29,9 @@ HIDDEN, FFN, SEQ, BATCH = 16, 24, 6, 3
 
 
 @contextlib.contextmanager
-def megatron_on_cpu(ep: int, etp: int = 1, tp: int = 1):
+def megatron_parallel(ep: int, etp: int = 1, tp: int = 1):
     """Megatron's model-parallel state for this test, torn down afterwards (the pool's processes
-    run other tests too). Megatron-Core 0.19.2's allgather dispatcher allocates its gather outputs
-    on ``torch.cuda.current_device()``: the baseline needs that pointed at the CPU."""
-    current_device = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"
+    run other tests too), with the process groups it made."""
     before = set(torch.distributed.distributed_c10d._world.pg_map)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              expert_model_parallel_size=ep,
@@ -48,6 +45,19 @@ def megatron_on_cpu(ep: int, etp: int = 1, tp: int = 1):
         # threads: hundreds of them per pool process by the end of the suite.
         for group in set(torch.distributed.distributed_c10d._world.pg_map) - before:
             torch.distributed.destroy_process_group(group)
+
+
+@contextlib.contextmanager
+def megatron_on_cpu(ep: int, etp: int = 1, tp: int = 1):
+    """``megatron_parallel`` on CPU. Megatron-Core 0.19.2's allgather dispatcher allocates its
+    gather outputs on ``torch.cuda.current_device()``: the baseline needs that pointed at the
+    CPU."""
+    current_device = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        with megatron_parallel(ep, etp=etp, tp=tp):
+            yield
+    finally:
         torch.cuda.current_device = current_device
 
 

@@ -11,6 +11,7 @@ the schedule's order of calls and its freeing of stage inputs, not concurrency (
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -20,7 +21,7 @@ from megatron.core.transformer import TransformerConfig
 
 import dist
 import megatron_nccl_ep
-from test_megatron_dispatcher import cuda_streams_on_cpu, megatron_on_cpu
+from test_megatron_dispatcher import cuda_streams_on_cpu, megatron_on_cpu, megatron_parallel
 
 megatron_nccl_ep.register()
 
@@ -62,29 +63,39 @@ def record_order(events: list):
     return undo
 
 
-def overlap_case(seed: int, recv_mode: str, layers: int, microbatches: int) -> dict:
+def overlap_case(seed: int, recv_mode: str, layers: int, microbatches: int,
+                 backend: str = "torch") -> dict:
+    """Both schedules on one model: on CPU (gloo, stand-in streams) for backend "torch", on this
+    rank's GPU (NCCL, Megatron's real streams) for "cuda"."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
     world = torch.distributed.get_world_size()
+    on_gpu = backend == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     example = load_example()
     args = example.parse_args(["--layers", str(layers), "--hidden", "16", "--heads", "2",
                                "--vocab", str(VOCAB), "--seq-length", str(SEQ), "--experts", "4",
-                               "--backend", "torch", "--recv-mode", recv_mode])
-    with megatron_on_cpu(world), cuda_streams_on_cpu():
+                               "--backend", backend, "--recv-mode", recv_mode])
+    with contextlib.ExitStack() as stack:
+        if on_gpu:
+            stack.enter_context(megatron_parallel(world))
+        else:
+            stack.enter_context(megatron_on_cpu(world))
+            stack.enter_context(cuda_streams_on_cpu())
         try:
             torch.manual_seed(seed + parallel_state.get_expert_model_parallel_rank())
             model = example.build_model(
-                args, torch.device("cpu"), params_dtype=torch.bfloat16, bf16=True,
+                args, device, params_dtype=torch.bfloat16, bf16=True,
                 moe_router_dtype="fp32", expert_model_parallel_size=world,
                 overlap_moe_expert_parallel_comm=True)
             model = model.to(torch.bfloat16)  # what Megatron's Float16Module does
             config = model.config
             example.sync_replicas(model)
             gen = torch.Generator().manual_seed(seed * 31 + torch.distributed.get_rank())
-            batches = [(torch.randint(VOCAB, (MICRO_BATCH, SEQ), generator=gen),
-                        torch.randint(VOCAB, (MICRO_BATCH, SEQ), generator=gen))
+            batches = [(torch.randint(VOCAB, (MICRO_BATCH, SEQ), generator=gen).to(device),
+                        torch.randint(VOCAB, (MICRO_BATCH, SEQ), generator=gen).to(device))
                        for _ in range(microbatches)]
 
             def loss_func(output):
@@ -93,7 +104,7 @@ def overlap_case(seed: int, recv_mode: str, layers: int, microbatches: int) -> d
 
             def forward_step(data_iterator, model, return_schedule_plan=False):
                 tokens, labels = next(data_iterator)
-                positions = torch.arange(SEQ).expand(MICRO_BATCH, -1)
+                positions = torch.arange(SEQ, device=device).expand(MICRO_BATCH, -1)
                 if return_schedule_plan:  # the overlapped schedule asks for the layer stages
                     return model.build_schedule_plan(tokens, positions, None,
                                                      labels=labels), loss_func
@@ -114,26 +125,30 @@ def overlap_case(seed: int, recv_mode: str, layers: int, microbatches: int) -> d
                     undo()
                 runs[overlap] = dict(
                     losses=[d["loss"].item() for d in store], events="".join(events),
-                    grads={n: p.grad.clone() for n, p in model.named_parameters()})
+                    grads={n: p.grad.cpu() for n, p in model.named_parameters()})
             return runs
         finally:
             destroy_moe_metrics_tracker()  # sized by the first model's layers; the pool reuses us
 
 
+def check_overlap_runs(runs: dict, layers: int, microbatches: int) -> None:
+    plain, overlapped = runs[False], runs[True]
+    assert overlapped["losses"] == plain["losses"], (plain["losses"], overlapped["losses"])
+    assert plain["grads"].keys() == overlapped["grads"].keys()
+    for name, want in plain["grads"].items():
+        assert want.any(), f"{name}: no gradient"
+        assert torch.equal(overlapped["grads"][name], want), name
+    # Plain: each micro-batch's L dispatches, then its L dispatch backwards. Overlapped:
+    # micro-batch 1's first dispatch runs before micro-batch 0's first dispatch backward.
+    assert plain["events"] == ("F" * layers + "B" * layers) * microbatches, plain["events"]
+    assert overlapped["events"].startswith("F" * (layers + 1)), overlapped["events"]
+    assert sorted(overlapped["events"]) == sorted(plain["events"])
+
+
 @pytest.mark.parametrize("recv_mode,layers,microbatches", [("exact", 1, 3), ("capacity", 2, 3)])
 def test_ep_overlap_matches_the_plain_schedule_bitwise(recv_mode, layers, microbatches, seed):
     for runs in dist.run(2, overlap_case, seed, recv_mode, layers, microbatches, timeout=600):
-        plain, overlapped = runs[False], runs[True]
-        assert overlapped["losses"] == plain["losses"], (plain["losses"], overlapped["losses"])
-        assert plain["grads"].keys() == overlapped["grads"].keys()
-        for name, want in plain["grads"].items():
-            assert want.any(), f"{name}: no gradient"
-            assert torch.equal(overlapped["grads"][name], want), name
-        # Plain: each micro-batch's L dispatches, then its L dispatch backwards. Overlapped:
-        # micro-batch 1's first dispatch runs before micro-batch 0's first dispatch backward.
-        assert plain["events"] == ("F" * layers + "B" * layers) * microbatches, plain["events"]
-        assert overlapped["events"].startswith("F" * (layers + 1)), overlapped["events"]
-        assert sorted(overlapped["events"]) == sorted(plain["events"])
+        check_overlap_runs(runs, layers, microbatches)
 
 
 def test_overlap_configs_are_validated_like_alltoall():

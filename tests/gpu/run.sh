@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU script: on a bare GPU machine, from the repository root,
-#   bash tests/gpu/run.sh [build] [tests] [bench] [micro] [example] [faults]
+#   bash tests/gpu/run.sh [build] [tests] [bench] [micro] [example] [faults] [pretrain]
 #                                                        (no argument: build tests bench)
 # builds the extension, runs the GPU tests, runs the benchmark, and leaves under $OUT:
 #   env.txt  build.log  gpu_tests.log (both test runs)  bench.log  bench.json  example.log
-#   faults.log  summary.md
+#   faults.log  summary.md  (pretrain: pretrain.log in place of example.log)
 # (keep it to 8 files: what a remote runner may copy back). Each stage has its own time limit, so the
 # whole stays inside one 10-minute call: BUILD_TIMEOUT (150 s), TESTS_TIMEOUT (180 s) and
 # TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s), MICRO_TIMEOUT (90 s per
@@ -16,6 +16,9 @@
 # random soak bitwise against the reference (tests/gpu/test_cuda_{faults,stress,soak}.py) into
 # faults.log, under FAULTS_TIMEOUT (480 s); the soak runs SOAK_SECONDS (300), shortened if needed
 # so that the stage ends inside its limit (SOAK_DEADLINE).
+# pretrain (issue 10 item 8; not in the default stages): examples/check_training.py, five runs of
+# Megatron's pretrain() through examples/pretrain_gpt_moe.py on every GPU (determinism, alltoall,
+# save/resume), PRETRAIN_RUN_TIMEOUT (150 s) per run, every run's log into pretrain.log.
 # Carried wheels in .whl/ (megatron-core, which the image lacks) are installed first.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
@@ -40,8 +43,9 @@ STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(build tests bench)
 for stage in "${STAGES[@]}"; do
     case "$stage" in
-        build|tests|bench|micro|example|faults) ;;
-        *) echo "unknown stage '$stage' (choose from: build tests bench micro example faults)" >&2
+        build|tests|bench|micro|example|faults|pretrain) ;;
+        *) echo "unknown stage '$stage' (choose from: build tests bench micro example faults" \
+               "pretrain)" >&2
            exit 2 ;;
     esac
 done
@@ -216,6 +220,20 @@ if wants faults; then
     SOAK_DEADLINE=$(($(date +%s) + FAULTS_TIMEOUT - 20)) SOAK_SECONDS=$SOAK_SECONDS \
         run_pytest "faults (fault injection, stress, soak of ${SOAK_SECONDS} s)" \
         "$FAULTS_TIMEOUT" "$OUT/faults.log" -rfEPxX "${FAULT_TESTS[@]}"
+fi
+
+if wants pretrain; then
+    start=$SECONDS
+    workdir=$(mktemp -d /tmp/check_training_XXXX)
+    gpus=$(nvidia-smi -L | wc -l)
+    "$PY" examples/check_training.py --gpus "$gpus" --workdir "$workdir" \
+        --run-timeout "${PRETRAIN_RUN_TIMEOUT:-150}" -- --nccl-ep-backend cuda \
+        >"$workdir/checks.txt" 2>&1 || STATUS=1
+    for log in "$workdir"/checks.txt "$workdir"/*.log; do
+        echo "==== $(basename "$log")"; cat "$log"
+    done >"$OUT/pretrain.log"
+    note "- pretrain (EP=$gpus, Megatron's pretrain(), cuda backend, $((SECONDS - start)) s):"
+    grep -E '^(PASS|FAIL) ' "$workdir/checks.txt" | sed 's/^/  - /' | tee -a "$SUMMARY"
 fi
 
 echo

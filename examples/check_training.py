@@ -1,0 +1,188 @@
+"""Checks training with the nccl_ep dispatcher end to end on GPUs, through Megatron's pretrain()
+(examples/pretrain_gpt_moe.py), every run with --deterministic-mode and --train-iters 100:
+
+  (a) determinism: two nccl_ep runs give the same loss and gradient norm bits at every iteration;
+  (b) against Megatron's alltoall dispatcher: one run with it; the largest absolute loss
+      difference from the nccl_ep run over the iterations is reported, and fails the check above
+      --alltoall-tolerance;
+  (c) resumption: a run that saves a checkpoint at iteration 50 and stops, then a run resumed from
+      it, give the bits of the uninterrupted nccl_ep run at iterations 1-50 and 51-100.
+
+    python examples/check_training.py [--gpus 2] [--workdir DIR] [-- FLAGS FOR EVERY RUN]
+
+e.g. ``-- --nccl-ep-backend cuda`` to fail rather than fall back when the CUDA kernels are not
+built. Prints one PASS/FAIL line per check and exits 1 when one failed. Each run's output stays in
+WORKDIR/<run>.log (WORKDIR: a new temporary folder unless given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrain_gpt_moe.py")
+ITERATIONS = 100
+SAVE_AT = 50
+# The line examples/pretrain_gpt_moe.py prints after every iteration (its step_line).
+STEP = re.compile(r"^exact_step iteration=(\d+) loss=(\S+) grad_norm=(\S+)$", re.MULTILINE)
+# NVLink multicast stays off on shared GPU hosts.
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1"}
+# How many problems a FAIL line lists before it just counts the rest.
+SHOWN = 5
+
+
+def run_arguments(checkpoint_dir: str) -> dict:
+    """Each run's flags, which follow the example's defaults (later flags win)."""
+    common = ["--deterministic-mode", "--train-iters", str(ITERATIONS)]
+    return {
+        "nccl_ep": common,
+        "nccl_ep_again": common,
+        "alltoall": [*common, "--moe-token-dispatcher-type", "alltoall"],
+        "until_save": [*common, "--save", checkpoint_dir, "--save-interval", str(SAVE_AT),
+                       "--exit-interval", str(SAVE_AT)],
+        "resumed": [*common, "--load", checkpoint_dir],
+    }
+
+
+def read_steps(log: str) -> dict:
+    """iteration -> (loss, gradient norm), each as its float.hex() string."""
+    return {int(iteration): (loss, grad_norm) for iteration, loss, grad_norm in STEP.findall(log)}
+
+
+def span(iterations) -> str:
+    found = sorted(iterations)
+    return f"{found[0]}-{found[-1]} ({len(found)})" if found else "none"
+
+
+def coverage_problems(reference: dict, run: dict, iterations: range) -> list:
+    """Whether ``run`` logged exactly ``iterations`` and ``reference`` all of them."""
+    problems = []
+    if not set(iterations) <= reference.keys():
+        problems.append(f"the reference logged iterations {span(reference)}, "
+                        f"not all of {span(iterations)}")
+    if run.keys() != set(iterations):
+        problems.append(f"logged iterations {span(run)}, expected {span(iterations)}")
+    return problems
+
+
+def bitwise_differences(reference: dict, run: dict, iterations: range) -> list:
+    """Why ``run``, which should have logged exactly ``iterations``, does not match ``reference``
+    bit for bit there: one line per problem, none when it does."""
+    problems = coverage_problems(reference, run, iterations)
+    for iteration in iterations:
+        if iteration in reference and iteration in run:
+            for name, expected, got in zip(("loss", "grad norm"), reference[iteration],
+                                           run[iteration]):
+                if got != expected:
+                    problems.append(f"iteration {iteration}: {name} {got} != {expected}")
+    return problems
+
+
+def loss_differences(reference: dict, run: dict) -> dict:
+    """iteration -> absolute loss difference, at the iterations both runs logged."""
+    return {it: abs(float.fromhex(run[it][0]) - float.fromhex(reference[it][0]))
+            for it in sorted(reference.keys() & run.keys())}
+
+
+def summary(problems: list) -> str:
+    shown = "; ".join(problems[:SHOWN])
+    return shown + (f"; and {len(problems) - SHOWN} more" if len(problems) > SHOWN else "")
+
+
+def checks(runs: dict, tolerance: float) -> list:
+    """(label, passed, detail) for each check, from ``runs``: name -> (exit status, steps)."""
+    steps = {name: found for name, (_, found) in runs.items()}
+    reference = steps["nccl_ep"]
+    results = []
+
+    def add(label: str, names: tuple, problems: list, detail: str) -> None:
+        crashed = [f"run {name} exited with status {runs[name][0]}" for name in names
+                   if runs[name][0] != 0]
+        problems = crashed + problems
+        results.append((label, not problems, summary(problems) if problems else detail))
+
+    every = range(1, ITERATIONS + 1)
+    add("(a) nccl_ep twice, bitwise", ("nccl_ep", "nccl_ep_again"),
+        bitwise_differences(reference, steps["nccl_ep_again"], every),
+        f"loss and grad norm bits equal at all {ITERATIONS} iterations")
+
+    differences = loss_differences(reference, steps["alltoall"])
+    # NaN counts as the largest difference, and as over any tolerance.
+    worst = max(differences, default=None,
+                key=lambda it: math.inf if math.isnan(differences[it]) else differences[it])
+    measured = ("no iteration to compare" if worst is None else
+                f"largest |loss difference| {differences[worst]:.3e} at iteration {worst} "
+                f"(tolerance {tolerance:g})")
+    over = [iteration for iteration, d in differences.items() if not d <= tolerance]
+    add("(b) nccl_ep against alltoall", ("nccl_ep", "alltoall"),
+        coverage_problems(reference, steps["alltoall"], every)
+        + ([f"{measured}: over it at {len(over)} iterations"] if over else []),
+        measured)
+
+    add(f"(c) save at {SAVE_AT}, resume to {ITERATIONS}, bitwise",
+        ("nccl_ep", "until_save", "resumed"),
+        [f"until_save: {p}" for p in bitwise_differences(
+            reference, steps["until_save"], range(1, SAVE_AT + 1))]
+        + [f"resumed: {p}" for p in bitwise_differences(
+            reference, steps["resumed"], range(SAVE_AT + 1, ITERATIONS + 1))],
+        f"iterations 1-{SAVE_AT}, and {SAVE_AT + 1}-{ITERATIONS} after the restart, carry the "
+        "uninterrupted run's bits")
+    return results
+
+
+def train(name: str, arguments: list, gpus: int, workdir: str, timeout: float) -> tuple:
+    """Runs the example under torchrun; returns (exit status, steps); the output goes to
+    WORKDIR/<name>.log. A run past ``timeout`` seconds is killed with all its processes."""
+    log_path = os.path.join(workdir, f"{name}.log")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(gpus), EXAMPLE, *arguments]
+    with open(log_path, "w") as log:
+        log.write(" ".join(command) + "\n")
+        log.flush()
+        # A session of its own: on a timeout, torchrun and its workers go together.
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **GPU_ENV}, start_new_session=True)
+        try:
+            status = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            status = process.wait()
+            log.write(f"\nkilled after {timeout:g} s\n")
+    with open(log_path) as log:
+        steps = read_steps(log.read())
+    print(f"run {name}: exit status {status}, iterations logged {span(steps)}; {log_path}",
+          flush=True)
+    return status, steps
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpus", type=int, default=2, help="processes, one per GPU (EP size)")
+    parser.add_argument("--workdir", help="where the logs and the checkpoint go")
+    parser.add_argument("--alltoall-tolerance", type=float, default=1e-2,
+                        help="largest absolute loss difference (b) passes with")
+    parser.add_argument("--run-timeout", type=float, default=300.0, help="seconds per run")
+    parser.add_argument("flags", nargs="*", help="after --: flags for every run of the example")
+    options = parser.parse_args(argv)
+    if options.workdir:
+        os.makedirs(options.workdir, exist_ok=True)
+    workdir = options.workdir or tempfile.mkdtemp(prefix="check_training_")
+    checkpoint_dir = tempfile.mkdtemp(prefix="checkpoint_", dir=workdir)
+    runs = {name: train(name, [*arguments, *options.flags], options.gpus, workdir,
+                        options.run_timeout)
+            for name, arguments in run_arguments(checkpoint_dir).items()}
+    results = checks(runs, options.alltoall_tolerance)
+    for label, passed, detail in results:
+        print(f"{'PASS' if passed else 'FAIL'} {label}: {detail}", flush=True)
+    return 0 if all(passed for _, passed, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""examples/pretrain_gpt_moe.py and examples/check_training.py on CPU, as far as they go without a
+GPU (Megatron's pretrain() asserts CUDA): every run's arguments of the check script pass Megatron's
+parser and validation with nccl_ep registered; the GPT model Megatron builds from the example's
+arguments has MoE layers with NcclEpTokenDispatcher; the datasets provider gives mock samples
+inside the vocabulary; the line the example prints per iteration is what the check script reads,
+bit for bit; the check script's comparisons catch one differing bit, a crashed run, a resumed run
+that started over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+import dist
+from test_megatron_dispatcher import megatron_on_cpu
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+sys.path.insert(0, EXAMPLES)
+
+import check_training  # noqa: E402
+import pretrain_gpt_moe  # noqa: E402
+
+CHECKPOINT_DIR = "/nonexistent/checkpoint"  # parsed, never read or written here
+RUNS = check_training.run_arguments(CHECKPOINT_DIR)
+PARSED = ("moe_token_dispatcher_type", "deterministic_mode", "train_iters", "save", "load",
+          "save_interval", "exit_interval", "expert_model_parallel_size", "data_parallel_size",
+          "transformer_impl", "nccl_ep_backend")
+LOSS = float(torch.tensor(2.718281828, dtype=torch.float32))  # the loss Megatron logs is float32
+GRAD_NORM = 0.1234567890123
+DETERMINISM_ENV = ("NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG")
+
+
+def example_on_cpu(runs: dict) -> dict:
+    """In each of 2 gloo ranks: parses every run's arguments, builds the model and the datasets
+    from the example's defaults, and calls the example's per-iteration hook."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.training import training
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.global_vars import unset_global_variables
+    from megatron.training.initialize import _compile_dependencies
+    from megatron.training.models import GPTModelBuilder
+
+    import megatron_nccl_ep
+
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))  # as torchrun sets them
+    for name in DETERMINISM_ENV:
+        os.environ.pop(name, None)
+    found = {"parsed": {}}
+    for name, argv in runs.items():
+        args = pretrain_gpt_moe.parse_arguments(argv)
+        found["parsed"][name] = {field: getattr(args, field) for field in PARSED}
+        unset_global_variables()
+    # What Megatron's --deterministic-mode sets before NCCL and cuBLAS start.
+    found["env"] = {name: os.environ.get(name) for name in DETERMINISM_ENV}
+
+    args = pretrain_gpt_moe.parse_arguments(["--use-cpu-initialization"])
+    with megatron_on_cpu(ep=world_size):
+        model = GPTModelBuilder(gpt_config_from_args(args)).build_model(
+            ProcessGroupCollection.use_mpu_process_groups())
+        moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+        found["model"] = type(model).__name__
+        found["moe_layers"] = [
+            (isinstance(layer.token_dispatcher, megatron_nccl_ep.NcclEpTokenDispatcher),
+             type(layer.experts).__name__, layer.num_local_experts) for layer in moe_layers]
+
+    # pretrain()'s dataset-helper build, which without the example's workaround exits rank 0.
+    pretrain_gpt_moe.use_built_dataset_helpers()
+    _compile_dependencies()
+
+    num_samples = training.get_train_valid_test_num_samples()
+    train_dataset = pretrain_gpt_moe.datasets_provider(num_samples)[0]
+    sample = train_dataset[0]
+    found["data"] = {"num_samples": num_samples, "train_length": len(train_dataset),
+                     "vocab": args.padded_vocab_size, "seq_length": args.seq_length,
+                     **{key: sample[key].tolist() for key in ("tokens", "labels", "loss_mask")}}
+
+    # The hook in front of a stand-in for Megatron's training_log.
+    calls = []
+    training.training_log = lambda *a, **k: calls.append((a, k)) or "training_log's result"
+    pretrain_gpt_moe.print_exact_steps()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        result = training.training_log({"lm loss": torch.tensor(LOSS)}, {}, 1e-3, 7, 1.0, False,
+                                       0, GRAD_NORM, None, 0, None, pg_collection=None)
+    found["hook"] = {"printed": printed.getvalue(), "result": result,
+                     "passed_on": [(a[3], a[7], sorted(k)) for a, k in calls]}
+    return found
+
+
+@pytest.fixture(scope="module")
+def on_cpu():
+    # Fresh processes, not the shared pool: parsing sets Megatron's global arguments (which the
+    # dispatcher reads) and --deterministic-mode turns on torch's deterministic algorithms.
+    ranks = dist.run_isolated(2, example_on_cpu, RUNS, timeout=600)
+    failed = [f"rank {r.rank}: {r.outcome()}\n{r.error or ''}" for r in ranks
+              if r.error is not None or r.exitcode != 0]
+    assert not failed, "\n".join(failed)
+    return [r.value for r in ranks]
+
+
+def test_check_script_arguments_parse_with_nccl_ep_registered(on_cpu):
+    for found in on_cpu:
+        parsed = found["parsed"]
+        assert parsed.keys() == RUNS.keys()
+        for name, args in parsed.items():
+            assert args["deterministic_mode"] and args["train_iters"] == 100, name
+            assert args["transformer_impl"] == "local", name
+            assert args["expert_model_parallel_size"] == 2, name
+            assert args["data_parallel_size"] == 2, name
+            dispatcher = "alltoall" if name == "alltoall" else "nccl_ep"
+            assert args["moe_token_dispatcher_type"] == dispatcher, name
+            assert args["nccl_ep_backend"] == "auto", name
+        until_save, resumed = parsed["until_save"], parsed["resumed"]
+        assert (until_save["save"], until_save["save_interval"], until_save["exit_interval"]) \
+            == (CHECKPOINT_DIR, 50, 50)
+        assert until_save["load"] is None
+        assert (resumed["load"], resumed["save"]) == (CHECKPOINT_DIR, None)
+        assert found["env"] == {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def test_model_has_moe_layers_with_the_nccl_ep_dispatcher(on_cpu):
+    for found in on_cpu:
+        assert found["model"] == "GPTModel"
+        # 2 layers, 4 experts over EP=2: 2 local experts each, Megatron's local SequentialMLP.
+        assert found["moe_layers"] == [(True, "SequentialMLP", 2)] * 2
+
+
+def test_datasets_provider_gives_mock_samples_in_the_vocabulary(on_cpu):
+    data = on_cpu[0]["data"]
+    assert data["num_samples"] == (100 * 8, 0, 0)  # 100 iterations x 4 sequences x DP 2
+    assert data["train_length"] >= 800
+    tokens, labels = data["tokens"], data["labels"]
+    assert len(tokens) == len(labels) == len(data["loss_mask"]) == data["seq_length"]
+    assert tokens[1:] == labels[:-1]  # next-token targets
+    assert 0 <= min(tokens + labels) and max(tokens + labels) < data["vocab"]
+    assert on_cpu[1]["data"] == data  # the same samples on both ranks (same seed)
+
+
+def test_last_rank_prints_exact_step_line_the_check_script_reads(on_cpu):
+    first, last = (found["hook"] for found in on_cpu)
+    for hook in (first, last):
+        # Megatron's training_log still runs, with the same arguments, and its result comes back.
+        assert hook["result"] == "training_log's result"
+        assert hook["passed_on"] == [(7, GRAD_NORM, ["pg_collection"])]
+    assert first["printed"] == ""
+    assert last["printed"] == pretrain_gpt_moe.step_line(7, LOSS, GRAD_NORM) + "\n"
+    steps = check_training.read_steps(last["printed"])
+    assert steps == {7: (LOSS.hex(), GRAD_NORM.hex())}
+    assert float.fromhex(steps[7][0]) == LOSS and float.fromhex(steps[7][1]) == GRAD_NORM
+
+
+# ------------------------------------------------------------------------------------------------
+# the check script's comparisons, on made-up logs
+# ------------------------------------------------------------------------------------------------
+
+
+def fake_steps(iterations, offset: float = 0.0) -> dict:
+    """What read_steps gives for a run: decreasing losses (exact binary fractions, so that the
+    differences from ``offset`` are exact) and some gradient norms."""
+    return {it: ((7.0 - it / 64 + offset).hex(), (0.5 / it).hex()) for it in iterations}
+
+
+def log_of(steps: dict) -> str:
+    """A run's output: Megatron's own lines around the example's step lines."""
+    lines = [" iteration        1/     100 | lm loss: 6.93E+00 | grad norm: 1.2 |"]
+    for it, (loss, grad_norm) in steps.items():
+        lines.append(pretrain_gpt_moe.step_line(it, float.fromhex(loss), float.fromhex(grad_norm)))
+    return "\n".join(lines + ["[after training is done] datetime: 2026-01-01 00:00:00"])
+
+
+ALLTOALL_OFFSET = 2.0 ** -10  # 9.765625e-4
+
+
+def good_runs() -> dict:
+    every = fake_steps(range(1, 101))
+    return {"nccl_ep": (0, every), "nccl_ep_again": (0, dict(every)),
+            "alltoall": (0, fake_steps(range(1, 101), offset=ALLTOALL_OFFSET)),
+            "until_save": (0, fake_steps(range(1, 51))), "resumed": (0, fake_steps(range(51, 101)))}
+
+
+def verdicts(runs: dict, tolerance: float = 1e-2) -> list:
+    return [passed for _, passed, _ in check_training.checks(runs, tolerance)]
+
+
+def test_read_steps_finds_only_the_step_lines():
+    steps = fake_steps(range(1, 101))
+    assert check_training.read_steps(log_of(steps)) == steps
+
+
+def test_equal_runs_pass_every_check():
+    results = check_training.checks(good_runs(), 1e-2)
+    assert [passed for _, passed, _ in results] == [True, True, True], results
+    assert "largest |loss difference| 9.766e-04" in results[1][2]
+
+
+def with_lowest_bit_flipped(steps: dict, iteration: int, which: int) -> dict:
+    """``steps`` through a log and back, with one value one unit in the last place higher."""
+    bits = list(steps[iteration])
+    bits[which] = math.nextafter(float.fromhex(bits[which]), math.inf).hex()
+    return check_training.read_steps(log_of({**steps, iteration: tuple(bits)}))
+
+
+@pytest.mark.parametrize("which", [0, 1])  # the loss, the gradient norm
+def test_one_bit_fails_determinism_and_resumption(which):
+    runs = good_runs()
+    runs["nccl_ep_again"] = (0, with_lowest_bit_flipped(runs["nccl_ep"][1], 37, which))
+    (_, passed, detail), _, _ = check_training.checks(runs, 1e-2)
+    assert not passed and detail.startswith("iteration 37: "), detail
+    assert check_training.bitwise_differences(runs["nccl_ep"][1], runs["nccl_ep_again"][1],
+                                              range(1, 101)) == [detail]
+
+    runs = good_runs()
+    runs["resumed"] = (0, with_lowest_bit_flipped(runs["resumed"][1], 88, which))
+    _, _, (_, passed, detail) = check_training.checks(runs, 1e-2)
+    assert not passed and detail.startswith("resumed: iteration 88: "), detail
+    assert verdicts(runs) == [True, True, False]
+
+
+def test_resumed_run_that_started_over_fails():
+    # It logged 1-100 with the right bits: no checkpoint was loaded.
+    runs = good_runs()
+    runs["resumed"] = (0, fake_steps(range(1, 101)))
+    _, _, (_, passed, detail) = check_training.checks(runs, 1e-2)
+    assert not passed and "resumed: logged iterations 1-100 (100), expected 51-100" in detail
+
+
+def test_missing_iterations_and_crashed_runs_fail():
+    runs = good_runs()
+    del runs["nccl_ep_again"][1][100]
+    assert verdicts(runs) == [False, True, True]
+    runs = good_runs()
+    runs["until_save"] = (1, runs["until_save"][1])
+    assert verdicts(runs) == [True, True, False]
+    runs = good_runs()
+    runs["nccl_ep"] = (1, {})
+    assert verdicts(runs) == [False, False, False]
+
+
+def test_alltoall_over_the_tolerance_or_nan_fails():
+    runs = good_runs()
+    assert verdicts(runs, tolerance=ALLTOALL_OFFSET) == [True, True, True]
+    assert verdicts(runs, tolerance=ALLTOALL_OFFSET / 2) == [True, False, True]
+    runs["alltoall"][1][60] = ("nan", runs["alltoall"][1][60][1])
+    _, (_, passed, detail), _ = check_training.checks(runs, 1e-2)
+    assert not passed and "largest |loss difference| nan at iteration 60" in detail, detail
