@@ -31,6 +31,13 @@ ARGS = dict(num_experts=8, hidden=16, max_tokens_per_rank=8, max_topk=2, backend
             device="cpu", timeout_s=TIMEOUT_S)
 
 
+def started_rank() -> int:
+    """Every rank function starts here: a barrier, so that the ranks' imports of this module do
+    not skew them against the short timeout, then this rank."""
+    tdist.barrier()
+    return tdist.get_rank()
+
+
 def timed_group(**overrides) -> dict:
     """Group(**ARGS, **overrides): what it raised (type, message) and how long it took."""
     start = time.monotonic()
@@ -43,21 +50,21 @@ def timed_group(**overrides) -> dict:
 
 
 def never_then_late(silent: int) -> dict:
-    rank = tdist.get_rank()
+    rank = started_rank()
     if rank == silent:
         time.sleep(TIMEOUT_S + 1.0)  # alive, and arrives after the others gave up
     return timed_group()
 
 
 def local_check_fails(bad: int) -> dict:
-    rank = tdist.get_rank()
+    rank = started_rank()
     # num_experts must be a multiple of the group size: only the bad rank breaks it. The long
     # timeout shows that nobody waits for it.
     return timed_group(num_experts=7 if rank == bad else 8, timeout_s=LONG_TIMEOUT_S)
 
 
 def dies_before_group(victim: int) -> dict:
-    if tdist.get_rank() == victim:
+    if started_rank() == victim:
         os._exit(17)
     return timed_group()
 
@@ -171,7 +178,7 @@ def op_group():
 
 
 def never_calls_op(op: str, seed: int) -> dict:
-    rank, world = tdist.get_rank(), tdist.get_world_size()
+    rank, world = started_rank(), tdist.get_world_size()
     group = op_group()
     if rank == world - 1:
         first = run_ops(group, seed + rank, skip=op)
@@ -208,7 +215,7 @@ def test_rank_that_never_calls_an_op_makes_the_others_raise(world_size, op, seed
 
 
 def dies_in_op(op: str, seed: int) -> dict:
-    rank, world = tdist.get_rank(), tdist.get_world_size()
+    rank, world = started_rank(), tdist.get_world_size()
     return run_ops(op_group(), seed + rank, die_in=op if rank == world - 1 else "")
 
 
