@@ -204,6 +204,7 @@ def _agree_on_config(config: Optional[GroupConfig], error: Optional[Exception], 
         mine["dtype"] = str(config.dtype)
     everyone = rendezvous.exchange(process_group, "Group()", mine, timeout_s, error)
     me = dist.get_rank(process_group)
+    mine = everyone[me]  # compared as every rank's went through the store (JSON)
     for rank, theirs in enumerate(everyone):
         for key, value in mine.items():
             if theirs[key] != value:
