@@ -196,10 +196,11 @@ def test_cuda_bad_routing_raises(case_name, who, recv_mode, world_size, seed, su
                  f"{per_rank[0]}; rank {world_size - 1} {per_rank[-1]}")
 
 
-def check_capacity_overflow(routing: str, seed: int) -> str:
+def one_row_short(case: dict, seed: int) -> tuple:
+    """This rank's inputs of ``case`` and a capacity-mode group one row short of what the
+    routing needs on the fullest rank: (group, x, idx, probs, capacity)."""
     rank, world = ep_cases.rank_and_size()
     device = torch.device("cuda", torch.cuda.current_device())
-    case = dict(ERROR_CASE, routing=routing)
     x, idx, probs = rank_inputs(case, seed, rank, device)
     exact = cuda_group(case, world, device)
     need = torch.tensor([exact.create_handle(idx).num_recv_tokens], device=device)
@@ -207,9 +208,14 @@ def check_capacity_overflow(routing: str, seed: int) -> str:
     torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX)
     group = cuda_group(case, world, device, recv_mode="capacity",
                        max_recv_tokens_per_rank=int(need) - 1, timeout_s=20.0)
+    return group, x, idx, probs, int(need) - 1
+
+
+def check_capacity_overflow(routing: str, seed: int) -> str:
+    group, x, idx, probs, capacity = one_row_short(dict(ERROR_CASE, routing=routing), seed)
     steps = []
     with pytest.raises(ep.NcclEpError, match=rf"capacity overflow.*max_recv_tokens_per_rank="
-                                             rf"{int(need) - 1}") as info:
+                                             rf"{capacity}") as info:
         run_until_error(group, idx, x, probs, steps)
     group.destroy()
     return f"raised at {steps[-1]}: {info.value}"
@@ -227,16 +233,9 @@ def check_overflow_poisons_the_step(seed: int) -> str:
     overflow (the stream sleeps first), so dispatch and combine start on a stopped group. Their
     outputs must be NaN everywhere (0xFF bytes; the allocator's cache holds 0x5A bytes first,
     so stale memory would show), and the next call must raise the overflow."""
-    rank, world = ep_cases.rank_and_size()
-    device = torch.device("cuda", torch.cuda.current_device())
-    x, idx, probs = rank_inputs(ERROR_CASE, seed, rank, device)
-    exact = cuda_group(ERROR_CASE, world, device)
-    need = torch.tensor([exact.create_handle(idx).num_recv_tokens], device=device)
-    exact.destroy()
-    torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX)
-    group = cuda_group(ERROR_CASE, world, device, recv_mode="capacity",
-                       max_recv_tokens_per_rank=int(need) - 1, timeout_s=20.0)
-    stale = torch.full((64 << 20,), 0x5A, dtype=torch.uint8, device=device)
+    rank, _ = ep_cases.rank_and_size()
+    group, x, idx, probs, _ = one_row_short(ERROR_CASE, seed)
+    stale = torch.full((64 << 20,), 0x5A, dtype=torch.uint8, device=x.device)
     del stale  # its block goes back to the cache, where the outputs below come from
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s: the host enqueues the whole step meanwhile
