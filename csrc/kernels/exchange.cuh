@@ -324,7 +324,7 @@ __device__ void receiver_role(const typename Op::Args& a, ExchangeShared& sh, in
 
 // Fills every output of the op with 0xFF bytes (NaN), all of it from this CTA: the error path
 // only, where a CTA that sees the group stopped cannot know which rows the others will write.
-__device__ void poison_outputs(const ExchangeArgs& e) {
+__device__ inline void poison_outputs(const ExchangeArgs& e) {
   for (int o = 0; o < kMaxOutputs; ++o) {
     unsigned char* p = static_cast<unsigned char*>(e.outputs[o].ptr);
     const long long n = e.outputs[o].bytes;
