@@ -159,6 +159,7 @@ def test_rank_that_never_calls_makes_the_others_raise(op, recv_mode, world_size,
 def never_creates_group(hold_s: float) -> dict:
     rank, world = tdist.get_rank(), tdist.get_world_size()
     device = this_device()
+    tdist.barrier()  # (gloo) the short timeout measures the fault, not the ranks' start-up
     silent = world - 1
     if rank == silent:
         time.sleep(hold_s)  # alive and never calling
@@ -222,6 +223,7 @@ def killed_mid_op(point: str, seed: int) -> dict:
     device = this_device()
     victim = world - 1
     inputs = rank_inputs(KILL_CASE, seed, rank, device)
+    tdist.barrier()  # (gloo) Group()'s rendezvous has the short timeout: no start-up skew
     group = fault_group(device, recv_mode, world, KILL_CASE)
     state = {}
     step(group, inputs, state, "create_handle")
