@@ -393,3 +393,46 @@ def test_cuda_two_ranks_two_errors_like_the_reference(first_rank_error, recv_mod
         assert cuda_message == ref_message, (cuda_message, ref_message)
         assert re.search(want, cuda_message) and cuda_message.endswith("(rank 0)"), cuda_message
     summary_line(f"x{world_size} {recv_mode}: every rank, both backends: {per_rank[0][1]}")
+
+
+def without_cumem(seed: int) -> dict:
+    """Group creation with NCCL's cuMem allocations off (NCCL_CUMEM_ENABLE=0, set for the whole
+    process): either every rank refuses the window with the reason, or the window NCCL gave is
+    real and the group computes the reference's bits."""
+    rank, world = ep_cases.rank_and_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, idx, probs = rank_inputs(ERROR_CASE, seed, rank, device)
+    try:
+        group = cuda_group(ERROR_CASE, world, device)
+    except (ValueError, RuntimeError) as exc:
+        return dict(error=type(exc).__name__, message=str(exc))
+    ref = cuda_group(ERROR_CASE, world, device, backend="torch")
+    got, want = group.create_handle(idx), ref.create_handle(idx)
+    mismatches = 0
+    for g, w in zip(got.dispatch(x, probs), want.dispatch(x, probs)):
+        mismatches += int((g.view(torch.uint8) != w.view(torch.uint8)).sum())
+    recv_x = want.dispatch(x, probs)[0]
+    mismatches += int((got.combine(recv_x).view(torch.uint8)
+                       != want.combine(recv_x).view(torch.uint8)).sum())
+    group.check_errors()
+    for g in (got, want, group, ref):
+        g.destroy()
+    return dict(error=None, mismatches=mismatches)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a window between 2 GPUs")
+def test_window_without_cumem_is_refused_or_real(seed, summary_line, monkeypatch):
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "0")  # the spawned ranks inherit it
+    runs = dist.run_isolated(2, without_cumem, seed, backend="nccl", gpus=True, timeout=120)
+    outcomes = [r.value for r in runs]
+    assert all(r.exitcode == 0 and r.value is not None for r in runs), [r.outcome() for r in runs]
+    refused = [o for o in outcomes if o["error"] is not None]
+    summary_line("NCCL_CUMEM_ENABLE=0, x2: " + (
+        f"refused on every rank: {refused[0]['message'][:160]}" if refused else
+        f"the window works, {sum(o['mismatches'] for o in outcomes)} mismatching bytes"))
+    if refused:
+        assert len(refused) == len(outcomes), outcomes  # every rank, not one
+        for o in refused:
+            assert "symmetric" in o["message"] and "window" in o["message"], o["message"]
+    else:
+        assert all(o["mismatches"] == 0 for o in outcomes), outcomes
