@@ -38,15 +38,18 @@ def started_rank() -> int:
     return tdist.get_rank()
 
 
-def timed_group(**overrides) -> dict:
-    """Group(**ARGS, **overrides): what it raised (type, message) and how long it took."""
+def timed(fn) -> dict:
     start = time.monotonic()
     try:
-        group = ep.Group(**{**ARGS, **overrides})
+        fn()
     except (ValueError, RuntimeError) as exc:
         return dict(error=type(exc).__name__, message=str(exc), took=time.monotonic() - start)
-    group.destroy()
     return dict(error=None, message="", took=time.monotonic() - start)
+
+
+def timed_group(**overrides) -> dict:
+    """Group(**ARGS, **overrides), destroyed at once: what it raised and how long it took."""
+    return timed(lambda: ep.Group(**{**ARGS, **overrides}).destroy())
 
 
 def never_then_late(silent: int) -> dict:
@@ -142,15 +145,6 @@ def op_inputs(seed: int) -> tuple:
     t, e, k = OP_CASE["tokens"], OP_CASE["experts"], OP_CASE["topk"]
     idx = torch.rand(t, e, generator=rng).topk(k, dim=1).indices
     return idx, torch.randn(t, OP_CASE["hidden"], generator=rng).to(torch.bfloat16)
-
-
-def timed(fn) -> dict:
-    start = time.monotonic()
-    try:
-        fn()
-    except (ValueError, RuntimeError) as exc:
-        return dict(error=type(exc).__name__, message=str(exc), took=time.monotonic() - start)
-    return dict(error=None, message="", took=time.monotonic() - start)
 
 
 def run_ops(group, seed: int, skip: str = "", die_in: str = "") -> dict:

@@ -408,12 +408,10 @@ def without_cumem(seed: int) -> dict:
         return dict(error=type(exc).__name__, message=str(exc))
     ref = cuda_group(ERROR_CASE, world, device, backend="torch")
     got, want = group.create_handle(idx), ref.create_handle(idx)
-    mismatches = 0
-    for g, w in zip(got.dispatch(x, probs), want.dispatch(x, probs)):
-        mismatches += int((g.view(torch.uint8) != w.view(torch.uint8)).sum())
-    recv_x = want.dispatch(x, probs)[0]
-    mismatches += int((got.combine(recv_x).view(torch.uint8)
-                       != want.combine(recv_x).view(torch.uint8)).sum())
+    want_out = want.dispatch(x, probs)
+    pairs = list(zip(got.dispatch(x, probs), want_out))
+    pairs.append((got.combine(want_out[0]), want.combine(want_out[0])))
+    mismatches = sum(int((g.view(torch.uint8) != w.view(torch.uint8)).sum()) for g, w in pairs)
     group.check_errors()
     for g in (got, want, group, ref):
         g.destroy()
