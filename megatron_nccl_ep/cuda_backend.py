@@ -146,7 +146,7 @@ class CudaBackend:
         """Collective; every rank passed ``check`` and the group's rendezvous (api.Group)."""
         self.group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
-        self._setup(config)
+        self._setup(config, device, self.world_size)
         self.rank = 0 if process_group is None else dist.get_rank(process_group)
         self.num_local_experts = config.num_experts // self.world_size
 
@@ -166,8 +166,9 @@ class CudaBackend:
                 self._comm = 0
                 raise
 
-    def _setup(self, config: GroupConfig) -> None:
-        """The backend's state before its group exists (``check`` has passed)."""
+    def _setup(self, config: GroupConfig, device: Optional[torch.device],
+               world_size: int) -> None:
+        self.check(config, world_size, device)
         self.config = config
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._comm = 0
@@ -180,14 +181,13 @@ class CudaBackend:
         """``world_size`` backends forming one group inside this process (no NCCL): see
         ``Group.local_team``."""
         leader = cls.__new__(cls)
-        cls.check(config, world_size, device)  # (Group() checks before its rendezvous)
-        leader._setup(config)
+        leader._setup(config, device, world_size)
         groups = _call(_C.create_local_team, world_size, _c_config(config), leader._stream())
         team = []
         for rank, ptr in enumerate(groups):
             member = leader if rank == 0 else cls.__new__(cls)
             if rank:
-                member._setup(config)
+                member._setup(config, device, world_size)
             member.group, member.world_size, member.rank = None, world_size, rank
             member.num_local_experts = config.num_experts // world_size
             member._group = ptr
