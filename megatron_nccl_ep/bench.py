@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import math
 import os
@@ -57,6 +58,9 @@ MULTICAST_OFF_ENV = {
 }
 
 SECTIONS = ("ceilings", "kernels", "megatron")
+# How long a section's workers get to exit (destroy their groups and process group) once they
+# reported done, before they are killed and the section reports them.
+EXIT_GRACE_S = 20.0
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 TABLE_MARKER = "== megatron_nccl_ep bench"
 
@@ -233,8 +237,9 @@ def _run_section(section: str, args: argparse.Namespace, deadline_s: float) -> d
         # to report on their own, then stop waiting.
         if first_exit is not None and now - first_exit > 10.0:
             break
+    exit_by = time.monotonic() + EXIT_GRACE_S
     for proc in procs:
-        proc.join(timeout=5.0)
+        proc.join(timeout=max(0.0, exit_by - time.monotonic()))
     killed = []
     for rank, proc in enumerate(procs):
         if proc.is_alive():
@@ -681,6 +686,9 @@ def _worker(rank: int, world: int, section: str, args_dict: dict, port: int, mes
                       "error": f"{type(exc).__name__}: {exc}"[:2000]})
     finally:
         messages.put({"kind": "done", "section": section, "rank": rank})
+        # The parent kills a rank still running EXIT_GRACE_S after the section ended: say where
+        # it was stuck first (every thread's stack on stderr, in the bench log).
+        faulthandler.dump_traceback_later(EXIT_GRACE_S / 2, exit=False)
         if me is not None:
             try:
                 me.sync()

@@ -85,7 +85,8 @@ def _group_for(ep_group, num_experts: int, topk: int, tokens: torch.Tensor,
                       capacity_factor=(options.capacity_factor
                                        if options.recv_mode == "capacity" else None),
                       expert_alignment=alignment, num_sms=options.num_sms,
-                      ranks_per_node=options.ranks_per_node, expert_capacity=expert_capacity)
+                      ranks_per_node=options.ranks_per_node, expert_capacity=expert_capacity,
+                      timeout_s=options.timeout_s)
         _groups[key] = group
     return group
 

@@ -28,6 +28,9 @@ class NcclEpOptions:
     # Ranks per node of the communication group (docs/design.md §4, groups that span nodes);
     # 0: one node. The torch backend computes any divisor; the cuda backend one node only.
     ranks_per_node: int = 0
+    # Seconds any rank waits for its peers (group creation's rendezvous, device-side waits)
+    # before the group raises NcclEpError naming the ranks not heard from.
+    timeout_s: float = 100.0
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -44,6 +47,8 @@ class NcclEpOptions:
                 f"nccl_ep max_tokens_per_rank must be >= 1 or None, got {self.max_tokens_per_rank}")
         if self.ranks_per_node < 0:
             raise ValueError(f"nccl_ep ranks_per_node must be >= 0, got {self.ranks_per_node}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"nccl_ep timeout_s must be > 0, got {self.timeout_s}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -67,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--nccl-ep-ranks-per-node", type=int, default=defaults.ranks_per_node,
                        help="ranks per node of the dispatcher's group: the combine sums node by "
                             "node (0: one node; the cuda backend runs one node only).")
+    group.add_argument("--nccl-ep-timeout-s", type=float, default=defaults.timeout_s,
+                       help="seconds a rank waits for its peers (group creation, device-side "
+                            "waits) before raising an error that names the ranks not heard from.")
     return parser
 
 

@@ -25,11 +25,13 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import faulthandler
 import importlib.util
 import itertools
 import os
 import queue
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -52,10 +54,29 @@ SPAWN_TIMEOUT_S = 120.0
 DEFAULT_TIMEOUT_S = 120.0
 # After one rank fails, how long the others get to report before the pool is killed.
 FAILURE_GRACE_S = 5.0
+# A rank that did not finish in time is asked for its threads' stacks (SIGUSR1, written to its
+# stderr, which pytest shows under the failed test) and gets this long to write them.
+STACK_DUMP_WAIT_S = 1.0
 
 
 class DistributedFailure(AssertionError):
     """A rank raised, died, or did not finish in time."""
+
+
+def dump_stacks(procs: dict) -> None:
+    """Asks the live ones of ``procs`` (rank -> process past ``_join_group``), one at a time, to
+    write every thread's Python stack to their stderr: where a rank that did not finish in time
+    is stuck."""
+    for rank, p in sorted(procs.items()):
+        if not p.is_alive():
+            continue
+        print(f"--- rank {rank} (pid {p.pid}) did not finish: its threads' stacks ---",
+              file=sys.stderr, flush=True)
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except OSError:
+            continue
+        time.sleep(STACK_DUMP_WAIT_S)
 
 
 _loaded_modules: dict = {}
@@ -86,6 +107,7 @@ def _join_group(rank: int, world_size: int, backend: str, init_file: str, sys_pa
     for p in reversed(sys_path):
         if p not in sys.path:
             sys.path.insert(0, p)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # dump_stacks()
     os.environ.update(GPU_ENV)
     torch.set_num_threads(1)
     if gpus:
@@ -166,6 +188,7 @@ class Pool:
                 errors[rank] = tb
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         if errors or pending:
+            dump_stacks({r: self._procs[r] for r in pending})
             self.shutdown()
             parts = [f"{what} failed on {self.world_size} ranks ({self.backend})"]
             for r in sorted(errors):
@@ -201,7 +224,9 @@ class Pool:
                 p.join(timeout=5.0)
             if p.is_alive():
                 p.kill()
-                p.join()
+                # Bounded: a rank stuck in the driver may outlive SIGKILL for a while, and the
+                # pool's processes are daemons (nothing waits for them at exit).
+                p.join(timeout=10.0)
         shutil.rmtree(self._dir, ignore_errors=True)
         _pools.pop((self.world_size, self.backend), None)
 
@@ -349,6 +374,7 @@ def run_isolated(world_size: int, fn, *args, backend: str = "gloo", gpus: bool =
             for p in procs:
                 p.join(timeout=0)
     finally:
+        dump_stacks({r: p for r, p in enumerate(procs) if p.exitcode is None and started})
         for rank, p in enumerate(procs):
             if p.exitcode is None:
                 runs[rank].hung = True

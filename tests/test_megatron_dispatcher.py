@@ -148,6 +148,9 @@ def run_layer(layer, x, grad_out):
     return out.detach(), x.grad, grads
 
 
+TIMEOUT_S = 37.0  # not the default: parity_case checks that it reaches the layer's group
+
+
 def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact", tp: int = 1,
                 ep: int = 0, etp: int = 1, quantization_padding: bool = False,
                 shared_expert_overlap: bool = False, ranks_per_node: int = 0, **config_fields):
@@ -164,7 +167,8 @@ def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact"
         ours = moe_layer("nccl_ep", num_experts, topk, **config_fields,
                          **({"moe_shared_expert_overlap": True} if shared_expert_overlap else {}))
         ours.config.nccl_ep_options = NcclEpOptions(backend="torch", recv_mode=recv_mode,
-                                                    ranks_per_node=ranks_per_node)
+                                                    ranks_per_node=ranks_per_node,
+                                                    timeout_s=TIMEOUT_S)
         ours.load_state_dict(baseline.state_dict())
         assert isinstance(ours.token_dispatcher, NcclEpTokenDispatcher)
         counts = []
@@ -196,11 +200,11 @@ def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact"
             torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0, atol=1e-12,
                                        msg=lambda m: f"{name}: {m}")
 
-        if ranks_per_node:  # the option reached the group the layer used
-            from megatron_nccl_ep import dispatcher as dispatcher_module
+        from megatron_nccl_ep import dispatcher as dispatcher_module
 
-            assert {g.config.ranks_per_node for g in dispatcher_module._groups.values()} == {
-                ranks_per_node}
+        # The options reached the group the layer used.
+        assert {(g.config.ranks_per_node, g.config.timeout_s)
+                for g in dispatcher_module._groups.values()} == {(ranks_per_node, TIMEOUT_S)}
         for rows, tokens_per_expert in counts:  # FP8 alignment: 16 rows per expert block
             assert all(n % 16 == 0 for n in tokens_per_expert), tokens_per_expert
             assert sum(tokens_per_expert) == rows, (rows, tokens_per_expert)
@@ -296,7 +300,8 @@ def test_parity_with_expert_tensor_parallel(ep, etp, tp, seed):
 
 @pytest.mark.parametrize("field,value", [("backend", "nccl"), ("recv_mode", "dropless"),
                                          ("capacity_factor", 0.0), ("num_sms", 0),
-                                         ("max_tokens_per_rank", 0), ("ranks_per_node", -1)])
+                                         ("max_tokens_per_rank", 0), ("ranks_per_node", -1),
+                                         ("timeout_s", 0.0)])
 def test_options_reject_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         NcclEpOptions(**{field: value})

@@ -12,8 +12,10 @@ the schedule's order of calls and its freeing of stage inputs, not concurrency (
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
+from typing import Optional
 
 import pytest
 import torch
@@ -64,9 +66,10 @@ def record_order(events: list):
 
 
 def overlap_case(seed: int, recv_mode: str, layers: int, microbatches: int,
-                 backend: str = "torch") -> dict:
+                 backend: str = "torch", timeout_s: Optional[float] = None) -> dict:
     """Both schedules on one model: on CPU (gloo, stand-in streams) for backend "torch", on this
-    rank's GPU (NCCL, Megatron's real streams) for "cuda"."""
+    rank's GPU (NCCL, Megatron's real streams) for "cuda". ``timeout_s``: the groups' wait for
+    peers (NcclEpOptions.timeout_s)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
@@ -92,6 +95,9 @@ def overlap_case(seed: int, recv_mode: str, layers: int, microbatches: int,
                 overlap_moe_expert_parallel_comm=True)
             model = model.to(torch.bfloat16)  # what Megatron's Float16Module does
             config = model.config
+            if timeout_s is not None:
+                config.nccl_ep_options = dataclasses.replace(config.nccl_ep_options,
+                                                             timeout_s=timeout_s)
             example.sync_replicas(model)
             gen = torch.Generator().manual_seed(seed * 31 + torch.distributed.get_rank())
             batches = [(torch.randint(VOCAB, (MICRO_BATCH, SEQ), generator=gen).to(device),

@@ -69,7 +69,8 @@ def test_launcher_help_lists_our_flags_without_importing_torch_or_megatron():
     result = run_python("-c", code)
     assert result.returncode == 0, result.stdout + result.stderr
     for flag in ("--nccl-ep-backend", "--nccl-ep-recv-mode", "--nccl-ep-capacity-factor",
-                 "--nccl-ep-num-sms", "--nccl-ep-max-tokens-per-rank"):
+                 "--nccl-ep-num-sms", "--nccl-ep-max-tokens-per-rank", "--nccl-ep-ranks-per-node",
+                 "--nccl-ep-timeout-s"):
         assert flag in result.stdout, flag
     assert "github.com/NVIDIA/Megatron-LM" in result.stdout
     assert "IMPORTED []" in result.stdout, result.stdout
@@ -94,14 +95,15 @@ def test_register_is_idempotent_and_sets_options_from_flags():
         assert str(field.type).count("nccl_ep") == 1, field.type
 
         sys.argv = ["train"] + {MEGATRON_ARGS!r} + ["--nccl-ep-backend", "torch",
-                                                    "--nccl-ep-num-sms", "16"]
+                                                    "--nccl-ep-num-sms", "16",
+                                                    "--nccl-ep-timeout-s", "12.5"]
         args = parse_args()
         from megatron.training.global_vars import set_args
 
         set_args(args)  # what initialize_megatron does with them
         options = get_options()
-        assert (options.backend, options.num_sms, options.recv_mode) == ("torch", 16, "exact"), \\
-            options
+        assert (options.backend, options.num_sms, options.recv_mode, options.timeout_s) == (
+            "torch", 16, "exact", 12.5), options
         config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
                                    num_moe_experts=4, moe_token_dispatcher_type="nccl_ep")
         print("OK", args.moe_token_dispatcher_type, config.moe_token_dispatcher_type)

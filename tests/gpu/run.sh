@@ -3,10 +3,11 @@
 #   bash tests/gpu/run.sh [build] [tests] [bench] [micro] [example] [faults] [pretrain]
 #                                                        (no argument: build tests bench)
 # builds the extension, runs the GPU tests, runs the benchmark, and leaves under $OUT:
-#   env.txt  build.log  gpu_tests.log (both test runs)  bench.log  bench.json  example.log
+#   env.txt  build.log  gpu_tests.log (the three test runs)  bench.log  bench.json  example.log
 #   faults.log  summary.md  (pretrain: pretrain.log in place of example.log)
-# (keep it to 8 files: what a remote runner may copy back). Each stage has its own time limit, so the
-# whole stays inside one 10-minute call: BUILD_TIMEOUT (150 s), TESTS_TIMEOUT (180 s) and
+# (keep it to 8 files: what a remote runner may copy back). Each stage has its own time limit
+# (choose stages and limits so that a call stays inside 10 minutes): BUILD_TIMEOUT (150 s),
+# TESTS_TIMEOUT (180 s), MEGATRON_TESTS_TIMEOUT (150 s, Megatron's EP overlap on GPUs) and
 # TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s), MICRO_TIMEOUT (90 s per
 # microbenchmark; MICRO_SMS: sm_budget's SM count, 24). BENCH_ARGS adds benchmark flags, e.g.
 # BENCH_ARGS="--sections kernels".
@@ -33,6 +34,7 @@ PY=${PY:-python3}  # the image's python3 (the one that holds torch)
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-150}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
 TEAM_TIMEOUT=${TEAM_TIMEOUT:-150}
+MEGATRON_TESTS_TIMEOUT=${MEGATRON_TESTS_TIMEOUT:-150}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-180}
 BENCH_ARGS=${BENCH_ARGS:-}
 FAULTS_TIMEOUT=${FAULTS_TIMEOUT:-480}
@@ -145,6 +147,8 @@ run_pytest() {
 # The faults stage's test modules (the tests stage leaves them out).
 FAULT_TESTS=(tests/gpu/test_cuda_faults.py tests/gpu/test_cuda_stress.py
              tests/gpu/test_cuda_soak.py)
+# Megatron on GPUs: a run of their own, so that one stuck there leaves the other summaries whole.
+MEGATRON_TESTS=(tests/gpu/test_megatron_overlap.py)
 
 if wants tests; then
     : >"$OUT/gpu_tests.log"
@@ -152,7 +156,9 @@ if wants tests; then
     # each needs its own hardware queue (nccl_ep.h, ncclEpCreateLocalTeam).
     CUDA_DEVICE_MAX_CONNECTIONS=32 run_pytest "tests (one rank per GPU, C example)" \
         "$TESTS_TIMEOUT" "$OUT/gpu_tests.log" tests/gpu --ignore=tests/gpu/test_cuda_local_team.py \
-        "${FAULT_TESTS[@]/#/--ignore=}"
+        "${FAULT_TESTS[@]/#/--ignore=}" "${MEGATRON_TESTS[@]/#/--ignore=}"
+    PER_TEST_TIMEOUT=130 run_pytest "tests (Megatron on GPUs: 1F1B EP overlap)" \
+        "$MEGATRON_TESTS_TIMEOUT" "$OUT/gpu_tests.log" "${MEGATRON_TESTS[@]}"
     # Local teams run every rank's kernels in one process, where they wait for each other: no
     # kernel may be loaded lazily while another spins (a lazy load may wait for the device).
     CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PER_TEST_TIMEOUT=90 \
