@@ -6,12 +6,18 @@
       difference from the nccl_ep run over the iterations is reported, and fails the check above
       --alltoall-tolerance;
   (c) resumption: a run that saves a checkpoint at iteration 50 and stops, then a run resumed from
-      it, give the bits of the uninterrupted nccl_ep run at iterations 1-50 and 51-100.
+      it, give the bits of the uninterrupted nccl_ep run at iterations 1-50 and 51-100;
+  (d) shared-expert overlap: a model with shared experts trains with the bits of the same model
+      without --moe-shared-expert-overlap;
+  (e) CUDA graphs: --cuda-graph-impl local of the moe_router and moe_preprocess scopes trains
+      with the bits of the nccl_ep run without graphs.
 
-    python examples/check_training.py [--gpus 2] [--workdir DIR] [-- FLAGS FOR EVERY RUN]
+    python examples/check_training.py [--gpus 2] [--checks abcde] [--workdir DIR] [-- FLAGS]
 
 e.g. ``-- --nccl-ep-backend cuda`` to fail rather than fall back when the CUDA kernels are not
-built. Prints one PASS/FAIL line per check and exits 1 when one failed. Each run's output stays in
+built. Runs only what the chosen checks need; prints one PASS/FAIL line per check, then a SPEED
+line per dispatcher that ran without extras (nccl_ep, alltoall: Megatron's iteration time and the
+tokens per second it gives), and exits 1 when a check failed. Each run's output stays in
 WORKDIR/<run>.log (WORKDIR: a new temporary folder unless given).
 """
 
@@ -22,9 +28,11 @@ import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Optional
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrain_gpt_moe.py")
 ITERATIONS = 100
@@ -36,6 +44,17 @@ GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1"}
 # How many problems a FAIL line lists before it just counts the rest.
 SHOWN = 5
+SHARED_EXPERTS = ["--moe-shared-expert-intermediate-size", "512"]
+ROUTER_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe_router",
+                 "moe_preprocess"]
+# Each check and the runs it compares (the first is its reference).
+CHECK_RUNS = {"a": ("nccl_ep", "nccl_ep_again"), "b": ("nccl_ep", "alltoall"),
+              "c": ("nccl_ep", "until_save", "resumed"),
+              "d": ("shared_experts", "shared_expert_overlap"),
+              "e": ("nccl_ep", "router_graphs")}
+# Megatron's log: its arguments at start-up, the iteration time every --log-interval.
+ARGUMENT = re.compile(r"^\s*(global_batch_size|seq_length) \.+ (\d+)\s*$", re.MULTILINE)
+ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
 def run_arguments(checkpoint_dir: str) -> dict:
@@ -48,6 +67,9 @@ def run_arguments(checkpoint_dir: str) -> dict:
         "until_save": [*common, "--save", checkpoint_dir, "--save-interval", str(SAVE_AT),
                        "--exit-interval", str(SAVE_AT)],
         "resumed": [*common, "--load", checkpoint_dir],
+        "shared_experts": [*common, *SHARED_EXPERTS],
+        "shared_expert_overlap": [*common, *SHARED_EXPERTS, "--moe-shared-expert-overlap"],
+        "router_graphs": [*common, *ROUTER_GRAPHS],
     }
 
 
@@ -96,11 +118,25 @@ def summary(problems: list) -> str:
     return shown + (f"; and {len(problems) - SHOWN} more" if len(problems) > SHOWN else "")
 
 
+def speed(log: str) -> Optional[dict]:
+    """Megatron's iteration time in a run's log (the median over its log intervals after the
+    first, which holds the warm-up) and the tokens per second it gives; None without both."""
+    times = [float(ms) for ms in ITERATION_MS.findall(log)][1:]
+    sizes = dict(ARGUMENT.findall(log))
+    if not times or sizes.keys() != {"global_batch_size", "seq_length"}:
+        return None
+    ms = statistics.median(times)
+    tokens = int(sizes["global_batch_size"]) * int(sizes["seq_length"])
+    return {"ms": ms, "tokens": tokens, "tokens_per_s": tokens / ms * 1000.0}
+
+
 def checks(runs: dict, tolerance: float) -> list:
-    """(label, passed, detail) for each check, from ``runs``: name -> (exit status, steps)."""
+    """(label, passed, detail) for each check whose runs are all in ``runs``: name -> (exit
+    status, steps)."""
     steps = {name: found for name, (_, found) in runs.items()}
-    reference = steps["nccl_ep"]
+    reference = steps.get("nccl_ep")
     results = []
+    wanted = [check for check, names in CHECK_RUNS.items() if set(names) <= runs.keys()]
 
     def add(label: str, names: tuple, problems: list, detail: str) -> None:
         crashed = [f"run {name} exited with status {runs[name][0]}" for name in names
@@ -109,31 +145,42 @@ def checks(runs: dict, tolerance: float) -> list:
         results.append((label, not problems, summary(problems) if problems else detail))
 
     every = range(1, ITERATIONS + 1)
-    add("(a) nccl_ep twice, bitwise", ("nccl_ep", "nccl_ep_again"),
-        bitwise_differences(reference, steps["nccl_ep_again"], every),
-        f"loss and grad norm bits equal at all {ITERATIONS} iterations")
+    same_bits = f"loss and grad norm bits equal at all {ITERATIONS} iterations"
+    if "a" in wanted:
+        add("(a) nccl_ep twice, bitwise", CHECK_RUNS["a"],
+            bitwise_differences(reference, steps["nccl_ep_again"], every), same_bits)
 
-    differences = loss_differences(reference, steps["alltoall"])
-    # NaN counts as the largest difference, and as over any tolerance.
-    worst = max(differences, default=None,
-                key=lambda it: math.inf if math.isnan(differences[it]) else differences[it])
-    measured = ("no iteration to compare" if worst is None else
-                f"largest |loss difference| {differences[worst]:.3e} at iteration {worst} "
-                f"(tolerance {tolerance:g})")
-    over = [iteration for iteration, d in differences.items() if not d <= tolerance]
-    add("(b) nccl_ep against alltoall", ("nccl_ep", "alltoall"),
-        coverage_problems(reference, steps["alltoall"], every)
-        + ([f"{measured}: over it at {len(over)} iterations"] if over else []),
-        measured)
+    if "b" in wanted:
+        differences = loss_differences(reference, steps["alltoall"])
+        # NaN counts as the largest difference, and as over any tolerance.
+        worst = max(differences, default=None,
+                    key=lambda it: math.inf if math.isnan(differences[it]) else differences[it])
+        measured = ("no iteration to compare" if worst is None else
+                    f"largest |loss difference| {differences[worst]:.3e} at iteration {worst} "
+                    f"(tolerance {tolerance:g})")
+        over = [iteration for iteration, d in differences.items() if not d <= tolerance]
+        add("(b) nccl_ep against alltoall", CHECK_RUNS["b"],
+            coverage_problems(reference, steps["alltoall"], every)
+            + ([f"{measured}: over it at {len(over)} iterations"] if over else []),
+            measured)
 
-    add(f"(c) save at {SAVE_AT}, resume to {ITERATIONS}, bitwise",
-        ("nccl_ep", "until_save", "resumed"),
-        [f"until_save: {p}" for p in bitwise_differences(
-            reference, steps["until_save"], range(1, SAVE_AT + 1))]
-        + [f"resumed: {p}" for p in bitwise_differences(
-            reference, steps["resumed"], range(SAVE_AT + 1, ITERATIONS + 1))],
-        f"iterations 1-{SAVE_AT}, and {SAVE_AT + 1}-{ITERATIONS} after the restart, carry the "
-        "uninterrupted run's bits")
+    if "c" in wanted:
+        add(f"(c) save at {SAVE_AT}, resume to {ITERATIONS}, bitwise", CHECK_RUNS["c"],
+            [f"until_save: {p}" for p in bitwise_differences(
+                reference, steps["until_save"], range(1, SAVE_AT + 1))]
+            + [f"resumed: {p}" for p in bitwise_differences(
+                reference, steps["resumed"], range(SAVE_AT + 1, ITERATIONS + 1))],
+            f"iterations 1-{SAVE_AT}, and {SAVE_AT + 1}-{ITERATIONS} after the restart, carry "
+            "the uninterrupted run's bits")
+
+    if "d" in wanted:
+        add("(d) shared-expert overlap against none, bitwise", CHECK_RUNS["d"],
+            bitwise_differences(steps["shared_experts"], steps["shared_expert_overlap"], every),
+            same_bits)
+
+    if "e" in wanted:
+        add("(e) moe_router + moe_preprocess CUDA graphs against none, bitwise", CHECK_RUNS["e"],
+            bitwise_differences(reference, steps["router_graphs"], every), same_bits)
     return results
 
 
@@ -156,10 +203,11 @@ def train(name: str, arguments: list, gpus: int, workdir: str, timeout: float) -
             status = process.wait()
             log.write(f"\nkilled after {timeout:g} s\n")
     with open(log_path) as log:
-        steps = read_steps(log.read())
+        text = log.read()
+    steps = read_steps(text)
     print(f"run {name}: exit status {status}, iterations logged {span(steps)}; {log_path}",
           flush=True)
-    return status, steps
+    return status, steps, speed(text)
 
 
 def main(argv=None) -> int:
@@ -169,18 +217,32 @@ def main(argv=None) -> int:
     parser.add_argument("--alltoall-tolerance", type=float, default=1e-2,
                         help="largest absolute loss difference (b) passes with")
     parser.add_argument("--run-timeout", type=float, default=300.0, help="seconds per run")
+    parser.add_argument("--checks", default="".join(CHECK_RUNS),
+                        help=f"which checks to run, e.g. ab (default: {''.join(CHECK_RUNS)})")
     parser.add_argument("flags", nargs="*", help="after --: flags for every run of the example")
     options = parser.parse_args(argv)
+    unknown = set(options.checks) - CHECK_RUNS.keys()
+    if unknown or not options.checks:
+        parser.error(f"--checks: choose letters from {''.join(CHECK_RUNS)}, "
+                     f"got {options.checks!r}")
     if options.workdir:
         os.makedirs(options.workdir, exist_ok=True)
     workdir = options.workdir or tempfile.mkdtemp(prefix="check_training_")
     checkpoint_dir = tempfile.mkdtemp(prefix="checkpoint_", dir=workdir)
+    needed = {name for check in options.checks for name in CHECK_RUNS[check]}
     runs = {name: train(name, [*arguments, *options.flags], options.gpus, workdir,
                         options.run_timeout)
-            for name, arguments in run_arguments(checkpoint_dir).items()}
-    results = checks(runs, options.alltoall_tolerance)
+            for name, arguments in run_arguments(checkpoint_dir).items() if name in needed}
+    results = checks({name: (status, steps) for name, (status, steps, _) in runs.items()},
+                     options.alltoall_tolerance)
     for label, passed, detail in results:
         print(f"{'PASS' if passed else 'FAIL'} {label}: {detail}", flush=True)
+    for name in ("nccl_ep", "alltoall"):
+        measured = runs[name][2] if name in runs else None
+        if measured is not None:
+            print(f"SPEED {name}: {measured['ms']:.1f} ms per iteration, "
+                  f"{measured['tokens_per_s']:,.0f} tokens/s ({measured['tokens']} tokens per "
+                  f"iteration; median of Megatron's log intervals after the first)", flush=True)
     return 0 if all(passed for _, passed, _ in results) else 1
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import dist
-from test_megatron_dispatcher import megatron_on_cpu
+from test_megatron_dispatcher import cuda_streams_on_cpu, megatron_on_cpu
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 sys.path.insert(0, EXAMPLES)
@@ -31,7 +31,8 @@ CHECKPOINT_DIR = "/nonexistent/checkpoint"  # parsed, never read or written here
 RUNS = check_training.run_arguments(CHECKPOINT_DIR)
 PARSED = ("moe_token_dispatcher_type", "deterministic_mode", "train_iters", "save", "load",
           "save_interval", "exit_interval", "expert_model_parallel_size", "data_parallel_size",
-          "transformer_impl", "nccl_ep_backend")
+          "transformer_impl", "nccl_ep_backend", "moe_shared_expert_intermediate_size",
+          "moe_shared_expert_overlap", "cuda_graph_impl", "cuda_graph_modules")
 LOSS = float(torch.tensor(2.718281828, dtype=torch.float32))  # the loss Megatron logs is float32
 GRAD_NORM = 0.1234567890123
 DETERMINISM_ENV = ("NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG")
@@ -62,15 +63,21 @@ def example_on_cpu(runs: dict) -> dict:
     # What Megatron's --deterministic-mode sets before NCCL and cuBLAS start.
     found["env"] = {name: os.environ.get(name) for name in DETERMINISM_ENV}
 
-    args = pretrain_gpt_moe.parse_arguments(["--use-cpu-initialization"])
-    with megatron_on_cpu(ep=world_size):
-        model = GPTModelBuilder(gpt_config_from_args(args)).build_model(
-            ProcessGroupCollection.use_mpu_process_groups())
-        moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-        found["model"] = type(model).__name__
-        found["moe_layers"] = [
-            (isinstance(layer.token_dispatcher, megatron_nccl_ep.NcclEpTokenDispatcher),
-             type(layer.experts).__name__, layer.num_local_experts) for layer in moe_layers]
+    # The model of the default run, and of the shared-expert overlap run (the config Megatron
+    # refuses for dispatchers other than alltoall and flex unless register() allowed it).
+    for name, extra in (("model", []), ("shared_expert_overlap", RUNS["shared_expert_overlap"])):
+        args = pretrain_gpt_moe.parse_arguments(["--use-cpu-initialization", *extra])
+        # (The shared experts' stream: stand-in streams on CPU.)
+        with megatron_on_cpu(ep=world_size), cuda_streams_on_cpu():
+            model = GPTModelBuilder(gpt_config_from_args(args)).build_model(
+                ProcessGroupCollection.use_mpu_process_groups())
+            found[name] = {"type": type(model).__name__, "moe_layers": [
+                (isinstance(layer.token_dispatcher, megatron_nccl_ep.NcclEpTokenDispatcher),
+                 type(layer.experts).__name__, layer.num_local_experts,
+                 layer.shared_experts is not None and layer.shared_expert_overlap)
+                for layer in model.modules() if isinstance(layer, MoELayer)]}
+        if name == "model":
+            unset_global_variables()
 
     # pretrain()'s dataset-helper build, which without the example's workaround exits rank 0.
     pretrain_gpt_moe.use_built_dataset_helpers()
@@ -119,6 +126,14 @@ def test_check_script_arguments_parse_with_nccl_ep_registered(on_cpu):
             dispatcher = "alltoall" if name == "alltoall" else "nccl_ep"
             assert args["moe_token_dispatcher_type"] == dispatcher, name
             assert args["nccl_ep_backend"] == "auto", name
+        for name in ("shared_experts", "shared_expert_overlap"):
+            assert parsed[name]["moe_shared_expert_intermediate_size"] == 512, name
+            assert parsed[name]["moe_shared_expert_overlap"] == (name == "shared_expert_overlap")
+        assert parsed["nccl_ep"]["moe_shared_expert_intermediate_size"] is None
+        assert (parsed["nccl_ep"]["cuda_graph_impl"], parsed["router_graphs"]["cuda_graph_impl"]) \
+            == ("none", "local")
+        assert [str(getattr(m, "name", m)) for m in parsed["router_graphs"]["cuda_graph_modules"]] \
+            == ["moe_router", "moe_preprocess"], parsed["router_graphs"]["cuda_graph_modules"]
         until_save, resumed = parsed["until_save"], parsed["resumed"]
         assert (until_save["save"], until_save["save_interval"], until_save["exit_interval"]) \
             == (CHECKPOINT_DIR, 50, 50)
@@ -129,9 +144,12 @@ def test_check_script_arguments_parse_with_nccl_ep_registered(on_cpu):
 
 def test_model_has_moe_layers_with_the_nccl_ep_dispatcher(on_cpu):
     for found in on_cpu:
-        assert found["model"] == "GPTModel"
         # 2 layers, 4 experts over EP=2: 2 local experts each, Megatron's local SequentialMLP.
-        assert found["moe_layers"] == [(True, "SequentialMLP", 2)] * 2
+        assert found["model"] == {"type": "GPTModel",
+                                  "moe_layers": [(True, "SequentialMLP", 2, False)] * 2}
+        # The check script's shared-expert overlap run builds, the overlap on in every layer.
+        assert found["shared_expert_overlap"] == {
+            "type": "GPTModel", "moe_layers": [(True, "SequentialMLP", 2, True)] * 2}
 
 
 def test_datasets_provider_gives_mock_samples_in_the_vocabulary(on_cpu):
@@ -252,3 +270,45 @@ def test_alltoall_over_the_tolerance_or_nan_fails():
     runs["alltoall"][1][60] = ("nan", runs["alltoall"][1][60][1])
     _, (_, passed, detail), _ = check_training.checks(runs, 1e-2)
     assert not passed and "largest |loss difference| nan at iteration 60" in detail, detail
+
+
+def test_shared_expert_overlap_and_graph_checks_compare_their_runs_bitwise():
+    runs = good_runs()
+    every = fake_steps(range(1, 101))
+    runs.update(shared_experts=(0, fake_steps(range(1, 101), offset=0.5)),
+                shared_expert_overlap=(0, fake_steps(range(1, 101), offset=0.5)),
+                router_graphs=(0, dict(every)))
+    results = check_training.checks(runs, 1e-2)
+    assert [label[:3] for label, _, _ in results] == ["(a)", "(b)", "(c)", "(d)", "(e)"]
+    assert all(passed for _, passed, _ in results), results
+    # (d) compares the overlap run with the shared-expert run, not with the plain nccl_ep one.
+    runs["shared_expert_overlap"] = (0, with_lowest_bit_flipped(runs["shared_experts"][1], 9, 1))
+    runs["router_graphs"] = (0, with_lowest_bit_flipped(every, 64, 0))
+    *_, (_, d_passed, d_detail), (_, e_passed, e_detail) = check_training.checks(runs, 1e-2)
+    assert not d_passed and d_detail.startswith("iteration 9: grad norm "), d_detail
+    assert not e_passed and e_detail.startswith("iteration 64: loss "), e_detail
+
+
+def test_only_the_checks_whose_runs_ran():
+    runs = {name: run for name, run in good_runs().items() if name in ("nccl_ep", "alltoall")}
+    assert [label for label, _, _ in check_training.checks(runs, 1e-2)] == [
+        "(b) nccl_ep against alltoall"]
+    with pytest.raises(SystemExit):
+        check_training.main(["--checks", "az"])
+
+
+def test_speed_from_megatron_log():
+    log = "\n".join([
+        "------------------------ arguments ------------------------",
+        "  global_batch_size ............................... 8",
+        "  seq_length ...................................... 256",
+        " [2026-11-30 10:00:00] iteration       10/     100 | elapsed time per iteration (ms): "
+        "950.0 | lm loss: 6.9E+00 |",
+        *(f" [2026-11-30 10:00:0{i}] iteration       {10 * i}/     100 | elapsed time per "
+          f"iteration (ms): {ms} |" for i, ms in ((2, 40.0), (3, 44.0), (4, 41.0))),
+    ])
+    measured = check_training.speed(log)
+    # The first interval (warm-up) left out; median of 40, 44, 41.
+    assert measured == {"ms": 41.0, "tokens": 2048, "tokens_per_s": 2048 / 41.0 * 1000.0}
+    assert check_training.speed(log.replace("seq_length", "seq_len")) is None
+    assert check_training.speed(log.split(" [2026")[0]) is None
