@@ -111,6 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, help=_by_device("experts"))
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--num-sms", type=int, default=24, help="SM budget of our kernels")
+    p.add_argument("--staging-chunk-tokens", type=int, default=0,
+                   help="tokens per staging-ring chunk of our kernels (0: the library's choice)")
     p.add_argument("--backend", choices=("cuda", "torch", "auto"), default=None,
                    help="our Group's backend; default: cuda on GPUs, torch on cpu")
     p.add_argument("--recv-mode", choices=("exact", "capacity"), default="exact")
@@ -172,6 +174,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--topk must be in [1, --experts]")
     if min(args.iters, args.rotate, args.tokens, args.hidden) < 1 or args.warmup < 0:
         p.error("--iters, --rotate, --tokens, --hidden must be >= 1 and --warmup >= 0")
+    if args.staging_chunk_tokens < 0:
+        p.error("--staging-chunk-tokens must be >= 0 (0: the library's choice)")
     if "all" in args.sweep_tokens:
         p.error("--sweep-tokens takes numbers only")
     if "all" in args.sweep_sms:
@@ -330,7 +334,10 @@ def format_table(result: dict) -> str:
         f"{shape['recv_mode']} mode",
         f"shape: {shape['tokens']} tokens/rank x {shape['hidden']} hidden x top-{shape['topk']}"
         f" x {shape['experts']} experts, {shape['dtype']}, {shape['num_sms']} SMs, "
-        f"{shape['ranks']} ranks; medians of per-iteration slowest rank",
+        f"{shape['ranks']} ranks"
+        + (f", staging chunks of {shape['staging_chunk_tokens']} tokens"
+           if shape.get("staging_chunk_tokens") else "")
+        + "; medians of per-iteration slowest rank",
     ]
     if result.get("note"):
         lines.append(result["note"])
@@ -512,7 +519,8 @@ def main(argv=None) -> int:
     shape = {"tokens": args.tokens, "hidden": args.hidden, "topk": args.topk,
              "experts": args.experts, "dtype": args.dtype, "num_sms": args.num_sms,
              "ranks": args.nproc, "backend": args.backend, "recv_mode": args.recv_mode,
-             "capacity_factor": args.capacity_factor}
+             "capacity_factor": args.capacity_factor,
+             "staging_chunk_tokens": args.staging_chunk_tokens}
     import torch
 
     result = {
@@ -856,7 +864,8 @@ def _section_kernels(me: _Rank) -> None:
     group = Group(num_experts=args.experts, hidden=args.hidden, max_tokens_per_rank=args.tokens,
                   max_topk=args.topk, dtype=me.dtype, backend=args.backend, device=me.device,
                   recv_mode=args.recv_mode, capacity_factor=args.capacity_factor,
-                  num_sms=args.num_sms, timeout_s=args.device_timeout)
+                  num_sms=args.num_sms, timeout_s=args.device_timeout,
+                  staging_chunk_tokens=args.staging_chunk_tokens)
     me.emit("info", data={"backend_resolved": group.backend_name})
     sets = []
     for s in range(args.rotate):
@@ -933,7 +942,8 @@ def _section_kernels(me: _Rank) -> None:
         rm_group = Group(num_experts=me.world, hidden=args.hidden,
                          max_tokens_per_rank=args.tokens, max_topk=min(args.topk, me.world),
                          dtype=me.dtype, backend=args.backend, device=me.device,
-                         num_sms=args.num_sms, timeout_s=args.device_timeout)
+                         num_sms=args.num_sms, timeout_s=args.device_timeout,
+                         staging_chunk_tokens=args.staging_chunk_tokens)
         for s, st in enumerate(sets):
             dest = torch.zeros(args.tokens, me.world, dtype=torch.bool, device=me.device)
             dest.scatter_(1, st["topk"] // per_rank, True)

@@ -16,6 +16,7 @@ from megatron_nccl_ep import bench
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEP_TOKENS = (64, 128)
+STAGING_CHUNK = 24  # passed through to the groups; named in the shape and the table
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,8 @@ def cpu_run(tmp_path_factory):
     """One run for every test here (it starts a few sets of processes: ~20 s on 2 cores)."""
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     command = [sys.executable, "-m", "megatron_nccl_ep.bench", "--json", str(out), "--iters", "2",
-               "--sweep-tokens", ",".join(map(str, SWEEP_TOKENS))]
+               "--sweep-tokens", ",".join(map(str, SWEEP_TOKENS)),
+               "--staging-chunk-tokens", str(STAGING_CHUNK)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
@@ -46,6 +48,8 @@ def test_cpu_defaults_measure_kernels(cpu_run):
     assert (shape["tokens"], shape["hidden"], shape["topk"], shape["experts"]) == (
         cpu["tokens"], cpu["hidden"], cpu["topk"], cpu["experts"])
     assert (shape["backend"], shape["ranks"], result["meta"]["device"]) == ("torch", 2, "cpu")
+    assert shape["staging_chunk_tokens"] == STAGING_CHUNK
+    assert f"staging chunks of {STAGING_CHUNK} tokens" in cpu_run[0]
     for op in ("dispatch", "combine"):
         for mode in ("kernel", "e2e"):
             _positive_median(result["kernels"], f"{op} ({mode})")
@@ -118,7 +122,8 @@ def test_explicit_flags_win_over_cpu_defaults():
 
 
 @pytest.mark.parametrize("argv", [["--sweep-tokens", "all"], ["--sweep-tokens", "0"],
-                                  ["--sweep-sms", "x"], ["--plot", "a.png"]])
+                                  ["--sweep-sms", "x"], ["--plot", "a.png"],
+                                  ["--staging-chunk-tokens", "-1"]])
 def test_bad_sweep_and_plot_flags_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(["--device", "cpu", *argv])
