@@ -1,5 +1,7 @@
-"""Rank-side helpers shared by the distributed tests: this rank's share of a problem, a Group
-sized for it, and the poisoned expert outputs / gradients that combine must ignore."""
+"""Rank-side helpers shared by the distributed tests (CPU and GPU): this rank's share of a problem,
+a Group sized for it, the poisoned expert outputs / gradients that combine must ignore, rank-local
+inputs drawn on the rank's device, groups of one configuration on two backends, and bitwise
+comparison on the device."""
 
 from __future__ import annotations
 
@@ -85,3 +87,62 @@ def order_sensitive_outputs(seed: int, dtype: torch.dtype):
     problem = dense.make_problem(seed, 4, dtype=dtype, **ORDER_PROBLEM)
     rows = [dense.layout(problem, d).num_rows for d in range(4)]
     return problem, poisoned_rows(problem, seed + 7, rows)
+
+
+def tokens_of(tokens, rank: int) -> int:
+    return tokens if isinstance(tokens, int) else tokens[rank % len(tokens)]
+
+
+def rank_inputs(case: dict, seed: int, rank: int, device):
+    """This rank's (x, topk_idx, probs or None), drawn on the GPU from (seed, rank)."""
+    gen = torch.Generator(device=device).manual_seed(seed * 7919 + rank)
+    tokens = tokens_of(case["tokens"], rank)
+    x = dense.wide_values(gen, (tokens, case["hidden"]), case["dtype"])
+    # The same target expert on every rank, so 'one_expert' sends everything to one rank.
+    target = seed % case["experts"]
+    idx = dense.random_routing(gen, tokens, case["topk"], case["experts"], case["routing"],
+                               target).to(case.get("idx_dtype", torch.int64))
+    probs_dtype = case.get("probs_dtype", torch.float32)
+    probs = None
+    if probs_dtype is not None:
+        probs = (torch.rand(tokens, case["topk"], generator=gen, device=device,
+                            dtype=torch.float64) * 0.9 + 0.1).to(probs_dtype)
+    return x, idx, probs
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def count_mismatches(got, want) -> int:
+    """Elements of ``got`` whose bits differ from ``want``'s (NaN == NaN, -0 != +0), compared on
+    ``got``'s device (large outputs never travel to the host). Two Nones agree; a None against a
+    tensor, or a dtype or shape difference, counts every element (at least 1)."""
+    if got is None or want is None:
+        return 0 if got is None and want is None else max(1, (got if got is not None
+                                                              else want).numel())
+    if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
+        return max(1, got.numel(), want.numel())
+    a = got.detach().contiguous()
+    b = want.detach().to(a.device).contiguous()
+    if a.dtype == torch.bool:
+        a, b = a.to(torch.uint8), b.to(torch.uint8)
+    a, b = a.view(_INT_OF_SIZE[a.element_size()]), b.view(_INT_OF_SIZE[b.element_size()])
+    return int((a != b).sum())
+
+
+def recv_rows_bound(world: int, max_tokens: int, max_topk: int, local_experts: int,
+                    alignment: int = 1) -> int:
+    """The most rows any rank can receive in a group of this shape (every token of every rank
+    routed here, alignment padding on every local expert): a capacity that never overflows."""
+    return world * max_tokens * min(max_topk, local_experts) + local_experts * (alignment - 1)
+
+
+def group_pair(device, *, experts: int, hidden: int, max_tokens: int, max_topk: int, dtype,
+               capacity=None, backends=("torch", "cuda"), **extra):
+    """Groups of one configuration on the default process group, one per backend (reference
+    first): exact mode, or capacity mode with ``capacity`` rows."""
+    if capacity is not None:
+        extra.update(recv_mode="capacity", max_recv_tokens_per_rank=int(capacity))
+    return [ep.Group(num_experts=experts, hidden=hidden, max_tokens_per_rank=max(1, max_tokens),
+                     max_topk=max_topk, dtype=dtype, backend=backend, device=device, **extra)
+            for backend in backends]

@@ -11,7 +11,9 @@ Operations (the reference backend's timed collectives):
 - a rank that never calls an op: the others raise within timeout_s naming the op and the rank,
   the group is stopped (the next call raises at once), and the rank that comes late raises too,
   naming the rank that stopped the group;
-- a rank that dies inside an op: the others raise naming the op; every survivor exits cleanly."""
+- a rank that dies inside an op: the others raise naming the op; every survivor exits cleanly.
+Threads: handles destroyed by a second thread while ops run on the group (tests/thread_cases.py,
+as on the GPU)."""
 
 import os
 import time
@@ -22,6 +24,7 @@ import torch.distributed as tdist
 
 import dist
 import megatron_nccl_ep as ep
+import thread_cases
 
 TIMEOUT_S = 5.0  # short for a test, long against a loaded box's skew between healthy ranks
 # Room for a CI box shared under heavy load; a hang would be killed at the run's deadline instead.
@@ -226,3 +229,14 @@ def test_rank_that_dies_in_an_op_makes_the_others_raise(world_size, op, seed):
         assert o["took"] <= TIMEOUT_S + SLACK_S, o
         assert o["message"].startswith(f"{op}: rank {r.rank} "), o["message"]
         assert "this group is stopped" in o["message"], o["message"]
+
+
+THREAD_ITERATIONS = 200  # the reference's ops take milliseconds on CPU
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("recv_mode", ["exact", "capacity"])
+def test_handles_destroyed_by_another_thread_during_ops(recv_mode, world_size, seed,
+                                                        summary_line):
+    summary_line(dist.run(world_size, thread_cases.check_destroying_thread, recv_mode, seed,
+                          "torch", THREAD_ITERATIONS, timeout=600)[0])

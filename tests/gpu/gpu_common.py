@@ -1,6 +1,6 @@
-"""Shared pieces of the GPU tests: the skip condition, rank-local inputs drawn on the GPU, the
-allocator poisoning that makes unwritten output rows visible, bitwise comparison on the device,
-and memory readings."""
+"""Shared pieces of the GPU tests: the skip condition, the allocator poisoning that makes
+unwritten output rows visible, dense routing maps and probs, and memory readings (inputs, bitwise
+comparison and group pairs that CPU tests share too: ep_cases.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import os
 
 import pytest
 import torch
-
-import dense
 
 
 def _skip_reason():
@@ -57,27 +55,6 @@ def poison_allocator(device, large_bytes: int = 4 << 30, small_blocks: int = 128
     torch.cuda.synchronize(device)
 
 
-def tokens_of(tokens, rank: int) -> int:
-    return tokens if isinstance(tokens, int) else tokens[rank % len(tokens)]
-
-
-def rank_inputs(case: dict, seed: int, rank: int, device):
-    """This rank's (x, topk_idx, probs or None), drawn on the GPU from (seed, rank)."""
-    gen = torch.Generator(device=device).manual_seed(seed * 7919 + rank)
-    tokens = tokens_of(case["tokens"], rank)
-    x = dense.wide_values(gen, (tokens, case["hidden"]), case["dtype"])
-    # The same target expert on every rank, so 'one_expert' sends everything to one rank.
-    target = seed % case["experts"]
-    idx = dense.random_routing(gen, tokens, case["topk"], case["experts"], case["routing"],
-                               target).to(case.get("idx_dtype", torch.int64))
-    probs_dtype = case.get("probs_dtype", torch.float32)
-    probs = None
-    if probs_dtype is not None:
-        probs = (torch.rand(tokens, case["topk"], generator=gen, device=device,
-                            dtype=torch.float64) * 0.9 + 0.1).to(probs_dtype)
-    return x, idx, probs
-
-
 def nan_outside(t: torch.Tensor, used_rows: torch.Tensor) -> torch.Tensor:
     """``t`` with NaN in every row that is not a used (token, slot) row."""
     t = t.clone()
@@ -103,26 +80,6 @@ def dense_probs_of(idx: torch.Tensor, probs: torch.Tensor, num_experts: int) -> 
     return out
 
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def count_mismatches(got, want) -> int:
-    """Elements of ``got`` whose bits differ from ``want``'s (NaN == NaN, -0 != +0), compared on
-    ``got``'s device (large outputs never travel to the host). Two Nones agree; a None against a
-    tensor, or a dtype or shape difference, counts every element (at least 1)."""
-    if got is None or want is None:
-        return 0 if got is None and want is None else max(1, (got if got is not None
-                                                              else want).numel())
-    if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
-        return max(1, got.numel(), want.numel())
-    a = got.detach().contiguous()
-    b = want.detach().to(a.device).contiguous()
-    if a.dtype == torch.bool:
-        a, b = a.to(torch.uint8), b.to(torch.uint8)
-    a, b = a.view(_INT_OF_SIZE[a.element_size()]), b.view(_INT_OF_SIZE[b.element_size()])
-    return int((a != b).sum())
-
-
 def device_memory(device):
     """(bytes held by live torch tensors, bytes the driver reports free), with the caching
     allocator's unused blocks handed back first so that both are comparable across time."""
@@ -136,23 +93,3 @@ def resident_bytes() -> int:
     """This process's resident set (host RSS), from /proc/self/statm."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def recv_rows_bound(world: int, max_tokens: int, max_topk: int, local_experts: int,
-                    alignment: int = 1) -> int:
-    """The most rows any rank can receive in a group of this shape (every token of every rank
-    routed here, alignment padding on every local expert): a capacity that never overflows."""
-    return world * max_tokens * min(max_topk, local_experts) + local_experts * (alignment - 1)
-
-
-def group_pair(device, *, experts: int, hidden: int, max_tokens: int, max_topk: int, dtype,
-               capacity=None, backends=("torch", "cuda"), **extra):
-    """Groups of one configuration on the default process group, one per backend (reference
-    first): exact mode, or capacity mode with ``capacity`` rows."""
-    import megatron_nccl_ep as ep
-
-    if capacity is not None:
-        extra.update(recv_mode="capacity", max_recv_tokens_per_rank=int(capacity))
-    return [ep.Group(num_experts=experts, hidden=hidden, max_tokens_per_rank=max(1, max_tokens),
-                     max_topk=max_topk, dtype=dtype, backend=backend, device=device, **extra)
-            for backend in backends]

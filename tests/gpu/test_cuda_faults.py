@@ -10,8 +10,8 @@ rank's outcome and its time to error.
 - A rank that never makes a call (create_handle, dispatch or combine; the last rank): on the shared
   process pool of tests/dist.py. When the others have raised, it makes the calls it skipped
   ("late"): they must raise too, the group is stopped.
-- A rank that never creates the Group: fresh processes (dist.run_isolated); an expected failure
-  until group creation runs under the timed protocol (issue 8, item 1).
+- A rank that never creates the Group: fresh processes (dist.run_isolated); the others name it
+  within the timeout (group creation's rendezvous).
 - A rank killed (os._exit) right before its dispatch, inside its dispatch or inside its combine:
   fresh processes; the survivors raise, destroy the group and exit with code 0.
 - The existing local-team versions (tests/gpu/test_cuda_local_team.py) run every rank in one
@@ -20,10 +20,7 @@ rank's outcome and its time to error.
 
 from __future__ import annotations
 
-import bisect
 import os
-import queue
-import threading
 import time
 
 import pytest
@@ -32,8 +29,9 @@ import torch.distributed as tdist
 
 import dist
 import ep_cases
-from gpu_common import (count_mismatches, group_pair, rank_inputs, recv_rows_bound,
-                        requires_gpus, this_device, world_sizes)
+import thread_cases
+from ep_cases import group_pair, rank_inputs, recv_rows_bound
+from gpu_common import requires_gpus, this_device, world_sizes
 
 pytestmark = requires_gpus
 
@@ -285,109 +283,14 @@ def test_rank_killed_mid_op_makes_the_others_raise(point, world_size, seed, summ
 
 
 # ------------------------------------------------------------------------------------------------
-# a thread that destroys handles while another runs ops on the same group
+# a thread that destroys handles while another runs ops on the same group (tests/thread_cases.py;
+# the reference backend's version: tests/test_reference_faults.py)
 # ------------------------------------------------------------------------------------------------
-
-THREAD_CASE = dict(tokens=256, hidden=1024, topk=4, experts=16, dtype=BF16)
-THREAD_ITERATIONS = 1000
-THREAD_BANK = 8  # routings, used in turn
-
-
-def overlapping(spans, sequential) -> int:
-    """How many of ``spans`` (start, end) overlap one of ``sequential``: spans of one thread, in
-    order and disjoint, so only the last of them that starts before a span ends can overlap it."""
-    starts = [s for s, _ in sequential]
-    count = 0
-    for s, e in spans:
-        i = bisect.bisect_right(starts, e)
-        count += i > 0 and sequential[i - 1][1] >= s
-    return count
-
-
-def check_destroying_thread(recv_mode: str, seed: int) -> str:
-    rank, world = ep_cases.rank_and_size()
-    device = this_device()
-    c = THREAD_CASE
-    capacity = (recv_rows_bound(world, c["tokens"], c["topk"], c["experts"] // world)
-                if recv_mode == "capacity" else None)
-    ref, cuda = group_pair(device, experts=c["experts"], hidden=c["hidden"],
-                           max_tokens=c["tokens"], max_topk=c["topk"], dtype=c["dtype"],
-                           capacity=capacity)
-    bank = []
-    for i in range(THREAD_BANK):
-        case = dict(c, tokens=(c["tokens"], 1 + 37 * i, 0, c["tokens"] // 2)[(rank + i) % 4],
-                    routing=("random", "masked", "one_expert")[i % 3])
-        x, idx, probs = rank_inputs(case, seed + i, rank, device)
-        h = ref.create_handle(idx)
-        recv_x, _ = h.dispatch(x, probs)
-        bank.append((x, idx, probs, h.num_recv_tokens, recv_x, h.combine(recv_x)))
-        h.destroy()
-    ref.destroy()
-
-    doomed = queue.Queue(maxsize=3)  # a few handles wait for the reaper at most
-    destroy_spans, reaper_errors = [], []
-
-    def reaper():
-        n = 0
-        while True:
-            h = doomed.get()
-            if h is None:
-                return
-            start = time.perf_counter()
-            try:
-                if n % 2:
-                    h.destroy()
-                else:
-                    del h  # the last reference: Handle.__del__ destroys it on this thread
-            except Exception as exc:  # noqa: BLE001 - reported below
-                reaper_errors.append(repr(exc))
-            destroy_spans.append((start, time.perf_counter()))
-            n += 1
-
-    thread = threading.Thread(target=reaper, daemon=True)
-    thread.start()
-    op_spans, mismatches, wrong_counts = [], 0, 0
-    previous = None  # the last iteration's handle and outputs, not yet synchronized
-    for i in range(THREAD_ITERATIONS + 1):
-        if previous is not None:
-            # Handed over while its kernels may still run (allowed), just before this thread's
-            # next create_handle: the reaper destroys it while that call runs.
-            doomed.put(previous.pop("handle"))
-        if i < THREAD_ITERATIONS:
-            x, idx, probs, rows, want_x, want_y = bank[(i * 3) % THREAD_BANK]
-            start = time.perf_counter()
-            h = cuda.create_handle(idx)
-            recv_x, _ = h.dispatch(x, probs)
-            y = h.combine(recv_x)
-            op_spans.append((start, time.perf_counter()))
-            wrong_counts += h.num_recv_tokens != rows
-        if previous is not None:
-            mismatches += (count_mismatches(previous["recv_x"], previous["want_x"])
-                           + count_mismatches(previous["y"], previous["want_y"]))
-        previous = None
-        if i < THREAD_ITERATIONS:
-            previous = dict(handle=h, recv_x=recv_x, y=y, want_x=want_x, want_y=want_y)
-            h = None
-    doomed.put(None)
-    thread.join(60)
-    assert not thread.is_alive(), "the reaper thread did not finish"
-    cuda.check_errors()
-    live = len(cuda._backend._handles)
-    cuda.destroy()
-    overlaps = overlapping(destroy_spans, op_spans)
-    assert not reaper_errors, reaper_errors
-    assert len(destroy_spans) == THREAD_ITERATIONS, len(destroy_spans)
-    assert live == 0, f"{live} handles still registered after every one was destroyed"
-    assert wrong_counts == 0 and mismatches == 0, (wrong_counts, mismatches)
-    assert overlaps > 0, "no destroy overlapped an op: the race was not exercised"
-    return (f"x{world} {recv_mode}: {THREAD_ITERATIONS} handles over {THREAD_BANK} routings, "
-            f"destroyed by a second thread (half by Handle.__del__), {overlaps} destroys "
-            f"overlapped create/dispatch/combine calls; outputs bitwise equal to the reference")
 
 
 @pytest.mark.parametrize("world_size", world_sizes()[1:])
 @pytest.mark.parametrize("recv_mode", ["exact", "capacity"])
 def test_handles_destroyed_by_another_thread_during_ops(recv_mode, world_size, seed,
                                                         summary_line):
-    summary_line(dist.run(world_size, check_destroying_thread, recv_mode, seed,
-                          backend="nccl")[0])
+    summary_line(dist.run(world_size, thread_cases.check_destroying_thread, recv_mode, seed,
+                          "cuda", backend="nccl")[0])

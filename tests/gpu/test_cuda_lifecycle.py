@@ -12,7 +12,8 @@ import dense
 import dist
 import ep_cases
 import megatron_nccl_ep as ep
-from gpu_common import device_memory, rank_inputs, requires_gpus, world_sizes
+from ep_cases import rank_inputs
+from gpu_common import device_memory, requires_gpus, world_sizes
 
 pytestmark = requires_gpus
 

@@ -17,8 +17,8 @@ import dense
 import dist
 import ep_cases
 import megatron_nccl_ep as ep
-from gpu_common import (nan_outside, poison_allocator, rank_inputs, requires_gpus,
-                        routing_map_of, tokens_of, world_sizes)
+from ep_cases import rank_inputs, tokens_of
+from gpu_common import nan_outside, poison_allocator, requires_gpus, routing_map_of, world_sizes
 
 pytestmark = requires_gpus
 

@@ -31,8 +31,8 @@ import dense
 import dist
 import ep_cases
 import soak_cases
-from gpu_common import (count_mismatches, dense_probs_of, group_pair, nan_outside,
-                        poison_allocator, rank_inputs, recv_rows_bound, requires_gpus,
+from ep_cases import count_mismatches, group_pair, rank_inputs, recv_rows_bound
+from gpu_common import (dense_probs_of, nan_outside, poison_allocator, requires_gpus,
                         routing_map_of, this_device)
 
 pytestmark = requires_gpus

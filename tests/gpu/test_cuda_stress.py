@@ -25,9 +25,9 @@ import torch.distributed as tdist
 import dense
 import dist
 import ep_cases
-from gpu_common import (count_mismatches, dense_probs_of, device_memory, group_pair, nan_outside,
-                        poison_allocator, rank_inputs, recv_rows_bound, requires_gpus,
-                        resident_bytes, routing_map_of, this_device, world_sizes)
+from ep_cases import count_mismatches, group_pair, rank_inputs, recv_rows_bound
+from gpu_common import (dense_probs_of, device_memory, nan_outside, poison_allocator,
+                        requires_gpus, resident_bytes, routing_map_of, this_device, world_sizes)
 
 pytestmark = requires_gpus
 
