@@ -158,7 +158,9 @@ if wants tests; then
     CUDA_DEVICE_MAX_CONNECTIONS=32 run_pytest "tests (one rank per GPU, C example)" \
         "$TESTS_TIMEOUT" "$OUT/gpu_tests.log" tests/gpu --ignore=tests/gpu/test_cuda_local_team.py \
         "${FAULT_TESTS[@]/#/--ignore=}" "${MEGATRON_TESTS[@]/#/--ignore=}"
-    PER_TEST_TIMEOUT=130 run_pytest "tests (Megatron on GPUs: 1F1B EP overlap)" \
+    # Megatron asks the 1F1B EP overlap for more than one hardware queue, as the runs above have.
+    CUDA_DEVICE_MAX_CONNECTIONS=32 PER_TEST_TIMEOUT=130 \
+        run_pytest "tests (Megatron on GPUs: 1F1B EP overlap)" \
         "$MEGATRON_TESTS_TIMEOUT" "$OUT/gpu_tests.log" "${MEGATRON_TESTS[@]}"
     # Local teams run every rank's kernels in one process, where they wait for each other: no
     # kernel may be loaded lazily while another spins (a lazy load may wait for the device).
