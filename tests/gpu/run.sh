@@ -10,7 +10,8 @@
 # TESTS_TIMEOUT (180 s), MEGATRON_TESTS_TIMEOUT (150 s, Megatron's EP overlap on GPUs) and
 # TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s), MICRO_TIMEOUT (90 s per
 # microbenchmark; MICRO_SMS: sm_budget's SM count, 24). BENCH_ARGS adds benchmark flags, e.g.
-# BENCH_ARGS="--sections kernels".
+# BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48" reruns the kernels section per staging
+# chunk size.
 # faults (issue 8; not in the default stages; `build faults` fits one 10-minute call): ranks
 # that never call or are killed mid-op, a handle-destroying thread, live handles used out of order,
 # 10,000 handle cycles with memory before/after, all tokens to one expert at 16384 tokens, then the
@@ -180,6 +181,19 @@ if wants bench; then
     note "- bench: rc $rc ($((SECONDS - start)) s; 1 = some item failed, 124 = timed out)"
     table=$(sed -n '/^== megatron_nccl_ep bench/,$p' "$OUT/bench.log")
     { echo; echo '```'; echo "${table:-$(tail -n 30 "$OUT/bench.log")}"; echo '```'; } >>"$SUMMARY"
+    # The kernels again per staging chunk size in BENCH_CHUNKS (e.g. "24 48"), appended to
+    # bench.log: an A/B of the chunk against the warps that share it, without a rebuild.
+    for chunk in ${BENCH_CHUNKS:-}; do
+        start=$SECONDS
+        log=$(timeout -k 10 "$BENCH_TIMEOUT" "$PY" -m megatron_nccl_ep.bench --sections kernels \
+            --staging-chunk-tokens "$chunk" --time-budget $((BENCH_TIMEOUT - 20)) 2>&1)
+        rc=$?
+        [ $rc -eq 0 ] || STATUS=1
+        { echo "==== staging chunks of $chunk tokens"; echo "$log"; } >>"$OUT/bench.log"
+        note "- bench, staging chunks of $chunk tokens: rc $rc ($((SECONDS - start)) s)"
+        table=$(sed -n '/^== megatron_nccl_ep bench/,$p' <<<"$log")
+        { echo '```'; echo "${table:-$(tail -n 30 <<<"$log")}"; echo '```'; } >>"$SUMMARY"
+    done
 fi
 
 if wants micro; then
