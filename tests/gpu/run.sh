@@ -170,6 +170,14 @@ if wants tests; then
         "$TEAM_TIMEOUT" "$OUT/gpu_tests.log" tests/gpu/test_cuda_local_team.py
 fi
 
+# A bench output's table (from its marker line on; else its last 30 lines) as a code block.
+bench_table() {
+    local log table
+    log=$(cat)
+    table=$(sed -n '/^== megatron_nccl_ep bench/,$p' <<<"$log")
+    echo '```'; echo "${table:-$(tail -n 30 <<<"$log")}"; echo '```'
+}
+
 if wants bench; then
     start=$SECONDS
     # The bench stops its own sections before the stage limit so that it still writes its JSON.
@@ -179,8 +187,7 @@ if wants bench; then
     rc=$?
     [ $rc -eq 0 ] || STATUS=1
     note "- bench: rc $rc ($((SECONDS - start)) s; 1 = some item failed, 124 = timed out)"
-    table=$(sed -n '/^== megatron_nccl_ep bench/,$p' "$OUT/bench.log")
-    { echo; echo '```'; echo "${table:-$(tail -n 30 "$OUT/bench.log")}"; echo '```'; } >>"$SUMMARY"
+    { echo; bench_table <"$OUT/bench.log"; } >>"$SUMMARY"
     # The kernels again per staging chunk size in BENCH_CHUNKS (e.g. "24 48"), appended to
     # bench.log: an A/B of the chunk against the warps that share it, without a rebuild.
     for chunk in ${BENCH_CHUNKS:-}; do
@@ -191,8 +198,7 @@ if wants bench; then
         [ $rc -eq 0 ] || STATUS=1
         { echo "==== staging chunks of $chunk tokens"; echo "$log"; } >>"$OUT/bench.log"
         note "- bench, staging chunks of $chunk tokens: rc $rc ($((SECONDS - start)) s)"
-        table=$(sed -n '/^== megatron_nccl_ep bench/,$p' <<<"$log")
-        { echo '```'; echo "${table:-$(tail -n 30 <<<"$log")}"; echo '```'; } >>"$SUMMARY"
+        bench_table <<<"$log" >>"$SUMMARY"
     done
 fi
 
