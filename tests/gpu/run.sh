@@ -11,7 +11,11 @@
 # TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s), MICRO_TIMEOUT (90 s per
 # microbenchmark; MICRO_SMS: sm_budget's SM count, 24). BENCH_ARGS adds benchmark flags, e.g.
 # BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48" reruns the kernels section per staging
-# chunk size.
+# chunk size. BENCH_BASELINE=DIR: an A/B against another version of the package (a tree with
+# setup.py, csrc/ and megatron_nccl_ep/, carried as an ignored path, e.g. made with
+# `git archive REF | tar -x -C scratch/baseline`): built in /tmp/baseline alongside the other
+# stages, its kernels section runs after ours in the bench stage and its sm_budget in the micro
+# stage, so both versions are timed on the same machine in the same call.
 # faults (issue 8; not in the default stages; `build faults` fits one 10-minute call): ranks
 # that never call or are killed mid-op, a handle-destroying thread, live handles used out of order,
 # 10,000 handle cycles with memory before/after, all tokens to one expert at 16384 tokens, then the
@@ -120,6 +124,39 @@ if wants build; then
     fi
 fi
 
+# The A/B baseline (BENCH_BASELINE) builds in the background while the other stages run.
+BASELINE=/tmp/baseline
+BASELINE_PID=
+if [ -n "${BENCH_BASELINE:-}" ] && (wants bench || wants micro); then
+    if [ -f "$BENCH_BASELINE/setup.py" ]; then
+        rm -rf "$BASELINE" && mkdir -p "$BASELINE" &&
+            cp -r "$BENCH_BASELINE/setup.py" "$BENCH_BASELINE/csrc" \
+                "$BENCH_BASELINE/megatron_nccl_ep" "$BENCH_BASELINE/benchmarks" "$BASELINE/"
+        (cd "$BASELINE" && NCCL_EP_BUILD_EXT=1 MAX_JOBS=$JOBS timeout -k 10 "$BUILD_TIMEOUT" \
+            "$PY" setup.py build_ext --inplace -j "$JOBS" >"$BASELINE/build.log" 2>&1) &
+        BASELINE_PID=$!
+    else
+        STATUS=1
+        note "- baseline: BENCH_BASELINE=$BENCH_BASELINE holds no setup.py (carry it)"
+    fi
+fi
+# Waits for the baseline's build: 0 when it is usable.
+baseline_ready() {
+    [ -n "$BASELINE_PID" ] || return 1
+    if [ "$BASELINE_PID" != done ]; then
+        wait "$BASELINE_PID"
+        local rc=$?
+        BASELINE_PID=done
+        if [ $rc -ne 0 ]; then
+            STATUS=1
+            note "- baseline build: FAILED (rc $rc); the tail of its log:"
+            { echo '```'; tail -n 12 "$BASELINE/build.log"; echo '```'; } | tee -a "$SUMMARY"
+            rm -rf "$BASELINE/megatron_nccl_ep"
+        fi
+    fi
+    [ -d "$BASELINE/megatron_nccl_ep" ]
+}
+
 # One pytest run under a time limit, appended to LOG after a header line (a stage truncates its
 # log first), its summary into the summary file.
 #   run_pytest LABEL LIMIT_S LOG [pytest args...]
@@ -200,6 +237,19 @@ if wants bench; then
         note "- bench, staging chunks of $chunk tokens: rc $rc ($((SECONDS - start)) s)"
         bench_table <<<"$log" >>"$SUMMARY"
     done
+    # The baseline's kernels section (BENCH_BASELINE), appended to bench.log likewise.
+    if baseline_ready; then
+        start=$SECONDS
+        # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
+        log=$(cd "$BASELINE" && PYTHONPATH="$BASELINE:/tmp/site" timeout -k 10 "$BENCH_TIMEOUT" \
+            "$PY" -m megatron_nccl_ep.bench $BENCH_ARGS --sections kernels \
+            --time-budget $((BENCH_TIMEOUT - 20)) 2>&1)
+        rc=$?
+        [ $rc -eq 0 ] || STATUS=1
+        { echo "==== baseline ($BENCH_BASELINE)"; echo "$log"; } >>"$OUT/bench.log"
+        note "- bench, baseline $BENCH_BASELINE (kernels): rc $rc ($((SECONDS - start)) s)"
+        bench_table <<<"$log" >>"$SUMMARY"
+    fi
 fi
 
 if wants micro; then
@@ -208,7 +258,9 @@ if wants micro; then
     # (sm_budget also times the library's own per-token sum, csrc/kernels/token_sum.cuh).
     start=$SECONDS
     rc=0
-    {
+    with_baseline=0
+    baseline_ready && with_baseline=1
+    (  # a subshell: a failing step ends this stage, not the script
         # sm_budget includes the library's kernel headers, which include nccl.h: the headers of
         # the nvidia-nccl wheel next to torch (as setup.py finds them), or NCCL_INCLUDE_DIR.
         nccl_inc=${NCCL_INCLUDE_DIR:-$("$PY" -c 'import glob, nvidia
@@ -220,7 +272,14 @@ print(([d for p in nvidia.__path__ for d in glob.glob(p + "/nccl/include")] + ["
         done
         timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/peer_ceilings || exit 1
         timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/sm_budget "${MICRO_SMS:-24}" || exit 1
-    } >>"$OUT/bench.log" 2>&1 || rc=$?
+        if [ $with_baseline -eq 1 ]; then  # the baseline's library code, same microbenchmark
+            echo "== baseline ($BENCH_BASELINE): benchmarks/micro/sm_budget.cu"
+            nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a ${nccl_inc:+-I "$nccl_inc"} \
+                -o /tmp/sm_budget_baseline "$BASELINE/benchmarks/micro/sm_budget.cu" || exit 1
+            timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/sm_budget_baseline "${MICRO_SMS:-24}" ||
+                exit 1
+        fi
+    ) >>"$OUT/bench.log" 2>&1 || rc=$?
     [ $rc -eq 0 ] || STATUS=1
     note "- micro: rc $rc ($((SECONDS - start)) s; output at the end of bench.log)"
 fi
