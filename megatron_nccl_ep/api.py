@@ -66,7 +66,7 @@ class GroupConfig:
     staging_chunk_tokens: int = 0
     staging_depth: int = 0  # ring slots (0 = library default)
     # Ranks per node G (docs/design.md §4, groups that span nodes): consecutive ranks, node
-    # n = rank // G; 0 = the whole group is one node (the flat combine).
+    # n = rank // G; 0 = one node for the torch backend, NCCL's LSA team for the cuda backend.
     ranks_per_node: int = 0
     # Drop-and-pad (docs/design.md §3, fixed capacity): C rows per (local expert, source rank)
     # block; a source's slots past the C-th for an expert (in token order) are dropped, unused
@@ -74,7 +74,8 @@ class GroupConfig:
     expert_capacity: int = 0
 
     def node_size(self, world_size: int) -> int:
-        """Ranks per node as used: G, or world_size for 0."""
+        """Ranks per node as the torch backend uses it: G, or world_size for 0 (the cuda backend
+        resolves 0 to NCCL's LSA team: ``Group.info()["ranks_per_node"]``)."""
         return self.ranks_per_node or world_size
 
     def expert_block_rows(self, world_size: int) -> Optional[int]:
@@ -243,8 +244,11 @@ class Group:
     Collective: every rank of ``process_group`` constructs it with the same arguments.
     ``process_group=None`` uses the default group, or a single-rank group when torch.distributed
     is not initialized. ``ranks_per_node`` splits the group into nodes of that many consecutive
-    ranks for the hierarchical combine of docs/design.md §4 (0: one node, the flat combine); the
-    cuda backend runs one node only.
+    ranks for the hierarchical combine of docs/design.md §4. 0: the torch backend takes one node
+    (the flat combine), the cuda backend NCCL's LSA team (the ranks that reach each other over
+    NVLink; the whole group on one machine); give G explicitly where both must agree across
+    nodes. The cuda backend moves tokens between nodes with NCCL send/receive on a rail
+    communicator (docs/internode.md).
 
     ``expert_capacity=C`` (> 0) selects the fixed-capacity ("drop-and-pad") layout of
     docs/design.md §3, Megatron's ``moe_pad_expert_input_to_capacity``: local expert ``l``'s

@@ -109,6 +109,7 @@ def _c_config(config: GroupConfig):
     c.expert_alignment, c.num_sms = config.expert_alignment, config.num_sms
     c.timeout_ms = max(1, int(math.ceil(config.timeout_s * 1000)))
     c.staging_chunk_tokens, c.staging_depth = config.staging_chunk_tokens, config.staging_depth
+    c.ranks_per_node = config.ranks_per_node
     return c
 
 
@@ -125,12 +126,6 @@ class CudaBackend:
                 "drop-and-pad layout, Megatron's moe_pad_expert_input_to_capacity) is not "
                 "implemented by the cuda backend yet; backend='torch' computes it "
                 "(docs/cuda_backend.md says what the kernels need)")
-        if config.node_size(world_size) != world_size:
-            raise ValueError(
-                f"GroupConfig: ranks_per_node={config.ranks_per_node} splits the group of "
-                f"{world_size} ranks into nodes; the cuda backend runs one node only "
-                f"(ranks_per_node 0 or {world_size}). backend='torch' computes the "
-                "hierarchical combine (docs/design.md §4)")
         if _C is None:
             raise RuntimeError(unavailable_reason())
         if config.dtype not in TOKEN_DTYPES:

@@ -70,8 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "of two of each batch's token count, which must then be equal on "
                             "the ranks of an EP group).")
     group.add_argument("--nccl-ep-ranks-per-node", type=int, default=defaults.ranks_per_node,
-                       help="ranks per node of the dispatcher's group: the combine sums node by "
-                            "node (0: one node; the cuda backend runs one node only).")
+                       help="ranks per node of the dispatcher's group: tokens cross between "
+                            "nodes once per node and the combine sums node by node (0: the "
+                            "NVLink domain (cuda backend) / one node (torch backend)).")
     group.add_argument("--nccl-ep-timeout-s", type=float, default=defaults.timeout_s,
                        help="seconds a rank waits for its peers (group creation, device-side "
                             "waits) before raising an error that names the ranks not heard from.")

@@ -151,7 +151,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("num_sms", &ncclEpGroupConfig_t::num_sms)
       .def_readwrite("timeout_ms", &ncclEpGroupConfig_t::timeout_ms)
       .def_readwrite("staging_chunk_tokens", &ncclEpGroupConfig_t::staging_chunk_tokens)
-      .def_readwrite("staging_depth", &ncclEpGroupConfig_t::staging_depth);
+      .def_readwrite("staging_depth", &ncclEpGroupConfig_t::staging_depth)
+      .def_readwrite("ranks_per_node", &ncclEpGroupConfig_t::ranks_per_node);
   m.def(
       "create_group",
       [](uintptr_t comm, const ncclEpGroupConfig_t& cfg, uintptr_t stream) {
@@ -191,6 +192,8 @@ PYBIND11_MODULE(_C, m) {
         d["staging_bytes"] = info.staging_bytes;
         d["routing_bytes"] = info.routing_bytes;
         d["handle_bytes"] = info.handle_bytes;
+        d["ranks_per_node"] = info.ranks_per_node;
+        d["rail_bytes"] = info.rail_bytes;
         return d;
       },
       py::arg("group"));

@@ -24,9 +24,14 @@
  *    also while the handle's ops still run on the stream (its buffers are reused in stream
  *    order). ncclEpGroupDestroy is not: no other call on the group or its handles may be in
  *    progress or follow it.
- *  - Limits of this implementation (HT, intranode): group size <= 64, all ranks load/store
- *    accessible (one NVLink domain: NCCL's LSA team == the communicator, else ncclInvalidUsage),
- *    max_topk <= 32, num_experts <= 65535, tokens bf16/fp16/fp32, group size x
+ *  - Nodes: ranks_per_node = G consecutive ranks per node (default: NCCL's LSA team, the ranks
+ *    that reach each other's memory over NVLink). G < group size: tokens cross between nodes
+ *    once per remote node over NCCL send/receive on a rail communicator (the ranks of the same
+ *    index in every node) and fan out over NVLink inside the node; combine sums node by node
+ *    (docs/design.md section 4). Those rail transfers are NCCL's: they have no device-side
+ *    timeout of this library, and a device-side error stops the node's ranks only.
+ *  - Limits of this implementation (HT): group size <= 64, every node's ranks load/store
+ *    accessible (its LSA team covers the node, else ncclInvalidUsage), max_topk <= 32, num_experts <= 65535, tokens bf16/fp16/fp32, group size x
  *    max_tokens_per_rank x max_topk < 2^31. The library must run on the NCCL major.minor it was
  *    compiled against (checked at group creation).
  *  - Handle buffers come from a per-group pool reused in stream order.
@@ -117,12 +122,16 @@ typedef struct {
    * max_tokens_per_rank. 0 = library default (ncclEpGroupGetInfo reports what was chosen). */
   int staging_chunk_tokens;
   int staging_depth;
+  /* G: ranks per node, consecutive ranks (node = rank / G), a divisor of the group size. 0 = NCCL's
+   * LSA team size (one node when every rank reaches every other over NVLink). Set smaller to
+   * emulate nodes (G = 1: every transfer goes over the rail). */
+  int ranks_per_node;
 } ncclEpGroupConfig_t;
 
 #define NCCL_EP_GROUP_CONFIG_INITIALIZER                                                  \
   {                                                                                       \
     sizeof(ncclEpGroupConfig_t), NCCL_EP_API_VERSION, ncclEpModeHighThroughput, 0, 0, 0, \
-        0, ncclBfloat16, ncclEpRecvCountExact, 0, 1, 0, 100000, NULL, NULL, NULL, 0, 0    \
+        0, ncclBfloat16, ncclEpRecvCountExact, 0, 1, 0, 100000, NULL, NULL, NULL, 0, 0, 0 \
   }
 
 /* What a group allocated (ncclEpGroupGetInfo). */
@@ -137,10 +146,12 @@ typedef struct {
   size_t staging_bytes;      /* its token and prob rings (independent of max_tokens_per_rank) */
   size_t routing_bytes;      /* its routing records (2 x group size x max_tokens x max_topk) */
   size_t handle_bytes;       /* device memory of one handle (pooled, reused) */
+  int ranks_per_node;        /* G as resolved (the group size: one node) */
+  size_t rail_bytes;         /* G < group size: the buffers of the rail transfers */
 } ncclEpGroupInfo_t;
 
 #define NCCL_EP_GROUP_INFO_INITIALIZER \
-  { sizeof(ncclEpGroupInfo_t), NCCL_EP_API_VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+  { sizeof(ncclEpGroupInfo_t), NCCL_EP_API_VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
 
 /* Dispatch: tokens (and optionally their routing weights) to the expert-major layout. */
 typedef struct {

@@ -13,6 +13,10 @@
  *    expansion / reduction of the previous ones; nothing waits for a whole op.
  *  - Packed slot id: slot = (s * Tmax + t) * Kmax + k (int32; R * Tmax * Kmax < 2^31 is checked).
  *  - Placement never depends on atomics: rows come from per-(s, l) block scans (layout.cu).
+ *  - Groups that span nodes (G ranks per node < R): the engine runs over the node's G ranks, once
+ *    per node of sources ("pass" m: node peer p stands for source m * G + p, whose tokens reached
+ *    it over the rail), with recv_row / tokens_of offset to that node's sources and expert_base
+ *    = this node's first expert; combine_nodes and merge_probs finish at the source (ops.cc).
  */
 #pragma once
 
@@ -38,8 +42,9 @@ struct PackArgs {
   long long stride0, stride1;
   int tokens, topk, num_experts;
   int header_tokens, header_topk;  // the caller's real shape (may exceed the bounds: kErrShape)
-  void* const* peers;     // device [R] window bases
+  void* const* peers;     // device [R] window bases, or nullptr: the record goes to own_record
   size_t record_off;      // this rank's record in every window (routing area, the parity's half)
+  void* own_record;       // groups that span nodes: this rank's place in the all-gather buffer
   int num_ranks;
   int* own_routing;       // the handle's own copy [tokens * topk]
   // Per-handle scratch the layout expects reset, reset here (no memset launches):
@@ -92,7 +97,9 @@ struct ExchangeArgs {       // shared by dispatch, combine and combine_probs
   long long timeout_ns;
   unsigned call;            // call_signature() of this op
   int send_warps;           // warps per CTA that push (0 on one rank)
-  int num_ranks, rank, num_local, num_experts, max_tokens, max_topk;
+  int num_ranks, rank, num_local, num_experts, max_tokens, max_topk;  // ranks of the node
+  int expert_base;          // the node's first expert (0 on one node)
+  int zero_padding;         // dispatch: this call zeroes the rows of no slot (the first pass)
   // the handle
   int topk;
   const int* own_routing;   // [T][topk] this rank's expert ids
@@ -124,6 +131,32 @@ struct CombineArgs {
   void* y;
 };
 
+// Groups that span nodes, step 2b of the combine at the source: y[t] = round(0 + acc(node
+// partial n) + ... over the nodes n ascending that token t has a slot on).
+struct CombineNodesArgs {
+  int dtype;
+  int vec;                  // 1: 16-byte packs (rows and pointers aligned)
+  const int* own_routing;   // [T][topk]
+  int tokens, topk, hidden;
+  int experts_per_node;     // G * L
+  int num_nodes;
+  const void* parts[kMaxRanks];  // node n's partials of this rank's tokens, [T, hidden]
+  void* y;
+};
+
+// Groups that span nodes, the probs' backward at the source: grad[t, k] = node(expert)'s value
+// (each node's [T, topk] holds its experts' slots); dense [T, E]: in the expert's column.
+struct MergeProbsArgs {
+  int prob_bytes;
+  int grad_dense;
+  const int* own_routing;
+  int tokens, topk, num_experts;
+  int experts_per_node;
+  int num_nodes;
+  const void* parts[kMaxRanks];  // [T, topk] per node
+  void* grad;
+};
+
 struct CombineProbsArgs {
   ExchangeArgs ex;
   int prob_bytes;
@@ -151,6 +184,8 @@ cudaError_t launch_copy_topk(const int* ids, long long count, void* out, int out
 cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream);
 cudaError_t launch_combine_probs(const CombineProbsArgs& args, cudaStream_t stream);
+cudaError_t launch_combine_nodes(const CombineNodesArgs& args, cudaStream_t stream);
+cudaError_t launch_merge_probs(const MergeProbsArgs& args, cudaStream_t stream);
 
 // Load every kernel of the library before any runs: under lazy module loading a first launch
 // may wait for the device, which must not happen while a local team's peer spins in another

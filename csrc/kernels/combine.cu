@@ -8,6 +8,8 @@
  *   recv    (rank s, one warp per own token of chunk j): y[t] = round(0.0f + acc(partial[d0]) +
  *           ... over the ranks d ascending that token t has a slot on; this rank's partial is
  *           computed right here from its rows, the same arithmetic); a zero row when none.
+ * combine_nodes (groups that span nodes, step 2b at the source), merge_probs (their probs'
+ *   backward): plain kernels after the node passes and the rail transfer (ops.cc).
  * combine_probs
  *   send    grad[t, k] = grad_recv[row(s, t, k)] of the peer tokens, into s's ring prob slots;
  *   recv    the own tokens' values (local rows read directly), 0 at masked slots; with a dense
@@ -99,8 +101,8 @@ struct CombineOp {
     const size_t ring_stride = (size_t)e.win.depth * e.win.chunk * e.win.row_stride;
     for (int t = c.begin + warp; t < c.end; t += nwarps) {
       const unsigned long long mask =
-          dest_mask(e.own_routing + (size_t)t * e.topk, e.topk, e.num_local, e.num_ranks,
-                    lane);
+          dest_mask(e.own_routing + (size_t)t * e.topk, e.topk, e.expert_base, e.num_local,
+                    e.num_ranks, lane);
       const bool has_own = (mask >> e.rank) & 1ull;
       int n_own = 0;  // mask is warp-uniform, so collect_rows runs on the whole warp
       if (has_own) {
@@ -160,12 +162,12 @@ struct CombineProbsOp {
     const int cols = a.grad_dense ? e.num_experts : e.topk;
     for (int t = c.begin + warp; t < c.end; t += nwarps) {
       const int expert = lane < e.topk ? e.own_routing[(size_t)t * e.topk + lane] : -1;
-      const int d = expert >= 0 ? expert / e.num_local : -1;
-      const char* from = nullptr;  // nullptr: 0
+      const int d = rank_of_expert(expert, e.expert_base, e.num_local, e.num_ranks);
+      const char* from = nullptr;  // nullptr: 0 (also for an expert of another node)
       if (d == e.rank) {
         const int row = token_rows(e, e.rank, t)[lane];
         if (row >= 0 && row < e.rows) from = grad_recv_at(a, row);
-      } else if (d >= 0 && d < e.num_ranks) {
+      } else if (d >= 0) {
         from = ring_prob(self, e.win, b, ring_index(d, e.rank, e.num_ranks), j, t - c.begin,
                          lane);
       }
@@ -183,6 +185,83 @@ struct CombineProbsOp {
     }
   }
 };
+
+// Step 2b (groups that span nodes): one warp per token; lane k finds slot k's node, the warp
+// the set of nodes, then each lane sums its packs over those nodes in ascending order.
+template <typename T, int N>
+__global__ void combine_nodes_kernel(const CombineNodesArgs a) {
+  using P = Pack<T, N>;
+  const int lane = threadIdx.x & 31;
+  const long long t = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (t >= a.tokens) return;
+  const int expert = lane < a.topk ? a.own_routing[t * a.topk + lane] : -1;
+  const int node = expert >= 0 ? expert / a.experts_per_node : -1;
+  const bool ok = node >= 0 && node < a.num_nodes;
+  const unsigned long long nodes =
+      ((unsigned long long)__reduce_or_sync(0xffffffffu, ok && node >= 32 ? 1u << (node - 32) : 0u)
+       << 32) |
+      __reduce_or_sync(0xffffffffu, ok && node < 32 ? 1u << node : 0u);
+  const int packs = a.hidden / N;
+  P* out = reinterpret_cast<P*>(a.y) + t * packs;
+  for (int j = lane; j < packs; j += 32) {
+    float acc[N];
+#pragma unroll
+    for (int q = 0; q < N; ++q) acc[q] = 0.0f;
+    for (unsigned long long m = nodes; m; m &= m - 1) {
+      const int n = __ffsll((long long)m) - 1;
+      const P v = reinterpret_cast<const P*>(a.parts[n])[t * packs + j];
+#pragma unroll
+      for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(v.v[q]);
+    }
+    P r;
+#pragma unroll
+    for (int q = 0; q < N; ++q) r.v[q] = from_float<T>(acc[q]);
+    out[j] = r;
+  }
+}
+
+// The probs' backward at the source (groups that span nodes): slot k's value from the node of
+// its expert, 0 at masked slots (and, dense, at every unrouted expert).
+__global__ void merge_probs_kernel(const MergeProbsArgs a) {
+  const int lane = threadIdx.x & 31;
+  const long long t = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (t >= a.tokens) return;
+  const int expert = lane < a.topk ? a.own_routing[t * a.topk + lane] : -1;
+  const int node = expert >= 0 ? expert / a.experts_per_node : -1;
+  const char* from = node >= 0 && node < a.num_nodes
+                         ? reinterpret_cast<const char*>(a.parts[node]) +
+                               ((size_t)t * a.topk + lane) * a.prob_bytes
+                         : nullptr;
+  const int cols = a.grad_dense ? a.num_experts : a.topk;
+  char* row_out = reinterpret_cast<char*>(a.grad) + (size_t)t * cols * a.prob_bytes;
+  if (a.grad_dense) {
+    for (int col = lane; col < cols; col += 32)
+      zero_prob(row_out + (size_t)col * a.prob_bytes, a.prob_bytes);
+    __syncwarp();  // the routed columns below overwrite these zeros
+    if (from != nullptr) copy_prob(row_out + (size_t)expert * a.prob_bytes, from, a.prob_bytes);
+  } else if (lane < a.topk) {
+    char* out = row_out + (size_t)lane * a.prob_bytes;
+    if (from != nullptr) copy_prob(out, from, a.prob_bytes);
+    else zero_prob(out, a.prob_bytes);
+  }
+}
+
+constexpr int kNodeThreads = 256;  // 8 tokens per block
+
+cudaError_t launch_combine_nodes(const CombineNodesArgs& a, cudaStream_t stream) {
+  if (a.tokens <= 0) return cudaSuccess;
+  const int grid = (int)(((long long)a.tokens * 32 + kNodeThreads - 1) / kNodeThreads);
+  EP_LAUNCH_BY_DTYPE(a.vec, a.dtype, T, N,
+                     combine_nodes_kernel<T, N><<<grid, kNodeThreads, 0, stream>>>(a));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_merge_probs(const MergeProbsArgs& a, cudaStream_t stream) {
+  if (a.tokens <= 0) return cudaSuccess;
+  const int grid = (int)(((long long)a.tokens * 32 + kNodeThreads - 1) / kNodeThreads);
+  merge_probs_kernel<<<grid, kNodeThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_combine(const CombineArgs& a, cudaStream_t stream) {
   EP_LAUNCH_BY_DTYPE(a.ex.vec, a.dtype, T, N, return launch_exchange<CombineOp<T, N>>(a, stream));

@@ -199,14 +199,22 @@ EP_DEVICE void zero_prob(void* dst, int bytes) {
   }
 }
 
+// The rank of expert e among num_ranks ranks whose first expert is expert_base (a node's ranks;
+// 0 on one node), or -1 when e is masked or on no such rank.
+EP_DEVICE int rank_of_expert(int e, int expert_base, int num_local, int num_ranks) {
+  const int rel = e - expert_base;
+  const int d = e >= 0 && rel >= 0 ? rel / num_local : -1;
+  return d < num_ranks ? d : -1;
+}
+
 // Destination ranks of one token (bit d set: the token has a slot on rank d), from its routing
 // row: lane k reads slot k (one load per lane, not a chain of topk dependent loads); warp-wide,
 // every lane gets the mask.
-EP_DEVICE unsigned long long dest_mask(const int* routing_row, int topk, int num_local,
-                                       int num_ranks, int lane) {
+EP_DEVICE unsigned long long dest_mask(const int* routing_row, int topk, int expert_base,
+                                       int num_local, int num_ranks, int lane) {
   const int e = lane < topk ? routing_row[lane] : -1;
-  const int d = e >= 0 ? e / num_local : -1;
-  const bool ok = d >= 0 && d < num_ranks;
+  const int d = rank_of_expert(e, expert_base, num_local, num_ranks);
+  const bool ok = d >= 0;
   const unsigned lo = __reduce_or_sync(0xffffffffu, ok && d < 32 ? 1u << d : 0u);
   const unsigned hi = __reduce_or_sync(0xffffffffu, ok && d >= 32 ? 1u << (d - 32) : 0u);
   return ((unsigned long long)hi << 32) | lo;

@@ -52,7 +52,8 @@ struct DispatchOp {
       const int* routing = e.own_routing + (size_t)t * e.topk;
       // This rank's own rows are expanded straight from x by its receivers.
       unsigned long long mask =
-          dest_mask(routing, e.topk, e.num_local, e.num_ranks, lane) & ~(1ull << e.rank);
+          dest_mask(routing, e.topk, e.expert_base, e.num_local, e.num_ranks, lane) &
+          ~(1ull << e.rank);
       const char* src = reinterpret_cast<const char*>(a.x) + (size_t)t * row_bytes;
       const int expert = lane < e.topk ? routing[lane] : -1;
       for (; mask; mask &= mask - 1) {
@@ -67,10 +68,12 @@ struct DispatchOp {
     }
   }
 
-  // Rows of no slot: zero, prob 0. Every receiver warp of every CTA takes 32 rows at a time.
+  // Rows of no slot: zero, prob 0 (once per op: the first pass). Every receiver warp of every CTA
+  // takes 32 rows at a time.
   static __device__ void recv_prologue(const Args& a, ExchangeShared&, int b, int warp,
                                        int nwarps, int lane) {
     const ExchangeArgs& e = a.ex;
+    if (!e.zero_padding) return;
     const long long num_rows = *e.num_rows_dev;
     const int units = row_units(a), row_bytes = units * (int)sizeof(U);
     char* const recv_x = reinterpret_cast<char*>(a.recv_x);

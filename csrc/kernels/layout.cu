@@ -42,18 +42,24 @@ namespace nccl_ep {
 
 constexpr int kLayoutThreads = 256;
 
+// This rank's record in window d (or its place in the all-gather buffer).
+__device__ __forceinline__ int* record_in(const PackArgs& a, int d) {
+  return a.peers == nullptr ? reinterpret_cast<int*>(a.own_record)
+                            : reinterpret_cast<int*>(reinterpret_cast<char*>(a.peers[d]) +
+                                                     a.record_off);
+}
+
 // Writes id `v` of entry i (token-major, i < tokens * topk) to every window and to the handle.
 __device__ __forceinline__ void put_id(const PackArgs& a, long long i, int v) {
   a.own_routing[i] = v;
-  for (int d = 0; d < a.num_ranks; ++d)
-    reinterpret_cast<int*>(reinterpret_cast<char*>(a.peers[d]) + a.record_off)[kRecordHeader + i] = v;
+  for (int d = 0; d < a.num_ranks; ++d) record_in(a, d)[kRecordHeader + i] = v;
 }
 
 // The header and the layout's scratch, by thread 0 / the first threads of block 0.
 __device__ __forceinline__ void pack_header(const PackArgs& a) {
   if (blockIdx.x != 0) return;
   if (threadIdx.x < a.num_ranks) {
-    int* rec = reinterpret_cast<int*>(reinterpret_cast<char*>(a.peers[threadIdx.x]) + a.record_off);
+    int* rec = record_in(a, threadIdx.x);
     rec[0] = a.header_tokens;
     rec[1] = a.header_topk;
     rec[2] = a.kind;

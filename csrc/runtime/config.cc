@@ -25,13 +25,14 @@ constexpr size_t kChunkTargetBytes = 256 << 10;
 
 struct ConfigRecord {  // all-gathered at creation; int64 fields so the compare is trivial
   long long magic, version, mode, num_experts, hidden, max_tokens, max_topk, token_dtype,
-      recv_mode, capacity, align, num_sms, timeout_ms, chunk, depth, nccl_version, lsa_size;
+      recv_mode, capacity, align, num_sms, timeout_ms, chunk, depth, nccl_version, node_size,
+      lsa_size;
 };
 const char* kConfigFields[] = {"magic", "version", "mode", "num_experts", "hidden",
                                "max_tokens_per_rank", "max_topk", "token_dtype",
                                "recv_count_mode", "max_recv_tokens_per_rank", "expert_alignment",
                                "num_sms", "timeout_ms", "staging_chunk_tokens", "staging_depth",
-                               "nccl_version", "lsa_size"};
+                               "nccl_version", "ranks_per_node (as resolved)", "lsa_size"};
 constexpr int kConfigFieldCount = (int)(sizeof(ConfigRecord) / sizeof(long long));
 static_assert(sizeof(kConfigFields) / sizeof(kConfigFields[0]) == kConfigFieldCount, "fields");
 constexpr int kLsaField = kConfigFieldCount - 1;  // checked with its own message
@@ -51,7 +52,7 @@ int default_channels(const ncclEpGroupConfig_t& c) {
   return c.num_sms > 0 ? c.num_sms : kDefaultSms;
 }
 
-WindowLayout plan_window(const ncclEpGroupConfig_t& c, int nranks) {
+WindowLayout plan_window(const ncclEpGroupConfig_t& c, int nranks /* of the node */) {
   WindowLayout w{};
   const int elt = dtype_bytes(c.token_dtype);
   w.num_ranks = nranks;
@@ -151,23 +152,29 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks) {
            c->max_tokens_per_rank, kMaxChunksPerChannel, w.chunk);
   EP_CHECK((c->alloc_fn == nullptr) == (c->free_fn == nullptr), ncclInvalidArgument,
            "alloc_fn and free_fn must be given together");
+  EP_CHECK(c->ranks_per_node >= 0 && c->ranks_per_node <= nranks &&
+               (c->ranks_per_node == 0 || nranks % c->ranks_per_node == 0),
+           ncclInvalidArgument,
+           "ncclEpCreateGroup: ranks_per_node must be 0 (NCCL's LSA team) or a divisor of the "
+           "group size %d, got %d",
+           nranks, c->ranks_per_node);
   return ncclSuccess;
 }
 
-// All-gathers one small host record per rank into all[R] over the group's communicator
-// (collective, synchronizes the stream).
-ncclResult_t host_all_gather(ncclEpGroup* g, const void* mine, size_t bytes, void* all,
-                             cudaStream_t stream) {
+// All-gathers one small host record per rank into all[n] over comm (n ranks, this one `rank`;
+// collective, synchronizes the stream).
+ncclResult_t host_all_gather(ncclComm_t comm, int n, int rank, const void* mine, size_t bytes,
+                             void* all, cudaStream_t stream) {
   void* tmp = nullptr;
-  EP_CUDA(cudaMalloc(&tmp, bytes * g->nranks));
+  EP_CUDA(cudaMalloc(&tmp, bytes * n));
   char* d_all = reinterpret_cast<char*>(tmp);
-  cudaError_t ce = cudaMemcpyAsync(d_all + bytes * g->rank, mine, bytes, cudaMemcpyHostToDevice,
+  cudaError_t ce = cudaMemcpyAsync(d_all + bytes * rank, mine, bytes, cudaMemcpyHostToDevice,
                                    stream);
   ncclResult_t nr = ncclSuccess;
   if (ce == cudaSuccess)
-    nr = ncclAllGather(d_all + bytes * g->rank, d_all, bytes, ncclUint8, g->comm, stream);
+    nr = ncclAllGather(d_all + bytes * rank, d_all, bytes, ncclUint8, comm, stream);
   if (ce == cudaSuccess && nr == ncclSuccess)
-    ce = cudaMemcpyAsync(all, d_all, bytes * g->nranks, cudaMemcpyDeviceToHost, stream);
+    ce = cudaMemcpyAsync(all, d_all, bytes * n, cudaMemcpyDeviceToHost, stream);
   if (ce == cudaSuccess && nr == ncclSuccess) ce = cudaStreamSynchronize(stream);
   cudaFree(tmp);
   EP_CUDA(ce);
@@ -181,10 +188,11 @@ ncclResult_t agree_config(ncclEpGroup* g, int lsa_size, int nccl_version, cudaSt
                              c.num_experts, c.hidden, c.max_tokens_per_rank, c.max_topk,
                              (long long)c.token_dtype, (long long)c.recv_count_mode,
                              g->capacity, c.expert_alignment, c.num_sms, (long long)c.timeout_ms,
-                             c.staging_chunk_tokens, c.staging_depth, nccl_version, lsa_size};
+                             c.staging_chunk_tokens, c.staging_depth, nccl_version, g->node_size,
+                             lsa_size};
   const int R = g->nranks;
   std::vector<ConfigRecord> all(R);
-  EP_RETURN_IF(host_all_gather(g, &mine, sizeof(mine), all.data(), stream));
+  EP_RETURN_IF(host_all_gather(g->comm, R, g->rank, &mine, sizeof(mine), all.data(), stream));
   for (int r = 0; r < R; ++r) {
     const long long* a = reinterpret_cast<const long long*>(&all[r]);
     const long long* b = reinterpret_cast<const long long*>(&mine);
@@ -195,11 +203,13 @@ ncclResult_t agree_config(ncclEpGroup* g, int lsa_size, int nccl_version, cudaSt
                kConfigFields[f], a[f], r, b[f], g->rank);
     }
   }
+  const int G = g->node_size;
   for (int r = 0; r < R; ++r) {
-    EP_CHECK(R == 1 || all[r].lsa_size == R, ncclInvalidUsage,
+    EP_CHECK(G == 1 || all[r].lsa_size >= G, ncclInvalidUsage,
              "peers not NVLink-connected: rank %d sees an LSA (load/store accessible) team of %lld "
-             "of the %d ranks; the PCIe / host fallback is not implemented",
-             r, all[r].lsa_size, R);
+             "ranks, but its node has ranks_per_node=%d; set ranks_per_node to the LSA team size "
+             "or a divisor of it (1: every transfer over NCCL send/receive)",
+             r, all[r].lsa_size, G);
   }
   return ncclSuccess;
 }

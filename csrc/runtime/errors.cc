@@ -85,7 +85,13 @@ static std::string describe_wait(const ErrorInfo& e) {
   }
 }
 
-ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& e, const LayoutMeta* meta) {
+ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& word, const LayoutMeta* meta) {
+  ErrorInfo e = word;
+  if (e.code == kErrTimeout || e.code == kErrPeerAbort || e.code == kErrCallMismatch) {
+    // Written by the exchange engine, which numbers the ranks of its node.
+    e.rank += g->node * g->node_size;
+    e.token += g->node * g->node_size;
+  }
   char where[64] = "";
   if (g->nranks > 1) snprintf(where, sizeof(where), " (rank %d)", e.rank);
   switch (e.code) {

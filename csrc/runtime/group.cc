@@ -5,8 +5,10 @@
  *
  * NOTES:
  *  - Creation order over NCCL: (1) the config checks and the all-gathered agreement on it (plus
- *    LSA team size and NCCL version), so every rank fails the same way before anything else
- *    collective happens; (2) the window (window.cc); (3) the error word and device state.
+ *    LSA team size, the resolved ranks per node and NCCL version), so every rank fails the same
+ *    way before anything else collective happens; (2) groups that span nodes: the node and rail
+ *    communicators (ncclCommSplit) and the rail buffers; (3) the window over the node
+ *    (window.cc); the error word and device state come with the config checks.
  *  - A local team runs the same kernels over windows that are plain device allocations of this
  *    process; no NCCL call is made.
  *  - The device code reads NCCL's ncclWindow_vidmem layout through the headers it was compiled
@@ -32,6 +34,9 @@ void destroy_group_state(ncclEpGroup* g) {
     free_slots(g);
   }
   close_window(g);
+  if (g->node_comm != nullptr && g->node_comm != g->comm) ncclCommDestroy(g->node_comm);
+  if (g->rail_comm != nullptr) ncclCommDestroy(g->rail_comm);
+  free_device(g, g->rail.base);
   if (g->d_state != nullptr) free_device(g, g->d_state);
   if (g->h_err != nullptr) cudaFreeHost(g->h_err);
   delete g;
@@ -69,15 +74,20 @@ ncclResult_t check_residency(const ncclEpGroupConfig_t& c, int ranks_here) {
 }
 
 // Everything a group needs besides its window: checked config, sizes, error word, state.
-// ranks_here: the ranks of the group on this GPU (1, or the size of a local team).
+// node_size: its ranks per node (G); ranks_here: the ranks of the group on this GPU (1, or the
+// size of a local team).
 ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int nranks, int rank,
-                        int ranks_here, cudaStream_t stream) {
+                        int node_size, int ranks_here, cudaStream_t stream) {
   EP_RETURN_IF(check_config(config, nranks));
   EP_RETURN_IF(check_residency(*config, ranks_here));
   g->cfg = *config;
   const ncclEpGroupConfig_t& c = g->cfg;
   g->nranks = nranks;
   g->rank = rank;
+  g->node_size = node_size;
+  g->node = rank / node_size;
+  g->node_rank = rank % node_size;
+  g->num_nodes = nranks / node_size;
   g->num_local = c.num_experts / nranks;
   g->row_bytes = (size_t)c.hidden * dtype_bytes(c.token_dtype);
   g->capacity = c.recv_count_mode == ncclEpRecvCountCapacity ? (long long)c.max_recv_tokens_per_rank
@@ -86,7 +96,7 @@ ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int n
                               std::min(c.max_topk, g->num_local) +
                           (long long)g->num_local * (c.expert_alignment - 1);
   g->src_rows = g->capacity >= 0 ? std::min(bound, g->capacity) : bound;
-  g->win = plan_window(c, nranks);
+  g->win = plan_window(c, node_size);
   EP_CUDA(cudaGetDevice(&g->device));
   EP_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&g->h_err), sizeof(ErrorInfo),
                         cudaHostAllocMapped));
@@ -97,36 +107,78 @@ ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int n
   return preallocate_slots(g);
 }
 
+// Groups that span nodes: one buffer per remote node for what the rail brings in (tokens and
+// probs, or node partials and probs' gradients), the partials it takes out, and this rank's own.
+ncclResult_t alloc_rail(ncclEpGroup* g) {
+  RailBuffers& b = g->rail;
+  const size_t T = (size_t)g->cfg.max_tokens_per_rank, remote = (size_t)g->num_nodes - 1;
+  b.row_bytes = g->row_bytes;
+  b.prob_row_bytes = 8 * (size_t)std::max(g->cfg.num_experts, g->cfg.max_topk);
+  b.grad_row_bytes = 8 * (size_t)g->cfg.max_topk;
+  BufferPlan plan;
+  plan.add(&b.rows_in, remote * T * b.row_bytes);
+  plan.add(&b.rows_out, remote * T * b.row_bytes);
+  plan.add(&b.rows_own, T * b.row_bytes);
+  plan.add(&b.probs_in, remote * T * b.prob_row_bytes);
+  plan.add(&b.probs_out, remote * T * b.grad_row_bytes);
+  plan.add(&b.probs_own, T * b.prob_row_bytes);
+  EP_RETURN_IF(alloc_device(g, &b.base, plan.bytes()));
+  plan.bind(b.base);
+  return ncclSuccess;
+}
+
+// The window of a node of one rank: a plain device buffer (no peer to map; no NCCL symmetric
+// registration, which some NCCL versions skip or refuse on a single-rank communicator).
+ncclResult_t open_single_window(ncclEpGroup* g, cudaStream_t stream) {
+  auto team = std::make_shared<LocalTeam>();
+  team->alloc_fn = g->cfg.alloc_fn;
+  team->free_fn = g->cfg.free_fn;
+  team->alloc_ctx = g->cfg.alloc_ctx;
+  team->windows.assign(1, nullptr);
+  EP_RETURN_IF(alloc_device(g, &team->windows[0], g->win.bytes));
+  g->team = team;
+  g->win_buf = team->windows[0];
+  g->peers.assign(1, g->win_buf);
+  EP_CUDA(cudaMemsetAsync(g->win_buf, 0, g->win.bytes, stream));
+  EP_RETURN_IF(alloc_device(g, reinterpret_cast<void**>(&g->d_peers), sizeof(void*)));
+  EP_CUDA(cudaMemcpyAsync(g->d_peers, g->peers.data(), sizeof(void*), cudaMemcpyHostToDevice,
+                          stream));
+  return ncclSuccess;
+}
+
 ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGroupConfig_t* config,
                                cudaStream_t stream) {
   g->comm = comm;
   int nranks = 0, rank = 0;
   EP_NCCL(ncclCommCount(comm, &nranks));
   EP_NCCL(ncclCommUserRank(comm, &rank));
-  EP_RETURN_IF(init_group(g, config, nranks, rank, 1, stream));
+  const int lsa = lsa_team_size(comm);
+  // Ranks per node: as asked (checked with the config), or the LSA team; the agreement below
+  // makes every rank fail together if they differ.
+  const int node_size = config->ranks_per_node > 0 ? config->ranks_per_node : lsa;
+  EP_CHECK(config->ranks_per_node > 0 || (lsa >= 1 && nranks % lsa == 0),
+           ncclInvalidUsage,
+           "ncclEpCreateGroup: NCCL's LSA team (the ranks that reach each other over NVLink) has "
+           "%d ranks, which does not divide the group of %d ranks into nodes; set "
+           "ranks_per_node",
+           lsa, nranks);
+  EP_RETURN_IF(init_group(g, config, nranks, rank, node_size, 1, stream));
   int runtime_version = 0;
   EP_NCCL(ncclGetVersion(&runtime_version));
   EP_CHECK(runtime_version / 100 == NCCL_VERSION_CODE / 100, ncclInvalidUsage,
            "ncclEpCreateGroup: built against NCCL %d but the process loaded NCCL %d: the device "
            "API structures differ across minor versions; rebuild against the loaded NCCL",
            NCCL_VERSION_CODE, runtime_version);
-  EP_RETURN_IF(agree_config(g, lsa_team_size(comm), runtime_version, stream));
-  if (nranks == 1) {
-    // One rank: no peer to map; a plain device buffer plays the window (no NCCL symmetric
-    // registration, which some NCCL versions skip or refuse on a single-rank communicator).
-    auto team = std::make_shared<LocalTeam>();
-    team->alloc_fn = g->cfg.alloc_fn;
-    team->free_fn = g->cfg.free_fn;
-    team->alloc_ctx = g->cfg.alloc_ctx;
-    team->windows.assign(1, nullptr);
-    EP_RETURN_IF(alloc_device(g, &team->windows[0], g->win.bytes));
-    g->team = team;
-    g->win_buf = team->windows[0];
-    g->peers.assign(1, g->win_buf);
-    EP_CUDA(cudaMemsetAsync(g->win_buf, 0, g->win.bytes, stream));
-    EP_RETURN_IF(alloc_device(g, reinterpret_cast<void**>(&g->d_peers), sizeof(void*)));
-    EP_CUDA(cudaMemcpyAsync(g->d_peers, g->peers.data(), sizeof(void*), cudaMemcpyHostToDevice,
-                            stream));
+  EP_RETURN_IF(agree_config(g, lsa, runtime_version, stream));
+  g->node_comm = comm;
+  if (g->num_nodes > 1) {
+    // Collective over comm, in the same order on every rank (all agreed on the node size).
+    if (g->node_size > 1) EP_NCCL(ncclCommSplit(comm, g->node, rank, &g->node_comm, nullptr));
+    EP_NCCL(ncclCommSplit(comm, g->node_rank, rank, &g->rail_comm, nullptr));
+    EP_RETURN_IF(alloc_rail(g));
+  }
+  if (g->node_size == 1) {
+    EP_RETURN_IF(open_single_window(g, stream));
   } else {
     EP_RETURN_IF(open_nccl_window(g, stream));
   }
@@ -148,13 +200,13 @@ ncclResult_t check_group_errors(ncclEpGroup* g) {
 }
 
 ncclResult_t barrier(ncclEpGroup* g, unsigned call, cudaStream_t stream) {
-  if (g->nranks == 1) return ncclSuccess;  // stream order is enough on one rank
+  if (g->node_size == 1) return ncclSuccess;  // stream order is enough on one rank
   BarrierArgs a;
   a.peers = g->d_peers;
   a.state = g->d_state;
   a.sync_off = g->win.sync_off;
-  a.num_ranks = g->nranks;
-  a.rank = g->rank;
+  a.num_ranks = g->node_size;
+  a.rank = g->node_rank;
   a.timeout_ns = (long long)g->cfg.timeout_ms * 1000000ll;
   a.call = call;
   a.err = g->d_err;
@@ -191,6 +243,9 @@ extern "C" ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
   EP_CHECK(nranks >= 1 && nranks <= kMaxRanks, ncclInvalidArgument,
            "ncclEpCreateLocalTeam: nranks must be in [1, %d], got %d", kMaxRanks, nranks);
   for (int r = 0; r < nranks; ++r) groups[r] = nullptr;
+  EP_CHECK(config->ranks_per_node == 0 || config->ranks_per_node == nranks, ncclInvalidUsage,
+           "ncclEpCreateLocalTeam: a local team is one node (ranks_per_node 0 or %d), got %d",
+           nranks, config->ranks_per_node);
   // The ranks' kernels wait for each other: their streams must reach the GPU through separate
   // hardware queues, or one rank's kernel queues behind a peer's waiting one (a deadlock until
   // the timeout). CUDA gives a context CUDA_DEVICE_MAX_CONNECTIONS queues (default 8).
@@ -211,7 +266,7 @@ extern "C" ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
     ncclEpGroup* g = new ncclEpGroup();
     groups[r] = g;
     g->team = team;
-    res = init_group(g, config, nranks, r, nranks, stream);
+    res = init_group(g, config, nranks, r, nranks, nranks, stream);
     if (res == ncclSuccess) res = alloc_device(g, &team->windows[r], g->win.bytes);
     if (res == ncclSuccess && cudaMemsetAsync(team->windows[r], 0, g->win.bytes, stream) !=
                                   cudaSuccess) {
@@ -288,5 +343,9 @@ extern "C" ncclResult_t ncclEpGroupGetInfo(ncclEpGroup_t group, ncclEpGroupInfo_
                         (w.row_stride + (size_t)w.max_topk * 8);
   info->routing_bytes = w.ring_off - w.routing_off;
   info->handle_bytes = slot_device_bytes(group);
+  info->ranks_per_node = group->node_size;
+  info->rail_bytes = group->rail.rows_in.bytes() + group->rail.rows_out.bytes() +
+                     group->rail.rows_own.bytes() + group->rail.probs_in.bytes() +
+                     group->rail.probs_out.bytes() + group->rail.probs_own.bytes();
   return ncclSuccess;
 }

@@ -3,7 +3,8 @@
  *
  * Creation (collective, stream-ordered, no host wait): pack this rank's routing (top-k ids or a
  * routing map) into its record in every rank's window -> the group's timed barrier -> layout
- * kernels (layout.cu) on the local copy of all records. Exact mode then copies [error, N_d,
+ * kernels (layout.cu) on the local copy of all records. A group that spans nodes packs into the
+ * handle's record buffer instead and all-gathers it with NCCL over the whole group. Exact mode then copies [error, N_d,
  * tokens_per_expert] to the slot's pinned buffer and records an event: the first call that
  * needs the count waits for it (read_layout), as late as the caller allows. Capacity mode
  * reports errors through the group's mapped error word (a rank whose own shape is out of
@@ -105,9 +106,10 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
     h->seq = g->handles_created++;  // every rank counts the same collective creations
   }
   HandleSlot* s = h->slot;
-  const int R = g->nranks;
-  const size_t half = sizeof(int) * (size_t)R * g->win.rec_ints;
+  const int R = g->nranks, G = g->node_size;
+  const size_t half = sizeof(int) * (size_t)G * g->win.rec_ints;
   const size_t area = g->win.routing_off + (h->seq & 1u) * half;
+  const bool one_node = g->num_nodes == 1;
 
   PackArgs p;
   p.routing = routing->data;
@@ -120,19 +122,30 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   p.num_experts = c.num_experts;
   p.header_tokens = (int)(T < 0x7fffffff ? T : 0x7fffffff);
   p.header_topk = (int)(K < 0x7fffffff ? K : 0x7fffffff);
-  p.peers = g->d_peers;
-  p.record_off = area + sizeof(int) * (size_t)g->rank * g->win.rec_ints;
-  p.num_ranks = R;
+  int* own_record = s->records.ptr + (size_t)g->rank * g->win.rec_ints;
+  p.peers = one_node ? g->d_peers : nullptr;
+  p.record_off = area + sizeof(int) * (size_t)g->node_rank * g->win.rec_ints;
+  p.own_record = one_node ? nullptr : own_record;
+  p.num_ranks = one_node ? G : 1;
   p.own_routing = s->own_routing.ptr;
   p.err_key = s->err_key.ptr;
   p.hist = s->hist.ptr;
   p.meta_err = &s->meta.ptr->err;
   EP_CUDA(launch_pack(p, stream));
-  EP_RETURN_IF(barrier(g, call_signature(kOpCreateHandle, 0, h->seq), stream));
+  const int* gathered = s->records.ptr;
+  if (one_node) {
+    EP_RETURN_IF(barrier(g, call_signature(kOpCreateHandle, 0, h->seq), stream));
+    gathered = reinterpret_cast<const int*>(
+        reinterpret_cast<const char*>(g->peers[g->node_rank]) + area);
+  } else {
+    // NOTES: an NCCL collective, outside the device-side timeout; a rank whose shape is out of
+    // bounds still joins it (its record's header names the error).
+    EP_NCCL(ncclAllGather(own_record, s->records.ptr, (size_t)g->win.rec_ints, ncclInt32,
+                          g->comm, stream));
+  }
 
   LayoutArgs a;
-  a.gathered = reinterpret_cast<const int*>(reinterpret_cast<const char*>(g->peers[g->rank]) +
-                                            area);
+  a.gathered = gathered;
   a.rec_ints = g->win.rec_ints;
   a.num_ranks = R;
   a.rank = g->rank;

@@ -115,6 +115,8 @@ struct HandleSlot {
   View<int> hist;                // [E]
   View<unsigned long long> err_key;
   View<LayoutMeta> meta;         // LayoutMeta with its [L] tokens_per_expert tail
+  View<int> records;             // groups that span nodes: [R][rec_ints], the all-gathered
+                                 // routing records (one node: they sit in the window)
   LayoutMeta* host_meta = nullptr;  // pinned: the exact-mode readback
   cudaEvent_t meta_ready = nullptr; // recorded after the readback copy
 };
@@ -128,6 +130,19 @@ struct LocalTeam {
   ~LocalTeam();
 };
 
+// Groups that span nodes: what travels between rail peers (ranks with the same index in their
+// node), one buffer per remote node of Tmax token rows / prob rows, plus this rank's own.
+struct RailBuffers {
+  void* base = nullptr;
+  View<char> rows_in;            // [nodes - 1][Tmax rows]: dispatch tokens / combine partials in
+  View<char> rows_out;           // [nodes - 1][Tmax rows]: combine partials out
+  View<char> rows_own;           // [Tmax rows]: own node partial; capacity-mode send staging
+  View<char> probs_in;           // [nodes - 1][Tmax][max(E, Kmax)] 8-byte probs in
+  View<char> probs_out;          // [nodes - 1][Tmax][Kmax] 8-byte probs' gradients out
+  View<char> probs_own;          // [Tmax][max(E, Kmax)]: own probs' gradients; send staging
+  size_t row_bytes = 0, prob_row_bytes = 0, grad_row_bytes = 0;  // per token, in each view
+};
+
 }  // namespace nccl_ep
 
 struct ncclEpGroup {
@@ -136,6 +151,13 @@ struct ncclEpGroup {
   std::shared_ptr<nccl_ep::LocalTeam> team;
   ncclEpGroupConfig_t cfg{};
   int rank = 0, nranks = 1, num_local = 0;
+  // Nodes: G consecutive ranks each (G = nranks: one node). The window, its barriers and the
+  // exchange engine span the node (node_comm, split from comm when G < nranks); rail_comm joins
+  // the ranks of the same index in every node (G < nranks only).
+  int node_size = 1, node = 0, node_rank = 0, num_nodes = 1;
+  ncclComm_t node_comm = nullptr;  // == comm on one node (not owned then)
+  ncclComm_t rail_comm = nullptr;
+  nccl_ep::RailBuffers rail;
   size_t row_bytes = 0;          // hidden * token element bytes
   long long capacity = -1;       // capacity mode rows, -1 in exact mode
   long long src_rows = 0;        // rows that src_of_row covers
@@ -174,13 +196,13 @@ namespace nccl_ep {
 
 // config.cc
 ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks);
-// Sizes and offsets of the window for this config (the same on every rank).
+// Sizes and offsets of the window for this config (the same on every rank of a node of nranks).
 WindowLayout plan_window(const ncclEpGroupConfig_t& c, int nranks);
 int default_channels(const ncclEpGroupConfig_t& c);
 // Checks that every rank of an NCCL group has the same configuration (collective).
 ncclResult_t agree_config(ncclEpGroup* g, int lsa_size, int nccl_version, cudaStream_t stream);
-ncclResult_t host_all_gather(ncclEpGroup* g, const void* mine, size_t bytes, void* all,
-                             cudaStream_t stream);
+ncclResult_t host_all_gather(ncclComm_t comm, int n, int rank, const void* mine, size_t bytes,
+                             void* all, cudaStream_t stream);
 
 // window.cc
 ncclResult_t open_nccl_window(ncclEpGroup* g, cudaStream_t stream);

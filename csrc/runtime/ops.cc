@@ -11,10 +11,22 @@
  *    each row ~K/R times, so a quarter of the warps; combine reads rows on both sides (senders
  *    the peers' rows, receivers their own plus the partials), split by the peers' share of rows;
  *    combine_probs moves a few bytes per token.
+ *  - Groups that span nodes (G < R ranks per node), docs/design.md section 4:
+ *      dispatch  rail: this rank's tokens (and probs) to the rank of its index in every other
+ *                node, theirs here; then one engine pass per node m of sources, ascending: node
+ *                peer p sends the tokens of source m * G + p (its own, or what its rail brought).
+ *      combine   one engine pass per node m: the node partials (step 2a) of source m * G +
+ *                node_rank's tokens, here; rail: each to its source; combine_nodes (step 2b).
+ *      probs     passes as combine's, [T, K] per node; rail; merge_probs.
+ *    Rail messages have sizes every rank knows: exact mode the all-gathered token counts (read
+ *    with the layout), capacity mode max_tokens_per_rank rows (sent from a staging copy), so no
+ *    rank can wait for bytes that never come; probs travel as max(E, max_topk) x 8 bytes per
+ *    token whatever their dtype. They are NCCL send/receive calls on the op's stream.
  */
 #include <stdint.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "internal.h"
 
@@ -83,10 +95,14 @@ ncclResult_t check_entry(ncclEpHandle_t handle, const ncclEpOpConfig_t* config, 
   return read_layout(handle);  // exact mode: N_d (and the handle's routing errors)
 }
 
-// The engine's arguments for one op of handle h (everything but the op's tensors).
-ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, int prob_bytes, bool vec) {
+// The engine's arguments for one op of handle h over this rank's node (everything but the op's
+// tensors), for the sources of node `pass` (groups that span nodes; 0 on one node).
+ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, int prob_bytes, bool vec,
+                           int pass = 0) {
   const ncclEpGroup* g = h->group;
   const HandleSlot* s = h->slot;
+  const size_t first = (size_t)pass * g->node_size;  // the first source of that node
+  const size_t Tm = (size_t)g->cfg.max_tokens_per_rank, Km = (size_t)g->cfg.max_topk;
   ExchangeArgs e;
   e.peers = g->d_peers;
   e.win = g->win;
@@ -94,17 +110,22 @@ ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, int prob_bytes, boo
   e.err = g->d_err;
   e.timeout_ns = (long long)g->cfg.timeout_ms * 1000000ll;
   e.call = call_signature(op, prob_bytes, h->seq);
-  e.send_warps = send_warps(op, g->nranks);
-  e.num_ranks = g->nranks;
-  e.rank = g->rank;
+  e.send_warps = send_warps(op, g->node_size);
+  e.num_ranks = g->node_size;
+  e.rank = g->node_rank;
   e.num_local = g->num_local;
   e.num_experts = g->cfg.num_experts;
   e.max_tokens = g->cfg.max_tokens_per_rank;
   e.max_topk = g->cfg.max_topk;
+  e.expert_base = g->node * g->node_size * g->num_local;
+  e.zero_padding = pass == 0;
   e.topk = h->topk;
-  e.own_routing = s->own_routing.ptr;
-  e.tokens_of = s->meta.ptr->tokens;
-  e.recv_row = s->recv_row.ptr;
+  // The routing of source first + node_rank: this rank's own, or its record.
+  e.own_routing = pass == g->node ? s->own_routing.ptr
+                                  : s->records.ptr + (first + g->node_rank) * g->win.rec_ints +
+                                        kRecordHeader;
+  e.tokens_of = s->meta.ptr->tokens + first;
+  e.recv_row = s->recv_row.ptr + first * Tm * Km;
   e.src_of_row = s->src_of_row.ptr;
   e.num_rows_dev = &s->meta.ptr->num_rows;
   e.rows = h->num_recv;
@@ -112,6 +133,163 @@ ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, int prob_bytes, boo
   e.vec = vec ? 1 : 0;
   for (OutputSpan& o : e.outputs) o = OutputSpan{nullptr, 0};
   return e;
+}
+
+// Groups that span nodes: the slot of remote node m in the rail buffers.
+size_t remote_index(const ncclEpGroup* g, int m) { return (size_t)(m < g->node ? m : m - 1); }
+
+// Tokens of source s as the rail moves them: exact mode the all-gathered count (the layout was
+// read), capacity mode max_tokens_per_rank (no host read; the tail is never used).
+long long rail_tokens(const ncclEpHandle* h, int s) {
+  const ncclEpGroup* g = h->group;
+  return g->capacity >= 0 ? g->cfg.max_tokens_per_rank : h->slot->host_meta->tokens[s];
+}
+
+// One message of a rail exchange with remote node m: `bytes` from/to `ptr`.
+struct RailMessage {
+  const void* send;
+  size_t send_bytes;
+  void* recv;
+  size_t recv_bytes;
+};
+
+// Sends and receives one message with the rail peer of every other node (messages[m], m != this
+// node), as one NCCL group on the stream.
+ncclResult_t rail_exchange(const ncclEpGroup* g, const std::vector<RailMessage>& messages,
+                           cudaStream_t stream) {
+  EP_NCCL(ncclGroupStart());
+  ncclResult_t res = ncclSuccess;
+  for (int m = 0; m < g->num_nodes && res == ncclSuccess; ++m) {
+    if (m == g->node) continue;
+    const RailMessage& msg = messages[m];
+    res = ncclSend(msg.send, msg.send_bytes, ncclInt8, m, g->rail_comm, stream);
+    if (res == ncclSuccess)
+      res = ncclRecv(msg.recv, msg.recv_bytes, ncclInt8, m, g->rail_comm, stream);
+  }
+  const ncclResult_t end = ncclGroupEnd();
+  EP_NCCL(res);
+  EP_NCCL(end);
+  return ncclSuccess;
+}
+
+// Dispatch over nodes: the rail, then the engine once per node of sources.
+ncclResult_t dispatch_nodes(ncclEpHandle* h, DispatchArgs a, bool with_probs, int probs_cols,
+                            cudaStream_t stream) {
+  ncclEpGroup* g = h->group;
+  const RailBuffers& r = g->rail;
+  const size_t Tm = (size_t)g->cfg.max_tokens_per_rank, T = (size_t)h->num_tokens;
+  const size_t prob_bytes = (size_t)probs_cols * a.prob_bytes;  // of one token's probs
+  const long long mine = rail_tokens(h, g->rank);
+  const void* x = a.x;
+  const void* probs = a.probs;
+  if (g->capacity >= 0) {  // fixed-size messages: from staging copies
+    EP_CUDA(cudaMemcpyAsync(r.rows_own.ptr, x, T * g->row_bytes, cudaMemcpyDeviceToDevice,
+                            stream));
+    x = r.rows_own.ptr;
+  }
+  if (with_probs) {  // always staged: the message has the fixed size of max(E, Kmax) x 8
+    EP_CUDA(cudaMemcpyAsync(r.probs_own.ptr, probs, T * prob_bytes, cudaMemcpyDeviceToDevice,
+                            stream));
+  }
+  std::vector<RailMessage> rows(g->num_nodes), probs_msgs(g->num_nodes);
+  for (int m = 0; m < g->num_nodes; ++m) {
+    if (m == g->node) continue;
+    const long long theirs = rail_tokens(h, m * g->node_size + g->node_rank);
+    const size_t i = remote_index(g, m);
+    rows[m] = {x, mine * g->row_bytes, r.rows_in.ptr + i * Tm * r.row_bytes,
+               theirs * g->row_bytes};
+    probs_msgs[m] = {r.probs_own.ptr, mine * r.prob_row_bytes,
+                     r.probs_in.ptr + i * Tm * r.prob_row_bytes, theirs * r.prob_row_bytes};
+  }
+  EP_RETURN_IF(rail_exchange(g, rows, stream));
+  if (with_probs) EP_RETURN_IF(rail_exchange(g, probs_msgs, stream));
+  for (int m = 0; m < g->num_nodes; ++m) {
+    DispatchArgs pass = a;
+    if (m != g->node) {
+      const size_t i = remote_index(g, m);
+      pass.x = r.rows_in.ptr + i * Tm * r.row_bytes;
+      if (with_probs) pass.probs = r.probs_in.ptr + i * Tm * r.prob_row_bytes;
+    }
+    pass.ex = exchange_args(h, kOpDispatch, with_probs ? a.prob_bytes : 0, a.ex.vec != 0, m);
+    pass.ex.outputs[0] = a.ex.outputs[0];
+    pass.ex.outputs[1] = a.ex.outputs[1];
+    EP_CUDA(launch_dispatch(pass, stream));
+  }
+  return ncclSuccess;
+}
+
+// Combine over nodes: the node partials (2a) of every node's sources, the rail, then 2b here.
+ncclResult_t combine_nodes(ncclEpHandle* h, const CombineArgs& a, cudaStream_t stream) {
+  ncclEpGroup* g = h->group;
+  const RailBuffers& r = g->rail;
+  const size_t Tm = (size_t)g->cfg.max_tokens_per_rank;
+  CombineNodesArgs fin;
+  fin.dtype = a.dtype;
+  fin.vec = a.ex.vec;
+  fin.own_routing = h->slot->own_routing.ptr;
+  fin.tokens = h->num_tokens;
+  fin.topk = h->topk;
+  fin.hidden = g->cfg.hidden;
+  fin.experts_per_node = g->node_size * g->num_local;
+  fin.num_nodes = g->num_nodes;
+  fin.y = a.y;
+  std::vector<RailMessage> msgs(g->num_nodes);
+  for (int m = 0; m < g->num_nodes; ++m) {
+    CombineArgs pass = a;
+    const size_t i = remote_index(g, m);
+    char* out = m == g->node ? r.rows_own.ptr : r.rows_out.ptr + i * Tm * r.row_bytes;
+    pass.y = out;
+    pass.ex = exchange_args(h, kOpCombine, 0, a.ex.vec != 0, m);
+    pass.ex.outputs[0] = OutputSpan{out, (long long)(Tm * r.row_bytes)};
+    EP_CUDA(launch_combine(pass, stream));
+    fin.parts[m] = out;
+    if (m == g->node) continue;
+    char* in = r.rows_in.ptr + i * Tm * r.row_bytes;
+    msgs[m] = {out, rail_tokens(h, m * g->node_size + g->node_rank) * g->row_bytes, in,
+               rail_tokens(h, g->rank) * g->row_bytes};
+    fin.parts[m] = in;
+  }
+  EP_RETURN_IF(rail_exchange(g, msgs, stream));
+  EP_CUDA(launch_combine_nodes(fin, stream));
+  return ncclSuccess;
+}
+
+// The probs' backward over nodes: every node's values in slot order, the rail, the merge here.
+ncclResult_t combine_probs_nodes(ncclEpHandle* h, const CombineProbsArgs& a,
+                                 cudaStream_t stream) {
+  ncclEpGroup* g = h->group;
+  const RailBuffers& r = g->rail;
+  const size_t Tm = (size_t)g->cfg.max_tokens_per_rank;
+  MergeProbsArgs fin;
+  fin.prob_bytes = a.prob_bytes;
+  fin.grad_dense = a.grad_dense;
+  fin.own_routing = h->slot->own_routing.ptr;
+  fin.tokens = h->num_tokens;
+  fin.topk = h->topk;
+  fin.num_experts = g->cfg.num_experts;
+  fin.experts_per_node = g->node_size * g->num_local;
+  fin.num_nodes = g->num_nodes;
+  fin.grad = a.grad;
+  std::vector<RailMessage> msgs(g->num_nodes);
+  for (int m = 0; m < g->num_nodes; ++m) {
+    CombineProbsArgs pass = a;
+    const size_t i = remote_index(g, m);
+    char* out = m == g->node ? r.probs_own.ptr : r.probs_out.ptr + i * Tm * r.grad_row_bytes;
+    pass.grad = out;
+    pass.grad_dense = 0;  // [T, K] per node; merged into the caller's layout at the end
+    pass.ex = exchange_args(h, kOpCombineProbs, a.prob_bytes, false, m);
+    pass.ex.outputs[0] = OutputSpan{out, (long long)(Tm * r.grad_row_bytes)};
+    EP_CUDA(launch_combine_probs(pass, stream));
+    fin.parts[m] = out;
+    if (m == g->node) continue;
+    char* in = r.probs_in.ptr + i * Tm * r.prob_row_bytes;
+    msgs[m] = {out, rail_tokens(h, m * g->node_size + g->node_rank) * r.grad_row_bytes, in,
+               rail_tokens(h, g->rank) * r.grad_row_bytes};
+    fin.parts[m] = in;
+  }
+  EP_RETURN_IF(rail_exchange(g, msgs, stream));
+  EP_CUDA(launch_merge_probs(fin, stream));
+  return ncclSuccess;
 }
 
 }  // namespace
@@ -151,6 +329,9 @@ extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispat
   a.ex = exchange_args(handle, kOpDispatch, with_probs ? a.prob_bytes : 0, vec);
   a.ex.outputs[0] = OutputSpan{a.recv_x, N * (long long)g->row_bytes};
   if (with_probs) a.ex.outputs[1] = OutputSpan{a.recv_probs, N * a.prob_bytes};
+  if (g->num_nodes > 1)
+    return dispatch_nodes(handle, a, with_probs,
+                          a.probs_dense ? g->cfg.num_experts : handle->topk, stream);
   EP_CUDA(launch_dispatch(a, stream));
   return ncclSuccess;
 }
@@ -172,6 +353,7 @@ extern "C" ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombine
   const bool vec = g->row_bytes % 16 == 0 && aligned16(a.expert_out) && aligned16(a.y);
   a.ex = exchange_args(handle, kOpCombine, 0, vec);
   a.ex.outputs[0] = OutputSpan{a.y, T * (long long)g->row_bytes};
+  if (g->num_nodes > 1) return combine_nodes(handle, a, stream);
   EP_CUDA(launch_combine(a, stream));
   return ncclSuccess;
 }
@@ -200,6 +382,7 @@ extern "C" ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
   a.ex = exchange_args(handle, kOpCombineProbs, a.prob_bytes, false);
   const long long cols = a.grad_dense ? handle->group->cfg.num_experts : handle->topk;
   a.ex.outputs[0] = OutputSpan{a.grad, handle->num_tokens * cols * a.prob_bytes};
+  if (handle->group->num_nodes > 1) return combine_probs_nodes(handle, a, stream);
   EP_CUDA(launch_combine_probs(a, stream));
   return ncclSuccess;
 }

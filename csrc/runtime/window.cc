@@ -13,6 +13,8 @@
  *    refused on every rank with the reason, before any kernel touches them.
  *  - peers[rank] is this rank's buffer in NCCL's flat LSA mapping, an alias of win_buf at another
  *    virtual address; kernels use peers[] only.
+ *  - The window spans the node (node_comm, its node_size ranks, indexed by node_rank): the whole
+ *    group on one node.
  */
 #include "internal.h"
 
@@ -33,21 +35,23 @@ bool is_device_memory(const void* p) {
 }  // namespace
 
 ncclResult_t open_nccl_window(ncclEpGroup* g, cudaStream_t stream) {
-  const int R = g->nranks;
+  const int R = g->node_size, me = g->node_rank;
+  const int base = g->node * g->node_size;  // messages name ranks of the group
   EP_NCCL(ncclMemAlloc(&g->win_buf, g->win.bytes));
-  EP_NCCL(ncclCommWindowRegister(g->comm, g->win_buf, g->win.bytes, &g->nccl_win,
+  EP_NCCL(ncclCommWindowRegister(g->node_comm, g->win_buf, g->win.bytes, &g->nccl_win,
                                  NCCL_WIN_COLL_SYMMETRIC));
   EP_CUDA(cudaMemsetAsync(g->win_buf, 0, g->win.bytes, stream));
   std::vector<int> window_ok(R);
   // The handle is a device pointer to NCCL's window descriptor (read by ncclGetPeerPointer).
   const int mine_ok = g->nccl_win != nullptr && is_device_memory(g->nccl_win);
-  EP_RETURN_IF(host_all_gather(g, &mine_ok, sizeof(mine_ok), window_ok.data(), stream));
+  EP_RETURN_IF(host_all_gather(g->node_comm, R, me, &mine_ok, sizeof(mine_ok), window_ok.data(),
+                               stream));
   for (int r = 0; r < R; ++r) {
     EP_CHECK(window_ok[r], ncclInvalidUsage,
              "NCCL registered no usable symmetric memory window on rank %d (symmetric memory is "
              "unavailable there: NCCL_CUMEM_ENABLE=0, NCCL_WIN_ENABLE=0 or no GPU peer access); "
              "the nccl_ep CUDA backend needs it",
-             r);
+             base + r);
   }
   EP_RETURN_IF(alloc_device(g, reinterpret_cast<void**>(&g->d_peers), sizeof(void*) * R));
   g->peers.assign(R, nullptr);
@@ -59,21 +63,22 @@ ncclResult_t open_nccl_window(ncclEpGroup* g, cudaStream_t stream) {
   // ranks fail together.
   std::vector<int> mapped(R), all_mapped((size_t)R * R);
   for (int r = 0; r < R; ++r) mapped[r] = g->peers[r] != nullptr && is_device_memory(g->peers[r]);
-  EP_RETURN_IF(host_all_gather(g, mapped.data(), sizeof(int) * R, all_mapped.data(), stream));
+  EP_RETURN_IF(host_all_gather(g->node_comm, R, me, mapped.data(), sizeof(int) * R,
+                               all_mapped.data(), stream));
   for (int a = 0; a < R; ++a) {
     for (int r = 0; r < R; ++r) {
       EP_CHECK(all_mapped[(size_t)a * R + r], ncclInvalidUsage,
                "rank %d cannot reach rank %d's symmetric window as device memory (NCCL returned "
                "%s pointer: symmetric memory is unavailable, e.g. NCCL_CUMEM_ENABLE=0 on NCCL "
                "2.28); the nccl_ep CUDA backend needs NVLink load/store access between all ranks",
-               a, r, a == g->rank && g->peers[r] == nullptr ? "no" : "a non-device");
+               base + a, base + r, a == me && g->peers[r] == nullptr ? "no" : "a non-device");
     }
   }
   return ncclSuccess;
 }
 
 void close_window(ncclEpGroup* g) {
-  if (g->nccl_win != nullptr) ncclCommWindowDeregister(g->comm, g->nccl_win);
+  if (g->nccl_win != nullptr) ncclCommWindowDeregister(g->node_comm, g->nccl_win);
   g->nccl_win = nullptr;
   if (g->win_buf != nullptr && g->team == nullptr) ncclMemFree(g->win_buf);
   g->win_buf = nullptr;

@@ -113,14 +113,16 @@ def full_pass(handle, x, probs, grads, device):
             "grad_expert_out": expert_out.grad, "combine_probs": grad_probs_direct}
 
 
-def check_parity(case_name: str, seed: int, subgroups=None, from_map: bool = False) -> str:
+def check_parity(case_name: str, seed: int, subgroups=None, from_map: bool = False,
+                 ranks_per_node: int = 0) -> str:
     """``subgroups``: member lists partitioning the world; each becomes its own EP group (ranks
     numbered inside it), as Megatron's expert-parallel groups are. ``from_map``: the handles are
     made from the dense routing map of the case's routing (a router's output), whose top-k form
-    must agree bitwise too."""
+    must agree bitwise too. ``ranks_per_node``: both groups split into nodes of that many ranks
+    (docs/design.md §4; the cuda backend's rail transfers, tests/gpu/test_cuda_nodes.py)."""
     rank, world = ep_cases.rank_and_size()
     device = torch.device("cuda", torch.cuda.current_device())
-    extra = {}
+    extra = {"ranks_per_node": ranks_per_node} if ranks_per_node else {}
     if subgroups is not None:
         pgs = [tdist.new_group(members) for members in subgroups]
         which = next(i for i, m in enumerate(subgroups) if rank in m)
@@ -141,6 +143,9 @@ def check_parity(case_name: str, seed: int, subgroups=None, from_map: bool = Fal
                                    "reference topk_idx of routing_map")
     else:
         h_ref, h_cuda = ref.create_handle(idx), cuda.create_handle(idx)
+    if ranks_per_node:
+        info = cuda.info()
+        assert info["ranks_per_node"] == ranks_per_node and info["rail_bytes"] > 0, info
 
     n = h_ref.num_recv_tokens
     assert h_cuda.num_recv_tokens == n, f"num_recv_tokens {h_cuda.num_recv_tokens}, expected {n}"
