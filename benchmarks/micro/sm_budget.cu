@@ -199,14 +199,14 @@ __global__ void __launch_bounds__(WARPS * 32) combine_tma(const char* eo, char* 
   }
 }
 
-// The engine's sum_token on the same work: per token a source list of its K rows, then the
-// library's staging (bulk copies into 2 x 8 KiB per warp). CTA b takes the engine's contiguous
-// token range; FINAL: the receivers' stage-2 path (own partial rounded, then the chain).
+// The engine's token sums on the same work: per token a source list of its K rows, then the
+// library's staging stream (bulk copies into 2 x 8 KiB per warp, the next token's first segment
+// loading while the current one's last is summed). CTA b takes the engine's contiguous token
+// range; FINAL: the receivers' stage-2 path (own partial rounded, then the chain).
 template <bool FINAL>
 __global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
     combine_library(const char* eo, char* y, const int* rr) {
   using namespace nccl_ep;
-  using P = Pack<__nv_bfloat16, 8>;
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   const WarpStaging ws = warp_staging();
   if (lane == 0) {
@@ -215,14 +215,18 @@ __global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
   }
   __syncwarp();
   const int t1 = (int)((long long)T * (blockIdx.x + 1) / gridDim.x);
-  for (int t = (int)((long long)T * blockIdx.x / gridDim.x) + wid; t < t1; t += kCombineWarps) {
-    if (lane < K) ws.src[lane] = eo + (size_t)rr[t * K + lane] * ROWB;
-    __syncwarp();
-    sum_token<__nv_bfloat16, 8, FINAL>({ws.src, K, 0, 0}, ws,
-                                       reinterpret_cast<P*>(y + (size_t)t * ROWB), ROWB / 16, true,
-                                       lane);
-    __syncwarp();
-  }
+  int t = (int)((long long)T * blockIdx.x / gridDim.x) + wid - kCombineWarps;
+  sum_tokens<__nv_bfloat16, 8, FINAL>(ws, ROWB / 16, true, lane,
+                                      [&](const char** src, TokenJob* job) {
+    t += kCombineWarps;
+    if (t >= t1) return false;
+    if (lane < K) src[lane] = eo + (size_t)rr[t * K + lane] * ROWB;
+    job->dst = y + (size_t)t * ROWB;
+    job->n_rows = K;
+    job->n_parts = 0;
+    job->own_at = 0;
+    return true;
+  });
 }
 
 // ---- ceilings ----

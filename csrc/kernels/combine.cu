@@ -27,21 +27,36 @@
 
 namespace nccl_ep {
 
-// Calls item(p, c, i) for the tokens c.begin + i of chunk j of every peer p (their tokens: the
-// combine side sends for the peers' tokens), one warp per item, the numbering continued across
-// peers so that small chunks balance over the warps.
-template <typename Item>
-EP_DEVICE void for_peer_tokens(const ExchangeArgs& e, const ExchangeShared& sh, int b, int j,
-                               int warp, int nwarps, Item item) {
-  int first = 0;
-  for (int p = 0; p < e.num_ranks; ++p) {
-    if (p == e.rank) continue;
-    const ChunkRange c = chunk_of(sh.tokens[p], e.win, b, j);
-    const int n = c.size();
-    for (int i = ((warp - first) % nwarps + nwarps) % nwarps; i < n; i += nwarps) item(p, c, i);
-    first += n;
+// The tokens c.begin + i of chunk j of every peer p (their tokens: the combine side sends for
+// the peers' tokens) that one warp handles: the numbering is continued across peers, so that
+// small chunks balance over the warps.
+struct PeerTokens {
+  const ExchangeArgs& e;
+  const ExchangeShared& sh;
+  int b, j, nwarps;
+  int p = -1, i = 0, first, n = 0;  // the current peer, item, and the peers' items before it
+  ChunkRange c{0, 0};
+
+  EP_DEVICE PeerTokens(const ExchangeArgs& e_, const ExchangeShared& sh_, int b_, int j_,
+                       int warp, int nwarps_)
+      : e(e_), sh(sh_), b(b_), j(j_), nwarps(nwarps_), first(-warp) {}
+
+  // Moves to this warp's next item; false after the last.
+  EP_DEVICE bool next() {
+    i += nwarps;
+    while (i >= n) {
+      // Next peer: its first item of this warp continues the numbering.
+      do {
+        if (++p >= e.num_ranks) return false;
+      } while (p == e.rank);
+      first += n;
+      c = chunk_of(sh.tokens[p], e.win, b, j);
+      n = c.size();
+      i = ((-first) % nwarps + nwarps) % nwarps;
+    }
+    return true;
   }
-}
+};
 
 template <typename T, int N>
 struct CombineOp {
@@ -65,20 +80,23 @@ struct CombineOp {
   static __device__ void send_round(const Args& a, ExchangeShared& sh, int b, int j, int warp,
                                     int nwarps, int lane) {
     const ExchangeArgs& e = a.ex;
-    const int w = threadIdx.x >> 5, packs = e.hidden / N;
+    const int w = threadIdx.x >> 5;
     const size_t row_bytes = (size_t)e.hidden * sizeof(T);
-    const WarpStaging ws = warp_staging();
-    const char** src = ws.src;
-    for_peer_tokens(e, sh, b, j, warp, nwarps, [&](int p, const ChunkRange& c, int i) {
-      const int n = collect_rows(e, p, c.begin + i, lane, sh.rows_sh[w], sh.slots_sh[w]);
-      if (n >= 0) {  // else no slot of (p, t) here: nothing to send
+    PeerTokens items(e, sh, b, j, warp, nwarps);
+    sum_tokens<T, N, false>(warp_staging(), e.hidden / N, e.vec, lane,
+                            [&](const char** src, TokenJob* job) {
+      while (items.next()) {
+        const int p = items.p, i = items.i;
+        const int n = collect_rows(e, p, items.c.begin + i, lane, sh.rows_sh[w], sh.slots_sh[w]);
+        if (n < 0) continue;  // no slot of (p, t) here: nothing to send
         point_at_rows(src, a.expert_out, row_bytes, sh.rows_sh[w], n, lane);
-        __syncwarp();
-        P* dst = reinterpret_cast<P*>(
-            ring_row(e.peers[p], e.win, b, ring_index(e.rank, p, e.num_ranks), j, i));
-        sum_token<T, N, false>({src, n, 0, 0}, ws, dst, packs, e.vec, lane);
+        job->dst = ring_row(e.peers[p], e.win, b, ring_index(e.rank, p, e.num_ranks), j, i);
+        job->n_rows = n;
+        job->n_parts = 0;
+        job->own_at = 0;
+        return true;
       }
-      __syncwarp();  // rows_sh and the sources are rewritten by the next item
+      return false;
     });
   }
 
@@ -91,15 +109,17 @@ struct CombineOp {
     const ExchangeArgs& e = a.ex;
     const int w = threadIdx.x >> 5, packs = e.hidden / N;
     const size_t row_bytes = (size_t)e.hidden * sizeof(T);
-    const WarpStaging ws = warp_staging();
-    const char** src = ws.src;
     if (lane == 0) fence_proxy_async_global();  // the peers' partials, acquired, go to bulk copies
     const ChunkRange c = chunk_of(sh.tokens[e.rank], e.win, b, j);
     // The peers' partials of this chunk sit one ring apart: ring q's row i at
     // partials + q * ring_stride + i * row_stride.
     const char* partials = ring_row(e.peers[e.rank], e.win, b, 0, j, 0);
     const size_t ring_stride = (size_t)e.win.depth * e.win.chunk * e.win.row_stride;
-    for (int t = c.begin + warp; t < c.end; t += nwarps) {
+    int t = c.begin + warp - nwarps;
+    sum_tokens<T, N, true>(warp_staging(), packs, e.vec, lane,
+                           [&](const char** src, TokenJob* job) {
+      t += nwarps;
+      if (t >= c.end) return false;
       const unsigned long long mask =
           dest_mask(e.own_routing + (size_t)t * e.topk, e.topk, e.expert_base, e.num_local,
                     e.num_ranks, lane);
@@ -117,12 +137,12 @@ struct CombineOp {
         src[n_own + i] = partials + (size_t)ring_index(d, e.rank, e.num_ranks) * ring_stride +
                          (size_t)(t - c.begin) * e.win.row_stride;
       }
-      __syncwarp();
-      const int own_at = has_own ? __popcll(others & ((1ull << e.rank) - 1ull)) : -1;
-      sum_token<T, N, true>({src, n_own, __popcll(others), own_at}, ws,
-                            reinterpret_cast<P*>(a.y) + (size_t)t * packs, packs, e.vec, lane);
-      __syncwarp();  // rows_sh and the sources are rewritten by the next token
-    }
+      job->dst = reinterpret_cast<Pack<T, N>*>(a.y) + (size_t)t * packs;
+      job->n_rows = n_own;
+      job->n_parts = __popcll(others);
+      job->own_at = has_own ? __popcll(others & ((1ull << e.rank) - 1ull)) : -1;
+      return true;
+    });
   }
 };
 
@@ -142,13 +162,14 @@ struct CombineProbsOp {
   static __device__ void send_round(const Args& a, ExchangeShared& sh, int b, int j, int warp,
                                     int nwarps, int lane) {
     const ExchangeArgs& e = a.ex;
-    for_peer_tokens(e, sh, b, j, warp, nwarps, [&](int p, const ChunkRange& c, int i) {
-      if (lane >= e.topk) return;
-      const int row = token_rows(e, p, c.begin + i)[lane];
-      if (row < 0 || row >= e.rows) return;
+    for (PeerTokens items(e, sh, b, j, warp, nwarps); items.next();) {
+      if (lane >= e.topk) continue;
+      const int p = items.p, i = items.i;
+      const int row = token_rows(e, p, items.c.begin + i)[lane];
+      if (row < 0 || row >= e.rows) continue;
       copy_prob(ring_prob(e.peers[p], e.win, b, ring_index(e.rank, p, e.num_ranks), j, i, lane),
                 grad_recv_at(a, row), a.prob_bytes);
-    });
+    }
   }
 
   static __device__ void recv_prologue(const Args&, ExchangeShared&, int, int, int, int) {}
