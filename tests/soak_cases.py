@@ -42,10 +42,11 @@ CPU = Space(tokens=(0, 1, 2, 7, 16, 33), hidden=(8, 24, 40), local_experts=(1, 2
             dtypes=(BF16, FP16, FP32, FP64), node_sizes=True)
 
 # Rows of 200 bytes (hidden 100 bf16/fp16) are not a multiple of 16 (the kernels' element path);
-# staging (4, 2) and (16, 3) make every op wrap its ring many times; 0 tokens on a rank happens.
+# staging (4, 2) and (16, 3) make every op wrap its ring many times; 0 tokens on a rank happens;
+# ranks per node below the group size take the rail (groups that span nodes).
 GPU = Space(tokens=(0, 1, 17, 300, 1024), hidden=(100, 128, 1024, 2048, 7168),
             local_experts=(1, 4, 32), max_topk=8, dtypes=(BF16, FP16, FP32),
-            alignments=(1, 1, 16), capacity_slack=(None, 0, 37),
+            alignments=(1, 1, 16), capacity_slack=(None, 0, 37), node_sizes=True,
             probs_dtypes=(FP32, BF16, FP16, None), idx_dtypes=(torch.int64, torch.int32),
             routing_maps=(False, True), num_sms=(8, 24), staging=((0, 0), (4, 2), (16, 3)))
 

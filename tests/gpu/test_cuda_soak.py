@@ -63,14 +63,16 @@ class SoakGroup:
             device, experts=cfg["num_experts"], hidden=cfg["hidden"],
             max_tokens=cfg["max_tokens"], max_topk=cfg["max_topk"], dtype=cfg["dtype"],
             capacity=self.capacity, expert_alignment=cfg["alignment"], num_sms=cfg["num_sms"],
-            staging_chunk_tokens=cfg["staging_chunk_tokens"], staging_depth=cfg["staging_depth"])
+            staging_chunk_tokens=cfg["staging_chunk_tokens"], staging_depth=cfg["staging_depth"],
+            ranks_per_node=cfg["ranks_per_node"])
 
     def describe(self) -> str:
         c = self.cfg
         mode = f"capacity {self.capacity}" if self.capacity is not None else "exact"
         return (f"E={c['num_experts']} H={c['hidden']} {str(c['dtype'])[6:]} "
                 f"T<={c['max_tokens']} K<={c['max_topk']} A={c['alignment']} {mode} "
-                f"sms={c['num_sms']} staging={c['staging_chunk_tokens']}x{c['staging_depth']}")
+                f"sms={c['num_sms']} staging={c['staging_chunk_tokens']}x{c['staging_depth']} "
+                f"G={c['ranks_per_node'] or 'all'}")
 
     def destroy(self) -> None:
         self.cuda.destroy()
