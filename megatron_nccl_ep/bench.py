@@ -113,6 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-sms", type=int, default=24, help="SM budget of our kernels")
     p.add_argument("--staging-chunk-tokens", type=int, default=0,
                    help="tokens per staging-ring chunk of our kernels (0: the library's choice)")
+    p.add_argument("--ranks-per-node", type=int, default=0,
+                   help="ranks per node of our groups (0: one NVLink domain; smaller: emulated "
+                        "nodes, tokens between them over NCCL send/receive)")
     p.add_argument("--backend", choices=("cuda", "torch", "auto"), default=None,
                    help="our Group's backend; default: cuda on GPUs, torch on cpu")
     p.add_argument("--recv-mode", choices=("exact", "capacity"), default="exact")
@@ -176,6 +179,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--iters, --rotate, --tokens, --hidden must be >= 1 and --warmup >= 0")
     if args.staging_chunk_tokens < 0:
         p.error("--staging-chunk-tokens must be >= 0 (0: the library's choice)")
+    if args.ranks_per_node < 0 or (args.ranks_per_node and args.nproc % args.ranks_per_node):
+        p.error(f"--ranks-per-node must be 0 or a divisor of the process count ({args.nproc})")
     if "all" in args.sweep_tokens:
         p.error("--sweep-tokens takes numbers only")
     if "all" in args.sweep_sms:
@@ -337,6 +342,8 @@ def format_table(result: dict) -> str:
         f"{shape['ranks']} ranks"
         + (f", staging chunks of {shape['staging_chunk_tokens']} tokens"
            if shape.get("staging_chunk_tokens") else "")
+        + (f", emulated nodes of {shape['ranks_per_node']} rank(s) (rail: NCCL send/receive)"
+           if shape.get("ranks_per_node") else "")
         + "; medians of per-iteration slowest rank",
     ]
     if result.get("note"):
@@ -520,7 +527,8 @@ def main(argv=None) -> int:
              "experts": args.experts, "dtype": args.dtype, "num_sms": args.num_sms,
              "ranks": args.nproc, "backend": args.backend, "recv_mode": args.recv_mode,
              "capacity_factor": args.capacity_factor,
-             "staging_chunk_tokens": args.staging_chunk_tokens}
+             "staging_chunk_tokens": args.staging_chunk_tokens,
+             "ranks_per_node": args.ranks_per_node}
     import torch
 
     result = {
@@ -865,7 +873,8 @@ def _section_kernels(me: _Rank) -> None:
                   max_topk=args.topk, dtype=me.dtype, backend=args.backend, device=me.device,
                   recv_mode=args.recv_mode, capacity_factor=args.capacity_factor,
                   num_sms=args.num_sms, timeout_s=args.device_timeout,
-                  staging_chunk_tokens=args.staging_chunk_tokens)
+                  staging_chunk_tokens=args.staging_chunk_tokens,
+                  ranks_per_node=args.ranks_per_node)
     me.emit("info", data={"backend_resolved": group.backend_name})
     sets = []
     for s in range(args.rotate):
@@ -943,7 +952,8 @@ def _section_kernels(me: _Rank) -> None:
                          max_tokens_per_rank=args.tokens, max_topk=min(args.topk, me.world),
                          dtype=me.dtype, backend=args.backend, device=me.device,
                          num_sms=args.num_sms, timeout_s=args.device_timeout,
-                         staging_chunk_tokens=args.staging_chunk_tokens)
+                         staging_chunk_tokens=args.staging_chunk_tokens,
+                         ranks_per_node=args.ranks_per_node)
         for s, st in enumerate(sets):
             dest = torch.zeros(args.tokens, me.world, dtype=torch.bool, device=me.device)
             dest.scatter_(1, st["topk"] // per_rank, True)

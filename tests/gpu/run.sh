@@ -11,7 +11,7 @@
 # TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s), MICRO_TIMEOUT (90 s per
 # microbenchmark; MICRO_SMS: sm_budget's SM count, 24). BENCH_ARGS adds benchmark flags, e.g.
 # BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48" reruns the kernels section per staging
-# chunk size. BENCH_BASELINE=DIR: an A/B against another version of the package (a tree with
+# chunk size, BENCH_NODES="1" per emulated node size (ranks per node). BENCH_BASELINE=DIR: an A/B against another version of the package (a tree with
 # setup.py, csrc/ and megatron_nccl_ep/, carried as an ignored path, e.g. made with
 # `git archive REF | tar -x -C scratch/baseline`): built in /tmp/baseline alongside the other
 # stages, its kernels section runs after ours in the bench stage and its sm_budget in the micro
@@ -225,16 +225,21 @@ if wants bench; then
     [ $rc -eq 0 ] || STATUS=1
     note "- bench: rc $rc ($((SECONDS - start)) s; 1 = some item failed, 124 = timed out)"
     { echo; bench_table <"$OUT/bench.log"; } >>"$SUMMARY"
-    # The kernels again per staging chunk size in BENCH_CHUNKS (e.g. "24 48"), appended to
-    # bench.log: an A/B of the chunk against the warps that share it, without a rebuild.
-    for chunk in ${BENCH_CHUNKS:-}; do
+    # The kernels again per staging chunk size in BENCH_CHUNKS (e.g. "24 48": an A/B of the
+    # chunk against the warps that share it, without a rebuild) and per emulated node size in
+    # BENCH_NODES (e.g. "1": the rail next to NVLink), appended to bench.log.
+    variants=()
+    for chunk in ${BENCH_CHUNKS:-}; do variants+=("staging chunks of $chunk tokens|--staging-chunk-tokens $chunk"); done
+    for g in ${BENCH_NODES:-}; do variants+=("nodes of $g rank(s)|--ranks-per-node $g"); done
+    for variant in "${variants[@]}"; do
         start=$SECONDS
+        # shellcheck disable=SC2086 # the variant's flags are a list
         log=$(timeout -k 10 "$BENCH_TIMEOUT" "$PY" -m megatron_nccl_ep.bench --sections kernels \
-            --staging-chunk-tokens "$chunk" --time-budget $((BENCH_TIMEOUT - 20)) 2>&1)
+            ${variant#*|} --time-budget $((BENCH_TIMEOUT - 20)) 2>&1)
         rc=$?
         [ $rc -eq 0 ] || STATUS=1
-        { echo "==== staging chunks of $chunk tokens"; echo "$log"; } >>"$OUT/bench.log"
-        note "- bench, staging chunks of $chunk tokens: rc $rc ($((SECONDS - start)) s)"
+        { echo "==== ${variant%%|*}"; echo "$log"; } >>"$OUT/bench.log"
+        note "- bench, ${variant%%|*}: rc $rc ($((SECONDS - start)) s)"
         bench_table <<<"$log" >>"$SUMMARY"
     done
     # The baseline's kernels section (BENCH_BASELINE), appended to bench.log likewise.
