@@ -22,7 +22,7 @@
 #include <random>
 #include <cstring>
 
-// The library's own per-token sum (csrc/kernels/token_sum.cuh), timed outside the exchange engine.
+// The library's own token sums (csrc/kernels/token_sum.cuh), timed outside the exchange engine.
 #include "../../csrc/kernels/token_sum.cuh"
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1);} } while (0)

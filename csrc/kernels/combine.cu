@@ -65,6 +65,7 @@ struct CombineOp {
   static constexpr bool kSendsOwnTokens = false;
   static constexpr int kWarps = kCombineWarps;
   static constexpr size_t kStagingBytes = kCombineStagingBytes;
+  static_assert(kWarps <= kCombineWarps, "warp_staging() sizes its arrays by kCombineWarps");
   // Host and device: the launch reads the channel count through it.
   static __host__ __device__ const ExchangeArgs& ex(const Args& a) { return a.ex; }
 

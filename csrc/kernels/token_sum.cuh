@@ -6,7 +6,7 @@
  * NOTES:
  *  - acc = float32; round = the token dtype's round-to-nearest-even. Every sum starts from +0.0f
  *    and is a chain of single adds in the contract's order; nothing is reordered or fused.
- *  - A warp owns its staging (source list, buffers, barriers): no cross-warp synchronization.
+ *  - A warp owns its staging (source lists, buffers, barriers): no cross-warp synchronization.
  */
 #pragma once
 
@@ -122,19 +122,20 @@ EP_DEVICE void sum_stage(const TokenJob& s, const Pack<T, N>* buf, int seg, int 
 }
 
 // Sums a stream of tokens through the warp's staging buffers, each token's row of `packs` packs.
-// `next(src, job)` (warp-wide) opens the next token: it points src[0, sources) at the token's
-// sources, sets job->dst, n_rows, n_parts and own_at, and returns false when the stream is done.
-// It runs while the bulk copies of the previous segment are in flight, so its own loads (routing,
-// rows) hide behind them.
+// `next(src, job)` opens the next token: it points src[0, sources) at the token's sources, sets
+// job->dst, n_rows, n_parts and own_at, and returns true; or returns false, writing nothing, when
+// the stream is done (it is not called again). It is called by the whole warp and returns the
+// same on every lane. It runs while the bulk copies of the previous segment are in flight, so its
+// own loads (routing, rows) hide behind them.
 //
 // NOTES: one segment is filled ahead of the one summed (kStages = 2), across token boundaries.
-// So at most two tokens are open: the one summed and the one filled, which may be the next or
-// the one after it (a token of one segment); each keeps its source list (id & 1) until its last
-// fill, and the summed one's job is held in registers.
+// Up to three tokens are live: k summed, k + 1 of one segment already filled, k + 2 being filled.
+// Only fills read a source list, so two lists (id & 1) suffice: k + 2 reuses k's list after k's
+// last fill. Sums read the staged buffers and the job (held in registers), never the lists.
 template <typename T, int N, bool kFinal, typename Next>
 EP_DEVICE void sum_tokens(const WarpStaging& ws, int packs, bool bulk, int lane, Next next) {
   using P = Pack<T, N>;
-  static_assert(kStages == 2, "one segment in flight ahead: two buffers, two open tokens");
+  static_assert(kStages == 2, "one segment in flight ahead: two buffers, two source lists");
   unsigned opened = 0;
   // Opens the next token into *job (id = tokens opened so far); false when the stream is done.
   auto open = [&](TokenJob* job) -> bool {
