@@ -141,6 +141,8 @@ struct CombineNodesArgs {
   int experts_per_node;     // G * L
   int num_nodes;
   const void* parts[kMaxRanks];  // node n's partials of this rank's tokens, [T, hidden]
+  const DeviceState* state;      // a stopped group: y is poisoned (0xFF), as every op's output
+  const ErrorInfo* err;
   void* y;
 };
 
@@ -154,6 +156,8 @@ struct MergeProbsArgs {
   int experts_per_node;
   int num_nodes;
   const void* parts[kMaxRanks];  // [T, topk] per node
+  const DeviceState* state;      // a stopped group: grad is poisoned (0xFF)
+  const ErrorInfo* err;
   void* grad;
 };
 

@@ -208,6 +208,17 @@ struct CombineProbsOp {
   }
 };
 
+// True when the group stopped (a device-side error here, or a peer's of this node): the outputs
+// of the op are poisoned, as the engine's are.
+__device__ __forceinline__ bool group_stopped(const DeviceState* state, const ErrorInfo* err) {
+  return ld_volatile_u64(&state->failed) != 0 || ld_volatile_int(&err->code) != kErrNone;
+}
+
+// One warp fills `bytes` at p with 0xFF (NaN in every float dtype).
+__device__ __forceinline__ void poison_row(void* p, size_t bytes, int lane) {
+  for (size_t i = lane; i < bytes; i += 32) reinterpret_cast<unsigned char*>(p)[i] = 0xFF;
+}
+
 // Step 2b (groups that span nodes): one warp per token; lane k finds slot k's node, the warp
 // the set of nodes, then each lane sums its packs over those nodes in ascending order.
 template <typename T, int N>
@@ -216,6 +227,11 @@ __global__ void combine_nodes_kernel(const CombineNodesArgs a) {
   const int lane = threadIdx.x & 31;
   const long long t = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (t >= a.tokens) return;
+  if (group_stopped(a.state, a.err)) {
+    poison_row(reinterpret_cast<char*>(a.y) + t * a.hidden * sizeof(T), a.hidden * sizeof(T),
+               lane);
+    return;
+  }
   const int expert = lane < a.topk ? a.own_routing[t * a.topk + lane] : -1;
   const int node = expert >= 0 ? expert / a.experts_per_node : -1;
   const bool ok = node >= 0 && node < a.num_nodes;
@@ -248,13 +264,18 @@ __global__ void merge_probs_kernel(const MergeProbsArgs a) {
   const int lane = threadIdx.x & 31;
   const long long t = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (t >= a.tokens) return;
+  const int cols = a.grad_dense ? a.num_experts : a.topk;
+  if (group_stopped(a.state, a.err)) {
+    poison_row(reinterpret_cast<char*>(a.grad) + (size_t)t * cols * a.prob_bytes,
+               (size_t)cols * a.prob_bytes, lane);
+    return;
+  }
   const int expert = lane < a.topk ? a.own_routing[t * a.topk + lane] : -1;
   const int node = expert >= 0 ? expert / a.experts_per_node : -1;
   const char* from = node >= 0 && node < a.num_nodes
                          ? reinterpret_cast<const char*>(a.parts[node]) +
                                ((size_t)t * a.topk + lane) * a.prob_bytes
                          : nullptr;
-  const int cols = a.grad_dense ? a.num_experts : a.topk;
   char* row_out = reinterpret_cast<char*>(a.grad) + (size_t)t * cols * a.prob_bytes;
   if (a.grad_dense) {
     for (int col = lane; col < cols; col += 32)

@@ -80,12 +80,17 @@ WindowLayout plan_window(const ncclEpGroupConfig_t& c, int nranks /* of the node
   return w;
 }
 
-ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks) {
+ncclResult_t check_config_version(const ncclEpGroupConfig_t* c) {
   EP_CHECK(c->size >= sizeof(ncclEpGroupConfig_t) && c->version == NCCL_EP_API_VERSION,
            ncclInvalidArgument,
            "ncclEpCreateGroup: config.size/version (%zu/%u) do not match this library (%zu/%d); "
            "initialize the config with NCCL_EP_GROUP_CONFIG_INITIALIZER",
            c->size, c->version, sizeof(ncclEpGroupConfig_t), NCCL_EP_API_VERSION);
+  return ncclSuccess;
+}
+
+ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_size) {
+  EP_RETURN_IF(check_config_version(c));
   EP_CHECK(c->mode == ncclEpModeHighThroughput, ncclInvalidUsage,
            "ncclEpCreateGroup: mode %d is not implemented (only ncclEpModeHighThroughput)",
            (int)c->mode);
@@ -144,7 +149,7 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks) {
            "ncclEpCreateGroup: group size x max_tokens_per_rank x max_topk (%lld) must stay "
            "below 2^31",
            slots);
-  const WindowLayout w = plan_window(*c, nranks);
+  const WindowLayout w = plan_window(*c, node_size);
   const long long per_channel = (c->max_tokens_per_rank + w.channels - 1) / w.channels;
   EP_CHECK((per_channel + w.chunk - 1) / w.chunk <= kMaxChunksPerChannel, ncclInvalidArgument,
            "ncclEpCreateGroup: max_tokens_per_rank=%d needs more than %d chunks of %d tokens per "
@@ -193,6 +198,13 @@ ncclResult_t agree_config(ncclEpGroup* g, int lsa_size, int nccl_version, cudaSt
   const int R = g->nranks;
   std::vector<ConfigRecord> all(R);
   EP_RETURN_IF(host_all_gather(g->comm, R, g->rank, &mine, sizeof(mine), all.data(), stream));
+  for (int r = 0; r < R && c.ranks_per_node == 0; ++r) {
+    EP_CHECK(all[r].lsa_size >= 1 && R % all[r].lsa_size == 0, ncclInvalidUsage,
+             "ncclEpCreateGroup: rank %d sees an LSA team (the ranks that reach each other over "
+             "NVLink) of %lld ranks, which does not divide the group of %d ranks into nodes; set "
+             "ranks_per_node",
+             r, all[r].lsa_size, R);
+  }
   for (int r = 0; r < R; ++r) {
     const long long* a = reinterpret_cast<const long long*>(&all[r]);
     const long long* b = reinterpret_cast<const long long*>(&mine);
@@ -204,8 +216,10 @@ ncclResult_t agree_config(ncclEpGroup* g, int lsa_size, int nccl_version, cudaSt
     }
   }
   const int G = g->node_size;
+  // NCCL's LSA teams are aligned blocks of consecutive ranks: a node of G ranks lies inside one
+  // exactly when G divides the team size.
   for (int r = 0; r < R; ++r) {
-    EP_CHECK(G == 1 || all[r].lsa_size >= G, ncclInvalidUsage,
+    EP_CHECK(G == 1 || all[r].lsa_size % G == 0, ncclInvalidUsage,
              "peers not NVLink-connected: rank %d sees an LSA (load/store accessible) team of %lld "
              "ranks, but its node has ranks_per_node=%d; set ranks_per_node to the LSA team size "
              "or a divisor of it (1: every transfer over NCCL send/receive)",

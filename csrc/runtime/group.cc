@@ -18,6 +18,8 @@
 #include <string.h>
 
 #include <algorithm>
+#include <string>
+#include <vector>
 
 #include "internal.h"
 
@@ -78,7 +80,7 @@ ncclResult_t check_residency(const ncclEpGroupConfig_t& c, int ranks_here) {
 // size of a local team).
 ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int nranks, int rank,
                         int node_size, int ranks_here, cudaStream_t stream) {
-  EP_RETURN_IF(check_config(config, nranks));
+  EP_RETURN_IF(check_config(config, nranks, node_size));
   EP_RETURN_IF(check_residency(*config, ranks_here));
   g->cfg = *config;
   const ncclEpGroupConfig_t& c = g->cfg;
@@ -146,22 +148,41 @@ ncclResult_t open_single_window(ncclEpGroup* g, cudaStream_t stream) {
   return ncclSuccess;
 }
 
+// Groups that span nodes: a step that may fail on some ranks only (a node's window, an
+// allocation) is followed by this, so that every rank of the group fails together, never one
+// node waiting in a collective for another that gave up.
+ncclResult_t fail_together(ncclEpGroup* g, ncclResult_t mine, const char* step,
+                           cudaStream_t stream) {
+  const std::string reason = mine != ncclSuccess ? ncclEpGetLastError() : "";
+  std::vector<int> all(g->nranks);
+  const int code = (int)mine;
+  EP_RETURN_IF(host_all_gather(g->comm, g->nranks, g->rank, &code, sizeof(code), all.data(),
+                               stream));
+  if (mine != ncclSuccess) {
+    set_error("%s", reason.c_str());
+    return mine;
+  }
+  for (int r = 0; r < g->nranks; ++r) {
+    EP_CHECK(all[r] == (int)ncclSuccess, (ncclResult_t)all[r],
+             "ncclEpCreateGroup: rank %d failed at %s (its error says why); every rank of the "
+             "group fails with it",
+             r, step);
+  }
+  return ncclSuccess;
+}
+
 ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGroupConfig_t* config,
                                cudaStream_t stream) {
   g->comm = comm;
   int nranks = 0, rank = 0;
   EP_NCCL(ncclCommCount(comm, &nranks));
   EP_NCCL(ncclCommUserRank(comm, &rank));
+  EP_RETURN_IF(check_config_version(config));
   const int lsa = lsa_team_size(comm);
-  // Ranks per node: as asked (checked with the config), or the LSA team; the agreement below
-  // makes every rank fail together if they differ.
-  const int node_size = config->ranks_per_node > 0 ? config->ranks_per_node : lsa;
-  EP_CHECK(config->ranks_per_node > 0 || (lsa >= 1 && nranks % lsa == 0),
-           ncclInvalidUsage,
-           "ncclEpCreateGroup: NCCL's LSA team (the ranks that reach each other over NVLink) has "
-           "%d ranks, which does not divide the group of %d ranks into nodes; set "
-           "ranks_per_node",
-           lsa, nranks);
+  // Ranks per node: as asked (checked with the config), or the LSA team. An LSA team that does
+  // not divide the group is refused by the agreement below, on every rank together.
+  int node_size = config->ranks_per_node > 0 ? config->ranks_per_node : lsa;
+  if (config->ranks_per_node == 0 && (lsa < 1 || nranks % lsa != 0)) node_size = nranks;
   EP_RETURN_IF(init_group(g, config, nranks, rank, node_size, 1, stream));
   int runtime_version = 0;
   EP_NCCL(ncclGetVersion(&runtime_version));
@@ -171,16 +192,26 @@ ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGrou
            NCCL_VERSION_CODE, runtime_version);
   EP_RETURN_IF(agree_config(g, lsa, runtime_version, stream));
   g->node_comm = comm;
-  if (g->num_nodes > 1) {
+  if (g->num_nodes == 1) {
+    EP_RETURN_IF(g->node_size == 1 ? open_single_window(g, stream) : open_nccl_window(g, stream));
+  } else {
     // Collective over comm, in the same order on every rank (all agreed on the node size).
     if (g->node_size > 1) EP_NCCL(ncclCommSplit(comm, g->node, rank, &g->node_comm, nullptr));
     EP_NCCL(ncclCommSplit(comm, g->node_rank, rank, &g->rail_comm, nullptr));
-    EP_RETURN_IF(alloc_rail(g));
-  }
-  if (g->node_size == 1) {
-    EP_RETURN_IF(open_single_window(g, stream));
-  } else {
-    EP_RETURN_IF(open_nccl_window(g, stream));
+    ncclResult_t res = alloc_rail(g);
+    if (res == ncclSuccess && g->node_size > 1) {
+      const int node_lsa = lsa_team_size(g->node_comm);
+      if (node_lsa != g->node_size) {
+        set_error("ncclEpCreateGroup: the node of rank %d (ranks %d..%d) is not one NVLink (LSA) "
+                  "team: NCCL gives it a team of %d ranks; set ranks_per_node to a divisor of "
+                  "the LSA team size",
+                  rank, g->node * g->node_size, (g->node + 1) * g->node_size - 1, node_lsa);
+        res = ncclInvalidUsage;
+      }
+    }
+    EP_RETURN_IF(fail_together(g, res, "the node communicators or the rail buffers", stream));
+    res = g->node_size == 1 ? open_single_window(g, stream) : open_nccl_window(g, stream);
+    EP_RETURN_IF(fail_together(g, res, "its node's window", stream));
   }
   EP_CUDA(cudaStreamSynchronize(stream));
   return ncclSuccess;
@@ -243,6 +274,7 @@ extern "C" ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
   EP_CHECK(nranks >= 1 && nranks <= kMaxRanks, ncclInvalidArgument,
            "ncclEpCreateLocalTeam: nranks must be in [1, %d], got %d", kMaxRanks, nranks);
   for (int r = 0; r < nranks; ++r) groups[r] = nullptr;
+  EP_RETURN_IF(check_config_version(config));
   EP_CHECK(config->ranks_per_node == 0 || config->ranks_per_node == nranks, ncclInvalidUsage,
            "ncclEpCreateLocalTeam: a local team is one node (ranks_per_node 0 or %d), got %d",
            nranks, config->ranks_per_node);

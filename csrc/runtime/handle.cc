@@ -52,8 +52,9 @@ ncclResult_t read_layout(ncclEpHandle* h) {
   if (g->capacity >= 0) return ncclSuccess;  // nothing to read: the count is the capacity
   if (!h->layout_read) {
     EP_CUDA(cudaEventSynchronize(h->slot->meta_ready));
-    // A group error (a failed barrier: the records may be stale) explains any layout error.
-    EP_RETURN_IF(check_group_errors(g));
+    // A group error (a failed barrier: the records may be stale) explains any layout error. (A
+    // group that spans nodes has no barrier here, and its ops defer group errors: ops.cc.)
+    if (g->num_nodes == 1) EP_RETURN_IF(check_group_errors(g));
     const LayoutMeta* m = h->slot->host_meta;
     if (m->err.code != kErrNone) {
       h->layout_result = report_error(g, m->err, m);
@@ -170,7 +171,10 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   if (g->capacity >= 0) {
     h->num_recv = g->capacity;
     h->layout_read = true;
-    if (fits) return ncclSuccess;
+    // Over nodes the error is every rank's (all validate all records) and comes with the next
+    // op, after its NCCL calls, as the other ranks' does: raising here alone would leave them in
+    // those calls.
+    if (fits || g->num_nodes > 1) return ncclSuccess;
     // This rank knows it failed: an error path may wait for the layout, whose error word holds
     // the error all ranks agree on (the lowest failing rank's, maybe not this one's).
     EP_CUDA(cudaStreamSynchronize(stream));
@@ -197,7 +201,14 @@ extern "C" ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t
   EP_CHECK(group != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: group is NULL");
   EP_CHECK(routing != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: routing is NULL");
   EP_RETURN_IF(check_op_config(config, "ncclEpCreateHandle"));
-  EP_RETURN_IF(check_group_errors(group));
+  // A group that spans nodes makes its NCCL calls also after a device-side error (see ops.cc)
+  // and returns the error after them.
+  DeferredError sticky;
+  if (group->num_nodes == 1) {
+    EP_RETURN_IF(check_group_errors(group));
+  } else {
+    sticky.take(check_group_errors(group));
+  }
   ncclEpHandle* h = new ncclEpHandle();
   h->group = group;
   {
@@ -205,6 +216,7 @@ extern "C" ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t
     group->live.push_back(h);
   }
   ncclResult_t res = create_handle(h, routing, stream);
+  if (res == ncclSuccess) res = sticky.result();
   if (res != ncclSuccess) {
     std::lock_guard<std::mutex> lock(group->mu);
     destroy_handle_state(h);

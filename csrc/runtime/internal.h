@@ -195,7 +195,8 @@ struct ncclEpHandle {
 namespace nccl_ep {
 
 // config.cc
-ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks);
+ncclResult_t check_config_version(const ncclEpGroupConfig_t* c);  // size and version only
+ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_size);
 // Sizes and offsets of the window for this config (the same on every rank of a node of nranks).
 WindowLayout plan_window(const ncclEpGroupConfig_t& c, int nranks);
 int default_channels(const ncclEpGroupConfig_t& c);
@@ -218,6 +219,23 @@ size_t slot_device_bytes(const ncclEpGroup* g);
 
 // group.cc
 ncclResult_t check_group_errors(ncclEpGroup* g);
+// An error kept for later: a group that spans nodes still makes an op's NCCL calls after a
+// device-side error (its rail peers would wait for them forever) and returns it afterwards.
+struct DeferredError {
+  ncclResult_t res = ncclSuccess;
+  std::string message;
+  void take(ncclResult_t r) {
+    if (r != ncclSuccess && res == ncclSuccess) {
+      res = r;
+      message = ncclEpGetLastError();
+    }
+  }
+  // The kept error (its message restored), else ncclSuccess.
+  ncclResult_t result() const {
+    if (res != ncclSuccess) set_error("%s", message.c_str());
+    return res;
+  }
+};
 // The handle-creation barrier; `call` is its call_signature().
 ncclResult_t barrier(ncclEpGroup* g, unsigned call, cudaStream_t stream);
 

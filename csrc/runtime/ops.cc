@@ -88,10 +88,18 @@ int send_warps(OpKind op, int num_ranks) {
   return 4;
 }
 
-ncclResult_t check_entry(ncclEpHandle_t handle, const ncclEpOpConfig_t* config, const char* fn) {
+// A group's device-side error is returned before anything is launched, or, over nodes, kept in
+// `sticky` and returned after the op's NCCL calls: the op's kernels stop at once and poison
+// their outputs, and no rail peer is left waiting for this rank's messages.
+ncclResult_t check_entry(ncclEpHandle_t handle, const ncclEpOpConfig_t* config, const char* fn,
+                         DeferredError* sticky) {
   EP_CHECK(handle != nullptr, ncclInvalidArgument, "%s: handle is NULL", fn);
   EP_RETURN_IF(check_op_config(config, fn));
-  EP_RETURN_IF(check_group_errors(handle->group));
+  if (handle->group->num_nodes == 1) {
+    EP_RETURN_IF(check_group_errors(handle->group));
+  } else {
+    sticky->take(check_group_errors(handle->group));
+  }
   return read_layout(handle);  // exact mode: N_d (and the handle's routing errors)
 }
 
@@ -180,14 +188,15 @@ ncclResult_t dispatch_nodes(ncclEpHandle* h, DispatchArgs a, bool with_probs, in
   const size_t Tm = (size_t)g->cfg.max_tokens_per_rank, T = (size_t)h->num_tokens;
   const size_t prob_bytes = (size_t)probs_cols * a.prob_bytes;  // of one token's probs
   const long long mine = rail_tokens(h, g->rank);
-  const void* x = a.x;
+  const void* x = a.x != nullptr ? a.x : r.rows_own.ptr;  // (no tokens: a valid, empty send)
   const void* probs = a.probs;
   if (g->capacity >= 0) {  // fixed-size messages: from staging copies
-    EP_CUDA(cudaMemcpyAsync(r.rows_own.ptr, x, T * g->row_bytes, cudaMemcpyDeviceToDevice,
-                            stream));
+    if (T > 0)
+      EP_CUDA(cudaMemcpyAsync(r.rows_own.ptr, x, T * g->row_bytes, cudaMemcpyDeviceToDevice,
+                              stream));
     x = r.rows_own.ptr;
   }
-  if (with_probs) {  // always staged: the message has the fixed size of max(E, Kmax) x 8
+  if (with_probs && T > 0) {  // always staged: the message has the fixed size max(E, Kmax) x 8
     EP_CUDA(cudaMemcpyAsync(r.probs_own.ptr, probs, T * prob_bytes, cudaMemcpyDeviceToDevice,
                             stream));
   }
@@ -232,6 +241,8 @@ ncclResult_t combine_nodes(ncclEpHandle* h, const CombineArgs& a, cudaStream_t s
   fin.hidden = g->cfg.hidden;
   fin.experts_per_node = g->node_size * g->num_local;
   fin.num_nodes = g->num_nodes;
+  fin.state = g->d_state;
+  fin.err = g->d_err;
   fin.y = a.y;
   std::vector<RailMessage> msgs(g->num_nodes);
   for (int m = 0; m < g->num_nodes; ++m) {
@@ -269,6 +280,8 @@ ncclResult_t combine_probs_nodes(ncclEpHandle* h, const CombineProbsArgs& a,
   fin.num_experts = g->cfg.num_experts;
   fin.experts_per_node = g->node_size * g->num_local;
   fin.num_nodes = g->num_nodes;
+  fin.state = g->d_state;
+  fin.err = g->d_err;
   fin.grad = a.grad;
   std::vector<RailMessage> msgs(g->num_nodes);
   for (int m = 0; m < g->num_nodes; ++m) {
@@ -301,7 +314,8 @@ using namespace nccl_ep;
 extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispatchInputs_t* inputs,
                                        ncclEpDispatchOutputs_t* outputs,
                                        const ncclEpOpConfig_t* config, cudaStream_t stream) {
-  EP_RETURN_IF(check_entry(handle, config, "ncclEpDispatch"));
+  DeferredError sticky;
+  EP_RETURN_IF(check_entry(handle, config, "ncclEpDispatch", &sticky));
   EP_CHECK(inputs != nullptr && outputs != nullptr, ncclInvalidArgument,
            "ncclEpDispatch: inputs or outputs is NULL");
   ncclEpGroup* g = handle->group;
@@ -329,9 +343,11 @@ extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispat
   a.ex = exchange_args(handle, kOpDispatch, with_probs ? a.prob_bytes : 0, vec);
   a.ex.outputs[0] = OutputSpan{a.recv_x, N * (long long)g->row_bytes};
   if (with_probs) a.ex.outputs[1] = OutputSpan{a.recv_probs, N * a.prob_bytes};
-  if (g->num_nodes > 1)
-    return dispatch_nodes(handle, a, with_probs,
-                          a.probs_dense ? g->cfg.num_experts : handle->topk, stream);
+  if (g->num_nodes > 1) {
+    EP_RETURN_IF(dispatch_nodes(handle, a, with_probs,
+                                a.probs_dense ? g->cfg.num_experts : handle->topk, stream));
+    return sticky.result();
+  }
   EP_CUDA(launch_dispatch(a, stream));
   return ncclSuccess;
 }
@@ -339,7 +355,8 @@ extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispat
 extern "C" ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombineInputs_t* inputs,
                                       ncclEpCombineOutputs_t* outputs,
                                       const ncclEpOpConfig_t* config, cudaStream_t stream) {
-  EP_RETURN_IF(check_entry(handle, config, "ncclEpCombine"));
+  DeferredError sticky;
+  EP_RETURN_IF(check_entry(handle, config, "ncclEpCombine", &sticky));
   EP_CHECK(inputs != nullptr && outputs != nullptr, ncclInvalidArgument,
            "ncclEpCombine: inputs or outputs is NULL");
   ncclEpGroup* g = handle->group;
@@ -353,7 +370,10 @@ extern "C" ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombine
   const bool vec = g->row_bytes % 16 == 0 && aligned16(a.expert_out) && aligned16(a.y);
   a.ex = exchange_args(handle, kOpCombine, 0, vec);
   a.ex.outputs[0] = OutputSpan{a.y, T * (long long)g->row_bytes};
-  if (g->num_nodes > 1) return combine_nodes(handle, a, stream);
+  if (g->num_nodes > 1) {
+    EP_RETURN_IF(combine_nodes(handle, a, stream));
+    return sticky.result();
+  }
   EP_CUDA(launch_combine(a, stream));
   return ncclSuccess;
 }
@@ -362,7 +382,8 @@ extern "C" ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
                                                  const ncclEpTensor_t* grad_recv_topk_weights,
                                                  ncclEpTensor_t* grad_topk_weights,
                                                  cudaStream_t stream) {
-  EP_RETURN_IF(check_entry(handle, nullptr, "ncclEpCombineTopkWeights"));
+  DeferredError sticky;
+  EP_RETURN_IF(check_entry(handle, nullptr, "ncclEpCombineTopkWeights", &sticky));
   EP_CHECK(grad_recv_topk_weights != nullptr && grad_topk_weights != nullptr,
            ncclInvalidArgument, "ncclEpCombineTopkWeights: a tensor argument is NULL");
   const ncclDataType_t pd = grad_recv_topk_weights->dtype;
@@ -382,7 +403,10 @@ extern "C" ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
   a.ex = exchange_args(handle, kOpCombineProbs, a.prob_bytes, false);
   const long long cols = a.grad_dense ? handle->group->cfg.num_experts : handle->topk;
   a.ex.outputs[0] = OutputSpan{a.grad, handle->num_tokens * cols * a.prob_bytes};
-  if (handle->group->num_nodes > 1) return combine_probs_nodes(handle, a, stream);
+  if (handle->group->num_nodes > 1) {
+    EP_RETURN_IF(combine_probs_nodes(handle, a, stream));
+    return sticky.result();
+  }
   EP_CUDA(launch_combine_probs(a, stream));
   return ncclSuccess;
 }

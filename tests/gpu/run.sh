@@ -7,7 +7,8 @@
 #   faults.log  summary.md  (pretrain: pretrain.log in place of example.log)
 # (keep it to 8 files: what a remote runner may copy back). Each stage has its own time limit
 # (choose stages and limits so that a call stays inside 10 minutes): BUILD_TIMEOUT (150 s),
-# TESTS_TIMEOUT (180 s), MEGATRON_TESTS_TIMEOUT (150 s, Megatron's EP overlap on GPUs) and
+# TESTS_TIMEOUT (180 s), NODES_TESTS_TIMEOUT (180 s, groups that span nodes, emulated),
+# MEGATRON_TESTS_TIMEOUT (150 s, Megatron's EP overlap on GPUs) and
 # TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s), MICRO_TIMEOUT (90 s per
 # microbenchmark; MICRO_SMS: sm_budget's SM count, 24). BENCH_ARGS adds benchmark flags, e.g.
 # BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48" reruns the kernels section per staging
@@ -41,6 +42,7 @@ BUILD_TIMEOUT=${BUILD_TIMEOUT:-150}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
 TEAM_TIMEOUT=${TEAM_TIMEOUT:-150}
 MEGATRON_TESTS_TIMEOUT=${MEGATRON_TESTS_TIMEOUT:-150}
+NODES_TESTS_TIMEOUT=${NODES_TESTS_TIMEOUT:-180}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-180}
 BENCH_ARGS=${BENCH_ARGS:-}
 FAULTS_TIMEOUT=${FAULTS_TIMEOUT:-480}
@@ -188,6 +190,8 @@ FAULT_TESTS=(tests/gpu/test_cuda_faults.py tests/gpu/test_cuda_stress.py
              tests/gpu/test_cuda_soak.py)
 # Megatron on GPUs: a run of their own, so that one stuck there leaves the other summaries whole.
 MEGATRON_TESTS=(tests/gpu/test_megatron_overlap.py)
+# Groups that span nodes (emulated: the group option and NCCL_HOSTID): a run of their own too.
+NODES_TESTS=(tests/gpu/test_cuda_nodes.py)
 
 if wants tests; then
     : >"$OUT/gpu_tests.log"
@@ -195,7 +199,10 @@ if wants tests; then
     # each needs its own hardware queue (nccl_ep.h, ncclEpCreateLocalTeam).
     CUDA_DEVICE_MAX_CONNECTIONS=32 run_pytest "tests (one rank per GPU, C example)" \
         "$TESTS_TIMEOUT" "$OUT/gpu_tests.log" tests/gpu --ignore=tests/gpu/test_cuda_local_team.py \
-        "${FAULT_TESTS[@]/#/--ignore=}" "${MEGATRON_TESTS[@]/#/--ignore=}"
+        "${FAULT_TESTS[@]/#/--ignore=}" "${MEGATRON_TESTS[@]/#/--ignore=}" \
+        "${NODES_TESTS[@]/#/--ignore=}"
+    run_pytest "tests (groups that span nodes: emulated nodes, the rail)" \
+        "$NODES_TESTS_TIMEOUT" "$OUT/gpu_tests.log" "${NODES_TESTS[@]}"
     # Megatron asks the 1F1B EP overlap for more than one hardware queue, as the runs above have.
     CUDA_DEVICE_MAX_CONNECTIONS=32 PER_TEST_TIMEOUT=130 \
         run_pytest "tests (Megatron on GPUs: 1F1B EP overlap)" \
