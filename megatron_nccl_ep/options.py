@@ -25,8 +25,8 @@ class NcclEpOptions:
     # parallelism), else the next power of two of the batch's token count, which needs equal
     # counts on the ranks of an EP group.
     max_tokens_per_rank: Optional[int] = None
-    # Ranks per node of the communication group (docs/design.md §4, groups that span nodes);
-    # 0: one node. The torch backend computes any divisor; the cuda backend one node only.
+    # Ranks per node of the communication group (docs/design.md §4, groups that span nodes): a
+    # divisor of the group size; 0: one node (torch backend) / NCCL's LSA team (cuda backend).
     ranks_per_node: int = 0
     # Seconds any rank waits for its peers (group creation's rendezvous, device-side waits)
     # before the group raises NcclEpError naming the ranks not heard from.
