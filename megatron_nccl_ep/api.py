@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -405,6 +406,10 @@ class Group:
         self.destroy()
 
     def __del__(self):
+        # At interpreter exit the process frees everything: a collective teardown (NCCL's
+        # communicator destroy waits for its peers' teardown) could wait for ranks that exited.
+        if sys.is_finalizing():
+            return
         try:
             self.destroy()
         except Exception:  # noqa: BLE001 - interpreter shutdown

@@ -17,6 +17,7 @@ receive count (``num_recv_tokens``, ``tokens_per_expert`` or the handle's first 
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -281,6 +282,8 @@ class CudaBackend:
             _call(_C.comm_destroy, comm)
 
     def __del__(self):
+        if sys.is_finalizing():  # see Group.__del__: the process frees it all
+            return
         try:
             self.destroy()
         except Exception:  # noqa: BLE001 - interpreter shutdown
