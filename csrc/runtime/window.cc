@@ -50,7 +50,8 @@ ncclResult_t open_nccl_window(ncclEpGroup* g, cudaStream_t stream) {
     EP_CHECK(window_ok[r], ncclInvalidUsage,
              "NCCL registered no usable symmetric memory window on rank %d (symmetric memory is "
              "unavailable there: NCCL_CUMEM_ENABLE=0, NCCL_WIN_ENABLE=0 or no GPU peer access); "
-             "the nccl_ep CUDA backend needs it",
+             "the nccl_ep CUDA backend needs it between the ranks of a node (ranks_per_node=1: "
+             "every transfer over NCCL send/receive instead)",
              base + r);
   }
   EP_RETURN_IF(alloc_device(g, reinterpret_cast<void**>(&g->d_peers), sizeof(void*) * R));
@@ -70,7 +71,8 @@ ncclResult_t open_nccl_window(ncclEpGroup* g, cudaStream_t stream) {
       EP_CHECK(all_mapped[(size_t)a * R + r], ncclInvalidUsage,
                "rank %d cannot reach rank %d's symmetric window as device memory (NCCL returned "
                "%s pointer: symmetric memory is unavailable, e.g. NCCL_CUMEM_ENABLE=0 on NCCL "
-               "2.28); the nccl_ep CUDA backend needs NVLink load/store access between all ranks",
+               "2.28); the nccl_ep CUDA backend needs NVLink load/store access between the ranks "
+               "of a node (ranks_per_node=1: every transfer over NCCL send/receive instead)",
                base + a, base + r, a == me && g->peers[r] == nullptr ? "no" : "a non-device");
     }
   }
