@@ -209,10 +209,9 @@ ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
                                    const ncclEpGroupConfig_t* config, cudaStream_t stream);
 /* What the group allocated and chose (staging sizes, channels). Not collective. */
 ncclResult_t ncclEpGroupGetInfo(ncclEpGroup_t group, ncclEpGroupInfo_t* info);
-/* Frees everything the group and its live handles hold, after waiting for the work of the
- * group's last call (not for the whole device). Not collective on one node (NCCL's window
- * deregistration is local; a group that spans nodes also destroys its node and rail
- * communicators); call it after the group's last op and before destroying comm. */
+/* Frees everything the group and its live handles hold (synchronizes the device first). Not
+ * collective (NCCL's window deregistration is local); call it after the group's last op and
+ * before destroying comm. */
 ncclResult_t ncclEpGroupDestroy(ncclEpGroup_t group);
 
 /* Collective: exchanges the routing of one forward pass and builds the row maps (layout:

@@ -41,7 +41,6 @@ void destroy_group_state(ncclEpGroup* g) {
   free_device(g, g->rail.base);
   if (g->d_state != nullptr) free_device(g, g->d_state);
   if (g->h_err != nullptr) cudaFreeHost(g->h_err);
-  if (g->last_use != nullptr) cudaEventDestroy(g->last_use);
   delete g;
 }
 
@@ -101,7 +100,6 @@ ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int n
   g->src_rows = g->capacity >= 0 ? std::min(bound, g->capacity) : bound;
   g->win = plan_window(c, node_size);
   EP_CUDA(cudaGetDevice(&g->device));
-  EP_CUDA(cudaEventCreateWithFlags(&g->last_use, cudaEventDisableTiming));
   EP_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&g->h_err), sizeof(ErrorInfo),
                         cudaHostAllocMapped));
   memset(g->h_err, 0, sizeof(ErrorInfo));
@@ -347,11 +345,8 @@ extern "C" ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
 
 extern "C" ncclResult_t ncclEpGroupDestroy(ncclEpGroup_t group) {
   if (group == nullptr) return ncclSuccess;
-  // Work of this group still queued may use its buffers: wait for the group's last call (not
-  // for the whole device, whose other work, e.g. a collective waiting for a peer that is itself
-  // destroying its group, could wait for this rank).
-  cudaError_t ce = group->last_use != nullptr ? cudaEventSynchronize(group->last_use)
-                                              : cudaSuccess;
+  // Work still queued on any stream may use the buffers: wait for the device first.
+  cudaError_t ce = cudaDeviceSynchronize();
   destroy_group_state(group);
   EP_CUDA(ce);
   return ncclSuccess;

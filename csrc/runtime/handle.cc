@@ -199,7 +199,6 @@ extern "C" ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t
   EP_CHECK(handle != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: handle is NULL");
   *handle = nullptr;
   EP_CHECK(group != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: group is NULL");
-  UseMark use(group, stream);
   EP_CHECK(routing != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: routing is NULL");
   EP_RETURN_IF(check_op_config(config, "ncclEpCreateHandle"));
   // A group that spans nodes makes its NCCL calls also after a device-side error (see ops.cc)
@@ -248,7 +247,6 @@ extern "C" ncclResult_t ncclEpHandleGetTokensPerExpert(ncclEpHandle_t handle, nc
                                                        cudaStream_t stream) {
   EP_CHECK(handle != nullptr && out != nullptr, ncclInvalidArgument,
            "ncclEpHandleGetTokensPerExpert: handle or out is NULL");
-  UseMark use(handle->group, stream);
   ncclEpGroup* g = handle->group;
   EP_CHECK(out->ndim == 1 && out->sizes[0] == g->num_local && out->dtype == ncclInt64 &&
                out->data != nullptr,
@@ -279,7 +277,6 @@ extern "C" ncclResult_t ncclEpHandleGetTopkIdx(ncclEpHandle_t handle, ncclEpTens
                                               cudaStream_t stream) {
   EP_CHECK(handle != nullptr && out != nullptr, ncclInvalidArgument,
            "ncclEpHandleGetTopkIdx: handle or out is NULL");
-  UseMark use(handle->group, stream);
   const long long T = handle->num_tokens, K = handle->topk;
   EP_CHECK(out->ndim == 2 && out->sizes[0] == T && out->sizes[1] == K &&
                (out->dtype == ncclInt32 || out->dtype == ncclInt64) &&

@@ -177,7 +177,6 @@ struct ncclEpGroup {
   std::vector<nccl_ep::HandleSlot*> all_slots;
   std::vector<ncclEpHandle*> live;
   unsigned handles_created = 0;  // the next handle's creation number (ncclEpHandle::seq)
-  cudaEvent_t last_use = nullptr;  // recorded after every call that enqueues work (UseMark)
 };
 
 struct ncclEpHandle {
@@ -239,20 +238,6 @@ struct DeferredError {
 };
 // The handle-creation barrier; `call` is its call_signature().
 ncclResult_t barrier(ncclEpGroup* g, unsigned call, cudaStream_t stream);
-
-// Records the group's last_use event on `stream` when the enqueuing call it guards returns,
-// however it returns: group destroy waits for it (the group's own work, not the device's).
-class UseMark {
- public:
-  UseMark(ncclEpGroup* g, cudaStream_t stream) : g_(g), stream_(stream) {}
-  ~UseMark() { cudaEventRecord(g_->last_use, stream_); }
-  UseMark(const UseMark&) = delete;
-  UseMark& operator=(const UseMark&) = delete;
-
- private:
-  ncclEpGroup* g_;
-  cudaStream_t stream_;
-};
 
 // handle.cc
 void destroy_handle_state(ncclEpHandle* h);  // caller holds g->mu

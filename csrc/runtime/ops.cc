@@ -316,7 +316,6 @@ extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispat
                                        const ncclEpOpConfig_t* config, cudaStream_t stream) {
   DeferredError sticky;
   EP_RETURN_IF(check_entry(handle, config, "ncclEpDispatch", &sticky));
-  UseMark use(handle->group, stream);
   EP_CHECK(inputs != nullptr && outputs != nullptr, ncclInvalidArgument,
            "ncclEpDispatch: inputs or outputs is NULL");
   ncclEpGroup* g = handle->group;
@@ -358,7 +357,6 @@ extern "C" ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombine
                                       const ncclEpOpConfig_t* config, cudaStream_t stream) {
   DeferredError sticky;
   EP_RETURN_IF(check_entry(handle, config, "ncclEpCombine", &sticky));
-  UseMark use(handle->group, stream);
   EP_CHECK(inputs != nullptr && outputs != nullptr, ncclInvalidArgument,
            "ncclEpCombine: inputs or outputs is NULL");
   ncclEpGroup* g = handle->group;
@@ -386,7 +384,6 @@ extern "C" ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
                                                  cudaStream_t stream) {
   DeferredError sticky;
   EP_RETURN_IF(check_entry(handle, nullptr, "ncclEpCombineTopkWeights", &sticky));
-  UseMark use(handle->group, stream);
   EP_CHECK(grad_recv_topk_weights != nullptr && grad_topk_weights != nullptr,
            ncclInvalidArgument, "ncclEpCombineTopkWeights: a tensor argument is NULL");
   const ncclDataType_t pd = grad_recv_topk_weights->dtype;
