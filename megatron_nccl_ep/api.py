@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
+from sys import is_finalizing as _is_finalizing  # bound now: late in shutdown sys may be gone
 from typing import Optional
 
 import torch
@@ -408,10 +408,9 @@ class Group:
     def __del__(self):
         # At interpreter exit the process frees everything: a collective teardown (NCCL's
         # communicator destroy waits for its peers' teardown) could wait for ranks that exited.
-        if sys.is_finalizing():
-            return
         try:
-            self.destroy()
+            if not _is_finalizing():
+                self.destroy()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 

@@ -17,7 +17,7 @@ receive count (``num_recv_tokens``, ``tokens_per_expert`` or the handle's first 
 from __future__ import annotations
 
 import math
-import sys
+from sys import is_finalizing as _is_finalizing  # bound now: late in shutdown sys may be gone
 from typing import Optional
 
 import torch
@@ -282,9 +282,8 @@ class CudaBackend:
             _call(_C.comm_destroy, comm)
 
     def __del__(self):
-        if sys.is_finalizing():  # see Group.__del__: the process frees it all
-            return
         try:
-            self.destroy()
+            if not _is_finalizing():  # see Group.__del__: at exit the process frees it all
+                self.destroy()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass

@@ -210,8 +210,9 @@ ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
 /* What the group allocated and chose (staging sizes, channels). Not collective. */
 ncclResult_t ncclEpGroupGetInfo(ncclEpGroup_t group, ncclEpGroupInfo_t* info);
 /* Frees everything the group and its live handles hold (synchronizes the device first). Not
- * collective (NCCL's window deregistration is local); call it after the group's last op and
- * before destroying comm. */
+ * collective on one node (NCCL's window deregistration is local); a group that spans nodes also
+ * destroys the node and rail communicators it split, which NCCL may not finish before the
+ * peers destroy theirs. Call it after the group's last op and before destroying comm. */
 ncclResult_t ncclEpGroupDestroy(ncclEpGroup_t group);
 
 /* Collective: exchanges the routing of one forward pass and builds the row maps (layout:

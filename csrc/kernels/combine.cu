@@ -209,9 +209,13 @@ struct CombineProbsOp {
 };
 
 // True when the group stopped (a device-side error here, or a peer's of this node): the outputs
-// of the op are poisoned, as the engine's are.
-__device__ __forceinline__ bool group_stopped(const DeviceState* state, const ErrorInfo* err) {
-  return ld_volatile_u64(&state->failed) != 0 || ld_volatile_int(&err->code) != kErrNone;
+// of the op are poisoned, as the engine's are. Lane 0 reads, the warp agrees (warp-wide).
+__device__ __forceinline__ bool group_stopped(const DeviceState* state, const ErrorInfo* err,
+                                              int lane) {
+  int stopped = 0;
+  if (lane == 0)
+    stopped = ld_volatile_u64(&state->failed) != 0 || ld_volatile_int(&err->code) != kErrNone;
+  return __shfl_sync(0xffffffffu, stopped, 0) != 0;
 }
 
 // One warp fills `bytes` at p with 0xFF (NaN in every float dtype).
@@ -227,7 +231,7 @@ __global__ void combine_nodes_kernel(const CombineNodesArgs a) {
   const int lane = threadIdx.x & 31;
   const long long t = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (t >= a.tokens) return;
-  if (group_stopped(a.state, a.err)) {
+  if (group_stopped(a.state, a.err, lane)) {
     poison_row(reinterpret_cast<char*>(a.y) + t * a.hidden * sizeof(T), a.hidden * sizeof(T),
                lane);
     return;
@@ -265,7 +269,7 @@ __global__ void merge_probs_kernel(const MergeProbsArgs a) {
   const long long t = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (t >= a.tokens) return;
   const int cols = a.grad_dense ? a.num_experts : a.topk;
-  if (group_stopped(a.state, a.err)) {
+  if (group_stopped(a.state, a.err, lane)) {
     poison_row(reinterpret_cast<char*>(a.grad) + (size_t)t * cols * a.prob_bytes,
                (size_t)cols * a.prob_bytes, lane);
     return;

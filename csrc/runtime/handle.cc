@@ -171,10 +171,7 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   if (g->capacity >= 0) {
     h->num_recv = g->capacity;
     h->layout_read = true;
-    // Over nodes the error is every rank's (all validate all records) and comes with the next
-    // op, after its NCCL calls, as the other ranks' does: raising here alone would leave them in
-    // those calls.
-    if (fits || g->num_nodes > 1) return ncclSuccess;
+    if (fits) return ncclSuccess;
     // This rank knows it failed: an error path may wait for the layout, whose error word holds
     // the error all ranks agree on (the lowest failing rank's, maybe not this one's).
     EP_CUDA(cudaStreamSynchronize(stream));
@@ -238,7 +235,8 @@ extern "C" ncclResult_t ncclEpHandleGetNumRecvTokens(ncclEpHandle_t handle,
   EP_CHECK(handle != nullptr && num_recv_tokens != nullptr, ncclInvalidArgument,
            "ncclEpHandleGetNumRecvTokens: handle or num_recv_tokens is NULL");
   EP_RETURN_IF(read_layout(handle));
-  EP_RETURN_IF(check_group_errors(handle->group));
+  // Over nodes a device-side error comes with the next op, after its NCCL calls (ops.cc).
+  if (handle->group->num_nodes == 1) EP_RETURN_IF(check_group_errors(handle->group));
   *num_recv_tokens = handle->num_recv;
   return ncclSuccess;
 }
