@@ -51,6 +51,11 @@ struct PackArgs {
   unsigned long long* err_key;  // = ~0
   int* hist;              // [num_experts] = 0
   ErrorInfo* meta_err;    // = 0
+  // Groups that span nodes: the record's `stopped` word from this rank's state (nullptr: 0).
+  const DeviceState* state;
+  const ErrorInfo* err;   // the group's error word
+  int rank;               // this rank in the group
+  int stop_base;          // its node's first rank (the engine numbers the node's ranks)
 };
 
 struct LayoutArgs {

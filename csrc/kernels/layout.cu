@@ -64,6 +64,11 @@ __device__ __forceinline__ void pack_header(const PackArgs& a) {
     rec[1] = a.header_topk;
     rec[2] = a.kind;
     rec[3] = 0;
+    if (a.state != nullptr) {
+      const unsigned long long failed = ld_volatile_u64(&a.state->failed);  // node rank + 1
+      rec[3] = failed != 0 ? a.stop_base + (int)failed
+                           : (ld_volatile_int(&a.err->code) != kErrNone ? a.rank + 1 : 0);
+    }
   }
   if (threadIdx.x == 0) {
     *a.err_key = ~0ull;
@@ -222,6 +227,14 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
   }
   __syncthreads();
   if (threadIdx.x == 0) {
+    // A node stopped by a device-side error (groups that span nodes) first: the group is dead.
+    for (int s = 0; s < a.num_ranks; ++s) {
+      const int stopped = a.gathered[(size_t)s * a.rec_ints + 3];
+      if (stopped != 0) {
+        raise_error(a.err, kErrRemoteAbort, a.rank, stopped - 1, -1, s, 0);
+        break;
+      }
+    }
     // Errors, in the reference's order: the first rank with a bad shape or bad routing values
     // (a rank with a bad shape packed no routing, so it has only the one), then top-k agreement.
     int bad_shape = -1;

@@ -30,7 +30,10 @@ namespace nccl_ep {
 
 constexpr int kMaxRanks = 64;     // barrier flags and per-token destination masks (uint64)
 constexpr int kMaxTopk = 32;      // one lane per slot in the warp-level kernels
-constexpr int kRecordHeader = 4;  // routing record: [T_s, K_s, kind, 0] + Tmax * Kmax int32
+// Routing record: [T_s, K_s, kind, stopped] + Tmax * Kmax int32. stopped (groups that span nodes):
+// 0, or the group rank + 1 whose device-side error stopped the sender's node, so that the next
+// routing exchange tells every rank of every node.
+constexpr int kRecordHeader = 4;
 constexpr size_t kSyncBytes = 4096;
 
 // Record kinds (header word 2): how rank s gave its routing, for the wording of its errors.
@@ -135,6 +138,8 @@ enum ErrorCode : int {
                            // slot = OpKind
   kErrCallMismatch = 8,    // rank (this one), token = peer, value = this rank's call signature,
                            // extra = the peer's (flags carry them)
+  kErrRemoteAbort = 9,     // groups that span nodes: rank (this one), token = the group rank whose
+                           // error stopped a node, value = the rank whose record said so
 };
 
 // Written once per error word: the single winner of `claim` fills the fields, then publishes

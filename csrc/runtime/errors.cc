@@ -140,6 +140,13 @@ ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& word, const Lay
                 "one%s",
                 e.token, op_name(e.slot), where);
       return ncclSystemError;
+    case kErrRemoteAbort:
+      set_error("rank %lld's record says its node stopped after a device-side error of rank %d "
+                "(a timeout, a routing error, a capacity overflow or inconsistent calls; reported "
+                "there), seen in the routing exchange of a handle creation; the ranks can no "
+                "longer synchronize: destroy the group and create a new one%s",
+                e.value, e.token, where);
+      return ncclSystemError;
     case kErrCallMismatch:
       set_error("inconsistent collective calls across ranks: rank %d called %s while rank %d "
                 "called %s (handle #n = the n-th handle this group created, counted from 0); "

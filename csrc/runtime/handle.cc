@@ -132,6 +132,10 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   p.err_key = s->err_key.ptr;
   p.hist = s->hist.ptr;
   p.meta_err = &s->meta.ptr->err;
+  p.state = one_node ? nullptr : g->d_state;  // one node: its barrier carries errors
+  p.err = g->d_err;
+  p.rank = g->rank;
+  p.stop_base = g->node * G;
   EP_CUDA(launch_pack(p, stream));
   const int* gathered = s->records.ptr;
   if (one_node) {
