@@ -7,8 +7,9 @@
 //
 // Variants: expand with 16-byte register stores (expand_v0) or TMA bulk stores from shared memory
 // (expand_tma: warps x segment x stages); combine with 1 or 2 packs per lane of register loads
-// (combine_reg) or TMA bulk loads into shared memory (combine_tma). Ceilings: a plain copy from
-// the same number of CTAs, from 2 CTAs per SM, and cudaMemcpy.
+// (combine_reg) or TMA bulk loads into shared memory (combine_tma); the library's token sums
+// (combine_library) and the same with the engine receiver's per-token code (combine_engine_path).
+// Ceilings: a plain copy from the same number of CTAs, from 2 CTAs per SM, and cudaMemcpy.
 // Measured on 1 x H200 (2026-11-29): at 24 SMs every expand variant ~337 us (~1.57 TB/s, the SM
 // store path: ~65 GB/s per SM; 16 SMs: ~490 us), combine_reg 408 / 300 us (P1 / P2),
 // combine_tma 246 us at 12 warps x 1 KB segments.
@@ -22,7 +23,9 @@
 #include <random>
 #include <cstring>
 
-// The library's own token sums (csrc/kernels/token_sum.cuh), timed outside the exchange engine.
+// The library's own token sums (csrc/kernels/token_sum.cuh), timed outside the exchange engine,
+// and the engine's per-token receiver code (exchange.cuh: dest_mask, collect_rows).
+#include "../../csrc/kernels/exchange.cuh"
 #include "../../csrc/kernels/token_sum.cuh"
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1);} } while (0)
@@ -229,6 +232,44 @@ __global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
   });
 }
 
+// The same sums with the engine receiver's per-token code at EP=1 (combine.cu recv_remote): the
+// token's destination mask from its routing, its rows from the handle's row map (collect_rows:
+// ballots, shared memory), then the stream. Against combine_library: what that code costs
+// outside the engine's kernel.
+template <bool FINAL>
+__global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
+    combine_engine_path(const nccl_ep::ExchangeArgs e, const char* eo, char* y) {
+  using namespace nccl_ep;
+  __shared__ int rows_sh[kCombineWarps][kMaxTopk], slots_sh[kCombineWarps][kMaxTopk];
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  const WarpStaging ws = warp_staging();
+  if (lane == 0) {
+    for (int i = 0; i < kStages; ++i) nccl_ep::mbar_init(&ws.bar[i]);
+    *ws.phase = 0;
+  }
+  __syncwarp();
+  const int t1 = (int)((long long)T * (blockIdx.x + 1) / gridDim.x);
+  int t = (int)((long long)T * blockIdx.x / gridDim.x) + wid - kCombineWarps;
+  sum_tokens<__nv_bfloat16, 8, FINAL>(ws, ROWB / 16, true, lane,
+                                      [&](const char** src, TokenJob* job) {
+    t += kCombineWarps;
+    if (t >= t1) return false;
+    const unsigned long long mask = dest_mask(e.own_routing + (size_t)t * e.topk, e.topk,
+                                              e.expert_base, e.num_local, e.num_ranks, lane);
+    const bool has_own = mask & 1ull;
+    int n_own = 0;
+    if (has_own) {
+      n_own = max(0, collect_rows(e, 0, t, lane, rows_sh[wid], slots_sh[wid]));
+      point_at_rows(src, eo, ROWB, rows_sh[wid], n_own, lane);
+    }
+    job->dst = y + (size_t)t * ROWB;
+    job->n_rows = n_own;
+    job->n_parts = 0;
+    job->own_at = has_own ? 0 : -1;
+    return true;
+  });
+}
+
 // ---- ceilings ----
 __global__ void __launch_bounds__(512) copy_reg(const uint4* s, uint4* d, size_t n) {
   for (size_t i = blockIdx.x * 512 + threadIdx.x; i < n; i += (size_t)gridDim.x * 512 * 4) {
@@ -306,6 +347,16 @@ int main(int argc, char** argv) {
     CK(cudaMemset(y2, 0x55, (size_t)T * ROWB)); \
     report("combine_library (token_sum.cuh) final=" #F, time_it([&] { k<<<sms, nccl_ep::kCombineWarps * 32, smem>>>(eo, y2, d_rr); }), comb_bytes); cmp(y, y2, (size_t)T * ROWB, "combine"); }
   COMB_LIB(false) COMB_LIB(true)
+  // The engine's per-token code (one rank: every expert local, the row map is rr).
+  nccl_ep::ExchangeArgs ex{};
+  int* d_topk; CK(cudaMalloc(&d_topk, sizeof(int) * T * K));
+  CK(cudaMemcpy(d_topk, topk.data(), sizeof(int) * T * K, cudaMemcpyHostToDevice));
+  ex.own_routing = d_topk; ex.recv_row = d_rr; ex.topk = K; ex.max_topk = K; ex.max_tokens = T;
+  ex.num_local = E; ex.num_ranks = 1; ex.rank = 0; ex.expert_base = 0; ex.rows = N;
+#define COMB_ENGINE(F) { auto k = combine_engine_path<F>; const int smem = (int)nccl_ep::kCombineStagingBytes; CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
+    CK(cudaMemset(y2, 0x55, (size_t)T * ROWB)); \
+    report("combine, engine's per-token code final=" #F, time_it([&] { k<<<sms, nccl_ep::kCombineWarps * 32, smem>>>(ex, eo, y2); }), comb_bytes); cmp(y, y2, (size_t)T * ROWB, "combine"); }
+  COMB_ENGINE(false) COMB_ENGINE(true)
   CK(cudaDeviceSynchronize());
   printf("done\n");
   return 0;
