@@ -8,7 +8,7 @@
 // Variants: expand with 16-byte register stores (expand_v0) or TMA bulk stores from shared memory
 // (expand_tma: warps x segment x stages); combine with 1 or 2 packs per lane of register loads
 // (combine_reg) or TMA bulk loads into shared memory (combine_tma); the library's token sums
-// (combine_library) and the same with the engine receiver's per-token code (combine_engine_path).
+// (combine_library), also with the engine receiver's per-token code (ENGINE).
 // Ceilings: a plain copy from the same number of CTAs, from 2 CTAs per SM, and cudaMemcpy.
 // Measured on 1 x H200 (2026-11-29): at 24 SMs every expand variant ~337 us (~1.57 TB/s, the SM
 // store path: ~65 GB/s per SM; 16 SMs: ~490 us), combine_reg 408 / 300 us (P1 / P2),
@@ -205,40 +205,14 @@ __global__ void __launch_bounds__(WARPS * 32) combine_tma(const char* eo, char* 
 // The engine's token sums on the same work: per token a source list of its K rows, then the
 // library's staging stream (bulk copies into 2 x 8 KiB per warp, the next token's first segment
 // loading while the current one's last is summed). CTA b takes the engine's contiguous token
-// range; FINAL: the receivers' stage-2 path (own partial rounded, then the chain).
-template <bool FINAL>
-__global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
-    combine_library(const char* eo, char* y, const int* rr) {
-  using namespace nccl_ep;
-  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-  const WarpStaging ws = warp_staging();
-  if (lane == 0) {
-    for (int i = 0; i < kStages; ++i) nccl_ep::mbar_init(&ws.bar[i]);
-    *ws.phase = 0;
-  }
-  __syncwarp();
-  const int t1 = (int)((long long)T * (blockIdx.x + 1) / gridDim.x);
-  int t = (int)((long long)T * blockIdx.x / gridDim.x) + wid - kCombineWarps;
-  sum_tokens<__nv_bfloat16, 8, FINAL>(ws, ROWB / 16, true, lane,
-                                      [&](const char** src, TokenJob* job) {
-    t += kCombineWarps;
-    if (t >= t1) return false;
-    if (lane < K) src[lane] = eo + (size_t)rr[t * K + lane] * ROWB;
-    job->dst = y + (size_t)t * ROWB;
-    job->n_rows = K;
-    job->n_parts = 0;
-    job->own_at = 0;
-    return true;
-  });
-}
-
-// The same sums with the engine receiver's per-token code at EP=1 (combine.cu recv_remote): the
-// token's destination mask from its routing, its rows from the handle's row map (collect_rows:
-// ballots, shared memory), then the stream. Against combine_library: what that code costs
+// range; FINAL: the receivers' stage-2 path (own partial rounded, then the chain). ENGINE: the
+// token's rows found as the engine receiver's per-token code finds them at EP=1 (combine.cu
+// recv_remote: the destination mask from the routing, collect_rows on the row map: ballots,
+// shared memory) instead of a plain read of rr; against ENGINE = false, what that code costs
 // outside the engine's kernel.
-template <bool FINAL>
+template <bool FINAL, bool ENGINE>
 __global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
-    combine_engine_path(const nccl_ep::ExchangeArgs e, const char* eo, char* y) {
+    combine_library(const char* eo, char* y, const int* rr, const nccl_ep::ExchangeArgs e) {
   using namespace nccl_ep;
   __shared__ int rows_sh[kCombineWarps][kMaxTopk], slots_sh[kCombineWarps][kMaxTopk];
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -254,16 +228,18 @@ __global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
                                       [&](const char** src, TokenJob* job) {
     t += kCombineWarps;
     if (t >= t1) return false;
-    const unsigned long long mask = dest_mask(e.own_routing + (size_t)t * e.topk, e.topk,
-                                              e.expert_base, e.num_local, e.num_ranks, lane);
-    const bool has_own = mask & 1ull;
-    int n_own = 0;
-    if (has_own) {
-      n_own = max(0, collect_rows(e, 0, t, lane, rows_sh[wid], slots_sh[wid]));
-      point_at_rows(src, eo, ROWB, rows_sh[wid], n_own, lane);
+    int n = K;
+    bool has_own = true;
+    if (ENGINE) {
+      has_own = dest_mask(e.own_routing + (size_t)t * e.topk, e.topk, e.expert_base, e.num_local,
+                          e.num_ranks, lane) & 1ull;
+      n = has_own ? max(0, collect_rows(e, 0, t, lane, rows_sh[wid], slots_sh[wid])) : 0;
+      point_at_rows(src, eo, ROWB, rows_sh[wid], n, lane);
+    } else if (lane < K) {
+      src[lane] = eo + (size_t)rr[t * K + lane] * ROWB;
     }
     job->dst = y + (size_t)t * ROWB;
-    job->n_rows = n_own;
+    job->n_rows = n;
     job->n_parts = 0;
     job->own_at = has_own ? 0 : -1;
     return true;
@@ -343,20 +319,17 @@ int main(int argc, char** argv) {
     CK(cudaMemset(y2, 0x55, (size_t)T * ROWB)); \
     report("combine_tma w" #W " seg" #S " contig" #C " dep" #D, time_it([&] { k<<<sms, W * 32, smem>>>(eo, y2, d_rr); }), comb_bytes); cmp(y, y2, (size_t)T * ROWB, "combine"); }
   COMB_TMA_ENGINE(12, 1024, true, false) COMB_TMA_ENGINE(12, 1024, false, true) COMB_TMA_ENGINE(12, 1024, true, true)
-#define COMB_LIB(F) { auto k = combine_library<F>; const int smem = (int)nccl_ep::kCombineStagingBytes; CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
-    CK(cudaMemset(y2, 0x55, (size_t)T * ROWB)); \
-    report("combine_library (token_sum.cuh) final=" #F, time_it([&] { k<<<sms, nccl_ep::kCombineWarps * 32, smem>>>(eo, y2, d_rr); }), comb_bytes); cmp(y, y2, (size_t)T * ROWB, "combine"); }
-  COMB_LIB(false) COMB_LIB(true)
-  // The engine's per-token code (one rank: every expert local, the row map is rr).
+  // The engine's per-token code's view (one rank: every expert local, the row map is rr).
   nccl_ep::ExchangeArgs ex{};
   int* d_topk; CK(cudaMalloc(&d_topk, sizeof(int) * T * K));
   CK(cudaMemcpy(d_topk, topk.data(), sizeof(int) * T * K, cudaMemcpyHostToDevice));
   ex.own_routing = d_topk; ex.recv_row = d_rr; ex.topk = K; ex.max_topk = K; ex.max_tokens = T;
   ex.num_local = E; ex.num_ranks = 1; ex.rank = 0; ex.expert_base = 0; ex.rows = N;
-#define COMB_ENGINE(F) { auto k = combine_engine_path<F>; const int smem = (int)nccl_ep::kCombineStagingBytes; CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
+#define COMB_LIB(F, ENG, NAME) { auto k = combine_library<F, ENG>; const int smem = (int)nccl_ep::kCombineStagingBytes; CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
     CK(cudaMemset(y2, 0x55, (size_t)T * ROWB)); \
-    report("combine, engine's per-token code final=" #F, time_it([&] { k<<<sms, nccl_ep::kCombineWarps * 32, smem>>>(ex, eo, y2); }), comb_bytes); cmp(y, y2, (size_t)T * ROWB, "combine"); }
-  COMB_ENGINE(false) COMB_ENGINE(true)
+    report(NAME " final=" #F, time_it([&] { k<<<sms, nccl_ep::kCombineWarps * 32, smem>>>(eo, y2, d_rr, ex); }), comb_bytes); cmp(y, y2, (size_t)T * ROWB, "combine"); }
+  COMB_LIB(false, false, "combine_library (token_sum.cuh)") COMB_LIB(true, false, "combine_library (token_sum.cuh)")
+  COMB_LIB(false, true, "combine, engine's per-token code") COMB_LIB(true, true, "combine, engine's per-token code")
   CK(cudaDeviceSynchronize());
   printf("done\n");
   return 0;

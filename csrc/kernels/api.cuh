@@ -136,33 +136,35 @@ struct CombineArgs {
   void* y;
 };
 
-// Groups that span nodes, step 2b of the combine at the source: y[t] = round(0 + acc(node
-// partial n) + ... over the nodes n ascending that token t has a slot on).
-struct CombineNodesArgs {
-  int dtype;
-  int vec;                  // 1: 16-byte packs (rows and pointers aligned)
+// Groups that span nodes: every node's values for this rank's tokens, back at the source, and
+// what the kernels that finish there need of the handle.
+struct NodeParts {
   const int* own_routing;   // [T][topk]
-  int tokens, topk, hidden;
+  int tokens, topk;
   int experts_per_node;     // G * L
   int num_nodes;
-  const void* parts[kMaxRanks];  // node n's partials of this rank's tokens, [T, hidden]
-  const DeviceState* state;      // a stopped group: y is poisoned (0xFF), as every op's output
-  const ErrorInfo* err;
+  const void* parts[kMaxRanks];  // node n's values for this rank's tokens
+  const DeviceState* state;      // a stopped group: the output is poisoned (0xFF), as every
+  const ErrorInfo* err;          // op's output
+};
+
+// Step 2b of the combine at the source: y[t] = round(0 + acc(node partial n) + ... over the
+// nodes n ascending that token t has a slot on); parts are [T, hidden].
+struct CombineNodesArgs {
+  NodeParts nodes;
+  int dtype;
+  int vec;                  // 1: 16-byte packs (rows and pointers aligned)
+  int hidden;
   void* y;
 };
 
-// Groups that span nodes, the probs' backward at the source: grad[t, k] = node(expert)'s value
-// (each node's [T, topk] holds its experts' slots); dense [T, E]: in the expert's column.
+// The probs' backward at the source: grad[t, k] = node(expert)'s value (parts are [T, topk] in
+// slot order, each node's holding its experts' slots); dense [T, E]: in the expert's column.
 struct MergeProbsArgs {
+  NodeParts nodes;
   int prob_bytes;
   int grad_dense;
-  const int* own_routing;
-  int tokens, topk, num_experts;
-  int experts_per_node;
-  int num_nodes;
-  const void* parts[kMaxRanks];  // [T, topk] per node
-  const DeviceState* state;      // a stopped group: grad is poisoned (0xFF)
-  const ErrorInfo* err;
+  int num_experts;
   void* grad;
 };
 

@@ -147,6 +147,22 @@ struct CombineOp {
   }
 };
 
+// One token's row of the probs' gradient, warp-wide: lane k's value (from, nullptr: 0) at slot k
+// ([T, K]), or in its expert's column with 0 in every other column (dense [T, E]).
+EP_DEVICE void write_slot_probs(char* row_out, int cols, bool dense, int topk, int expert,
+                                const char* from, int prob_bytes, int lane) {
+  if (dense) {
+    for (int col = lane; col < cols; col += 32)
+      zero_prob(row_out + (size_t)col * prob_bytes, prob_bytes);
+    __syncwarp();  // the routed columns below overwrite these zeros
+    if (from != nullptr) copy_prob(row_out + (size_t)expert * prob_bytes, from, prob_bytes);
+  } else if (lane < topk) {
+    char* out = row_out + (size_t)lane * prob_bytes;
+    if (from != nullptr) copy_prob(out, from, prob_bytes);
+    else zero_prob(out, prob_bytes);
+  }
+}
+
 struct CombineProbsOp {
   using Args = CombineProbsArgs;
   static constexpr bool kSendsOwnTokens = false;
@@ -193,17 +209,8 @@ struct CombineProbsOp {
         from = ring_prob(self, e.win, b, ring_index(d, e.rank, e.num_ranks), j, t - c.begin,
                          lane);
       }
-      char* row_out = reinterpret_cast<char*>(a.grad) + (size_t)t * cols * a.prob_bytes;
-      if (a.grad_dense) {
-        for (int col = lane; col < cols; col += 32)
-          zero_prob(row_out + (size_t)col * a.prob_bytes, a.prob_bytes);
-        __syncwarp();  // the routed columns below overwrite these zeros
-        if (from != nullptr) copy_prob(row_out + (size_t)expert * a.prob_bytes, from, a.prob_bytes);
-      } else if (lane < e.topk) {
-        char* out = row_out + (size_t)lane * a.prob_bytes;
-        if (from != nullptr) copy_prob(out, from, a.prob_bytes);
-        else zero_prob(out, a.prob_bytes);
-      }
+      write_slot_probs(reinterpret_cast<char*>(a.grad) + (size_t)t * cols * a.prob_bytes, cols,
+                       a.grad_dense, e.topk, expert, from, a.prob_bytes, lane);
     }
   }
 };
@@ -223,22 +230,30 @@ __device__ __forceinline__ void poison_row(void* p, size_t bytes, int lane) {
   for (size_t i = lane; i < bytes; i += 32) reinterpret_cast<unsigned char*>(p)[i] = 0xFF;
 }
 
+// Token t's expert of slot `lane` (-1 past top-k) and the node that holds it (-1: none).
+__device__ __forceinline__ int slot_node(const NodeParts& p, long long t, int lane, int* expert) {
+  *expert = lane < p.topk ? p.own_routing[t * p.topk + lane] : -1;
+  const int node = *expert >= 0 ? *expert / p.experts_per_node : -1;
+  return node < p.num_nodes ? node : -1;
+}
+
 // Step 2b (groups that span nodes): one warp per token; lane k finds slot k's node, the warp
 // the set of nodes, then each lane sums its packs over those nodes in ascending order.
 template <typename T, int N>
 __global__ void combine_nodes_kernel(const CombineNodesArgs a) {
   using P = Pack<T, N>;
+  const NodeParts& p = a.nodes;
   const int lane = threadIdx.x & 31;
   const long long t = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  if (t >= a.tokens) return;
-  if (group_stopped(a.state, a.err, lane)) {
+  if (t >= p.tokens) return;
+  if (group_stopped(p.state, p.err, lane)) {
     poison_row(reinterpret_cast<char*>(a.y) + t * a.hidden * sizeof(T), a.hidden * sizeof(T),
                lane);
     return;
   }
-  const int expert = lane < a.topk ? a.own_routing[t * a.topk + lane] : -1;
-  const int node = expert >= 0 ? expert / a.experts_per_node : -1;
-  const bool ok = node >= 0 && node < a.num_nodes;
+  int expert;
+  const int node = slot_node(p, t, lane, &expert);
+  const bool ok = node >= 0;
   const unsigned long long nodes =
       ((unsigned long long)__reduce_or_sync(0xffffffffu, ok && node >= 32 ? 1u << (node - 32) : 0u)
        << 32) |
@@ -251,7 +266,7 @@ __global__ void combine_nodes_kernel(const CombineNodesArgs a) {
     for (int q = 0; q < N; ++q) acc[q] = 0.0f;
     for (unsigned long long m = nodes; m; m &= m - 1) {
       const int n = __ffsll((long long)m) - 1;
-      const P v = reinterpret_cast<const P*>(a.parts[n])[t * packs + j];
+      const P v = reinterpret_cast<const P*>(p.parts[n])[t * packs + j];
 #pragma unroll
       for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(v.v[q]);
     }
@@ -265,47 +280,42 @@ __global__ void combine_nodes_kernel(const CombineNodesArgs a) {
 // The probs' backward at the source (groups that span nodes): slot k's value from the node of
 // its expert, 0 at masked slots (and, dense, at every unrouted expert).
 __global__ void merge_probs_kernel(const MergeProbsArgs a) {
+  const NodeParts& p = a.nodes;
   const int lane = threadIdx.x & 31;
   const long long t = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  if (t >= a.tokens) return;
-  const int cols = a.grad_dense ? a.num_experts : a.topk;
-  if (group_stopped(a.state, a.err, lane)) {
-    poison_row(reinterpret_cast<char*>(a.grad) + (size_t)t * cols * a.prob_bytes,
-               (size_t)cols * a.prob_bytes, lane);
+  if (t >= p.tokens) return;
+  const int cols = a.grad_dense ? a.num_experts : p.topk;
+  char* row_out = reinterpret_cast<char*>(a.grad) + (size_t)t * cols * a.prob_bytes;
+  if (group_stopped(p.state, p.err, lane)) {
+    poison_row(row_out, (size_t)cols * a.prob_bytes, lane);
     return;
   }
-  const int expert = lane < a.topk ? a.own_routing[t * a.topk + lane] : -1;
-  const int node = expert >= 0 ? expert / a.experts_per_node : -1;
-  const char* from = node >= 0 && node < a.num_nodes
-                         ? reinterpret_cast<const char*>(a.parts[node]) +
-                               ((size_t)t * a.topk + lane) * a.prob_bytes
-                         : nullptr;
-  char* row_out = reinterpret_cast<char*>(a.grad) + (size_t)t * cols * a.prob_bytes;
-  if (a.grad_dense) {
-    for (int col = lane; col < cols; col += 32)
-      zero_prob(row_out + (size_t)col * a.prob_bytes, a.prob_bytes);
-    __syncwarp();  // the routed columns below overwrite these zeros
-    if (from != nullptr) copy_prob(row_out + (size_t)expert * a.prob_bytes, from, a.prob_bytes);
-  } else if (lane < a.topk) {
-    char* out = row_out + (size_t)lane * a.prob_bytes;
-    if (from != nullptr) copy_prob(out, from, a.prob_bytes);
-    else zero_prob(out, a.prob_bytes);
-  }
+  int expert;
+  const int node = slot_node(p, t, lane, &expert);
+  const char* from = node >= 0 ? reinterpret_cast<const char*>(p.parts[node]) +
+                                     ((size_t)t * p.topk + lane) * a.prob_bytes
+                               : nullptr;
+  write_slot_probs(row_out, cols, a.grad_dense, p.topk, expert, from, a.prob_bytes, lane);
 }
 
 constexpr int kNodeThreads = 256;  // 8 tokens per block
 
+// One warp per token.
+static int node_grid(const NodeParts& p) {
+  return (int)(((long long)p.tokens * 32 + kNodeThreads - 1) / kNodeThreads);
+}
+
 cudaError_t launch_combine_nodes(const CombineNodesArgs& a, cudaStream_t stream) {
-  if (a.tokens <= 0) return cudaSuccess;
-  const int grid = (int)(((long long)a.tokens * 32 + kNodeThreads - 1) / kNodeThreads);
+  if (a.nodes.tokens <= 0) return cudaSuccess;
+  const int grid = node_grid(a.nodes);
   EP_LAUNCH_BY_DTYPE(a.vec, a.dtype, T, N,
                      combine_nodes_kernel<T, N><<<grid, kNodeThreads, 0, stream>>>(a));
   return cudaGetLastError();
 }
 
 cudaError_t launch_merge_probs(const MergeProbsArgs& a, cudaStream_t stream) {
-  if (a.tokens <= 0) return cudaSuccess;
-  const int grid = (int)(((long long)a.tokens * 32 + kNodeThreads - 1) / kNodeThreads);
+  if (a.nodes.tokens <= 0) return cudaSuccess;
+  const int grid = node_grid(a.nodes);
   merge_probs_kernel<<<grid, kNodeThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }

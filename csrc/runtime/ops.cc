@@ -153,26 +153,26 @@ long long rail_tokens(const ncclEpHandle* h, int s) {
   return g->capacity >= 0 ? g->cfg.max_tokens_per_rank : h->slot->host_meta->tokens[s];
 }
 
-// One message of a rail exchange with remote node m: `bytes` from/to `ptr`.
+// One message each way with the rail peer of remote node `node`.
 struct RailMessage {
+  int node;
   const void* send;
   size_t send_bytes;
   void* recv;
   size_t recv_bytes;
 };
 
-// Sends and receives one message with the rail peer of every other node (messages[m], m != this
-// node), as one NCCL group on the stream.
+// Sends and receives every message, as one NCCL group on the stream (both sides list a node's
+// messages in the same order).
 ncclResult_t rail_exchange(const ncclEpGroup* g, const std::vector<RailMessage>& messages,
                            cudaStream_t stream) {
   EP_NCCL(ncclGroupStart());
   ncclResult_t res = ncclSuccess;
-  for (int m = 0; m < g->num_nodes && res == ncclSuccess; ++m) {
-    if (m == g->node) continue;
-    const RailMessage& msg = messages[m];
-    res = ncclSend(msg.send, msg.send_bytes, ncclInt8, m, g->rail_comm, stream);
+  for (size_t k = 0; k < messages.size() && res == ncclSuccess; ++k) {
+    const RailMessage& msg = messages[k];
+    res = ncclSend(msg.send, msg.send_bytes, ncclInt8, msg.node, g->rail_comm, stream);
     if (res == ncclSuccess)
-      res = ncclRecv(msg.recv, msg.recv_bytes, ncclInt8, m, g->rail_comm, stream);
+      res = ncclRecv(msg.recv, msg.recv_bytes, ncclInt8, msg.node, g->rail_comm, stream);
   }
   const ncclResult_t end = ncclGroupEnd();
   EP_NCCL(res);
@@ -200,18 +200,18 @@ ncclResult_t dispatch_nodes(ncclEpHandle* h, DispatchArgs a, bool with_probs, in
     EP_CUDA(cudaMemcpyAsync(r.probs_own.ptr, probs, T * prob_bytes, cudaMemcpyDeviceToDevice,
                             stream));
   }
-  std::vector<RailMessage> rows(g->num_nodes), probs_msgs(g->num_nodes);
+  std::vector<RailMessage> msgs;
   for (int m = 0; m < g->num_nodes; ++m) {
     if (m == g->node) continue;
     const long long theirs = rail_tokens(h, m * g->node_size + g->node_rank);
     const size_t i = remote_index(g, m);
-    rows[m] = {x, mine * g->row_bytes, r.rows_in.ptr + i * Tm * r.row_bytes,
-               theirs * g->row_bytes};
-    probs_msgs[m] = {r.probs_own.ptr, mine * r.prob_row_bytes,
-                     r.probs_in.ptr + i * Tm * r.prob_row_bytes, theirs * r.prob_row_bytes};
+    msgs.push_back({m, x, mine * g->row_bytes, r.rows_in.ptr + i * Tm * r.row_bytes,
+                    theirs * g->row_bytes});
+    if (with_probs)
+      msgs.push_back({m, r.probs_own.ptr, mine * r.prob_row_bytes,
+                      r.probs_in.ptr + i * Tm * r.prob_row_bytes, theirs * r.prob_row_bytes});
   }
-  EP_RETURN_IF(rail_exchange(g, rows, stream));
-  if (with_probs) EP_RETURN_IF(rail_exchange(g, probs_msgs, stream));
+  EP_RETURN_IF(rail_exchange(g, msgs, stream));
   for (int m = 0; m < g->num_nodes; ++m) {
     DispatchArgs pass = a;
     if (m != g->node) {
@@ -227,40 +227,79 @@ ncclResult_t dispatch_nodes(ncclEpHandle* h, DispatchArgs a, bool with_probs, in
   return ncclSuccess;
 }
 
+// What the kernels that finish an op at the source read of handle h (groups that span nodes).
+NodeParts node_parts(const ncclEpHandle* h) {
+  const ncclEpGroup* g = h->group;
+  NodeParts p;
+  p.own_routing = h->slot->own_routing.ptr;
+  p.tokens = h->num_tokens;
+  p.topk = h->topk;
+  p.experts_per_node = g->node_size * g->num_local;
+  p.num_nodes = g->num_nodes;
+  p.state = g->d_state;
+  p.err = g->d_err;
+  return p;
+}
+
+// Where an op that sends values back to their sources keeps them: this node's values for this
+// rank's tokens (own), per remote node the values computed here for its source (out) and those
+// it computed for this rank (in), `token_bytes` of message per token.
+struct ReturnBuffers {
+  char* own;
+  char* out;
+  size_t out_stride;  // bytes per remote node
+  char* in;
+  size_t in_stride;
+  size_t token_bytes;
+};
+
+// The ops whose values go back to the sources (combine, the probs' backward): run_pass(m, dst)
+// computes node m's sources' values here (the source m * G + node_rank's, into dst); the rail
+// takes each to its source and brings this rank's from every node; parts[n] = node n's values
+// for this rank's tokens.
+template <typename RunPass>
+ncclResult_t return_to_sources(ncclEpHandle* h, const ReturnBuffers& b, RunPass run_pass,
+                               NodeParts* parts, cudaStream_t stream) {
+  const ncclEpGroup* g = h->group;
+  std::vector<RailMessage> msgs;
+  for (int m = 0; m < g->num_nodes; ++m) {
+    const size_t i = remote_index(g, m);
+    char* dst = m == g->node ? b.own : b.out + i * b.out_stride;
+    EP_RETURN_IF(run_pass(m, dst));
+    parts->parts[m] = dst;
+    if (m == g->node) continue;
+    char* in = b.in + i * b.in_stride;
+    msgs.push_back({m, dst, rail_tokens(h, m * g->node_size + g->node_rank) * b.token_bytes, in,
+                    rail_tokens(h, g->rank) * b.token_bytes});
+    parts->parts[m] = in;
+  }
+  return rail_exchange(g, msgs, stream);
+}
+
 // Combine over nodes: the node partials (2a) of every node's sources, the rail, then 2b here.
 ncclResult_t combine_nodes(ncclEpHandle* h, const CombineArgs& a, cudaStream_t stream) {
   ncclEpGroup* g = h->group;
   const RailBuffers& r = g->rail;
-  const size_t Tm = (size_t)g->cfg.max_tokens_per_rank;
+  const size_t node_bytes = (size_t)g->cfg.max_tokens_per_rank * r.row_bytes;
   CombineNodesArgs fin;
+  fin.nodes = node_parts(h);
   fin.dtype = a.dtype;
   fin.vec = a.ex.vec;
-  fin.own_routing = h->slot->own_routing.ptr;
-  fin.tokens = h->num_tokens;
-  fin.topk = h->topk;
   fin.hidden = g->cfg.hidden;
-  fin.experts_per_node = g->node_size * g->num_local;
-  fin.num_nodes = g->num_nodes;
-  fin.state = g->d_state;
-  fin.err = g->d_err;
   fin.y = a.y;
-  std::vector<RailMessage> msgs(g->num_nodes);
-  for (int m = 0; m < g->num_nodes; ++m) {
-    CombineArgs pass = a;
-    const size_t i = remote_index(g, m);
-    char* out = m == g->node ? r.rows_own.ptr : r.rows_out.ptr + i * Tm * r.row_bytes;
-    pass.y = out;
-    pass.ex = exchange_args(h, kOpCombine, 0, a.ex.vec != 0, m);
-    pass.ex.outputs[0] = OutputSpan{out, (long long)(Tm * r.row_bytes)};
-    EP_CUDA(launch_combine(pass, stream));
-    fin.parts[m] = out;
-    if (m == g->node) continue;
-    char* in = r.rows_in.ptr + i * Tm * r.row_bytes;
-    msgs[m] = {out, rail_tokens(h, m * g->node_size + g->node_rank) * g->row_bytes, in,
-               rail_tokens(h, g->rank) * g->row_bytes};
-    fin.parts[m] = in;
-  }
-  EP_RETURN_IF(rail_exchange(g, msgs, stream));
+  const ReturnBuffers b{r.rows_own.ptr, r.rows_out.ptr, node_bytes, r.rows_in.ptr, node_bytes,
+                        r.row_bytes};
+  EP_RETURN_IF(return_to_sources(
+      h, b,
+      [&](int m, char* dst) -> ncclResult_t {
+        CombineArgs pass = a;
+        pass.y = dst;
+        pass.ex = exchange_args(h, kOpCombine, 0, a.ex.vec != 0, m);
+        pass.ex.outputs[0] = OutputSpan{dst, (long long)node_bytes};
+        EP_CUDA(launch_combine(pass, stream));
+        return ncclSuccess;
+      },
+      &fin.nodes, stream));
   EP_CUDA(launch_combine_nodes(fin, stream));
   return ncclSuccess;
 }
@@ -272,35 +311,25 @@ ncclResult_t combine_probs_nodes(ncclEpHandle* h, const CombineProbsArgs& a,
   const RailBuffers& r = g->rail;
   const size_t Tm = (size_t)g->cfg.max_tokens_per_rank;
   MergeProbsArgs fin;
+  fin.nodes = node_parts(h);
   fin.prob_bytes = a.prob_bytes;
   fin.grad_dense = a.grad_dense;
-  fin.own_routing = h->slot->own_routing.ptr;
-  fin.tokens = h->num_tokens;
-  fin.topk = h->topk;
   fin.num_experts = g->cfg.num_experts;
-  fin.experts_per_node = g->node_size * g->num_local;
-  fin.num_nodes = g->num_nodes;
-  fin.state = g->d_state;
-  fin.err = g->d_err;
   fin.grad = a.grad;
-  std::vector<RailMessage> msgs(g->num_nodes);
-  for (int m = 0; m < g->num_nodes; ++m) {
-    CombineProbsArgs pass = a;
-    const size_t i = remote_index(g, m);
-    char* out = m == g->node ? r.probs_own.ptr : r.probs_out.ptr + i * Tm * r.grad_row_bytes;
-    pass.grad = out;
-    pass.grad_dense = 0;  // [T, K] per node; merged into the caller's layout at the end
-    pass.ex = exchange_args(h, kOpCombineProbs, a.prob_bytes, false, m);
-    pass.ex.outputs[0] = OutputSpan{out, (long long)(Tm * r.grad_row_bytes)};
-    EP_CUDA(launch_combine_probs(pass, stream));
-    fin.parts[m] = out;
-    if (m == g->node) continue;
-    char* in = r.probs_in.ptr + i * Tm * r.prob_row_bytes;
-    msgs[m] = {out, rail_tokens(h, m * g->node_size + g->node_rank) * r.grad_row_bytes, in,
-               rail_tokens(h, g->rank) * r.grad_row_bytes};
-    fin.parts[m] = in;
-  }
-  EP_RETURN_IF(rail_exchange(g, msgs, stream));
+  const ReturnBuffers b{r.probs_own.ptr, r.probs_out.ptr, Tm * r.grad_row_bytes, r.probs_in.ptr,
+                        Tm * r.prob_row_bytes, r.grad_row_bytes};
+  EP_RETURN_IF(return_to_sources(
+      h, b,
+      [&](int m, char* dst) -> ncclResult_t {
+        CombineProbsArgs pass = a;
+        pass.grad = dst;
+        pass.grad_dense = 0;  // [T, K] per node; merged into the caller's layout at the end
+        pass.ex = exchange_args(h, kOpCombineProbs, a.prob_bytes, false, m);
+        pass.ex.outputs[0] = OutputSpan{dst, (long long)(Tm * r.grad_row_bytes)};
+        EP_CUDA(launch_combine_probs(pass, stream));
+        return ncclSuccess;
+      },
+      &fin.nodes, stream));
   EP_CUDA(launch_merge_probs(fin, stream));
   return ncclSuccess;
 }
