@@ -117,8 +117,10 @@ class GroupConfig:
              f"expert_alignment must be >= 1, got {self.expert_alignment}")
         need(self.num_sms >= 1, f"num_sms must be >= 1, got {self.num_sms}")
         need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
-        need(self.staging_chunk_tokens >= 0 and self.staging_depth >= 0,
-             "staging_chunk_tokens and staging_depth must be >= 0 (0 = default), got "
+        need(self.staging_chunk_tokens >= 0 and (self.staging_depth == 0
+                                                 or self.staging_depth >= 2),
+             "staging_chunk_tokens must be >= 0 and staging_depth 0 or >= 2 (0 = default; the "
+             "combine sends chunk j while it sums chunk j - 1), got "
              f"{self.staging_chunk_tokens} and {self.staging_depth}")
         need(self.ranks_per_node == 0 or (1 <= self.ranks_per_node <= world_size
                                           and world_size % self.ranks_per_node == 0),

@@ -59,7 +59,8 @@ def test_error_code_becomes_exception_with_reason(ext):
 @pytest.mark.parametrize("change, message", [
     (dict(max_tokens_per_rank=0), "max_tokens_per_rank must be >= 1, got 0"),
     (dict(num_experts=7), r"num_experts \(7\) must be > 0 and a multiple of the group size \(2\)"),
-    (dict(staging_depth=-1), "staging_depth in \\[0, 64\\]"),
+    (dict(staging_depth=-1), "staging_depth 0 or in \\[2, 64\\]"),
+    (dict(staging_depth=1), r"staging_depth 0 or in \[2, 64\] \(0 = default\), got 0 and 1"),
     (dict(max_topk=33, num_experts=64), r"max_topk must be in \[1, min\(num_experts=64, 32\)\]"),
 ])
 def test_local_team_config_errors_name_the_field(ext, change, message):

@@ -202,18 +202,17 @@ __global__ void __launch_bounds__(WARPS * 32) combine_tma(const char* eo, char* 
   }
 }
 
-// The engine's token sums on the same work: per token a source list of its K rows, then the
-// library's staging stream (bulk copies into 2 x 8 KiB per warp, the next token's first segment
-// loading while the current one's last is summed). CTA b takes the engine's contiguous token
-// range; FINAL: the receivers' stage-2 path (own partial rounded, then the chain). ENGINE: the
-// token's rows found as the engine receiver's per-token code finds them at EP=1 (combine.cu
-// recv_remote: the destination mask from the routing, collect_rows on the row map: ballots,
-// shared memory) instead of a plain read of rr; against ENGINE = false, what that code costs
-// outside the engine's kernel.
+// The engine's sum_token on the same work: per token a source list of its K rows, then the
+// library's staging (bulk copies into 2 x 8 KiB per warp). CTA b takes the engine's contiguous
+// token range; FINAL: the receivers' stage-2 path (own partial rounded, then the chain). ENGINE:
+// the token's rows found as the engine's combine finds them at EP=1 (combine.cu: the destination
+// mask from the routing, collect_rows on the row map: ballots, shared memory) instead of a plain
+// read of rr; against ENGINE = false, what that per-token code costs outside the engine's kernel.
 template <bool FINAL, bool ENGINE>
 __global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
     combine_library(const char* eo, char* y, const int* rr, const nccl_ep::ExchangeArgs e) {
   using namespace nccl_ep;
+  using P = Pack<__nv_bfloat16, 8>;
   __shared__ int rows_sh[kCombineWarps][kMaxTopk], slots_sh[kCombineWarps][kMaxTopk];
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   const WarpStaging ws = warp_staging();
@@ -223,27 +222,23 @@ __global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
   }
   __syncwarp();
   const int t1 = (int)((long long)T * (blockIdx.x + 1) / gridDim.x);
-  int t = (int)((long long)T * blockIdx.x / gridDim.x) + wid - kCombineWarps;
-  sum_tokens<__nv_bfloat16, 8, FINAL>(ws, ROWB / 16, true, lane,
-                                      [&](const char** src, TokenJob* job) {
-    t += kCombineWarps;
-    if (t >= t1) return false;
+  for (int t = (int)((long long)T * blockIdx.x / gridDim.x) + wid; t < t1; t += kCombineWarps) {
     int n = K;
     bool has_own = true;
     if (ENGINE) {
       has_own = dest_mask(e.own_routing + (size_t)t * e.topk, e.topk, e.expert_base, e.num_local,
                           e.num_ranks, lane) & 1ull;
       n = has_own ? max(0, collect_rows(e, 0, t, lane, rows_sh[wid], slots_sh[wid])) : 0;
-      point_at_rows(src, eo, ROWB, rows_sh[wid], n, lane);
+      point_at_rows(ws.src, eo, ROWB, rows_sh[wid], n, lane);
     } else if (lane < K) {
-      src[lane] = eo + (size_t)rr[t * K + lane] * ROWB;
+      ws.src[lane] = eo + (size_t)rr[t * K + lane] * ROWB;
     }
-    job->dst = y + (size_t)t * ROWB;
-    job->n_rows = n;
-    job->n_parts = 0;
-    job->own_at = has_own ? 0 : -1;
-    return true;
-  });
+    __syncwarp();
+    sum_token<__nv_bfloat16, 8, FINAL>({ws.src, n, 0, has_own ? 0 : -1}, ws,
+                                       reinterpret_cast<P*>(y + (size_t)t * ROWB), ROWB / 16, true,
+                                       lane);
+    __syncwarp();
+  }
 }
 
 // ---- ceilings ----

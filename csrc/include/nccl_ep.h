@@ -119,7 +119,8 @@ typedef struct {
   void* alloc_ctx;
   /* Staging: every op moves tokens through a ring per (channel, peer) of staging_depth slots of
    * staging_chunk_tokens tokens (channels = num_sms), so staging memory does not grow with
-   * max_tokens_per_rank. 0 = library default (ncclEpGroupGetInfo reports what was chosen). */
+   * max_tokens_per_rank. 0 = library default (ncclEpGroupGetInfo reports what was chosen);
+   * staging_depth is 0 or >= 2 (the combine sends chunk j while it sums chunk j - 1). */
   int staging_chunk_tokens;
   int staging_depth;
   /* G: ranks per node, consecutive ranks (node = rank / G), a divisor of the group size. 0 = NCCL's

@@ -7,10 +7,11 @@
  *  - Handle creation: pack (own routing -> a record in every rank's window, parity of the
  *    handle's number) -> barrier -> layout kernels on the local copy of all records.
  *  - Every op (dispatch, combine, combine_probs) is ONE kernel of `channels` CTAs (the SM
- *    budget): in each CTA the first send_warps warps push this rank's chunks into the peers'
- *    rings and the others consume the chunks the peers pushed here, chunk by chunk, with ready /
- *    credit flags per (channel, peer) (exchange.cuh). The transfer of one chunk overlaps the
- *    expansion / reduction of the previous ones; nothing waits for a whole op.
+ *    budget): in each CTA of dispatch and combine_probs the first send_warps warps push this
+ *    rank's chunks into the peers' rings and the others consume the chunks the peers pushed here;
+ *    in the combine every warp does both, round r sending chunk r and summing chunk r - 1. Chunk
+ *    by chunk, with ready / credit flags per (channel, peer) (exchange.cuh): the transfer of one
+ *    chunk overlaps the expansion / reduction of the previous ones; nothing waits for a whole op.
  *  - Packed slot id: slot = (s * Tmax + t) * Kmax + k (int32; R * Tmax * Kmax < 2^31 is checked).
  *  - Placement never depends on atomics: rows come from per-(s, l) block scans (layout.cu).
  *  - Groups that span nodes (G ranks per node < R): the engine runs over the node's G ranks, once
@@ -101,7 +102,7 @@ struct ExchangeArgs {       // shared by dispatch, combine and combine_probs
   ErrorInfo* err;           // group word (host-mapped)
   long long timeout_ns;
   unsigned call;            // call_signature() of this op
-  int send_warps;           // warps per CTA that push (0 on one rank)
+  int send_warps;           // warps per CTA that push (0 on one rank, and in the combine)
   int num_ranks, rank, num_local, num_experts, max_tokens, max_topk;  // ranks of the node
   int expert_base;          // the node's first expert (0 on one node)
   int zero_padding;         // dispatch: this call zeroes the rows of no slot (the first pass)

@@ -27,30 +27,34 @@
 
 namespace nccl_ep {
 
-// The tokens c.begin + i of chunk j of every peer p (their tokens: the combine side sends for
-// the peers' tokens) that one warp handles: the numbering is continued across peers, so that
-// small chunks balance over the warps.
-struct PeerTokens {
+// The tokens one warp handles in a round: c.begin + i of chunk `j_peers` of every peer p (the
+// peers' tokens, whose partials the combine sends), then, with j_own >= 0, c.begin + i of this
+// rank's chunk j_own (its own tokens, summed here). The numbering is continued across the lists,
+// so that small chunks balance over the warps. A chunk index < 0: that part is empty.
+struct RoundTokens {
   const ExchangeArgs& e;
   const ExchangeShared& sh;
-  int b, j, nwarps;
-  int p = -1, i = 0, first, n = 0;  // the current peer, item, and the peers' items before it
+  int b, j_peers, j_own, nwarps;
+  int k = -1, p = -1, j = -1, i = 0, first, n = 0;  // list k (peer p, chunk j), item i
   ChunkRange c{0, 0};
 
-  EP_DEVICE PeerTokens(const ExchangeArgs& e_, const ExchangeShared& sh_, int b_, int j_,
-                       int warp, int nwarps_)
-      : e(e_), sh(sh_), b(b_), j(j_), nwarps(nwarps_), first(-warp) {}
+  EP_DEVICE RoundTokens(const ExchangeArgs& e_, const ExchangeShared& sh_, int b_, int j_peers_,
+                        int j_own_, int warp, int nwarps_)
+      : e(e_), sh(sh_), b(b_), j_peers(j_peers_), j_own(j_own_), nwarps(nwarps_), first(-warp) {}
+
+  EP_DEVICE bool own() const { return p == e.rank; }
 
   // Moves to this warp's next item; false after the last.
   EP_DEVICE bool next() {
     i += nwarps;
     while (i >= n) {
-      // Next peer: its first item of this warp continues the numbering.
-      do {
-        if (++p >= e.num_ranks) return false;
-      } while (p == e.rank);
+      // Next list: the peers in ascending rank, then this rank. Its first item of this warp
+      // continues the numbering.
+      if (++k >= e.num_ranks) return false;
+      p = k < e.num_ranks - 1 ? (k < e.rank ? k : k + 1) : e.rank;
+      j = p == e.rank ? j_own : j_peers;
       first += n;
-      c = chunk_of(sh.tokens[p], e.win, b, j);
+      c = j >= 0 ? chunk_of(sh.tokens[p], e.win, b, j) : ChunkRange{0, 0};
       n = c.size();
       i = ((-first) % nwarps + nwarps) % nwarps;
     }
@@ -63,6 +67,7 @@ struct CombineOp {
   using Args = CombineArgs;
   using P = Pack<T, N>;
   static constexpr bool kSendsOwnTokens = false;
+  static constexpr bool kInterleaved = true;
   static constexpr int kWarps = kCombineWarps;
   static constexpr size_t kStagingBytes = kCombineStagingBytes;
   static_assert(kWarps <= kCombineWarps, "warp_staging() sizes its arrays by kCombineWarps");
@@ -77,50 +82,36 @@ struct CombineOp {
     }
   }
 
-  // Stage 1 for the peers' tokens: their partials go to the owner's ring.
-  static __device__ void send_round(const Args& a, ExchangeShared& sh, int b, int j, int warp,
-                                    int nwarps, int lane) {
-    const ExchangeArgs& e = a.ex;
-    const int w = threadIdx.x >> 5;
-    const size_t row_bytes = (size_t)e.hidden * sizeof(T);
-    PeerTokens items(e, sh, b, j, warp, nwarps);
-    sum_tokens<T, N, false>(warp_staging(), e.hidden / N, e.vec, lane,
-                            [&](const char** src, TokenJob* job) {
-      while (items.next()) {
-        const int p = items.p, i = items.i;
-        const int n = collect_rows(e, p, items.c.begin + i, lane, sh.rows_sh[w], sh.slots_sh[w]);
-        if (n < 0) continue;  // no slot of (p, t) here: nothing to send
-        point_at_rows(src, a.expert_out, row_bytes, sh.rows_sh[w], n, lane);
-        job->dst = ring_row(e.peers[p], e.win, b, ring_index(e.rank, p, e.num_ranks), j, i);
-        job->n_rows = n;
-        job->n_parts = 0;
-        job->own_at = 0;
-        return true;
-      }
-      return false;
-    });
-  }
-
-  static __device__ void recv_prologue(const Args&, ExchangeShared&, int, int, int, int) {}
-  static __device__ void recv_local(const Args&, ExchangeShared&, int, int, int, int, int) {}
-
-  // Stage 2 for this rank's tokens of chunk j, once every peer's partials are in the ring.
-  static __device__ void recv_remote(const Args& a, ExchangeShared& sh, int b, int j, int warp,
-                                     int nwarps, int lane) {
+  // Round r of the combine on every warp: stage 1 for the peers' tokens of chunk js (their
+  // partials go to the owner's ring), stage 2 for this rank's tokens of chunk jr (every peer's
+  // partial of that chunk is in the ring).
+  static __device__ void round(const Args& a, ExchangeShared& sh, int b, int js, int jr, int warp,
+                               int nwarps, int lane) {
     const ExchangeArgs& e = a.ex;
     const int w = threadIdx.x >> 5, packs = e.hidden / N;
     const size_t row_bytes = (size_t)e.hidden * sizeof(T);
-    if (lane == 0) fence_proxy_async_global();  // the peers' partials, acquired, go to bulk copies
-    const ChunkRange c = chunk_of(sh.tokens[e.rank], e.win, b, j);
-    // The peers' partials of this chunk sit one ring apart: ring q's row i at
+    const WarpStaging ws = warp_staging();
+    const char** src = ws.src;
+    if (jr >= 0 && lane == 0) fence_proxy_async_global();  // acquired partials go to bulk copies
+    // The peers' partials of chunk jr sit one ring apart: ring q's row i at
     // partials + q * ring_stride + i * row_stride.
-    const char* partials = ring_row(e.peers[e.rank], e.win, b, 0, j, 0);
+    const char* partials = ring_row(e.peers[e.rank], e.win, b, 0, max(jr, 0), 0);
     const size_t ring_stride = (size_t)e.win.depth * e.win.chunk * e.win.row_stride;
-    int t = c.begin + warp - nwarps;
-    sum_tokens<T, N, true>(warp_staging(), packs, e.vec, lane,
-                           [&](const char** src, TokenJob* job) {
-      t += nwarps;
-      if (t >= c.end) return false;
+    for (RoundTokens items(e, sh, b, js, jr, warp, nwarps); items.next();) {
+      const int t = items.c.begin + items.i;
+      if (!items.own()) {
+        const int p = items.p;
+        const int n = collect_rows(e, p, t, lane, sh.rows_sh[w], sh.slots_sh[w]);
+        if (n >= 0) {  // else no slot of (p, t) here: nothing to send
+          point_at_rows(src, a.expert_out, row_bytes, sh.rows_sh[w], n, lane);
+          __syncwarp();
+          P* dst = reinterpret_cast<P*>(
+              ring_row(e.peers[p], e.win, b, ring_index(e.rank, p, e.num_ranks), js, items.i));
+          sum_token<T, N, false>({src, n, 0, 0}, ws, dst, packs, e.vec, lane);
+        }
+        __syncwarp();  // rows_sh and the sources are rewritten by the next item
+        continue;
+      }
       const unsigned long long mask =
           dest_mask(e.own_routing + (size_t)t * e.topk, e.topk, e.expert_base, e.num_local,
                     e.num_ranks, lane);
@@ -136,14 +127,14 @@ struct CombineOp {
         if (((others >> d) & 1ull) == 0) continue;
         const int i = __popcll(others & ((1ull << d) - 1ull));
         src[n_own + i] = partials + (size_t)ring_index(d, e.rank, e.num_ranks) * ring_stride +
-                         (size_t)(t - c.begin) * e.win.row_stride;
+                         (size_t)items.i * e.win.row_stride;
       }
-      job->dst = reinterpret_cast<Pack<T, N>*>(a.y) + (size_t)t * packs;
-      job->n_rows = n_own;
-      job->n_parts = __popcll(others);
-      job->own_at = has_own ? __popcll(others & ((1ull << e.rank) - 1ull)) : -1;
-      return true;
-    });
+      __syncwarp();
+      const int own_at = has_own ? __popcll(others & ((1ull << e.rank) - 1ull)) : -1;
+      sum_token<T, N, true>({src, n_own, __popcll(others), own_at}, ws,
+                            reinterpret_cast<P*>(a.y) + (size_t)t * packs, packs, e.vec, lane);
+      __syncwarp();  // rows_sh and the sources are rewritten by the next item
+    }
   }
 };
 
@@ -166,6 +157,7 @@ EP_DEVICE void write_slot_probs(char* row_out, int cols, bool dense, int topk, i
 struct CombineProbsOp {
   using Args = CombineProbsArgs;
   static constexpr bool kSendsOwnTokens = false;
+  static constexpr bool kInterleaved = false;
   static constexpr int kWarps = kCombineProbsWarps;
   static constexpr size_t kStagingBytes = 0;
   // Host and device: the launch reads the channel count through it.
@@ -179,7 +171,7 @@ struct CombineProbsOp {
   static __device__ void send_round(const Args& a, ExchangeShared& sh, int b, int j, int warp,
                                     int nwarps, int lane) {
     const ExchangeArgs& e = a.ex;
-    for (PeerTokens items(e, sh, b, j, warp, nwarps); items.next();) {
+    for (RoundTokens items(e, sh, b, j, -1, warp, nwarps); items.next();) {
       if (lane >= e.topk) continue;
       const int p = items.p, i = items.i;
       const int row = token_rows(e, p, items.c.begin + i)[lane];

@@ -26,6 +26,7 @@ template <typename U>
 struct DispatchOp {
   using Args = DispatchArgs;
   static constexpr bool kSendsOwnTokens = true;
+  static constexpr bool kInterleaved = false;
   static constexpr int kWarps = kDispatchWarps;
   static constexpr size_t kStagingBytes = 0;  // dynamic shared memory
   // Host and device: the launch reads the channel count through it.

@@ -8,6 +8,8 @@
  *   senders     warps [0, send_warps) of the CTA: for each round j, wait until every peer freed
  *               the slot (credit), write the chunk (Op::send_round), then post ready(j + 1)
  *               (kAllChunks for the last chunk, or at once when there is none).
+ *   interleaved (Op::kInterleaved, the combine) every warp sends and receives: round r is the
+ *               send of chunk r and the receive of chunk r - 1, one list of items over all warps.
  *   receivers   the other warps: Op::recv_prologue once; per round j, Op::recv_local (work that
  *               needs no peer), wait for every peer's ready(j + 1), Op::recv_remote, then give the
  *               slot back (credit j + 1; the last one (op epoch + 1, 0): the whole ring is free for
@@ -240,6 +242,18 @@ __device__ __forceinline__ void count_chunks(ExchangeShared& sh, const ExchangeA
   sh.recv_chunks[p] = chunks_of(Op::kSendsOwnTokens ? theirs : mine, e.win, blockIdx.x);
 }
 
+// The receiving leader's last step: peers that sent nothing on this channel have their call
+// checked, then their ring freed for the next op (peers with chunks got that with their last
+// chunk's credit).
+__device__ __forceinline__ void free_idle_rings(const ExchangeArgs& e, const ExchangeShared& sh,
+                                                unsigned long long epoch, int b) {
+  for (int p = 0; p < e.num_ranks; ++p) {
+    if (p == e.rank || sh.recv_chunks[p] != 0) continue;
+    if (!wait_ready(e, epoch, b, p, kAllChunks)) return;
+    post_credit(e, b, p, credit_word(epoch + 1, 0));
+  }
+}
+
 template <class Op>
 __device__ void sender_role(const typename Op::Args& a, ExchangeShared& sh, int warp, int nwarps,
                             int lane) {
@@ -274,6 +288,61 @@ __device__ void sender_role(const typename Op::Args& a, ExchangeShared& sh, int 
       }
     }
   }
+}
+
+// Both roles on every warp (Op::kInterleaved, the combine): round r sends chunk r and receives
+// chunk r - lag as one list of items spread over all the CTA's warps (Op::round), so no warp idles
+// while the other role waits or has less to do. lag = 1 while this CTA sends (a peer's ready for
+// chunk r - 1 was posted at the end of its round r - 1); 0 when it sends nothing.
+// NOTES: round r waits only for the peers' rounds <= r - 1 (ready(r - 1): their round r - 1;
+// credit for chunk r: their receive of chunk r - depth, in their round r - depth + 1 <= r - 1 as
+// depth >= 2, which group creation enforces), so no round waits in a cycle.
+template <class Op>
+__device__ void interleaved_role(const typename Op::Args& a, ExchangeShared& sh, int warp,
+                                 int nwarps, int lane) {
+  const ExchangeArgs& e = Op::ex(a);
+  const int b = blockIdx.x;
+  const bool leader = threadIdx.x == 0;
+  const unsigned long long epoch = sh.epoch;
+  const int lag = sh.send_rounds > 0 ? 1 : 0;
+  const int rounds = max(sh.send_rounds, sh.recv_rounds + lag);
+  if (leader) {
+    for (int p = 0; p < e.num_ranks; ++p)
+      if (p != e.rank && sh.send_chunks[p] == 0) post_ready(e, epoch, b, p, kAllChunks);
+  }
+  for (int r = 0; r < rounds; ++r) {
+    const int js = r < sh.send_rounds ? r : -1;
+    const int jr = r - lag >= 0 && r - lag < sh.recv_rounds ? r - lag : -1;
+    unsigned long long since = trace_clock();
+    if (leader) {
+      bool ok = true;
+      for (int p = 0; p < e.num_ranks && ok; ++p) {
+        if (p == e.rank) continue;
+        if (js >= 0 && js < sh.send_chunks[p]) ok = wait_credit(e, epoch, b, p, js);
+        if (ok && jr >= 0 && jr < sh.recv_chunks[p])
+          ok = wait_ready(e, epoch, b, p, (unsigned)jr + 1);
+      }
+      if (!ok) sh.recv_stop = 1;
+      trace_add(&sh.recv_wait_ns, since);
+    }
+    __syncthreads();
+    if (*(volatile int*)&sh.recv_stop) break;
+    since = trace_clock();
+    Op::round(a, sh, b, js, jr, warp, nwarps, lane);
+    __syncthreads();
+    if (leader) {
+      trace_add(&sh.recv_remote_ns, since);
+      fence_acq_rel_sys();
+      for (int p = 0; p < e.num_ranks; ++p) {
+        if (p == e.rank) continue;
+        const int ns = sh.send_chunks[p], nr = sh.recv_chunks[p];
+        if (js >= 0 && js < ns) post_ready(e, epoch, b, p, js + 1 == ns ? kAllChunks : (unsigned)js + 1);
+        if (jr >= 0 && jr + 1 < nr) post_credit(e, b, p, credit_word(epoch, (unsigned)jr + 1));
+        else if (jr >= 0 && jr + 1 == nr) post_credit(e, b, p, credit_word(epoch + 1, 0));
+      }
+    }
+  }
+  if (leader && !sh.recv_stop) free_idle_rings(e, sh, epoch, b);
 }
 
 template <class Op>
@@ -311,15 +380,7 @@ __device__ void receiver_role(const typename Op::Args& a, ExchangeShared& sh, in
       }
     }
   }
-  if (leader) {
-    // Peers that sent nothing on this channel: check their call, then free the ring for the
-    // next op (peers with chunks got that with their last chunk's credit).
-    for (int p = 0; p < e.num_ranks; ++p) {
-      if (p == e.rank || sh.recv_chunks[p] != 0) continue;
-      if (!wait_ready(e, epoch, b, p, kAllChunks)) break;
-      post_credit(e, b, p, credit_word(epoch + 1, 0));
-    }
-  }
+  if (leader) free_idle_rings(e, sh, epoch, b);
 }
 
 // Fills every output of the op with 0xFF bytes (NaN), all of it from this CTA: the error path
@@ -378,7 +439,9 @@ __device__ void run_exchange(const typename Op::Args& a) {
   }
   __syncthreads();
   if (!sh.start_stop) {
-    if (warp < e.send_warps) {
+    if constexpr (Op::kInterleaved) {
+      interleaved_role<Op>(a, sh, warp, Op::kWarps, lane);
+    } else if (warp < e.send_warps) {
       sender_role<Op>(a, sh, warp, e.send_warps, lane);
     } else {
       receiver_role<Op>(a, sh, warp - e.send_warps, Op::kWarps - e.send_warps, lane);

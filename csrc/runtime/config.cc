@@ -134,11 +134,12 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
            kDefaultSms, c->num_sms);
   EP_CHECK(c->timeout_ms > 0, ncclInvalidArgument,
            "ncclEpCreateGroup: timeout_ms must be > 0, got %lld", (long long)c->timeout_ms);
+  // depth >= 2: the combine sends chunk j while it sums chunk j - 1 (exchange.cuh).
   EP_CHECK(c->staging_chunk_tokens >= 0 && c->staging_chunk_tokens <= (1 << 16) &&
-               c->staging_depth >= 0 && c->staging_depth <= 64,
+               (c->staging_depth == 0 || (c->staging_depth >= 2 && c->staging_depth <= 64)),
            ncclInvalidArgument,
-           "ncclEpCreateGroup: staging_chunk_tokens must be in [0, 65536] and staging_depth in "
-           "[0, 64] (0 = default), got %d and %d",
+           "ncclEpCreateGroup: staging_chunk_tokens must be in [0, 65536] and staging_depth 0 or "
+           "in [2, 64] (0 = default), got %d and %d",
            c->staging_chunk_tokens, c->staging_depth);
   const long long slots = (long long)nranks * c->max_tokens_per_rank * c->max_topk;
   const long long rows = (long long)nranks * c->max_tokens_per_rank *

@@ -79,13 +79,9 @@ ncclResult_t check_weights(const ncclEpTensor_t& t, const char* name, const nccl
 
 bool aligned16(const void* p) { return ((uintptr_t)p & 15u) == 0; }
 
+// Warps per CTA that only send: none on one rank, none in the combine (its warps do both).
 int send_warps(OpKind op, int num_ranks) {
-  if (num_ranks == 1) return 0;
-  if (op == kOpCombine) {
-    const int share = (kCombineWarps * (num_ranks - 1) + num_ranks / 2) / num_ranks;
-    return std::min(kCombineWarps - 3, std::max(3, share));
-  }
-  return 4;
+  return num_ranks == 1 || op == kOpCombine ? 0 : 4;
 }
 
 // A group's device-side error is returned before anything is launched, or, over nodes, kept in
