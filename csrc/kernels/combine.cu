@@ -112,13 +112,15 @@ struct CombineOp {
         __syncwarp();  // rows_sh and the sources are rewritten by the next item
         continue;
       }
+      // The row map's and the routing's loads are independent: both in flight at once.
+      const int row = slot_row(e, e.rank, t, lane);
       const unsigned long long mask =
           dest_mask(e.own_routing + (size_t)t * e.topk, e.topk, e.expert_base, e.num_local,
                     e.num_ranks, lane);
       const bool has_own = (mask >> e.rank) & 1ull;
-      int n_own = 0;  // mask is warp-uniform, so collect_rows runs on the whole warp
+      int n_own = 0;  // mask is warp-uniform, so compact_rows runs on the whole warp
       if (has_own) {
-        n_own = max(0, collect_rows(e, e.rank, t, lane, sh.rows_sh[w], sh.slots_sh[w]));
+        n_own = max(0, compact_rows(e, row, lane, sh.rows_sh[w], sh.slots_sh[w]));
         point_at_rows(src, a.expert_out, row_bytes, sh.rows_sh[w], n_own, lane);
       }
       // The peers' partials after the rows, ascending rank: lane d points partial d.

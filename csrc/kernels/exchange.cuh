@@ -128,12 +128,17 @@ __device__ __forceinline__ const int* token_rows(const ExchangeArgs& e, int s, i
   return e.recv_row + ((size_t)s * e.max_tokens + t) * e.max_topk;
 }
 
-// The rows here of token (s, t), compacted in ascending k into rows_out[] (and their slots k
-// into slots_out[]), skipping rows past the output (capacity overflow, already reported).
-// Returns how many, or -1 when (s, t) has no slot here at all. Warp-wide.
-__device__ __forceinline__ int collect_rows(const ExchangeArgs& e, int s, int t, int lane,
+// Lane k's row here of token (s, t) (-1: none, or past top-k).
+__device__ __forceinline__ int slot_row(const ExchangeArgs& e, int s, int t, int lane) {
+  return lane < e.topk ? token_rows(e, s, t)[lane] : -1;
+}
+
+// The rows here of a token (lane k holds slot k's, from slot_row), compacted in ascending k into
+// rows_out[] (and their slots k into slots_out[]), skipping rows past the output (capacity
+// overflow, already reported). Returns how many, or -1 when the token has no slot here at all.
+// Warp-wide.
+__device__ __forceinline__ int compact_rows(const ExchangeArgs& e, int row, int lane,
                                             int* rows_out, int* slots_out) {
-  const int row = lane < e.topk ? token_rows(e, s, t)[lane] : -1;
   if (__ballot_sync(0xffffffffu, row >= 0) == 0) return -1;
   const unsigned usable = __ballot_sync(0xffffffffu, row >= 0 && row < e.rows);
   if ((usable >> lane) & 1u) {
@@ -143,6 +148,11 @@ __device__ __forceinline__ int collect_rows(const ExchangeArgs& e, int s, int t,
   }
   __syncwarp();
   return __popc(usable);
+}
+
+__device__ __forceinline__ int collect_rows(const ExchangeArgs& e, int s, int t, int lane,
+                                            int* rows_out, int* slots_out) {
+  return compact_rows(e, slot_row(e, s, t, lane), lane, rows_out, slots_out);
 }
 
 // Records an error of this rank and stops the group (every peer is told).
