@@ -123,12 +123,13 @@ def test_check_script_arguments_parse_with_nccl_ep_registered(on_cpu):
             assert args["transformer_impl"] == "local", name
             assert args["expert_model_parallel_size"] == 2, name
             assert args["data_parallel_size"] == 2, name
-            dispatcher = "alltoall" if name == "alltoall" else "nccl_ep"
+            dispatcher = "alltoall" if name.endswith("alltoall") else "nccl_ep"
             assert args["moe_token_dispatcher_type"] == dispatcher, name
             assert args["nccl_ep_backend"] == "auto", name
-        for name in ("shared_experts", "shared_expert_overlap"):
+        for name in ("shared_expert_overlap", "shared_expert_overlap_alltoall"):
             assert parsed[name]["moe_shared_expert_intermediate_size"] == 512, name
-            assert parsed[name]["moe_shared_expert_overlap"] == (name == "shared_expert_overlap")
+            assert parsed[name]["moe_shared_expert_overlap"], name
+        assert not parsed["nccl_ep"]["moe_shared_expert_overlap"]
         assert parsed["nccl_ep"]["moe_shared_expert_intermediate_size"] is None
         assert (parsed["nccl_ep"]["cuda_graph_impl"], parsed["router_graphs"]["cuda_graph_impl"]) \
             == ("none", "local")
@@ -275,14 +276,15 @@ def test_alltoall_over_the_tolerance_or_nan_fails():
 def test_shared_expert_overlap_and_graph_checks_compare_their_runs_bitwise():
     runs = good_runs()
     every = fake_steps(range(1, 101))
-    runs.update(shared_experts=(0, fake_steps(range(1, 101), offset=0.5)),
+    runs.update(shared_expert_overlap_alltoall=(0, fake_steps(range(1, 101), offset=0.5)),
                 shared_expert_overlap=(0, fake_steps(range(1, 101), offset=0.5)),
                 router_graphs=(0, dict(every)))
     results = check_training.checks(runs, 1e-2)
     assert [label[:3] for label, _, _ in results] == ["(a)", "(b)", "(c)", "(d)", "(e)"]
     assert all(passed for _, passed, _ in results), results
-    # (d) compares the overlap run with the shared-expert run, not with the plain nccl_ep one.
-    runs["shared_expert_overlap"] = (0, with_lowest_bit_flipped(runs["shared_experts"][1], 9, 1))
+    # (d) compares the overlap run with alltoall's overlap run, not with the plain nccl_ep one.
+    runs["shared_expert_overlap"] = (
+        0, with_lowest_bit_flipped(runs["shared_expert_overlap_alltoall"][1], 9, 1))
     runs["router_graphs"] = (0, with_lowest_bit_flipped(every, 64, 0))
     *_, (_, d_passed, d_detail), (_, e_passed, e_detail) = check_training.checks(runs, 1e-2)
     assert not d_passed and d_detail.startswith("iteration 9: grad norm "), d_detail
