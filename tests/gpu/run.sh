@@ -12,11 +12,12 @@
 # TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s), MICRO_TIMEOUT (90 s per
 # microbenchmark; MICRO_SMS: sm_budget's SM count, 24). BENCH_ARGS adds benchmark flags, e.g.
 # BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48" reruns the kernels section per staging
-# chunk size, BENCH_NODES="1" per emulated node size (ranks per node). BENCH_BASELINE=DIR: an A/B against another version of the package (a tree with
-# setup.py, csrc/ and megatron_nccl_ep/, carried as an ignored path, e.g. made with
-# `git archive REF | tar -x -C scratch/baseline`): built in /tmp/baseline alongside the other
-# stages, its kernels section runs after ours in the bench stage and its sm_budget in the micro
-# stage, so both versions are timed on the same machine in the same call.
+# chunk size, BENCH_NODES="1" per emulated node size (ranks per node). BENCH_BASELINE="DIR ...":
+# an A/B against other versions of the package (trees with setup.py, csrc/ and megatron_nccl_ep/,
+# carried as ignored paths, e.g. made with `git archive REF | tar -x -C scratch/baseline`): each
+# built in /tmp/baseline_i alongside the other stages, its kernels section runs after ours in the
+# bench stage and its sm_budget in the micro stage, so every version is timed on the same machine
+# in the same call.
 # faults (issue 8; not in the default stages; `build faults` fits one 10-minute call): ranks
 # that never call or are killed mid-op, a handle-destroying thread, live handles used out of order,
 # 10,000 handle cycles with memory before/after, all tokens to one expert at 16384 tokens, then the
@@ -126,37 +127,42 @@ if wants build; then
     fi
 fi
 
-# The A/B baseline (BENCH_BASELINE) builds in the background while the other stages run.
-BASELINE=/tmp/baseline
-BASELINE_PID=
-if [ -n "${BENCH_BASELINE:-}" ] && (wants bench || wants micro); then
-    if [ -f "$BENCH_BASELINE/setup.py" ]; then
-        rm -rf "$BASELINE" && mkdir -p "$BASELINE" &&
-            cp -r "$BENCH_BASELINE/setup.py" "$BENCH_BASELINE/csrc" \
-                "$BENCH_BASELINE/megatron_nccl_ep" "$BENCH_BASELINE/benchmarks" "$BASELINE/"
-        (cd "$BASELINE" && NCCL_EP_BUILD_EXT=1 MAX_JOBS=$JOBS timeout -k 10 "$BUILD_TIMEOUT" \
-            "$PY" setup.py build_ext --inplace -j "$JOBS" >"$BASELINE/build.log" 2>&1) &
-        BASELINE_PID=$!
-    else
-        STATUS=1
-        note "- baseline: BENCH_BASELINE=$BENCH_BASELINE holds no setup.py (carry it)"
-    fi
+# The A/B baselines (BENCH_BASELINE, one or more trees) build in the background while the other
+# stages run, baseline i in /tmp/baseline_i.
+read -r -a BASELINES <<<"${BENCH_BASELINE:-}"
+BASELINE_PIDS=()
+if [ ${#BASELINES[@]} -gt 0 ] && (wants bench || wants micro); then
+    for i in "${!BASELINES[@]}"; do
+        src=${BASELINES[$i]} dir=/tmp/baseline_$i
+        BASELINE_PIDS[$i]=
+        if [ -f "$src/setup.py" ]; then
+            rm -rf "$dir" && mkdir -p "$dir" &&
+                cp -r "$src/setup.py" "$src/csrc" "$src/megatron_nccl_ep" "$src/benchmarks" "$dir/"
+            (cd "$dir" && NCCL_EP_BUILD_EXT=1 MAX_JOBS=$JOBS timeout -k 10 "$BUILD_TIMEOUT" \
+                "$PY" setup.py build_ext --inplace -j "$JOBS" >"$dir/build.log" 2>&1) &
+            BASELINE_PIDS[$i]=$!
+        else
+            STATUS=1
+            note "- baseline: $src (BENCH_BASELINE) holds no setup.py (carry it)"
+        fi
+    done
 fi
-# Waits for the baseline's build: 0 when it is usable.
+# Waits for baseline i's build: 0 when it is usable.
 baseline_ready() {
-    [ -n "$BASELINE_PID" ] || return 1
-    if [ "$BASELINE_PID" != done ]; then
-        wait "$BASELINE_PID"
+    local i=$1 dir=/tmp/baseline_$1
+    [ -n "${BASELINE_PIDS[$i]:-}" ] || return 1
+    if [ "${BASELINE_PIDS[$i]}" != done ]; then
+        wait "${BASELINE_PIDS[$i]}"
         local rc=$?
-        BASELINE_PID=done
+        BASELINE_PIDS[$i]=done
         if [ $rc -ne 0 ]; then
             STATUS=1
-            note "- baseline build: FAILED (rc $rc); the tail of its log:"
-            { echo '```'; tail -n 12 "$BASELINE/build.log"; echo '```'; } | tee -a "$SUMMARY"
-            rm -rf "$BASELINE/megatron_nccl_ep"
+            note "- baseline ${BASELINES[$i]} build: FAILED (rc $rc); the tail of its log:"
+            { echo '```'; tail -n 12 "$dir/build.log"; echo '```'; } | tee -a "$SUMMARY"
+            rm -rf "$dir/megatron_nccl_ep"
         fi
     fi
-    [ -d "$BASELINE/megatron_nccl_ep" ]
+    [ -d "$dir/megatron_nccl_ep" ]
 }
 
 # One pytest run under a time limit, appended to LOG after a header line (a stage truncates its
@@ -249,19 +255,21 @@ if wants bench; then
         note "- bench, ${variant%%|*}: rc $rc ($((SECONDS - start)) s)"
         bench_table <<<"$log" >>"$SUMMARY"
     done
-    # The baseline's kernels section (BENCH_BASELINE), appended to bench.log likewise.
-    if baseline_ready; then
+    # Each baseline's kernels section (BENCH_BASELINE), appended to bench.log likewise.
+    for i in "${!BASELINES[@]}"; do
+        baseline_ready "$i" || continue
         start=$SECONDS
+        dir=/tmp/baseline_$i
         # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
-        log=$(cd "$BASELINE" && PYTHONPATH="$BASELINE:/tmp/site" timeout -k 10 "$BENCH_TIMEOUT" \
+        log=$(cd "$dir" && PYTHONPATH="$dir:/tmp/site" timeout -k 10 "$BENCH_TIMEOUT" \
             "$PY" -m megatron_nccl_ep.bench $BENCH_ARGS --sections kernels \
             --time-budget $((BENCH_TIMEOUT - 20)) 2>&1)
         rc=$?
         [ $rc -eq 0 ] || STATUS=1
-        { echo "==== baseline ($BENCH_BASELINE)"; echo "$log"; } >>"$OUT/bench.log"
-        note "- bench, baseline $BENCH_BASELINE (kernels): rc $rc ($((SECONDS - start)) s)"
+        { echo "==== baseline (${BASELINES[$i]})"; echo "$log"; } >>"$OUT/bench.log"
+        note "- bench, baseline ${BASELINES[$i]} (kernels): rc $rc ($((SECONDS - start)) s)"
         bench_table <<<"$log" >>"$SUMMARY"
-    fi
+    done
 fi
 
 if wants micro; then
@@ -270,8 +278,8 @@ if wants micro; then
     # (sm_budget also times the library's own per-token sum, csrc/kernels/token_sum.cuh).
     start=$SECONDS
     rc=0
-    with_baseline=0
-    baseline_ready && with_baseline=1
+    ready=()
+    for i in "${!BASELINES[@]}"; do baseline_ready "$i" && ready+=("$i"); done
     (  # a subshell: a failing step ends this stage, not the script
         # sm_budget includes the library's kernel headers, which include nccl.h: the headers of
         # the nvidia-nccl wheel next to torch (as setup.py finds them), or NCCL_INCLUDE_DIR.
@@ -284,13 +292,14 @@ print(([d for p in nvidia.__path__ for d in glob.glob(p + "/nccl/include")] + ["
         done
         timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/peer_ceilings || exit 1
         timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/sm_budget "${MICRO_SMS:-24}" || exit 1
-        if [ $with_baseline -eq 1 ]; then  # the baseline's library code, same microbenchmark
-            echo "== baseline ($BENCH_BASELINE): benchmarks/micro/sm_budget.cu"
+        for i in "${ready[@]}"; do  # each baseline's library code, same microbenchmark
+            echo "== baseline (${BASELINES[$i]}): benchmarks/micro/sm_budget.cu"
             nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a ${nccl_inc:+-I "$nccl_inc"} \
-                -o /tmp/sm_budget_baseline "$BASELINE/benchmarks/micro/sm_budget.cu" || exit 1
-            timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/sm_budget_baseline "${MICRO_SMS:-24}" ||
+                -o "/tmp/sm_budget_baseline_$i" "/tmp/baseline_$i/benchmarks/micro/sm_budget.cu" ||
                 exit 1
-        fi
+            timeout -k 5 "${MICRO_TIMEOUT:-90}" "/tmp/sm_budget_baseline_$i" "${MICRO_SMS:-24}" ||
+                exit 1
+        done
     ) >>"$OUT/bench.log" 2>&1 || rc=$?
     [ $rc -eq 0 ] || STATUS=1
     note "- micro: rc $rc ($((SECONDS - start)) s; output at the end of bench.log)"
