@@ -205,9 +205,9 @@ __global__ void __launch_bounds__(WARPS * 32) combine_tma(const char* eo, char* 
 // The engine's sum_token on the same work: per token a source list of its K rows, then the
 // library's staging (bulk copies into 2 x 8 KiB per warp). CTA b takes the engine's contiguous
 // token range; FINAL: the receivers' stage-2 path (own partial rounded, then the chain). ENGINE:
-// the token's rows found as the engine's combine finds them at EP=1 (combine.cu: the destination
-// mask from the routing, collect_rows on the row map: ballots, shared memory) instead of a plain
-// read of rr; against ENGINE = false, what that per-token code costs outside the engine's kernel.
+// the token's rows found as the engine's combine finds them at EP=1 (combine.cu: the row map's
+// and the routing's loads, the destination mask, compact_rows: ballots, shared memory) instead
+// of a plain read of rr; against ENGINE = false, what that per-token code costs in the engine.
 template <bool FINAL, bool ENGINE>
 __global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
     combine_library(const char* eo, char* y, const int* rr, const nccl_ep::ExchangeArgs e) {
@@ -226,9 +226,10 @@ __global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
     int n = K;
     bool has_own = true;
     if (ENGINE) {
+      const int row = slot_row(e, 0, t, lane);  // in flight with the routing load, as there
       has_own = dest_mask(e.own_routing + (size_t)t * e.topk, e.topk, e.expert_base, e.num_local,
                           e.num_ranks, lane) & 1ull;
-      n = has_own ? max(0, collect_rows(e, 0, t, lane, rows_sh[wid], slots_sh[wid])) : 0;
+      n = has_own ? max(0, compact_rows(e, row, lane, rows_sh[wid], slots_sh[wid])) : 0;
       point_at_rows(ws.src, eo, ROWB, rows_sh[wid], n, lane);
     } else if (lane < K) {
       ws.src[lane] = eo + (size_t)rr[t * K + lane] * ROWB;

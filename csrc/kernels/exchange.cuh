@@ -9,7 +9,8 @@
  *               the slot (credit), write the chunk (Op::send_round), then post ready(j + 1)
  *               (kAllChunks for the last chunk, or at once when there is none).
  *   interleaved (Op::kInterleaved, the combine) every warp sends and receives: round r is the
- *               send of chunk r and the receive of chunk r - 1, one list of items over all warps.
+ *               send of chunk r and the receive of chunk r - lag (lag 1; 0 for a CTA that sends
+ *               nothing), one list of items over all warps, between two __syncthreads.
  *   receivers   the other warps: Op::recv_prologue once; per round j, Op::recv_local (work that
  *               needs no peer), wait for every peer's ready(j + 1), Op::recv_remote, then give the
  *               slot back (credit j + 1; the last one (op epoch + 1, 0): the whole ring is free for
@@ -20,15 +21,16 @@
  *  - Who owns the tokens of a channel: dispatch sends this rank's tokens and receives the peers';
  *    combine sends partial sums of the peers' tokens and receives its own tokens' partials
  *    (Op::kSendsOwnTokens). Both sides compute the same chunks from the all-gathered T_s.
- *  - No deadlock: a round's waits depend only on earlier rounds of the peers (credits for chunk
- *    j - depth, ready for chunk j, sent by senders that need only credits), and every CTA of every
- *    rank is resident (grid <= SMs, one CTA per SM).
- *  - Memory order: a role's warps write, meet at a named barrier, then one thread fences at
- *    system scope and release-stores the flag; the peer's acquire-load of the flag precedes its
- *    reads (a named barrier carries it to the other warps).
+ *  - No deadlock: every wait points back to earlier work of the peers (split roles: credits for
+ *    chunk j - depth and ready for chunk j, sent by senders that need only credits; interleaved:
+ *    see interleaved_role), and every CTA of every rank is resident (grid <= SMs, one CTA per SM).
+ *  - Memory order: a role's warps write, meet at a barrier (named, or __syncthreads when every
+ *    warp has both roles), then one thread fences at system scope and release-stores the flag;
+ *    the peer's acquire-load of the flag precedes its reads (the barrier carries it to the other
+ *    warps).
  *  - Waits time out (global timer) into kErrTimeout, see a peer's abort, and stop when another
  *    CTA of this rank failed: every error stops the whole group (sticky), and every role leaves
- *    its loop together (the stop flag is read after a named barrier).
+ *    its loop together (the stop flag is read after the role's barrier).
  */
 #pragma once
 
@@ -304,9 +306,11 @@ __device__ void sender_role(const typename Op::Args& a, ExchangeShared& sh, int 
 // chunk r - lag as one list of items spread over all the CTA's warps (Op::round), so no warp idles
 // while the other role waits or has less to do. lag = 1 while this CTA sends (a peer's ready for
 // chunk r - 1 was posted at the end of its round r - 1); 0 when it sends nothing.
-// NOTES: round r waits only for the peers' rounds <= r - 1 (ready(r - 1): their round r - 1;
-// credit for chunk r: their receive of chunk r - depth, in their round r - depth + 1 <= r - 1 as
-// depth >= 2, which group creation enforces), so no round waits in a cycle.
+// NOTES: no wait cycle. Order round r of a CTA by 2r - lag. Ready(j) is posted at the end of
+// the sender's round j (lag 1, as it sends): 2j - 1, below the waiting round's 2(j + lag) - lag.
+// The credit for slot reuse of chunk r comes from the receiver's round r - depth + lag':
+// 2(r - depth + lag') - lag' <= 2r - 3 < 2r - 1 for depth >= 2 (group creation refuses 1).
+// Every wait points to a strictly earlier step, so every round runs.
 template <class Op>
 __device__ void interleaved_role(const typename Op::Args& a, ExchangeShared& sh, int warp,
                                  int nwarps, int lane) {
@@ -412,7 +416,7 @@ __device__ inline void poison_outputs(const ExchangeArgs& e) {
 }
 
 // The whole op: one CTA of Op::kWarps warps per channel; warps [0, send_warps) send, the rest
-// receive.
+// receive (interleaved ops: every warp does both).
 template <class Op>
 __device__ void run_exchange(const typename Op::Args& a) {
   const ExchangeArgs& e = Op::ex(a);
