@@ -146,7 +146,7 @@ struct NodeParts {
   int num_nodes;
   const void* parts[kMaxRanks];  // node n's values for this rank's tokens
   const DeviceState* state;      // a stopped group: the output is poisoned (0xFF), as every
-  const ErrorInfo* err;          // op's output
+                                 // op's output
 };
 
 // Step 2b of the combine at the source: y[t] = round(0 + acc(node partial n) + ... over the

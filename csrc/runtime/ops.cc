@@ -233,7 +233,6 @@ NodeParts node_parts(const ncclEpHandle* h) {
   p.experts_per_node = g->node_size * g->num_local;
   p.num_nodes = g->num_nodes;
   p.state = g->d_state;
-  p.err = g->d_err;
   return p;
 }
 
