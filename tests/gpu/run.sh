@@ -228,6 +228,22 @@ bench_table() {
     echo '```'; echo "${table:-$(tail -n 30 <<<"$log")}"; echo '```'
 }
 
+# The bench's kernels section once more, from the package tree TREE with FLAGS: its output
+# appended to bench.log under a header line, its table to the summary.
+#   bench_kernels LABEL TREE [FLAGS...]
+bench_kernels() {
+    local label=$1 tree=$2 start=$SECONDS log rc
+    shift 2
+    log=$(cd "$tree" && PYTHONPATH="$tree:$PYTHONPATH" timeout -k 10 "$BENCH_TIMEOUT" \
+        "$PY" -m megatron_nccl_ep.bench "$@" --sections kernels \
+        --time-budget $((BENCH_TIMEOUT - 20)) 2>&1)
+    rc=$?
+    [ $rc -eq 0 ] || STATUS=1
+    { echo "==== $label"; echo "$log"; } >>"$OUT/bench.log"
+    note "- bench, $label (kernels): rc $rc ($((SECONDS - start)) s)"
+    bench_table <<<"$log" >>"$SUMMARY"
+}
+
 if wants bench; then
     start=$SECONDS
     # The bench stops its own sections before the stage limit so that it still writes its JSON.
@@ -245,30 +261,13 @@ if wants bench; then
     for chunk in ${BENCH_CHUNKS:-}; do variants+=("staging chunks of $chunk tokens|--staging-chunk-tokens $chunk"); done
     for g in ${BENCH_NODES:-}; do variants+=("nodes of $g rank(s)|--ranks-per-node $g"); done
     for variant in "${variants[@]}"; do
-        start=$SECONDS
         # shellcheck disable=SC2086 # the variant's flags are a list
-        log=$(timeout -k 10 "$BENCH_TIMEOUT" "$PY" -m megatron_nccl_ep.bench --sections kernels \
-            ${variant#*|} --time-budget $((BENCH_TIMEOUT - 20)) 2>&1)
-        rc=$?
-        [ $rc -eq 0 ] || STATUS=1
-        { echo "==== ${variant%%|*}"; echo "$log"; } >>"$OUT/bench.log"
-        note "- bench, ${variant%%|*}: rc $rc ($((SECONDS - start)) s)"
-        bench_table <<<"$log" >>"$SUMMARY"
+        bench_kernels "${variant%%|*}" "$PWD" ${variant#*|}
     done
     # Each baseline's kernels section (BENCH_BASELINE), appended to bench.log likewise.
     for i in "${!BASELINES[@]}"; do
-        baseline_ready "$i" || continue
-        start=$SECONDS
-        dir=/tmp/baseline_$i
         # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
-        log=$(cd "$dir" && PYTHONPATH="$dir:/tmp/site" timeout -k 10 "$BENCH_TIMEOUT" \
-            "$PY" -m megatron_nccl_ep.bench $BENCH_ARGS --sections kernels \
-            --time-budget $((BENCH_TIMEOUT - 20)) 2>&1)
-        rc=$?
-        [ $rc -eq 0 ] || STATUS=1
-        { echo "==== baseline (${BASELINES[$i]})"; echo "$log"; } >>"$OUT/bench.log"
-        note "- bench, baseline ${BASELINES[$i]} (kernels): rc $rc ($((SECONDS - start)) s)"
-        bench_table <<<"$log" >>"$SUMMARY"
+        baseline_ready "$i" && bench_kernels "baseline ${BASELINES[$i]}" "/tmp/baseline_$i" $BENCH_ARGS
     done
 fi
 
