@@ -33,7 +33,7 @@ namespace nccl_ep {
 // loads per lane in flight next to its sums: 12 warps leave it 168 registers per thread.
 constexpr int kMaxWarps = 16;
 constexpr int kDispatchWarps = 16;
-constexpr int kCombineWarps = 12;
+constexpr int kCombineWarps = 16;
 constexpr int kCombineProbsWarps = 16;
 
 struct PackArgs {
