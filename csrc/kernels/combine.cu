@@ -27,37 +27,43 @@
 
 namespace nccl_ep {
 
-// The tokens one warp handles in a round: c.begin + i of chunk `j_peers` of every peer p (the
-// peers' tokens, whose partials the combine sends), then, with j_own >= 0, c.begin + i of this
-// rank's chunk j_own (its own tokens, summed here). The numbering is continued across the lists,
-// so that small chunks balance over the warps. A chunk index < 0: that part is empty.
+// The tokens of a round, claimed one at a time by whichever warp is free (items differ in size:
+// a fixed share per warp left the round to its slowest warp): c.begin + i of chunk `j_peers` of
+// every peer p (the peers' tokens, whose partials the combine sends), then, with j_own >= 0,
+// c.begin + i of this rank's chunk j_own (its own tokens, summed here). An item's number runs on
+// across the lists, so the sends are claimed first. A chunk index < 0: that part is empty.
+// `claimed` (shared) counts the round's claimed items; the role's leader zeroes it before the
+// round's opening barrier.
 struct RoundTokens {
   const ExchangeArgs& e;
   const ExchangeShared& sh;
-  int b, j_peers, j_own, nwarps;
-  int k = -1, p = -1, j = -1, i = 0, first, n = 0;  // list k (peer p, chunk j), item i
+  int* claimed;
+  int b, j_peers, j_own, lane;
+  int k = -1, p = -1, j = -1, i = 0, first = 0, n = 0;  // list k (peer p, chunk j), item i
   ChunkRange c{0, 0};
 
-  EP_DEVICE RoundTokens(const ExchangeArgs& e_, const ExchangeShared& sh_, int b_, int j_peers_,
-                        int j_own_, int warp, int nwarps_)
-      : e(e_), sh(sh_), b(b_), j_peers(j_peers_), j_own(j_own_), nwarps(nwarps_), first(-warp) {}
+  EP_DEVICE RoundTokens(const ExchangeArgs& e_, ExchangeShared& sh_, int b_, int j_peers_,
+                        int j_own_, int lane_)
+      : e(e_), sh(sh_), claimed(&sh_.claimed), b(b_), j_peers(j_peers_), j_own(j_own_),
+        lane(lane_) {}
 
   EP_DEVICE bool own() const { return p == e.rank; }
 
-  // Moves to this warp's next item; false after the last.
+  // Claims this warp's next item; false when the round has none left. Warp-wide.
   EP_DEVICE bool next() {
-    i += nwarps;
-    while (i >= n) {
-      // Next list: the peers in ascending rank, then this rank. Its first item of this warp
-      // continues the numbering.
+    int item = 0;
+    if (lane == 0) item = atomicAdd(claimed, 1);
+    item = __shfl_sync(0xffffffffu, item, 0);
+    while (item >= first + n) {
+      // Next list: the peers in ascending rank, then this rank.
       if (++k >= e.num_ranks) return false;
+      first += n;
       p = k < e.num_ranks - 1 ? (k < e.rank ? k : k + 1) : e.rank;
       j = p == e.rank ? j_own : j_peers;
-      first += n;
       c = j >= 0 ? chunk_of(sh.tokens[p], e.win, b, j) : ChunkRange{0, 0};
       n = c.size();
-      i = ((-first) % nwarps + nwarps) % nwarps;
     }
+    i = item - first;
     return true;
   }
 };
@@ -85,8 +91,8 @@ struct CombineOp {
   // Round r of the combine on every warp: stage 1 for the peers' tokens of chunk js (their
   // partials go to the owner's ring), stage 2 for this rank's tokens of chunk jr (every peer's
   // partial of that chunk is in the ring).
-  static __device__ void round(const Args& a, ExchangeShared& sh, int b, int js, int jr, int warp,
-                               int nwarps, int lane) {
+  static __device__ void round(const Args& a, ExchangeShared& sh, int b, int js, int jr, int,
+                               int, int lane) {
     const ExchangeArgs& e = a.ex;
     const int w = threadIdx.x >> 5, packs = e.hidden / N;
     const size_t row_bytes = (size_t)e.hidden * sizeof(T);
@@ -97,7 +103,7 @@ struct CombineOp {
     // partials + q * ring_stride + i * row_stride.
     const char* partials = ring_row(e.peers[e.rank], e.win, b, 0, max(jr, 0), 0);
     const size_t ring_stride = (size_t)e.win.depth * e.win.chunk * e.win.row_stride;
-    for (RoundTokens items(e, sh, b, js, jr, warp, nwarps); items.next();) {
+    for (RoundTokens items(e, sh, b, js, jr, lane); items.next();) {
       const int t = items.c.begin + items.i;
       if (!items.own()) {
         const int p = items.p;
@@ -170,10 +176,10 @@ struct CombineProbsOp {
     return reinterpret_cast<const char*>(a.grad_recv) + (size_t)row * a.prob_bytes;
   }
 
-  static __device__ void send_round(const Args& a, ExchangeShared& sh, int b, int j, int warp,
-                                    int nwarps, int lane) {
+  static __device__ void send_round(const Args& a, ExchangeShared& sh, int b, int j, int,
+                                    int, int lane) {
     const ExchangeArgs& e = a.ex;
-    for (RoundTokens items(e, sh, b, j, -1, warp, nwarps); items.next();) {
+    for (RoundTokens items(e, sh, b, j, -1, lane); items.next();) {
       if (lane >= e.topk) continue;
       const int p = items.p, i = items.i;
       const int row = token_rows(e, p, items.c.begin + i)[lane];

@@ -60,6 +60,7 @@ struct ExchangeShared {
   int send_stop, recv_stop;   // set by a role's leader when a wait failed
   int start_stop;             // the group already held an error when the op started
   int end_stop;               // ... or holds one when this CTA's roles are done
+  int claimed;                // items of the current round claimed by warps (RoundTokens)
   int rows_sh[kMaxWarps][kMaxTopk];   // per warp: the rows of the current item
   int slots_sh[kMaxWarps][kMaxTopk];  // and their slots k
   // EP_TRACE: ns per op, summed over rounds by each role's leader
@@ -280,6 +281,7 @@ __device__ void sender_role(const typename Op::Args& a, ExchangeShared& sh, int 
   for (int j = 0; j < sh.send_rounds; ++j) {
     unsigned long long since = trace_clock();
     if (leader) {
+      sh.claimed = 0;
       bool ok = true;
       for (int p = 0; p < e.num_ranks && ok; ++p)
         if (j < sh.send_chunks[p]) ok = wait_credit(e, epoch, b, p, j);
@@ -329,6 +331,7 @@ __device__ void interleaved_role(const typename Op::Args& a, ExchangeShared& sh,
     const int jr = r - lag >= 0 && r - lag < sh.recv_rounds ? r - lag : -1;
     unsigned long long since = trace_clock();
     if (leader) {
+      sh.claimed = 0;
       bool ok = true;
       for (int p = 0; p < e.num_ranks && ok; ++p) {
         if (p == e.rank) continue;
