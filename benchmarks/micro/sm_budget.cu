@@ -8,7 +8,8 @@
 // Variants: expand with 16-byte register stores (expand_v0) or TMA bulk stores from shared memory
 // (expand_tma: warps x segment x stages); combine with 1 or 2 packs per lane of register loads
 // (combine_reg) or TMA bulk loads into shared memory (combine_tma); the library's token sums
-// (combine_library), also with the engine receiver's per-token code (ENGINE).
+// (combine_library), also with the engine receiver's per-token code (ENGINE); split: the same
+// bytes as 2x the items of K/2 rows each (EP=2's per-rank sums), per item vs per byte.
 // Ceilings: a plain copy from the same number of CTAs, from 2 CTAs per SM, and cudaMemcpy.
 // Measured on 1 x H200 (2026-11-29): at 24 SMs every expand variant ~337 us (~1.57 TB/s, the SM
 // store path: ~65 GB/s per SM; 16 SMs: ~490 us), combine_reg 408 / 300 us (P1 / P2),
@@ -242,6 +243,57 @@ __global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
   }
 }
 
+// Split: the same bytes as combine_library<false, false> in twice the items, each half a token's
+// rows (item (t, h): rows [h K/2, (h+1) K/2) of token t, into y[2t + h]), as at EP=2 where each
+// rank sums ~K/2 of a token's rows. Against K rows per item: whether the sums cost per item.
+constexpr int kSplit = 2, kSplitRows = K / kSplit;
+__global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
+    combine_library_split(const char* eo, char* y, const int* rr) {
+  using namespace nccl_ep;
+  using P = Pack<__nv_bfloat16, 8>;
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  const WarpStaging ws = warp_staging();
+  if (lane == 0) {
+    for (int i = 0; i < kStages; ++i) nccl_ep::mbar_init(&ws.bar[i]);
+    *ws.phase = 0;
+  }
+  __syncwarp();
+  constexpr int items = T * kSplit;
+  const int i1 = (int)((long long)items * (blockIdx.x + 1) / gridDim.x);
+  for (int i = (int)((long long)items * blockIdx.x / gridDim.x) + wid; i < i1; i += kCombineWarps) {
+    const int t = i / kSplit, h = i % kSplit;
+    if (lane < kSplitRows) ws.src[lane] = eo + (size_t)rr[t * K + h * kSplitRows + lane] * ROWB;
+    __syncwarp();
+    sum_token<__nv_bfloat16, 8, false>({ws.src, kSplitRows, 0, 0}, ws,
+                                       reinterpret_cast<P*>(y + (size_t)i * ROWB), ROWB / 16, true,
+                                       lane);
+    __syncwarp();
+  }
+}
+
+// The split's reference: the same partial sums (+0.0f, ascending rows, float32, round to nearest
+// even), one thread per 16-byte pack.
+__global__ void combine_split_ref(const uint4* eo, uint4* y, const int* rr) {
+  constexpr int units = ROWB / 16;
+  for (size_t p = blockIdx.x * (size_t)blockDim.x + threadIdx.x; p < (size_t)T * kSplit * units;
+       p += (size_t)gridDim.x * blockDim.x) {
+    const int i = (int)(p / units), j = (int)(p % units), t = i / kSplit, h = i % kSplit;
+    float acc[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
+    for (int k = 0; k < kSplitRows; ++k) {
+      const uint4 v = eo[(size_t)rr[t * K + h * kSplitRows + k] * units + j];
+      const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] = acc[q] + __bfloat162float(e[q]);
+    }
+    uint4 o; __nv_bfloat16* oe = reinterpret_cast<__nv_bfloat16*>(&o);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) oe[q] = __float2bfloat16_rn(acc[q]);
+    y[p] = o;
+  }
+}
+
 // ---- ceilings ----
 __global__ void __launch_bounds__(512) copy_reg(const uint4* s, uint4* d, size_t n) {
   for (size_t i = blockIdx.x * 512 + threadIdx.x; i < n; i += (size_t)gridDim.x * 512 * 4) {
@@ -324,7 +376,18 @@ int main(int argc, char** argv) {
 #define COMB_LIB(F, ENG, NAME) { auto k = combine_library<F, ENG>; const int smem = (int)nccl_ep::kCombineStagingBytes; CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
     CK(cudaMemset(y2, 0x55, (size_t)T * ROWB)); \
     report(NAME " final=" #F, time_it([&] { k<<<sms, nccl_ep::kCombineWarps * 32, smem>>>(eo, y2, d_rr, ex); }), comb_bytes); cmp(y, y2, (size_t)T * ROWB, "combine"); }
-  COMB_LIB(false, false, "combine_library (token_sum.cuh)") COMB_LIB(true, false, "combine_library (token_sum.cuh)")
+  COMB_LIB(false, false, "combine_library (token_sum.cuh)")
+  // Split (K/2 rows per item, 2x the items, same bytes), right after its K-row counterpart.
+  { char *ys, *ys_ref; const size_t bytes = (size_t)T * kSplit * ROWB;
+    CK(cudaMalloc(&ys, bytes)); CK(cudaMalloc(&ys_ref, bytes));
+    combine_split_ref<<<1024, 256>>>((const uint4*)eo, (uint4*)ys_ref, d_rr); CK(cudaGetLastError());
+    const int smem = (int)nccl_ep::kCombineStagingBytes;
+    CK(cudaFuncSetAttribute(combine_library_split, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CK(cudaMemset(ys, 0x55, bytes));
+    report("combine_library split 2x4 rows", time_it([&] { combine_library_split<<<sms, nccl_ep::kCombineWarps * 32, smem>>>(eo, ys, d_rr); }), comb_bytes);
+    cmp(ys_ref, ys, bytes, "combine split");
+    CK(cudaFree(ys)); CK(cudaFree(ys_ref)); }
+  COMB_LIB(true, false, "combine_library (token_sum.cuh)")
   COMB_LIB(false, true, "combine, engine's per-token code") COMB_LIB(true, true, "combine, engine's per-token code")
   CK(cudaDeviceSynchronize());
   printf("done\n");
