@@ -140,6 +140,8 @@ enum ErrorCode : int {
                            // extra = the peer's (flags carry them)
   kErrRemoteAbort = 9,     // groups that span nodes: rank (this one), token = the group rank whose
                            // error stopped a node, value = the rank whose record said so
+  kErrNcclTimeout = 10,    // groups that span nodes, written by the host's watchdog: rank (this
+                           // one), slot = OpKind, aux = NcclStep, value = the timeout in ms
 };
 
 // Written once per error word: the single winner of `claim` fills the fields, then publishes

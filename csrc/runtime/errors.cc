@@ -161,6 +161,28 @@ ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& word, const Lay
                 "exact mode",
                 e.rank, e.value, e.extra);
       return ncclSystemError;
+    case kErrNcclTimeout: {
+      // Who it waited for: the rail's peers (this index in the other nodes), or, in the routing
+      // all-gather, every other rank (the first 8 named).
+      std::string peers;
+      int n = 0;
+      for (int r = 0; r < g->nranks; ++r) {
+        const bool peer = e.aux == kStepRail ? r % g->node_size == g->node_rank && r != e.rank
+                                             : r != e.rank;
+        if (!peer) continue;
+        if (n < 8) peers += (n ? ", " : "") + std::to_string(r);
+        ++n;
+      }
+      if (n > 8) peers += " and " + std::to_string(n - 8) + " more";
+      set_error("NCCL exchange between nodes timed out after %lld ms: rank %d waited for %s %s "
+                "(%s) in %s; every rank must make the same collective calls in the same order (a "
+                "rank may have failed, returned early, exited or be blocked). The group's NCCL "
+                "communicators were stopped: destroy the group and create a new one",
+                e.value, e.rank, n == 1 ? "rank" : "ranks", peers.c_str(),
+                e.aux == kStepRail ? "the rail's send/receive" : "the routing all-gather",
+                op_name(e.slot));
+      return ncclSystemError;
+    }
     case kErrTimeout:
       set_error("device-side wait timed out after %lld ms: rank %d waited for rank %d %s (op "
                 "epoch %lld); every rank must make the same collective calls in the same order "

@@ -8,7 +8,8 @@
  *    LSA team size, the resolved ranks per node and NCCL version), so every rank fails the same
  *    way before anything else collective happens; (2) groups that span nodes: the node and rail
  *    communicators (ncclCommSplit) and the rail buffers; (3) the window over the node
- *    (window.cc); the error word and device state come with the config checks.
+ *    (window.cc); (4) groups that span nodes: the rail and op_comm connected, the watchdog
+ *    started (watchdog.cc). The error word and device state come with the config checks.
  *  - A local team runs the same kernels over windows that are plain device allocations of this
  *    process; no NCCL call is made.
  *  - The device code reads NCCL's ncclWindow_vidmem layout through the headers it was compiled
@@ -29,6 +30,9 @@ namespace {
 
 void destroy_group_state(ncclEpGroup* g) {
   if (g == nullptr) return;
+  // The watchdog's thread first: it may stop the communicators below.
+  const bool stopped = g->watchdog != nullptr && g->watchdog->aborted();
+  g->watchdog.reset();
   {
     std::lock_guard<std::mutex> lock(g->mu);
     for (ncclEpHandle* h : g->live) delete h;
@@ -37,7 +41,8 @@ void destroy_group_state(ncclEpGroup* g) {
   }
   close_window(g);
   if (g->node_comm != nullptr && g->node_comm != g->comm) ncclCommDestroy(g->node_comm);
-  if (g->rail_comm != nullptr) ncclCommDestroy(g->rail_comm);
+  destroy_step_comm(g->rail_comm, stopped);
+  destroy_step_comm(g->op_comm, stopped);
   free_device(g, g->rail.base);
   if (g->d_state != nullptr) free_device(g, g->d_state);
   if (g->h_err != nullptr) cudaFreeHost(g->h_err);
@@ -171,6 +176,31 @@ ncclResult_t fail_together(ncclEpGroup* g, ncclResult_t mine, const char* step,
   return ncclSuccess;
 }
 
+// Groups that span nodes: one small exchange over the rail and one all-gather over op_comm, so
+// that NCCL connects both now (creation waits for every rank anyway) and no op's enqueue waits on
+// the host for a peer later: the watchdog follows the device only.
+ncclResult_t connect_nodes(ncclEpGroup* g, cudaStream_t stream) {
+  void* scratch = nullptr;
+  EP_RETURN_IF(alloc_device(g, &scratch, (size_t)g->nranks + 2 * (size_t)g->num_nodes));
+  char* bytes = static_cast<char*>(scratch);  // [nranks] gathered, then 1 sent, [nodes] received
+  std::vector<RailMessage> msgs;
+  for (int m = 0; m < g->num_nodes; ++m)
+    if (m != g->node) msgs.push_back({m, bytes + g->nranks, 1, bytes + g->nranks + 1 + m, 1});
+  ncclResult_t res = rail_exchange(g, msgs, stream);
+  if (res == ncclSuccess) {
+    res = ncclAllGather(bytes + g->rank, bytes, 1, ncclInt8, g->op_comm, stream);
+    if (res != ncclSuccess)
+      set_error("ncclEpCreateGroup: connecting the routing all-gather failed: %s",
+                ncclGetErrorString(res));
+  }
+  if (cudaStreamSynchronize(stream) != cudaSuccess && res == ncclSuccess) {
+    set_error("ncclEpCreateGroup: connecting the rail and the routing all-gather failed");
+    res = ncclUnhandledCudaError;
+  }
+  free_device(g, scratch);
+  return res;
+}
+
 ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGroupConfig_t* config,
                                cudaStream_t stream) {
   g->comm = comm;
@@ -198,6 +228,7 @@ ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGrou
     // Collective over comm, in the same order on every rank (all agreed on the node size).
     if (g->node_size > 1) EP_NCCL(ncclCommSplit(comm, g->node, rank, &g->node_comm, nullptr));
     EP_NCCL(ncclCommSplit(comm, g->node_rank, rank, &g->rail_comm, nullptr));
+    EP_NCCL(ncclCommSplit(comm, 0, rank, &g->op_comm, nullptr));
     ncclResult_t res = alloc_rail(g);
     if (res == ncclSuccess && g->node_size > 1) {
       const int node_lsa = lsa_team_size(g->node_comm);
@@ -212,6 +243,8 @@ ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGrou
     EP_RETURN_IF(fail_together(g, res, "the node communicators or the rail buffers", stream));
     res = g->node_size == 1 ? open_single_window(g, stream) : open_nccl_window(g, stream);
     EP_RETURN_IF(fail_together(g, res, "its node's window", stream));
+    EP_RETURN_IF(connect_nodes(g, stream));
+    g->watchdog = std::make_unique<NcclWatchdog>(g);
   }
   EP_CUDA(cudaStreamSynchronize(stream));
   return ncclSuccess;

@@ -53,8 +53,9 @@ ncclResult_t read_layout(ncclEpHandle* h) {
   if (!h->layout_read) {
     EP_CUDA(cudaEventSynchronize(h->slot->meta_ready));
     // A group error (a failed barrier: the records may be stale) explains any layout error. (A
-    // group that spans nodes has no barrier here, and its ops defer group errors: ops.cc.)
-    if (g->num_nodes == 1) EP_RETURN_IF(check_group_errors(g));
+    // group that spans nodes has no barrier here, and its ops defer group errors: ops.cc; but
+    // an aborted all-gather left the records unwritten.)
+    if (g->num_nodes == 1 || g->watchdog->aborted()) EP_RETURN_IF(check_group_errors(g));
     const LayoutMeta* m = h->slot->host_meta;
     if (m->err.code != kErrNone) {
       h->layout_result = report_error(g, m->err, m);
@@ -143,10 +144,16 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
     gathered = reinterpret_cast<const int*>(
         reinterpret_cast<const char*>(g->peers[g->node_rank]) + area);
   } else {
-    // NOTES: an NCCL collective, outside the device-side timeout; a rank whose shape is out of
-    // bounds still joins it (its record's header names the error).
-    EP_NCCL(ncclAllGather(own_record, s->records.ptr, (size_t)g->win.rec_ints, ncclInt32,
-                          g->comm, stream));
+    // NOTES: an NCCL collective, followed by the group's watchdog (watchdog.cc) in place of
+    // the device-side timeout; a rank whose shape is out of bounds still joins it (its record's
+    // header names the error).
+    EP_RETURN_IF(g->watchdog->run(kOpCreateHandle, kStepRoutingGather, stream,
+                                  [&]() -> ncclResult_t {
+                                    EP_NCCL(ncclAllGather(own_record, s->records.ptr,
+                                                          (size_t)g->win.rec_ints, ncclInt32,
+                                                          g->op_comm, stream));
+                                    return ncclSuccess;
+                                  }));
   }
 
   LayoutArgs a;

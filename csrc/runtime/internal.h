@@ -16,9 +16,13 @@
 
 #include <stdarg.h>
 
+#include <chrono>
+#include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../include/nccl_ep.h"
@@ -143,6 +147,48 @@ struct RailBuffers {
   size_t row_bytes = 0, prob_row_bytes = 0, grad_row_bytes = 0;  // per token, in each view
 };
 
+// The NCCL steps of groups that span nodes, named in the watchdog's error.
+enum NcclStep : int {
+  kStepRoutingGather = 0,  // handle creation's all-gather of the routing records (op_comm)
+  kStepRail = 1,           // an op's send/receive with the rail peers (rail_comm)
+};
+
+// watchdog.cc: follows the NCCL steps of a group that spans nodes on the device and stops the
+// group's communicators when one has not finished timeout_ms after it started.
+class NcclWatchdog {
+ public:
+  explicit NcclWatchdog(ncclEpGroup* g);
+  ~NcclWatchdog();  // stops the thread; a step still in flight is no longer followed
+  // Makes the NCCL calls of `enqueue` on `stream` as one followed step, after the previous step
+  // finished; once the communicators were stopped, makes none and returns the group's error.
+  ncclResult_t run(OpKind op, NcclStep step, cudaStream_t stream,
+                   const std::function<ncclResult_t()>& enqueue);
+  bool aborted();
+
+ private:
+  struct Step {
+    cudaEvent_t start = nullptr, end = nullptr;  // recorded around its NCCL calls
+    OpKind op = kOpCreateHandle;
+    NcclStep step = kStepRail;
+    std::chrono::steady_clock::time_point started;
+    bool running = false;  // the start event completed (at `started`, as the watchdog saw it)
+  };
+  void loop();
+  bool idle();
+  void stop_communicators();
+
+  ncclEpGroup* g_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  Step step_;
+  bool in_flight_ = false, stop_ = false, aborted_ = false;
+  std::thread thread_;  // last: started once the members above exist
+};
+
+// Destroys op_comm or rail_comm of a group; `revoked`: its watchdog stopped them (waits until
+// NCCL says they are quiescent, within a bound).
+void destroy_step_comm(ncclComm_t comm, bool revoked);
+
 }  // namespace nccl_ep
 
 struct ncclEpGroup {
@@ -157,6 +203,8 @@ struct ncclEpGroup {
   int node_size = 1, node = 0, node_rank = 0, num_nodes = 1;
   ncclComm_t node_comm = nullptr;  // == comm on one node (not owned then)
   ncclComm_t rail_comm = nullptr;
+  ncclComm_t op_comm = nullptr;    // G < nranks: split from comm for the routing all-gather
+  std::unique_ptr<nccl_ep::NcclWatchdog> watchdog;  // G < nranks: follows the two above
   nccl_ep::RailBuffers rail;
   size_t row_bytes = 0;          // hidden * token element bytes
   long long capacity = -1;       // capacity mode rows, -1 in exact mode
@@ -238,6 +286,20 @@ struct DeferredError {
 };
 // The handle-creation barrier; `call` is its call_signature().
 ncclResult_t barrier(ncclEpGroup* g, unsigned call, cudaStream_t stream);
+
+// ops.cc
+// Groups that span nodes: one message each way with the rail peer of remote node `node`.
+struct RailMessage {
+  int node;
+  const void* send;
+  size_t send_bytes;
+  void* recv;
+  size_t recv_bytes;
+};
+// Enqueues every message as one NCCL group on the stream (both sides list a node's messages in
+// the same order); ops make it through the watchdog.
+ncclResult_t rail_exchange(const ncclEpGroup* g, const std::vector<RailMessage>& messages,
+                           cudaStream_t stream);
 
 // handle.cc
 void destroy_handle_state(ncclEpHandle* h);  // caller holds g->mu

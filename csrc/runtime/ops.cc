@@ -21,7 +21,9 @@
  *    Rail messages have sizes every rank knows: exact mode the all-gathered token counts (read
  *    with the layout), capacity mode max_tokens_per_rank rows (sent from a staging copy), so no
  *    rank can wait for bytes that never come; probs travel as max(E, max_topk) x 8 bytes per
- *    token whatever their dtype. They are NCCL send/receive calls on the op's stream.
+ *    token whatever their dtype. They are NCCL send/receive calls on the op's stream, followed
+ *    by the group's watchdog (watchdog.cc): a rail peer that never sends makes every rank raise
+ *    within the group's timeout.
  */
 #include <stdint.h>
 
@@ -32,7 +34,30 @@
 
 namespace nccl_ep {
 
+ncclResult_t rail_exchange(const ncclEpGroup* g, const std::vector<RailMessage>& messages,
+                           cudaStream_t stream) {
+  EP_NCCL(ncclGroupStart());
+  ncclResult_t res = ncclSuccess;
+  for (size_t k = 0; k < messages.size() && res == ncclSuccess; ++k) {
+    const RailMessage& msg = messages[k];
+    res = ncclSend(msg.send, msg.send_bytes, ncclInt8, msg.node, g->rail_comm, stream);
+    if (res == ncclSuccess)
+      res = ncclRecv(msg.recv, msg.recv_bytes, ncclInt8, msg.node, g->rail_comm, stream);
+  }
+  const ncclResult_t end = ncclGroupEnd();
+  EP_NCCL(res);
+  EP_NCCL(end);
+  return ncclSuccess;
+}
+
 namespace {
+
+// The rail's messages of one op, followed by the group's watchdog.
+ncclResult_t watched_rail(ncclEpGroup* g, OpKind op, const std::vector<RailMessage>& messages,
+                          cudaStream_t stream) {
+  return g->watchdog->run(op, kStepRail, stream,
+                          [&] { return rail_exchange(g, messages, stream); });
+}
 
 bool is_float_dtype(ncclDataType_t d) {
   return d == ncclFloat16 || d == ncclBfloat16 || d == ncclFloat32 || d == ncclFloat64;
@@ -149,33 +174,6 @@ long long rail_tokens(const ncclEpHandle* h, int s) {
   return g->capacity >= 0 ? g->cfg.max_tokens_per_rank : h->slot->host_meta->tokens[s];
 }
 
-// One message each way with the rail peer of remote node `node`.
-struct RailMessage {
-  int node;
-  const void* send;
-  size_t send_bytes;
-  void* recv;
-  size_t recv_bytes;
-};
-
-// Sends and receives every message, as one NCCL group on the stream (both sides list a node's
-// messages in the same order).
-ncclResult_t rail_exchange(const ncclEpGroup* g, const std::vector<RailMessage>& messages,
-                           cudaStream_t stream) {
-  EP_NCCL(ncclGroupStart());
-  ncclResult_t res = ncclSuccess;
-  for (size_t k = 0; k < messages.size() && res == ncclSuccess; ++k) {
-    const RailMessage& msg = messages[k];
-    res = ncclSend(msg.send, msg.send_bytes, ncclInt8, msg.node, g->rail_comm, stream);
-    if (res == ncclSuccess)
-      res = ncclRecv(msg.recv, msg.recv_bytes, ncclInt8, msg.node, g->rail_comm, stream);
-  }
-  const ncclResult_t end = ncclGroupEnd();
-  EP_NCCL(res);
-  EP_NCCL(end);
-  return ncclSuccess;
-}
-
 // Dispatch over nodes: the rail, then the engine once per node of sources.
 ncclResult_t dispatch_nodes(ncclEpHandle* h, DispatchArgs a, bool with_probs, int probs_cols,
                             cudaStream_t stream) {
@@ -207,7 +205,7 @@ ncclResult_t dispatch_nodes(ncclEpHandle* h, DispatchArgs a, bool with_probs, in
       msgs.push_back({m, r.probs_own.ptr, mine * r.prob_row_bytes,
                       r.probs_in.ptr + i * Tm * r.prob_row_bytes, theirs * r.prob_row_bytes});
   }
-  EP_RETURN_IF(rail_exchange(g, msgs, stream));
+  EP_RETURN_IF(watched_rail(g, kOpDispatch, msgs, stream));
   for (int m = 0; m < g->num_nodes; ++m) {
     DispatchArgs pass = a;
     if (m != g->node) {
@@ -253,9 +251,9 @@ struct ReturnBuffers {
 // takes each to its source and brings this rank's from every node; parts[n] = node n's values
 // for this rank's tokens.
 template <typename RunPass>
-ncclResult_t return_to_sources(ncclEpHandle* h, const ReturnBuffers& b, RunPass run_pass,
-                               NodeParts* parts, cudaStream_t stream) {
-  const ncclEpGroup* g = h->group;
+ncclResult_t return_to_sources(ncclEpHandle* h, OpKind op, const ReturnBuffers& b,
+                               RunPass run_pass, NodeParts* parts, cudaStream_t stream) {
+  ncclEpGroup* g = h->group;
   std::vector<RailMessage> msgs;
   for (int m = 0; m < g->num_nodes; ++m) {
     const size_t i = remote_index(g, m);
@@ -268,7 +266,7 @@ ncclResult_t return_to_sources(ncclEpHandle* h, const ReturnBuffers& b, RunPass 
                     rail_tokens(h, g->rank) * b.token_bytes});
     parts->parts[m] = in;
   }
-  return rail_exchange(g, msgs, stream);
+  return watched_rail(g, op, msgs, stream);
 }
 
 // Combine over nodes: the node partials (2a) of every node's sources, the rail, then 2b here.
@@ -285,7 +283,7 @@ ncclResult_t combine_nodes(ncclEpHandle* h, const CombineArgs& a, cudaStream_t s
   const ReturnBuffers b{r.rows_own.ptr, r.rows_out.ptr, node_bytes, r.rows_in.ptr, node_bytes,
                         r.row_bytes};
   EP_RETURN_IF(return_to_sources(
-      h, b,
+      h, kOpCombine, b,
       [&](int m, char* dst) -> ncclResult_t {
         CombineArgs pass = a;
         pass.y = dst;
@@ -314,7 +312,7 @@ ncclResult_t combine_probs_nodes(ncclEpHandle* h, const CombineProbsArgs& a,
   const ReturnBuffers b{r.probs_own.ptr, r.probs_out.ptr, Tm * r.grad_row_bytes, r.probs_in.ptr,
                         Tm * r.prob_row_bytes, r.grad_row_bytes};
   EP_RETURN_IF(return_to_sources(
-      h, b,
+      h, kOpCombineProbs, b,
       [&](int m, char* dst) -> ncclResult_t {
         CombineProbsArgs pass = a;
         pass.grad = dst;

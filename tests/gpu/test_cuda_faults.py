@@ -15,6 +15,9 @@ rank's outcome and its time to error.
 - A rank killed (os._exit) right before its dispatch, inside its dispatch or inside its combine:
   fresh processes; the survivors raise, naming the victim, in that op or a later one (the
   victim's running kernel may outlive its process), destroy the group and exit with code 0.
+- Both also with ranks_per_node=1 (every rank a node of its own: the rail's NCCL send/receive
+  and the routing all-gather carry the ops): the watchdog of csrc/runtime/watchdog.cc must turn the
+  NCCL wait into the same error within the timeout.
 - The existing local-team versions (tests/gpu/test_cuda_local_team.py) run every rank in one
   process; these run one process per GPU, as training does.
 """
@@ -44,6 +47,9 @@ SLACK_S = 8.0
 FAULT_CASE = dict(tokens=512, hidden=2048, topk=4, experts=16, dtype=BF16, routing="random")
 # One step of training as the library sees it; the last entry synchronizes and checks.
 ROUND = ("create_handle", "dispatch", "combine", "check_errors")
+# Ranks per node of the fault groups: 0 = one node (the device-side waits), 1 = a node per rank
+# (the NCCL steps between nodes, under the watchdog).
+NODES = pytest.mark.parametrize("ranks_per_node", [0, 1], ids=["one_node", "node_per_rank"])
 
 
 def fault_group(device, recv_mode: str, world: int, case: dict = FAULT_CASE, **extra):
@@ -104,13 +110,13 @@ def names_the_fault(message: str, op: str, rank: int) -> bool:
 # ------------------------------------------------------------------------------------------------
 
 
-def check_never_calls(op: str, recv_mode: str, seed: int) -> dict:
+def check_never_calls(op: str, recv_mode: str, seed: int, ranks_per_node: int) -> dict:
     rank, world = ep_cases.rank_and_size()
     device = this_device()
     host = tdist.new_group(backend="gloo")  # meeting points outside the library and the GPUs
     silent = world - 1
     inputs = rank_inputs(FAULT_CASE, seed, rank, device)
-    group = fault_group(device, recv_mode, world)
+    group = fault_group(device, recv_mode, world, ranks_per_node=ranks_per_node)
     state, skipped = {}, ROUND.index(op)
     if rank == silent:
         for s in ROUND[:skipped]:  # the calls before `op`, together with the others
@@ -130,16 +136,18 @@ def check_never_calls(op: str, recv_mode: str, seed: int) -> dict:
 
 
 @pytest.mark.parametrize("world_size", world_sizes()[1:])
+@NODES
 @pytest.mark.parametrize("recv_mode", ["exact", "capacity"])
 @pytest.mark.parametrize("op", ROUND[:3])
-def test_rank_that_never_calls_makes_the_others_raise(op, recv_mode, world_size, seed,
-                                                      summary_line):
-    per_rank = dist.run(world_size, check_never_calls, op, recv_mode, seed, backend="nccl",
-                        timeout=60)
+def test_rank_that_never_calls_makes_the_others_raise(op, recv_mode, ranks_per_node, world_size,
+                                                      seed, summary_line):
+    per_rank = dist.run(world_size, check_never_calls, op, recv_mode, seed, ranks_per_node,
+                        backend="nccl", timeout=60)
     silent = world_size - 1
     waiting, late = per_rank[:silent], per_rank[silent]
-    summary_line(f"x{world_size} {recv_mode}, rank {silent} never calls {op} (timeout "
-                 f"{FAULT_TIMEOUT_S:g} s): " + "; ".join(describe(o) for o in per_rank)
+    summary_line(f"x{world_size} {recv_mode} G={ranks_per_node or world_size}, rank {silent} "
+                 f"never calls {op} (timeout {FAULT_TIMEOUT_S:g} s): "
+                 + "; ".join(describe(o) for o in per_rank)
                  + f" | rank 0: {waiting[0]['message'][:200]}")
     for o in waiting:
         assert o["error"] == "NcclEpError", describe(o) + ": " + o["message"]
@@ -216,14 +224,14 @@ def die(point: str) -> None:
     os._exit(KILL_EXIT_CODE)
 
 
-def killed_mid_op(point: str, seed: int) -> dict:
+def killed_mid_op(point: str, seed: int, ranks_per_node: int) -> dict:
     recv_mode, op = KILL_POINTS[point]
     rank, world = tdist.get_rank(), tdist.get_world_size()
     device = this_device()
     victim = world - 1
     inputs = rank_inputs(KILL_CASE, seed, rank, device)
     tdist.barrier()  # (gloo) Group()'s rendezvous has the short timeout: no start-up skew
-    group = fault_group(device, recv_mode, world, KILL_CASE)
+    group = fault_group(device, recv_mode, world, KILL_CASE, ranks_per_node=ranks_per_node)
     state = {}
     step(group, inputs, state, "create_handle")
     if op == "combine":
@@ -251,13 +259,17 @@ def killed_mid_op(point: str, seed: int) -> dict:
 
 
 @pytest.mark.parametrize("world_size", world_sizes()[1:])
+@NODES
 @pytest.mark.parametrize("point", list(KILL_POINTS))
-def test_rank_killed_mid_op_makes_the_others_raise(point, world_size, seed, summary_line):
+def test_rank_killed_mid_op_makes_the_others_raise(point, ranks_per_node, world_size, seed,
+                                                   summary_line):
     recv_mode, op = KILL_POINTS[point]
-    runs = dist.run_isolated(world_size, killed_mid_op, point, seed, gpus=True, timeout=45.0)
+    runs = dist.run_isolated(world_size, killed_mid_op, point, seed, ranks_per_node, gpus=True,
+                             timeout=45.0)
     victim = runs[-1]
     killed_at = victim.reports.get("killed", (None, None))[1]
-    parts = [f"rank {victim.rank} killed {point.replace('_', ' ')} ({victim.outcome()})"]
+    parts = [f"G={ranks_per_node or world_size}: rank {victim.rank} killed "
+             f"{point.replace('_', ' ')} ({victim.outcome()})"]
     for r in runs[:-1]:
         o = r.value
         if o is None:
