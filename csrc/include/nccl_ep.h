@@ -32,8 +32,9 @@
  *    a watchdog thread of the group stops its communicators (ncclCommRevoke, or ncclCommAbort
  *    before NCCL 2.28.7) when one has not finished timeout_ms after it started on the GPU, and
  *    every later call returns that error. One such NCCL step is in flight per group: a call
- *    waits on the host for the previous one. A device-side error stops the node's ranks only;
- *    the other nodes learn it at the next handle creation.
+ *    waits on the host for the previous one; these calls refuse a capturing stream. A
+ *    device-side error stops the node's ranks only; the other nodes learn it at the next handle
+ *    creation.
  *  - Limits of this implementation (HT): group size <= 64, every node's ranks load/store
  *    accessible (its LSA team covers the node, else ncclInvalidUsage), max_topk <= 32, num_experts <= 65535, tokens bf16/fp16/fp32, group size x
  *    max_tokens_per_rank x max_topk < 2^31. The library must run on the NCCL major.minor it was

@@ -183,6 +183,9 @@ cudaError_t launch_resolve_peers(void* window /* ncclWindow_t */, int num_ranks,
                                  cudaStream_t stream);
 int lsa_team_size(void* comm /* ncclComm_t */);
 cudaError_t launch_barrier(const BarrierArgs& args, cudaStream_t stream);
+// Stops the group on the device when the error word holds an error (ranks of the node).
+cudaError_t launch_latch_error(const ErrorInfo* err, void* const* peers, size_t sync_off,
+                               int num_ranks, int rank, DeviceState* state, cudaStream_t stream);
 
 // layout.cu
 // Packs this rank's routing into its record (header: the caller's shape; ids as int32) in every

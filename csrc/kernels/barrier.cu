@@ -1,6 +1,6 @@
 /*
  * barrier.cu: the kernels of the group runtime: peer pointer resolution through NCCL's device
- * API, and the cross-rank flag barrier.
+ * API, the cross-rank flag barrier, and the latch of a host-recorded error.
  *
  * NOTES (barrier choice): we use our own flag barrier over the symmetric window instead of
  * NCCL's ncclLsaBarrierSession because it must time out (the LSA barrier spins forever), must
@@ -101,6 +101,22 @@ __global__ void __launch_bounds__(kMaxRanks) barrier_kernel(BarrierArgs a) {
 cudaError_t preload_barrier() {
   cudaFuncAttributes attr;
   return cudaFuncGetAttributes(&attr, barrier_kernel);
+}
+
+// Groups that span nodes, after each rail step: a timeout the host's watchdog recorded in the
+// error word (it ended the step's NCCL kernels) stops the group on the device too, so that the
+// kernels after the rail, which read only `failed`, poison their outputs, and the node's peers
+// stop as for a device-side error.
+__global__ void latch_error_kernel(const ErrorInfo* err, void* const* peers, size_t sync_off,
+                                   int num_ranks, int rank, DeviceState* state) {
+  if (ld_volatile_int(&err->code) != kErrNone)
+    stop_group(peers, sync_off, num_ranks, &state->failed, (unsigned long long)rank + 1);
+}
+
+cudaError_t launch_latch_error(const ErrorInfo* err, void* const* peers, size_t sync_off,
+                               int num_ranks, int rank, DeviceState* state, cudaStream_t stream) {
+  latch_error_kernel<<<1, 1, 0, stream>>>(err, peers, sync_off, num_ranks, rank, state);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_barrier(const BarrierArgs& args, cudaStream_t stream) {

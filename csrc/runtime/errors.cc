@@ -174,13 +174,15 @@ ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& word, const Lay
         ++n;
       }
       if (n > 8) peers += " and " + std::to_string(n - 8) + " more";
+      const char* what = e.aux == kStepRail           ? "the rail's send/receive"
+                         : e.aux == kStepRoutingGather ? "the routing all-gather"
+                                                       : "connecting the rail and the all-gather";
       set_error("NCCL exchange between nodes timed out after %lld ms: rank %d waited for %s %s "
                 "(%s) in %s; every rank must make the same collective calls in the same order (a "
                 "rank may have failed, returned early, exited or be blocked). The group's NCCL "
                 "communicators were stopped: destroy the group and create a new one",
-                e.value, e.rank, n == 1 ? "rank" : "ranks", peers.c_str(),
-                e.aux == kStepRail ? "the rail's send/receive" : "the routing all-gather",
-                op_name(e.slot));
+                e.value, e.rank, n == 1 ? "rank" : "ranks", peers.c_str(), what,
+                e.aux == kStepConnect ? "ncclEpCreateGroup" : op_name(e.slot));
       return ncclSystemError;
     }
     case kErrTimeout:

@@ -31,7 +31,7 @@ namespace {
 void destroy_group_state(ncclEpGroup* g) {
   if (g == nullptr) return;
   // The watchdog's thread first: it may stop the communicators below.
-  const bool stopped = g->watchdog != nullptr && g->watchdog->aborted();
+  const bool stopped = g->watchdog != nullptr && g->watchdog->shutdown();
   g->watchdog.reset();
   {
     std::lock_guard<std::mutex> lock(g->mu);
@@ -176,29 +176,36 @@ ncclResult_t fail_together(ncclEpGroup* g, ncclResult_t mine, const char* step,
   return ncclSuccess;
 }
 
-// Groups that span nodes: one small exchange over the rail and one all-gather over op_comm, so
-// that NCCL connects both now (creation waits for every rank anyway) and no op's enqueue waits on
-// the host for a peer later: the watchdog follows the device only.
+// Groups that span nodes: the watchdog, then one exchange over the rail and one routing
+// all-gather over op_comm of the very size the handles gather (NCCL connects an all-gather's
+// algorithm when it is first chosen, which depends on the size), so that no op's enqueue waits on
+// the host for a peer later. Followed by the watchdog like any step; no allocation that could
+// fail on one rank only (a preallocated slot's records, the rail buffers).
 ncclResult_t connect_nodes(ncclEpGroup* g, cudaStream_t stream) {
-  void* scratch = nullptr;
-  EP_RETURN_IF(alloc_device(g, &scratch, (size_t)g->nranks + 2 * (size_t)g->num_nodes));
-  char* bytes = static_cast<char*>(scratch);  // [nranks] gathered, then 1 sent, [nodes] received
+  try {
+    g->watchdog = std::make_unique<NcclWatchdog>(g);
+  } catch (const std::exception& e) {
+    EP_CHECK(false, ncclSystemError, "ncclEpCreateGroup: starting the watchdog failed: %s",
+             e.what());
+  }
+  int* records = g->free_slots.front()->records.ptr;  // [R][rec_ints]
+  const size_t rec_ints = (size_t)g->win.rec_ints;
   std::vector<RailMessage> msgs;
-  for (int m = 0; m < g->num_nodes; ++m)
-    if (m != g->node) msgs.push_back({m, bytes + g->nranks, 1, bytes + g->nranks + 1 + m, 1});
-  ncclResult_t res = rail_exchange(g, msgs, stream);
-  if (res == ncclSuccess) {
-    res = ncclAllGather(bytes + g->rank, bytes, 1, ncclInt8, g->op_comm, stream);
-    if (res != ncclSuccess)
-      set_error("ncclEpCreateGroup: connecting the routing all-gather failed: %s",
-                ncclGetErrorString(res));
+  for (int m = 0; m < g->num_nodes; ++m) {
+    if (m == g->node) continue;
+    msgs.push_back({m, g->rail.rows_own.ptr, 1, g->rail.rows_in.ptr + remote_node_index(g, m) *
+                                                   (size_t)g->cfg.max_tokens_per_rank *
+                                                   g->rail.row_bytes, 1});
   }
-  if (cudaStreamSynchronize(stream) != cudaSuccess && res == ncclSuccess) {
-    set_error("ncclEpCreateGroup: connecting the rail and the routing all-gather failed");
-    res = ncclUnhandledCudaError;
-  }
-  free_device(g, scratch);
-  return res;
+  EP_RETURN_IF(g->watchdog->run(kOpCreateHandle, kStepConnect, stream, [&]() -> ncclResult_t {
+    EP_RETURN_IF(rail_exchange(g, msgs, stream));
+    EP_NCCL(ncclAllGather(records + (size_t)g->rank * rec_ints, records, rec_ints, ncclInt32,
+                          g->op_comm, stream));
+    return ncclSuccess;
+  }));
+  EP_CUDA(cudaStreamSynchronize(stream));
+  if (g->watchdog->aborted()) return check_group_errors(g);
+  return ncclSuccess;
 }
 
 ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGroupConfig_t* config,
@@ -227,8 +234,12 @@ ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGrou
   } else {
     // Collective over comm, in the same order on every rank (all agreed on the node size).
     if (g->node_size > 1) EP_NCCL(ncclCommSplit(comm, g->node, rank, &g->node_comm, nullptr));
-    EP_NCCL(ncclCommSplit(comm, g->node_rank, rank, &g->rail_comm, nullptr));
-    EP_NCCL(ncclCommSplit(comm, 0, rank, &g->op_comm, nullptr));
+    // The watchdog's communicators share nothing with the user's (a shared abort flag would
+    // stop the user's collectives with them).
+    ncclConfig_t own = NCCL_CONFIG_INITIALIZER;
+    own.splitShare = 0;
+    EP_NCCL(ncclCommSplit(comm, g->node_rank, rank, &g->rail_comm, &own));
+    EP_NCCL(ncclCommSplit(comm, 0, rank, &g->op_comm, &own));
     ncclResult_t res = alloc_rail(g);
     if (res == ncclSuccess && g->node_size > 1) {
       const int node_lsa = lsa_team_size(g->node_comm);
@@ -244,7 +255,6 @@ ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGrou
     res = g->node_size == 1 ? open_single_window(g, stream) : open_nccl_window(g, stream);
     EP_RETURN_IF(fail_together(g, res, "its node's window", stream));
     EP_RETURN_IF(connect_nodes(g, stream));
-    g->watchdog = std::make_unique<NcclWatchdog>(g);
   }
   EP_CUDA(cudaStreamSynchronize(stream));
   return ncclSuccess;

@@ -151,6 +151,7 @@ struct RailBuffers {
 enum NcclStep : int {
   kStepRoutingGather = 0,  // handle creation's all-gather of the routing records (op_comm)
   kStepRail = 1,           // an op's send/receive with the rail peers (rail_comm)
+  kStepConnect = 2,        // group creation's first use of both (connect_nodes)
 };
 
 // watchdog.cc: follows the NCCL steps of a group that spans nodes on the device and stops the
@@ -164,6 +165,7 @@ class NcclWatchdog {
   ncclResult_t run(OpKind op, NcclStep step, cudaStream_t stream,
                    const std::function<ncclResult_t()>& enqueue);
   bool aborted();
+  bool shutdown();  // stops the thread (after a stop in progress); returns aborted()
 
  private:
   struct Step {
@@ -175,7 +177,7 @@ class NcclWatchdog {
   };
   void loop();
   bool idle();
-  void stop_communicators();
+  void stop_communicators(std::unique_lock<std::mutex>& lock);
 
   ncclEpGroup* g_;
   std::mutex mu_;
@@ -300,6 +302,10 @@ struct RailMessage {
 // the same order); ops make it through the watchdog.
 ncclResult_t rail_exchange(const ncclEpGroup* g, const std::vector<RailMessage>& messages,
                            cudaStream_t stream);
+// The slot of remote node m in the rail buffers.
+inline size_t remote_node_index(const ncclEpGroup* g, int m) {
+  return (size_t)(m < g->node ? m : m - 1);
+}
 
 // handle.cc
 void destroy_handle_state(ncclEpHandle* h);  // caller holds g->mu

@@ -52,11 +52,15 @@ ncclResult_t rail_exchange(const ncclEpGroup* g, const std::vector<RailMessage>&
 
 namespace {
 
-// The rail's messages of one op, followed by the group's watchdog.
+// The rail's messages of one op, followed by the group's watchdog, then the latch of its error
+// (a stopped step's kernels end without their data: what runs after must poison).
 ncclResult_t watched_rail(ncclEpGroup* g, OpKind op, const std::vector<RailMessage>& messages,
                           cudaStream_t stream) {
-  return g->watchdog->run(op, kStepRail, stream,
-                          [&] { return rail_exchange(g, messages, stream); });
+  EP_RETURN_IF(g->watchdog->run(op, kStepRail, stream,
+                                [&] { return rail_exchange(g, messages, stream); }));
+  EP_CUDA(launch_latch_error(g->d_err, g->d_peers, g->win.sync_off, g->node_size, g->node_rank,
+                             g->d_state, stream));
+  return ncclSuccess;
 }
 
 bool is_float_dtype(ncclDataType_t d) {
@@ -164,8 +168,6 @@ ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, int prob_bytes, boo
   return e;
 }
 
-// Groups that span nodes: the slot of remote node m in the rail buffers.
-size_t remote_index(const ncclEpGroup* g, int m) { return (size_t)(m < g->node ? m : m - 1); }
 
 // Tokens of source s as the rail moves them: exact mode the all-gathered count (the layout was
 // read), capacity mode max_tokens_per_rank (no host read; the tail is never used).
@@ -198,7 +200,7 @@ ncclResult_t dispatch_nodes(ncclEpHandle* h, DispatchArgs a, bool with_probs, in
   for (int m = 0; m < g->num_nodes; ++m) {
     if (m == g->node) continue;
     const long long theirs = rail_tokens(h, m * g->node_size + g->node_rank);
-    const size_t i = remote_index(g, m);
+    const size_t i = remote_node_index(g, m);
     msgs.push_back({m, x, mine * g->row_bytes, r.rows_in.ptr + i * Tm * r.row_bytes,
                     theirs * g->row_bytes});
     if (with_probs)
@@ -209,7 +211,7 @@ ncclResult_t dispatch_nodes(ncclEpHandle* h, DispatchArgs a, bool with_probs, in
   for (int m = 0; m < g->num_nodes; ++m) {
     DispatchArgs pass = a;
     if (m != g->node) {
-      const size_t i = remote_index(g, m);
+      const size_t i = remote_node_index(g, m);
       pass.x = r.rows_in.ptr + i * Tm * r.row_bytes;
       if (with_probs) pass.probs = r.probs_in.ptr + i * Tm * r.prob_row_bytes;
     }
@@ -256,7 +258,7 @@ ncclResult_t return_to_sources(ncclEpHandle* h, OpKind op, const ReturnBuffers& 
   ncclEpGroup* g = h->group;
   std::vector<RailMessage> msgs;
   for (int m = 0; m < g->num_nodes; ++m) {
-    const size_t i = remote_index(g, m);
+    const size_t i = remote_node_index(g, m);
     char* dst = m == g->node ? b.own : b.out + i * b.out_stride;
     EP_RETURN_IF(run_pass(m, dst));
     parts->parts[m] = dst;

@@ -9,8 +9,11 @@
  * (the next kernels see the error word, stop and poison their outputs).
  *
  * NOTES:
- *  - Stopping: ncclCommRevoke where NCCL has it (>= 2.28; queued NCCL kernels end cleanly, the
- *    communicators are destroyed with the group once quiescent), else ncclCommAbort.
+ *  - Stopping: ncclCommRevoke where the loaded NCCL has it (>= 2.28.7, looked up at run time:
+ *    the communicators are destroyed with the group once quiescent), else ncclCommAbort. Either
+ *    ends the stuck kernel; revoke re-arms the communicators when done, so nothing may be queued
+ *    behind it (next note). The error word is written before, so that a latch kernel queued
+ *    after each rail step (ops.cc) stops the group's later kernels on the device.
  *  - The clock starts when the step's start event has completed, not at enqueue: a stream with
  *    long work queued before the step is not a peer that stopped.
  *  - One step in flight: run() waits (host) until the previous step finished before it enqueues
@@ -20,11 +23,16 @@
  *  - mu_ guards the step and every NCCL call made through run(): stopping never races an
  *    enqueue, and after it no call reaches the stopped communicators. Enqueues do not block on
  *    peers: group creation connects the rail and op_comm first.
- *  - Steps enqueued while the stream is being captured into a CUDA graph are not followed (an
- *    event of a capture cannot be queried); neither is a graph's replay.
+ *  - A CUDA graph cannot hold these steps: a replay would not be followed, nor kept behind the
+ *    previous step. run() refuses a capturing stream; the watchdog's own event queries run in
+ *    relaxed capture mode so that they never break a capture elsewhere in the process.
+ *  - A stop is this rank's: the other nodes' ranks stop on their own timeouts (one later at
+ *    most), since this rank makes no NCCL call after it.
  *  - The user's communicator is never aborted (it is not the group's): handle creation gathers
  *    over op_comm, split from it at creation.
  */
+#include <dlfcn.h>
+
 #include "internal.h"
 
 namespace nccl_ep {
@@ -32,21 +40,40 @@ namespace nccl_ep {
 namespace {
 constexpr auto kPoll = std::chrono::milliseconds(2);  // the watchdog's look at a running step
 constexpr auto kHostWait = std::chrono::microseconds(20);  // run()'s, at the previous step
+
+// ncclCommRevoke of the loaded NCCL, or null before 2.28.7 (not a link-time dependency: the
+// library must load on any NCCL of its major.minor).
+using RevokeFn = ncclResult_t (*)(ncclComm_t, int);
+RevokeFn nccl_revoke() {
+  static const RevokeFn fn = reinterpret_cast<RevokeFn>(dlsym(RTLD_DEFAULT, "ncclCommRevoke"));
+  return fn;
 }
+
+// Event queries of this thread never invalidate a capture running on another (global mode).
+void relax_capture_mode() {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
+}
+}  // namespace
 
 NcclWatchdog::NcclWatchdog(ncclEpGroup* g) : g_(g) {
   thread_ = std::thread([this] { loop(); });
 }
 
 NcclWatchdog::~NcclWatchdog() {
+  shutdown();
+  if (step_.start != nullptr) cudaEventDestroy(step_.start);
+  if (step_.end != nullptr) cudaEventDestroy(step_.end);
+}
+
+bool NcclWatchdog::shutdown() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
-  thread_.join();
-  if (step_.start != nullptr) cudaEventDestroy(step_.start);
-  if (step_.end != nullptr) cudaEventDestroy(step_.end);
+  if (thread_.joinable()) thread_.join();
+  return aborted();
 }
 
 bool NcclWatchdog::aborted() {
@@ -67,13 +94,22 @@ ncclResult_t NcclWatchdog::run(OpKind op, NcclStep step, cudaStream_t stream,
                                const std::function<ncclResult_t()>& enqueue) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   EP_CUDA(cudaStreamIsCapturing(stream, &capture));
+  EP_CHECK(capture == cudaStreamCaptureStatusNone, ncclInvalidUsage,
+           "%s of a group that spans nodes cannot be captured into a CUDA graph: its NCCL "
+           "transfers between nodes run under a host watchdog, which a graph replay escapes "
+           "(capture the layers around it, or use one node)",
+           step == kStepRoutingGather ? "create_handle" : "an op");
   std::unique_lock<std::mutex> lock(mu_);
-  // The previous step first (NOTES); a stuck one ends within the timeout, stopped.
+  // The previous step first (NOTES); a stuck one ends within the timeout, stopped. (Queries in
+  // relaxed capture mode: another thread may be capturing.)
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
   while (!aborted_ && !idle()) {
     lock.unlock();
     std::this_thread::sleep_for(kHostWait);
     lock.lock();
   }
+  cudaThreadExchangeStreamCaptureMode(&mode);
   if (aborted_) {
     lock.unlock();
     EP_RETURN_IF(check_group_errors(g_));
@@ -81,7 +117,6 @@ ncclResult_t NcclWatchdog::run(OpKind op, NcclStep step, cudaStream_t stream,
              "this group's NCCL communicators were stopped after a timeout between nodes: "
              "destroy the group and create a new one");
   }
-  if (capture != cudaStreamCaptureStatusNone) return enqueue();
   for (cudaEvent_t* e : {&step_.start, &step_.end})
     if (*e == nullptr) EP_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   EP_CUDA(cudaEventRecord(step_.start, stream));
@@ -99,6 +134,7 @@ ncclResult_t NcclWatchdog::run(OpKind op, NcclStep step, cudaStream_t stream,
 
 void NcclWatchdog::loop() {
   cudaSetDevice(g_->device);
+  relax_capture_mode();
   const auto limit = std::chrono::milliseconds(g_->cfg.timeout_ms);
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
@@ -112,19 +148,21 @@ void NcclWatchdog::loop() {
       step_.started = now;
     }
     if (step_.running && now - step_.started > limit) {
-      stop_communicators();
+      stop_communicators(lock);
       continue;
     }
     cv_.wait_for(lock, kPoll);
   }
 }
 
-// Caller holds mu_.
-void NcclWatchdog::stop_communicators() {
+// Caller holds mu_ (through `lock`); released while NCCL stops the communicators (revoke waits
+// for the stuck kernel and NCCL's proxy threads), with aborted_ already set: no call uses them.
+void NcclWatchdog::stop_communicators(std::unique_lock<std::mutex>& lock) {
   aborted_ = true;
   ErrorInfo* e = g_->h_err;
   // The device claims the word with an atomic on `claim`; the host does the same, then
-  // publishes `code` last, as raise_error does.
+  // publishes `code` last, as raise_error does. (Host and device atomics on mapped memory are
+  // not atomic with each other: a device error at the very same moment may tear the report.)
   if (__atomic_exchange_n(&e->claim, 1, __ATOMIC_ACQ_REL) == 0) {
     e->rank = g_->rank;
     e->token = -1;
@@ -135,17 +173,16 @@ void NcclWatchdog::stop_communicators() {
     e->where = -1;
     __atomic_store_n(&e->code, (int)kErrNcclTimeout, __ATOMIC_RELEASE);
   }
-  // Ends the NCCL kernels waiting for the peer (nothing is queued behind them: NOTES). Revoke
-  // keeps the communicators' memory until destroy_step_comm; NCCL before it only has abort.
-  for (ncclComm_t* c : {&g_->rail_comm, &g_->op_comm}) {
-    if (*c == nullptr) continue;
-#ifdef NCCL_REVOKE_DEFAULT
-    ncclCommRevoke(*c, NCCL_REVOKE_DEFAULT);
-#else
-    ncclCommAbort(*c);
-    *c = nullptr;
-#endif
+  ncclComm_t comms[] = {g_->rail_comm, g_->op_comm};
+  const RevokeFn revoke = nccl_revoke();
+  if (revoke == nullptr) g_->rail_comm = g_->op_comm = nullptr;  // abort frees them
+  lock.unlock();
+  for (ncclComm_t c : comms) {
+    if (c == nullptr) continue;
+    if (revoke != nullptr) revoke(c, 0);  // NCCL_REVOKE_DEFAULT
+    else ncclCommAbort(c);
   }
+  lock.lock();
 }
 
 void destroy_step_comm(ncclComm_t comm, bool revoked) {
