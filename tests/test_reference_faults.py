@@ -173,13 +173,14 @@ def run_ops(group, seed: int, skip: str = "", die_in: str = "") -> dict:
     return dict(op="done", error=None, message="", took=0.0)
 
 
-def op_group():
-    return ep.Group(**{**ARGS, "max_tokens_per_rank": OP_CASE["tokens"]})
+def op_group(ranks_per_node: int = 0):
+    return ep.Group(**{**ARGS, "max_tokens_per_rank": OP_CASE["tokens"]},
+                    ranks_per_node=ranks_per_node)
 
 
-def never_calls_op(op: str, seed: int) -> dict:
+def never_calls_op(op: str, seed: int, ranks_per_node: int) -> dict:
     rank, world = started_rank(), tdist.get_world_size()
-    group = op_group()
+    group = op_group(ranks_per_node)
     if rank == world - 1:
         first = run_ops(group, seed + rank, skip=op)
         time.sleep(TIMEOUT_S + 1.0)  # then comes late, after the others gave up
@@ -191,11 +192,14 @@ def never_calls_op(op: str, seed: int) -> dict:
     return outcome
 
 
-@pytest.mark.parametrize("world_size,op", [(2, "create_handle"), (2, "dispatch"),
-                                           (4, "combine")])
-def test_rank_that_never_calls_an_op_makes_the_others_raise(world_size, op, seed):
+# ranks_per_node: 0 (one node), or nodes (the cuda backend's NCCL steps between nodes are under
+# its watchdog; tests/gpu/test_cuda_faults.py runs the same cases there).
+@pytest.mark.parametrize("world_size,op,ranks_per_node",
+                         [(2, "create_handle", 0), (2, "dispatch", 0), (4, "combine", 0),
+                          (2, "dispatch", 1), (4, "combine", 2)])
+def test_rank_that_never_calls_an_op_makes_the_others_raise(world_size, op, ranks_per_node, seed):
     silent = world_size - 1
-    runs = dist.run_isolated(world_size, never_calls_op, op, seed,
+    runs = dist.run_isolated(world_size, never_calls_op, op, seed, ranks_per_node,
                              timeout=2 * TIMEOUT_S + SLACK_S + 60.0)
     for r in runs:
         assert r.value is not None and r.exitcode == 0, r.outcome()
