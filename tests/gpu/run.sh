@@ -4,15 +4,17 @@
 #                                                        (no argument: build tests bench)
 # builds the extension, runs the GPU tests, runs the benchmark, and leaves under $OUT:
 #   env.txt  build.log  gpu_tests.log (the three test runs)  bench.log  bench.json  example.log
-#   faults.log  summary.md  (pretrain: pretrain.log in place of example.log)
+#   faults.log  summary.md  (pretrain: pretrain.log in place of example.log; MICRO_NCU: ncu.txt)
 # (keep it to 8 files: what a remote runner may copy back). Each stage has its own time limit
 # (choose stages and limits so that a call stays inside 10 minutes): BUILD_TIMEOUT (150 s),
 # TESTS_TIMEOUT (180 s), NODES_TESTS_TIMEOUT (180 s, groups that span nodes, emulated),
 # MEGATRON_TESTS_TIMEOUT (150 s, Megatron's EP overlap on GPUs) and
 # TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s), MICRO_TIMEOUT (90 s per
-# microbenchmark; MICRO_SMS: sm_budget's SM count, 24). BENCH_ARGS adds benchmark flags, e.g.
-# BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48" reruns the kernels section per staging
-# chunk size, BENCH_NODES="1" per emulated node size (ranks per node). BENCH_BASELINE="DIR ...":
+# microbenchmark; MICRO_SMS: sm_budget's SM count, 24; MICRO_NCU="combine_library": Nsight
+# Compute's SpeedOfLight, memory, warp-state, scheduler and occupancy sections of the first
+# MICRO_NCU_COUNT (4) launches of sm_budget's kernels matching that regex, into ncu.txt).
+# BENCH_ARGS adds benchmark flags, e.g. BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48"
+# reruns the kernels section per staging chunk size, BENCH_NODES="1" per emulated node size (ranks per node). BENCH_BASELINE="DIR ...":
 # an A/B against other versions of the package (trees with setup.py, csrc/ and megatron_nccl_ep/,
 # carried as ignored paths, e.g. made with `git archive REF | tar -x -C scratch/baseline`): each
 # built in /tmp/baseline_i alongside the other stages, its kernels section runs after ours in the
@@ -292,6 +294,15 @@ print(([d for p in nvidia.__path__ for d in glob.glob(p + "/nccl/include")] + ["
         done
         timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/peer_ceilings || exit 1
         timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/sm_budget "${MICRO_SMS:-24}" || exit 1
+        if [ -n "${MICRO_NCU:-}" ]; then  # Nsight Compute on the micro's kernels of that name
+            ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+            echo "== ncu ($ncu_bin) on kernels matching '$MICRO_NCU': ncu.txt"
+            timeout -k 5 "${MICRO_TIMEOUT:-90}" "$ncu_bin" --clock-control none \
+                -k "regex:$MICRO_NCU" --launch-count "${MICRO_NCU_COUNT:-4}" \
+                --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+                --section SchedulerStats --section Occupancy \
+                /tmp/sm_budget "${MICRO_SMS:-24}" >"$OUT/ncu.txt" 2>&1 || exit 1
+        fi
         for i in "${ready[@]}"; do  # each baseline's library code, same microbenchmark
             echo "== baseline (${BASELINES[$i]}): benchmarks/micro/sm_budget.cu"
             nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a ${nccl_inc:+-I "$nccl_inc"} \
