@@ -14,7 +14,8 @@
 # Compute's SpeedOfLight, memory, warp-state, scheduler and occupancy sections of the first
 # MICRO_NCU_COUNT (4) launches of sm_budget's kernels matching that regex, into ncu.txt).
 # BENCH_ARGS adds benchmark flags, e.g. BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48"
-# reruns the kernels section per staging chunk size, BENCH_NODES="1" per emulated node size (ranks per node). BENCH_BASELINE="DIR ...":
+# reruns the kernels section per staging chunk size, BENCH_NODES="1" per emulated node size
+# (ranks per node). BENCH_BASELINE="DIR ...":
 # an A/B against other versions of the package (trees with setup.py, csrc/ and megatron_nccl_ep/,
 # carried as ignored paths, e.g. made with `git archive REF | tar -x -C scratch/baseline`): each
 # built in /tmp/baseline_i alongside the other stages, its kernels section runs after ours in the
