@@ -8,7 +8,8 @@
 // Variants: expand with 16-byte register stores (expand_v0) or TMA bulk stores from shared memory
 // (expand_tma: warps x segment x stages); combine with 1 or 2 packs per lane of register loads
 // (combine_reg) or TMA bulk loads into shared memory (combine_tma); the library's token sums
-// (combine_library), also with the engine receiver's per-token code (ENGINE); split: the same
+// (combine_library), also with the engine receiver's per-token code (ENGINE); the hand-written
+// TMA combine without the proxy fence before each refill; split: the same
 // bytes as 2x the items of K/2 rows each (EP=2's per-rank sums), per item vs per byte.
 // Ceilings: a plain copy from the same number of CTAs, from 2 CTAs per SM, and cudaMemcpy.
 // Measured on 1 x H200 (2026-11-29): at 24 SMs every expand variant ~337 us (~1.57 TB/s, the SM
@@ -151,7 +152,9 @@ __global__ void __launch_bounds__(512) combine_reg(const uint4* eo, uint4* y, co
 // prefetched; lanes sum from smem.
 // CONTIG: CTA b takes the contiguous tokens [T b / C, T (b+1) / C) (the engine's channels);
 // DEP: one more dependent load per token before its rows (the engine's routing / slot reads).
-template <int WARPS, int SEG, bool CONTIG = false, bool DEP = false>
+// FENCE: the shared-memory proxy fence before each refill (as token_sum.cuh has it); without it,
+// whether the fence (which may wait for the warp's previous output stores) costs per segment.
+template <int WARPS, int SEG, bool CONTIG = false, bool DEP = false, bool FENCE = true>
 __global__ void __launch_bounds__(WARPS * 32) combine_tma(const char* eo, char* y, const int* rr) {
   extern __shared__ __align__(128) char smem[];
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -176,10 +179,10 @@ __global__ void __launch_bounds__(WARPS * 32) combine_tma(const char* eo, char* 
 #pragma unroll
       for (int k = 0; k < K; ++k) tma_load(buf + (b * K + k) * SEG, eo + (size_t)rows[k] * ROWB + off, bytes, &bars[b]);
     };
-    if (lane == 0) { fence_proxy_async(); issue(0, 0); }
+    if (lane == 0) { if (FENCE) fence_proxy_async(); issue(0, 0); }
     for (int s = 0; s < nseg; ++s) {
       const int b = s & 1;
-      if (s + 1 < nseg && lane == 0) { fence_proxy_async(); issue(s + 1, b ^ 1); }
+      if (s + 1 < nseg && lane == 0) { if (FENCE) fence_proxy_async(); issue(s + 1, b ^ 1); }
       mbar_wait(&bars[b], ph[b]); ph[b] ^= 1;
       const int off = s * SEG; const int bytes = min(SEG, ROWB - off);
       for (int j = lane; j < bytes / 16; j += 32) {
@@ -367,6 +370,10 @@ int main(int argc, char** argv) {
     CK(cudaMemset(y2, 0x55, (size_t)T * ROWB)); \
     report("combine_tma w" #W " seg" #S " contig" #C " dep" #D, time_it([&] { k<<<sms, W * 32, smem>>>(eo, y2, d_rr); }), comb_bytes); cmp(y, y2, (size_t)T * ROWB, "combine"); }
   COMB_TMA_ENGINE(12, 1024, true, false) COMB_TMA_ENGINE(12, 1024, false, true) COMB_TMA_ENGINE(12, 1024, true, true)
+#define COMB_TMA_NOFENCE(W, S) { auto k = combine_tma<W, S, true, true, false>; int smem = W * 2 * K * S + W * 16; CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
+    CK(cudaMemset(y2, 0x55, (size_t)T * ROWB)); \
+    report("combine_tma w" #W " seg" #S " contig dep, no fence", time_it([&] { k<<<sms, W * 32, smem>>>(eo, y2, d_rr); }), comb_bytes); cmp(y, y2, (size_t)T * ROWB, "combine"); }
+  COMB_TMA_NOFENCE(12, 1024) COMB_TMA_NOFENCE(16, 768) COMB_TMA_NOFENCE(8, 1536)
   // The engine's per-token code's view (one rank: every expert local, the row map is rr).
   nccl_ep::ExchangeArgs ex{};
   int* d_topk; CK(cudaMalloc(&d_topk, sizeof(int) * T * K));
