@@ -113,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-sms", type=int, default=24, help="SM budget of our kernels")
     p.add_argument("--staging-chunk-tokens", type=int, default=0,
                    help="tokens per staging-ring chunk of our kernels (0: the library's choice)")
+    p.add_argument("--staging-depth", type=int, default=0,
+                   help="ring slots per (channel, peer) of our kernels (0: the library's choice)")
     p.add_argument("--ranks-per-node", type=int, default=0,
                    help="ranks per node of our groups (0: one NVLink domain; smaller: emulated "
                         "nodes, tokens between them over NCCL send/receive)")
@@ -179,6 +181,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--iters, --rotate, --tokens, --hidden must be >= 1 and --warmup >= 0")
     if args.staging_chunk_tokens < 0:
         p.error("--staging-chunk-tokens must be >= 0 (0: the library's choice)")
+    if args.staging_depth < 0 or args.staging_depth == 1:
+        p.error("--staging-depth must be 0 (the library's choice) or >= 2")
     if args.ranks_per_node < 0 or (args.ranks_per_node and args.nproc % args.ranks_per_node):
         p.error(f"--ranks-per-node must be 0 or a divisor of the process count ({args.nproc})")
     if "all" in args.sweep_tokens:
@@ -342,6 +346,7 @@ def format_table(result: dict) -> str:
         f"{shape['ranks']} ranks"
         + (f", staging chunks of {shape['staging_chunk_tokens']} tokens"
            if shape.get("staging_chunk_tokens") else "")
+        + (f", staging depth {shape['staging_depth']}" if shape.get("staging_depth") else "")
         + (f", emulated nodes of {shape['ranks_per_node']} rank(s) (rail: NCCL send/receive)"
            if shape.get("ranks_per_node") else "")
         + "; medians of per-iteration slowest rank",
@@ -528,6 +533,7 @@ def main(argv=None) -> int:
              "ranks": args.nproc, "backend": args.backend, "recv_mode": args.recv_mode,
              "capacity_factor": args.capacity_factor,
              "staging_chunk_tokens": args.staging_chunk_tokens,
+             "staging_depth": args.staging_depth,
              "ranks_per_node": args.ranks_per_node}
     import torch
 
@@ -874,6 +880,7 @@ def _section_kernels(me: _Rank) -> None:
                   recv_mode=args.recv_mode, capacity_factor=args.capacity_factor,
                   num_sms=args.num_sms, timeout_s=args.device_timeout,
                   staging_chunk_tokens=args.staging_chunk_tokens,
+                  staging_depth=args.staging_depth,
                   ranks_per_node=args.ranks_per_node)
     me.emit("info", data={"backend_resolved": group.backend_name})
     sets = []
@@ -953,6 +960,7 @@ def _section_kernels(me: _Rank) -> None:
                          dtype=me.dtype, backend=args.backend, device=me.device,
                          num_sms=args.num_sms, timeout_s=args.device_timeout,
                          staging_chunk_tokens=args.staging_chunk_tokens,
+                         staging_depth=args.staging_depth,
                          ranks_per_node=args.ranks_per_node)
         for s, st in enumerate(sets):
             dest = torch.zeros(args.tokens, me.world, dtype=torch.bool, device=me.device)

@@ -17,6 +17,7 @@ from megatron_nccl_ep import bench
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEP_TOKENS = (64, 128)
 STAGING_CHUNK = 24  # passed through to the groups; named in the shape and the table
+STAGING_DEPTH = 3  # likewise
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     command = [sys.executable, "-m", "megatron_nccl_ep.bench", "--json", str(out), "--iters", "2",
                "--sweep-tokens", ",".join(map(str, SWEEP_TOKENS)),
-               "--staging-chunk-tokens", str(STAGING_CHUNK)]
+               "--staging-chunk-tokens", str(STAGING_CHUNK), "--staging-depth", str(STAGING_DEPTH)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
@@ -50,6 +51,8 @@ def test_cpu_defaults_measure_kernels(cpu_run):
     assert (shape["backend"], shape["ranks"], result["meta"]["device"]) == ("torch", 2, "cpu")
     assert shape["staging_chunk_tokens"] == STAGING_CHUNK
     assert f"staging chunks of {STAGING_CHUNK} tokens" in cpu_run[0]
+    assert shape["staging_depth"] == STAGING_DEPTH
+    assert f"staging depth {STAGING_DEPTH}" in cpu_run[0]
     for op in ("dispatch", "combine"):
         for mode in ("kernel", "e2e"):
             _positive_median(result["kernels"], f"{op} ({mode})")
@@ -123,7 +126,7 @@ def test_explicit_flags_win_over_cpu_defaults():
 
 @pytest.mark.parametrize("argv", [["--sweep-tokens", "all"], ["--sweep-tokens", "0"],
                                   ["--sweep-sms", "x"], ["--plot", "a.png"],
-                                  ["--staging-chunk-tokens", "-1"]])
+                                  ["--staging-chunk-tokens", "-1"], ["--staging-depth", "1"]])
 def test_bad_sweep_and_plot_flags_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(["--device", "cpu", *argv])

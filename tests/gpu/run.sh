@@ -14,8 +14,8 @@
 # Compute's SpeedOfLight, memory, warp-state, scheduler and occupancy sections of the first
 # MICRO_NCU_COUNT (4) launches of sm_budget's kernels matching that regex, into ncu.txt).
 # BENCH_ARGS adds benchmark flags, e.g. BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48"
-# reruns the kernels section per staging chunk size, BENCH_NODES="1" per emulated node size
-# (ranks per node). BENCH_BASELINE="DIR ...":
+# reruns the kernels section per staging chunk size, BENCH_DEPTHS="3 4" per staging ring depth,
+# BENCH_NODES="1" per emulated node size (ranks per node). BENCH_BASELINE="DIR ...":
 # an A/B against other versions of the package (trees with setup.py, csrc/ and megatron_nccl_ep/,
 # carried as ignored paths, e.g. made with `git archive REF | tar -x -C scratch/baseline`): each
 # built in /tmp/baseline_i alongside the other stages, its kernels section runs after ours in the
@@ -259,10 +259,12 @@ if wants bench; then
     note "- bench: rc $rc ($((SECONDS - start)) s; 1 = some item failed, 124 = timed out)"
     { echo; bench_table <"$OUT/bench.log"; } >>"$SUMMARY"
     # The kernels again per staging chunk size in BENCH_CHUNKS (e.g. "24 48": an A/B of the
-    # chunk against the warps that share it, without a rebuild) and per emulated node size in
-    # BENCH_NODES (e.g. "1": the rail next to NVLink), appended to bench.log.
+    # chunk against the warps that share it, without a rebuild), per ring depth in BENCH_DEPTHS,
+    # and per emulated node size in BENCH_NODES (e.g. "1": the rail next to NVLink), appended to
+    # bench.log.
     variants=()
     for chunk in ${BENCH_CHUNKS:-}; do variants+=("staging chunks of $chunk tokens|--staging-chunk-tokens $chunk"); done
+    for depth in ${BENCH_DEPTHS:-}; do variants+=("staging depth $depth|--staging-depth $depth"); done
     for g in ${BENCH_NODES:-}; do variants+=("nodes of $g rank(s)|--ranks-per-node $g"); done
     for variant in "${variants[@]}"; do
         # shellcheck disable=SC2086 # the variant's flags are a list
