@@ -96,13 +96,15 @@ struct CombineOp {
     const ExchangeArgs& e = a.ex;
     const int w = threadIdx.x >> 5, packs = e.hidden / N;
     const size_t row_bytes = (size_t)e.hidden * sizeof(T);
-    const WarpStaging ws = warp_staging();
+    WarpStaging ws = warp_staging();
+    ws.timers = &sh.phases;
     const char** src = ws.src;
     if (jr >= 0 && lane == 0) fence_proxy_async_global();  // acquired partials go to bulk copies
     // The peers' partials of chunk jr sit one ring apart: ring q's row i at
     // partials + q * ring_stride + i * row_stride.
     const char* partials = ring_row(e.peers[e.rank], e.win, b, 0, max(jr, 0), 0);
     const size_t ring_stride = (size_t)e.win.depth * e.win.chunk * e.win.row_stride;
+    PhaseClock clock(ws.timers, lane);  // an item's setup: its claim until its sums start
     for (RoundTokens items(e, sh, b, js, jr, lane); items.next();) {
       const int t = items.c.begin + items.i;
       if (!items.own()) {
@@ -113,7 +115,10 @@ struct CombineOp {
           __syncwarp();
           P* dst = reinterpret_cast<P*>(
               ring_row(e.peers[p], e.win, b, ring_index(e.rank, p, e.num_ranks), js, items.i));
+          clock.lap(kPhaseSetup);
+          clock.count(&sh.phases.items);
           sum_token<T, N, false>({src, n, 0, 0}, ws, dst, packs, e.vec, lane);
+          clock.restart();
         }
         __syncwarp();  // rows_sh and the sources are rewritten by the next item
         continue;
@@ -139,8 +144,11 @@ struct CombineOp {
       }
       __syncwarp();
       const int own_at = has_own ? __popcll(others & ((1ull << e.rank) - 1ull)) : -1;
+      clock.lap(kPhaseSetup);
+      clock.count(&sh.phases.items);
       sum_token<T, N, true>({src, n_own, __popcll(others), own_at}, ws,
                             reinterpret_cast<P*>(a.y) + (size_t)t * packs, packs, e.vec, lane);
+      clock.restart();
       __syncwarp();  // rows_sh and the sources are rewritten by the next item
     }
   }

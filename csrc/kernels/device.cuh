@@ -18,9 +18,58 @@
 
 #include "protocol.cuh"
 
+// Developer builds with device timers (NCCL_EP_TRACE=1 python setup.py build_ext --force): the
+// exchange engine's per-role times and the token sums' phases, printed per op (exchange.cuh).
+// Off: compiled out.
+#ifndef EP_TRACE
+#define EP_TRACE 0
+#endif
+
 namespace nccl_ep {
 
 #define EP_DEVICE __device__ __forceinline__
+
+constexpr bool kTrace = EP_TRACE != 0;
+
+// EP_TRACE builds: where an op's warps spend their items, in SM cycles summed over a CTA's warps
+// (shared memory): finding the item's sources, issuing its bulk copies, waiting for them, and
+// the arithmetic with its stores.
+enum ItemPhase { kPhaseSetup, kPhaseFill, kPhaseWait, kPhaseWork, kItemPhases };
+struct ItemTimers {
+  unsigned long long cycles[kItemPhases];
+  unsigned items, segments;
+};
+
+__device__ __forceinline__ unsigned long long sm_cycles() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
+  return t;
+}
+
+// Lane 0's stopwatch over a warp's phases; does nothing without EP_TRACE or timers.
+struct PhaseClock {
+  ItemTimers* timers = nullptr;
+  unsigned long long last = 0;
+  __device__ __forceinline__ PhaseClock(ItemTimers* t, int lane) {
+    if (kTrace && lane == 0 && t != nullptr) {
+      timers = t;
+      last = sm_cycles();
+    }
+  }
+  // Charges the time since the last lap to phase p.
+  __device__ __forceinline__ void lap(ItemPhase p) {
+    if (!kTrace || timers == nullptr) return;
+    const unsigned long long now = sm_cycles();
+    atomicAdd(&timers->cycles[p], now - last);
+    last = now;
+  }
+  __device__ __forceinline__ void restart() {
+    if (kTrace && timers != nullptr) last = sm_cycles();
+  }
+  __device__ __forceinline__ void count(unsigned* counter) {
+    if (kTrace && timers != nullptr) atomicAdd(counter, 1u);
+  }
+};
 
 EP_DEVICE void st_release_sys(unsigned long long* p, unsigned long long v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");

@@ -39,12 +39,9 @@
 #include "api.cuh"
 #include "device.cuh"
 
-// Per-role timers, a developer build (NCCL_EP_TRACE=1 python setup.py build_ext --force): each
-// role's leader sums per op the time it waited for peers and the time its warps worked, and CTAs
-// 0 and C - 1 of every rank print one line per op ("EP_TRACE op=... us"). Off: compiled out.
-#ifndef EP_TRACE
-#define EP_TRACE 0
-#endif
+// Per-role timers (EP_TRACE builds, device.cuh): each role's leader sums per op the time it
+// waited for peers and the time its warps worked, ops add their items' phases (ItemTimers,
+// device.cuh: the combine's token sums), and CTAs 0 and C - 1 of every rank print one line per op ("EP_TRACE op=...").
 
 namespace nccl_ep {
 
@@ -63,11 +60,10 @@ struct ExchangeShared {
   int claimed;                // items of the current round claimed by warps (RoundTokens)
   int rows_sh[kMaxWarps][kMaxTopk];   // per warp: the rows of the current item
   int slots_sh[kMaxWarps][kMaxTopk];  // and their slots k
-  // EP_TRACE: ns per op, summed over rounds by each role's leader
+  // EP_TRACE: ns per op, summed over rounds by each role's leader; the token sums' phases
   unsigned long long send_wait_ns, send_work_ns, recv_local_ns, recv_wait_ns, recv_remote_ns;
+  ItemTimers phases;
 };
-
-constexpr bool kTrace = EP_TRACE != 0;
 
 __device__ __forceinline__ unsigned long long trace_clock() {
   return kTrace ? global_timer_ns() : 0ull;
@@ -426,8 +422,11 @@ __device__ void run_exchange(const typename Op::Args& a) {
   __shared__ ExchangeShared sh;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const unsigned long long start_ns = trace_clock();
-  if (kTrace && threadIdx.x == 0)
+  const unsigned long long start_cycles = kTrace ? sm_cycles() : 0;
+  if (kTrace && threadIdx.x == 0) {
     sh.send_wait_ns = sh.send_work_ns = sh.recv_local_ns = sh.recv_wait_ns = sh.recv_remote_ns = 0;
+    sh.phases = ItemTimers{};
+  }
   if (threadIdx.x < e.num_ranks) sh.tokens[threadIdx.x] = e.tokens_of[threadIdx.x];
   Op::warp_setup(lane);  // the op's per-warp state (combine: its staging barriers)
   __syncthreads();
@@ -472,12 +471,20 @@ __device__ void run_exchange(const typename Op::Args& a) {
                   ld_volatile_u64(&e.state->failed) != 0;
   __syncthreads();
   if (sh.end_stop) poison_outputs(e);
-  if (kTrace && threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1))
+  if (kTrace && threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1)) {
+    const double total_ns = (double)(global_timer_ns() - start_ns);
+    // Item phases: SM cycles summed over warps: us per warp at this CTA's clock rate.
+    const double us_per_warp_cycle = total_ns / 1e3 / (double)(sm_cycles() - start_cycles) / Op::kWarps;
+    const ItemTimers& t = sh.phases;
     printf("EP_TRACE op=%d rank=%d cta=%d rounds=%d/%d send_warps=%d | send wait %.1f work %.1f "
-           "| recv local %.1f wait %.1f remote %.1f | total %.1f us\n",
+           "| recv local %.1f wait %.1f remote %.1f | total %.1f us | %u items %u segments, per "
+           "warp: setup %.1f fill %.1f wait %.1f work %.1f us\n",
            (int)call_op(e.call), e.rank, blockIdx.x, sh.send_rounds, sh.recv_rounds,
            e.send_warps, sh.send_wait_ns / 1e3, sh.send_work_ns / 1e3, sh.recv_local_ns / 1e3,
-           sh.recv_wait_ns / 1e3, sh.recv_remote_ns / 1e3, (global_timer_ns() - start_ns) / 1e3);
+           sh.recv_wait_ns / 1e3, sh.recv_remote_ns / 1e3, total_ns / 1e3, t.items, t.segments,
+           t.cycles[kPhaseSetup] * us_per_warp_cycle, t.cycles[kPhaseFill] * us_per_warp_cycle,
+           t.cycles[kPhaseWait] * us_per_warp_cycle, t.cycles[kPhaseWork] * us_per_warp_cycle);
+  }
   // The last CTA to finish moves the op epoch on (every CTA read it at its start).
   if (threadIdx.x == 0) {
     __threadfence();

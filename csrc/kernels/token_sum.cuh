@@ -40,12 +40,13 @@ constexpr size_t kCombineStagingBytes = (size_t)kCombineWarps * kStages * kStage
 static_assert(kStageBytes % 16 == 0, "stage buffers hold 16-byte packs");
 
 // The warp's staging: its source list, buffers and their barriers (phase: bit i = the parity the
-// next wait on buffer i waits for).
+// next wait on buffer i waits for); timers: where EP_TRACE builds charge the phases (or none).
 struct WarpStaging {
   const char** src;
   char* buf;
   unsigned long long* bar;
   unsigned* phase;
+  ItemTimers* timers;
 };
 
 EP_DEVICE WarpStaging warp_staging() {
@@ -54,7 +55,7 @@ EP_DEVICE WarpStaging warp_staging() {
   __shared__ unsigned phases[kCombineWarps];
   extern __shared__ __align__(128) char staging[];
   const int w = threadIdx.x >> 5;
-  return {sources[w], staging + (size_t)w * kStages * kStageBytes, bars[w], &phases[w]};
+  return {sources[w], staging + (size_t)w * kStages * kStageBytes, bars[w], &phases[w], nullptr};
 }
 
 // Packs [first, first + count) of every source into buffer `stage`, source i at i * seg packs: by
@@ -132,18 +133,23 @@ EP_DEVICE void sum_token(const TokenSum& s, const WarpStaging& ws, Pack<T, N>* d
     if (n > 0 && g < segs)
       fill_stage<P>(s, ws, g % kStages, g * seg, min(seg, packs - g * seg), seg, bulk, lane);
   };
+  PhaseClock clock(ws.timers, lane);
   for (int g = 0; g < kStages - 1; ++g) fill(g);
   for (int g = 0; g < segs; ++g) {
     fill(g + kStages - 1);
+    clock.lap(kPhaseFill);
     const int stage = g % kStages;
     if (n > 0 && bulk) {
       mbar_wait(&ws.bar[stage], (*ws.phase >> stage) & 1u);
       __syncwarp();
       if (lane == 0) *ws.phase ^= 1u << stage;
     }
+    clock.lap(kPhaseWait);
     sum_stage<T, N, kFinal>(s, reinterpret_cast<const P*>(ws.buf + (size_t)stage * kStageBytes),
                             seg, min(seg, packs - g * seg), dst + (size_t)g * seg, lane);
     __syncwarp();  // the buffer is refilled next
+    clock.lap(kPhaseWork);
+    if (ws.timers != nullptr) clock.count(&ws.timers->segments);
   }
 }
 
