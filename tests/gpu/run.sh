@@ -12,7 +12,10 @@
 # TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s), MICRO_TIMEOUT (90 s per
 # microbenchmark; MICRO_SMS: sm_budget's SM count, 24; MICRO_NCU="combine_library": Nsight
 # Compute's SpeedOfLight, memory, warp-state, scheduler and occupancy sections of the first
-# MICRO_NCU_COUNT (4) launches of sm_budget's kernels matching that regex, into ncu.txt).
+# MICRO_NCU_COUNT (4) launches of sm_budget's kernels matching that regex, into ncu.txt;
+# BENCH_NCU="CombineOp": the same sections plus the source lines with the most warp-stall samples
+# for the first BENCH_NCU_COUNT (2) launches of our kernels matching that regex in a one-rank
+# bench, into ncu.txt, after the bench stage, under BENCH_NCU_TIMEOUT (150 s)).
 # BENCH_ARGS adds benchmark flags, e.g. BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48"
 # reruns the kernels section per staging chunk size, BENCH_DEPTHS="3 4" per staging ring depth,
 # BENCH_NODES="1" per emulated node size (ranks per node). BENCH_BASELINE="DIR ...":
@@ -275,6 +278,28 @@ if wants bench; then
         # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
         baseline_ready "$i" && bench_kernels "baseline ${BASELINES[$i]}" "/tmp/baseline_$i" $BENCH_ARGS
     done
+    if [ -n "${BENCH_NCU:-}" ]; then
+        # Nsight Compute on our kernels whose demangled names match BENCH_NCU, in a one-rank
+        # bench (a kernel replayed alone has no peer to wait for): sections, then the source
+        # lines with the most warp-stall samples (the build has -lineinfo), into ncu.txt.
+        start=$SECONDS
+        ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+        (
+            echo "== ncu ($ncu_bin), one-rank bench, kernels matching '$BENCH_NCU'"
+            timeout -k 5 "${BENCH_NCU_TIMEOUT:-150}" "$ncu_bin" --clock-control none \
+                --target-processes all --kernel-name-base demangled -k "regex:$BENCH_NCU" \
+                --launch-count "${BENCH_NCU_COUNT:-2}" --import-source yes \
+                --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+                --section SchedulerStats --section Occupancy --section SourceCounters \
+                -f -o /tmp/bench_ncu "$PY" -m megatron_nccl_ep.bench --nproc 1 --sections kernels \
+                --warmup 1 --iters 1 --rotate 1 >/tmp/bench_ncu.log 2>&1 || {
+                tail -n 20 /tmp/bench_ncu.log; exit 1; }
+            "$ncu_bin" --import /tmp/bench_ncu.ncu-rep --page details || exit 1
+            "$ncu_bin" --import /tmp/bench_ncu.ncu-rep --page source --csv --print-source cuda \
+                >/tmp/bench_ncu_source.csv && "$PY" tests/gpu/ncu_hot_lines.py /tmp/bench_ncu_source.csv
+        ) >>"$OUT/ncu.txt" 2>&1
+        note "- ncu on the bench's kernels: rc $? ($((SECONDS - start)) s; ncu.txt)"
+    fi
 fi
 
 if wants micro; then

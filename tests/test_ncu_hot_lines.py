@@ -1,0 +1,29 @@
+"""The GPU script's reader of Nsight Compute source pages (tests/gpu/ncu_hot_lines.py)."""
+import importlib.util
+import os
+
+_PATH = os.path.join(os.path.dirname(__file__), "gpu", "ncu_hot_lines.py")
+_spec = importlib.util.spec_from_file_location("ncu_hot_lines", _PATH)
+ncu_hot_lines = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ncu_hot_lines)
+
+HEADER = ["#", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued)"]
+
+
+def test_each_kernel_block_ranks_its_lines_by_samples():
+    rows = [["Kernel A"], HEADER, ["1", "a = 0;", "1,000", "5"], ["2", "b = x[i];", "3,000", "9"],
+            ["3", "// none", "0", "0"],
+            HEADER, ["7", "wait();", "50", "50"], ["8", "sum += v;", "150", "10"]]
+    lines = ncu_hot_lines.hot_lines(rows, top=2)
+    assert lines == [
+        "-- 4000 warp-stall samples; top 2 lines",
+        " 75.00%  line     2  b = x[i];",
+        " 25.00%  line     1  a = 0;",
+        "-- 200 warp-stall samples; top 2 lines",
+        " 75.00%  line     8  sum += v;",
+        " 25.00%  line     7  wait();",
+    ]
+
+
+def test_a_page_without_sampling_gives_nothing():
+    assert ncu_hot_lines.hot_lines([["#", "Source"], ["1", "a = 0;"]], top=5) == []
