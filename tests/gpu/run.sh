@@ -19,11 +19,13 @@
 # BENCH_ARGS adds benchmark flags, e.g. BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48"
 # reruns the kernels section per staging chunk size, BENCH_DEPTHS="3 4" per staging ring depth,
 # BENCH_NODES="1" per emulated node size (ranks per node). BENCH_BASELINE="DIR ...":
-# an A/B against other versions of the package (trees with setup.py, csrc/ and megatron_nccl_ep/,
-# carried as ignored paths, e.g. made with `git archive REF | tar -x -C scratch/baseline`): each
-# built in /tmp/baseline_i alongside the other stages, its kernels section runs after ours in the
-# bench stage and its sm_budget in the micro stage, so every version is timed on the same machine
-# in the same call.
+# an A/B against other versions of the package (trees with setup.py, csrc/, megatron_nccl_ep/ and
+# tests/, carried as ignored paths, e.g. made with `git archive REF | tar -x -C scratch/baseline`):
+# each built in /tmp/baseline_i alongside the other stages, its kernels section runs after ours in
+# the bench stage and its sm_budget in the micro stage, so every version is timed on the same
+# machine in the same call; BASELINE_TESTS="tests/gpu/test_cuda_local_team.py -k wrap" also runs
+# those pytest arguments in each baseline tree after its bench (BASELINE_TESTS_TIMEOUT, 120 s
+# each, into gpu_tests.log).
 # faults (issue 8; not in the default stages; `build faults` fits one 10-minute call): ranks
 # that never call or are killed mid-op, a handle-destroying thread, live handles used out of order,
 # 10,000 handle cycles with memory before/after, all tokens to one expert at 16384 tokens, then the
@@ -144,7 +146,8 @@ if [ ${#BASELINES[@]} -gt 0 ] && (wants bench || wants micro); then
         BASELINE_PIDS[$i]=
         if [ -f "$src/setup.py" ]; then
             rm -rf "$dir" && mkdir -p "$dir" &&
-                cp -r "$src/setup.py" "$src/csrc" "$src/megatron_nccl_ep" "$src/benchmarks" "$dir/"
+                cp -r "$src/setup.py" "$src/csrc" "$src/megatron_nccl_ep" "$src/benchmarks" \
+                    "$src/tests" "$src/pytest.ini" "$dir/"
             (cd "$dir" && NCCL_EP_BUILD_EXT=1 MAX_JOBS=$JOBS timeout -k 10 "$BUILD_TIMEOUT" \
                 "$PY" setup.py build_ext --inplace -j "$JOBS" >"$dir/build.log" 2>&1) &
             BASELINE_PIDS[$i]=$!
@@ -196,6 +199,7 @@ run_pytest() {
     if [ $rc -ne 0 ]; then
         { echo '```'; tail -n 30 <<<"$section"; echo '```'; } | tee -a "$SUMMARY"
     fi
+    return $rc
 }
 
 # The faults stage's test modules (the tests stage leaves them out).
@@ -275,8 +279,16 @@ if wants bench; then
     done
     # Each baseline's kernels section (BENCH_BASELINE), appended to bench.log likewise.
     for i in "${!BASELINES[@]}"; do
+        baseline_ready "$i" || continue
         # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
-        baseline_ready "$i" && bench_kernels "baseline ${BASELINES[$i]}" "/tmp/baseline_$i" $BENCH_ARGS
+        bench_kernels "baseline ${BASELINES[$i]}" "/tmp/baseline_$i" $BENCH_ARGS
+        if [ -n "${BASELINE_TESTS:-}" ]; then
+            # The baseline's own tests (its tests/ import its package), into gpu_tests.log.
+            # shellcheck disable=SC2086 # BASELINE_TESTS is a list of pytest arguments
+            (cd "/tmp/baseline_$i" && CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER \
+                run_pytest "baseline ${BASELINES[$i]} tests" "${BASELINE_TESTS_TIMEOUT:-120}" \
+                "$OUT/gpu_tests.log" $BASELINE_TESTS) || STATUS=1
+        fi
     done
     if [ -n "${BENCH_NCU:-}" ]; then
         # Nsight Compute on our kernels whose demangled names match BENCH_NCU, in a one-rank
