@@ -19,8 +19,9 @@
 # BENCH_ARGS adds benchmark flags, e.g. BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48"
 # reruns the kernels section per staging chunk size, BENCH_DEPTHS="3 4" per staging ring depth,
 # BENCH_NODES="1" per emulated node size (ranks per node). BENCH_BASELINE="DIR ...":
-# an A/B against other versions of the package (trees with setup.py, csrc/, megatron_nccl_ep/ and
-# tests/, carried as ignored paths, e.g. made with `git archive REF | tar -x -C scratch/baseline`):
+# an A/B against other versions of the package (patches that apply to this tree with patch -p1,
+# e.g. benchmarks/ab/*.patch, or trees with setup.py, csrc/, megatron_nccl_ep/ and tests/, carried
+# as ignored paths, e.g. made with `git archive REF | tar -x -C scratch/baseline`):
 # each built in /tmp/baseline_i alongside the other stages, its kernels section runs after ours in
 # the bench stage and its sm_budget in the micro stage, so every version is timed on the same
 # machine in the same call; BASELINE_TESTS="tests/gpu/test_cuda_local_team.py -k wrap" also runs
@@ -142,14 +143,17 @@ read -r -a BASELINES <<<"${BENCH_BASELINE:-}"
 BASELINE_PIDS=()
 if [ ${#BASELINES[@]} -gt 0 ] && (wants bench || wants micro); then
     for i in "${!BASELINES[@]}"; do
-        src=${BASELINES[$i]} dir=/tmp/baseline_$i
+        src=${BASELINES[$i]} dir=/tmp/baseline_$i tree=${BASELINES[$i]}
         BASELINE_PIDS[$i]=
-        if [ -f "$src/setup.py" ]; then
+        # A patch (benchmarks/ab/*.patch) is applied to a copy of this tree.
+        case "$src" in *.patch) tree=$PWD src=$(realpath "$src") ;; esac
+        if [ -f "$tree/setup.py" ]; then
             rm -rf "$dir" && mkdir -p "$dir" &&
-                cp -r "$src/setup.py" "$src/csrc" "$src/megatron_nccl_ep" "$src/benchmarks" \
-                    "$src/tests" "$src/pytest.ini" "$dir/"
-            (cd "$dir" && NCCL_EP_BUILD_EXT=1 MAX_JOBS=$JOBS timeout -k 10 "$BUILD_TIMEOUT" \
-                "$PY" setup.py build_ext --inplace -j "$JOBS" >"$dir/build.log" 2>&1) &
+                cp -r "$tree/setup.py" "$tree/csrc" "$tree/megatron_nccl_ep" "$tree/benchmarks" \
+                    "$tree/tests" "$tree/pytest.ini" "$dir/"
+            (cd "$dir" && case "$src" in *.patch) patch -p1 -s <"$src" || exit 1 ;; esac &&
+                NCCL_EP_BUILD_EXT=1 MAX_JOBS=$JOBS timeout -k 10 "$BUILD_TIMEOUT" \
+                "$PY" setup.py build_ext --inplace -j "$JOBS") >"$dir/build.log" 2>&1 &
             BASELINE_PIDS[$i]=$!
         else
             STATUS=1
