@@ -10,7 +10,8 @@
 # TESTS_TIMEOUT (180 s), NODES_TESTS_TIMEOUT (180 s, groups that span nodes, emulated),
 # MEGATRON_TESTS_TIMEOUT (150 s, Megatron's EP overlap on GPUs) and
 # TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s), MICRO_TIMEOUT (90 s per
-# microbenchmark; MICRO_SMS: sm_budget's SM count, 24; MICRO_NCU="combine_library": Nsight
+# microbenchmark; MICRO_SMS: sm_budget's SM count, 24; MICRO_BASELINES=0: not the baselines'
+# sm_budget (each takes ~40 s); MICRO_NCU="combine_library": Nsight
 # Compute's SpeedOfLight, memory, warp-state, scheduler and occupancy sections of the first
 # MICRO_NCU_COUNT (4) launches of sm_budget's kernels matching that regex, into ncu.txt;
 # BENCH_NCU="CombineOp": the same sections plus the source lines with the most warp-stall samples
@@ -325,7 +326,9 @@ if wants micro; then
     start=$SECONDS
     rc=0
     ready=()
-    for i in "${!BASELINES[@]}"; do baseline_ready "$i" && ready+=("$i"); done
+    if [ "${MICRO_BASELINES:-1}" = 1 ]; then
+        for i in "${!BASELINES[@]}"; do baseline_ready "$i" && ready+=("$i"); done
+    fi
     (  # a subshell: a failing step ends this stage, not the script
         # sm_budget includes the library's kernel headers, which include nccl.h: the headers of
         # the nvidia-nccl wheel next to torch (as setup.py finds them), or NCCL_INCLUDE_DIR.
