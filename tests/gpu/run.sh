@@ -138,6 +138,14 @@ if wants build; then
     fi
 fi
 
+# Applies a patch (-p1) to the current directory, with patch(1) or, where the image lacks it, git.
+apply_patch() {
+    if command -v patch >/dev/null; then patch -p1 -s <"$1"
+    elif command -v git >/dev/null; then git apply "$1"
+    else echo "neither patch nor git on this machine: cannot apply $1"; return 1
+    fi
+}
+
 # The A/B baselines (BENCH_BASELINE, one or more trees) build in the background while the other
 # stages run, baseline i in /tmp/baseline_i.
 read -r -a BASELINES <<<"${BENCH_BASELINE:-}"
@@ -152,7 +160,7 @@ if [ ${#BASELINES[@]} -gt 0 ] && (wants bench || wants micro); then
             rm -rf "$dir" && mkdir -p "$dir" &&
                 cp -r "$tree/setup.py" "$tree/csrc" "$tree/megatron_nccl_ep" "$tree/benchmarks" \
                     "$tree/tests" "$tree/pytest.ini" "$dir/"
-            (cd "$dir" && case "$src" in *.patch) patch -p1 -s <"$src" || exit 1 ;; esac &&
+            (cd "$dir" && case "$src" in *.patch) apply_patch "$src" || exit 1 ;; esac &&
                 NCCL_EP_BUILD_EXT=1 MAX_JOBS=$JOBS timeout -k 10 "$BUILD_TIMEOUT" \
                 "$PY" setup.py build_ext --inplace -j "$JOBS") >"$dir/build.log" 2>&1 &
             BASELINE_PIDS[$i]=$!
