@@ -40,8 +40,9 @@
 #include "device.cuh"
 
 // Per-role timers (EP_TRACE builds, device.cuh): each role's leader sums per op the time it
-// waited for peers and the time its warps worked, ops add their items' phases (ItemTimers,
-// device.cuh: the combine's token sums), and CTAs 0 and C - 1 of every rank print one line per op ("EP_TRACE op=...").
+// waited for peers and the time its warps worked, ops add their items' phases (ItemTimers: the
+// combine's token sums), and CTAs 0 and C - 1 of every rank print one line per op
+// ("EP_TRACE op=...").
 
 namespace nccl_ep {
 
@@ -474,7 +475,8 @@ __device__ void run_exchange(const typename Op::Args& a) {
   if (kTrace && threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1)) {
     const double total_ns = (double)(global_timer_ns() - start_ns);
     // Item phases: SM cycles summed over warps: us per warp at this CTA's clock rate.
-    const double us_per_warp_cycle = total_ns / 1e3 / (double)(sm_cycles() - start_cycles) / Op::kWarps;
+    const double us_per_warp_cycle =
+        total_ns / 1e3 / (double)(sm_cycles() - start_cycles) / Op::kWarps;
     const ItemTimers& t = sh.phases;
     printf("EP_TRACE op=%d rank=%d cta=%d rounds=%d/%d send_warps=%d | send wait %.1f work %.1f "
            "| recv local %.1f wait %.1f remote %.1f | total %.1f us | %u items %u segments, per "
