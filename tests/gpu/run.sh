@@ -34,7 +34,7 @@
 # random soak bitwise against the reference (tests/gpu/test_cuda_{faults,stress,soak}.py) into
 # faults.log, under FAULTS_TIMEOUT (480 s); the soak runs SOAK_SECONDS (300), shortened if needed
 # so that the stage ends inside its limit (SOAK_DEADLINE). FAULTS_SELECT adds pytest arguments,
-# e.g. FAULTS_SELECT="-k killed" reruns one test.
+# shell-quoted, e.g. FAULTS_SELECT='-k "node_per_rank or soak"'.
 # pretrain (issue 10; not in the default stages): examples/check_training.py, runs of Megatron's
 # pretrain() through examples/pretrain_gpt_moe.py on every GPU for the checks PRETRAIN_CHECKS
 # (abcde: determinism, alltoall, save/resume, shared-expert overlap, router CUDA graphs; 8 runs of
@@ -392,10 +392,11 @@ if wants faults; then
     # cycles, the soak's calls and mismatches. The soak (last) ends 20 s before SOAK_DEADLINE at
     # the latest, so that slow earlier tests shorten it instead of the stage being killed.
     : >"$OUT/faults.log"
-    # shellcheck disable=SC2086 # FAULTS_SELECT is a list of pytest arguments
+    # FAULTS_SELECT is a list of pytest arguments, shell-quoted (-k "a or b").
+    eval "faults_select=(${FAULTS_SELECT:-})"
     SOAK_DEADLINE=$(($(date +%s) + FAULTS_TIMEOUT - 20)) SOAK_SECONDS=$SOAK_SECONDS \
         run_pytest "faults (fault injection, stress, soak of ${SOAK_SECONDS} s)" \
-        "$FAULTS_TIMEOUT" "$OUT/faults.log" -rfEPxX ${FAULTS_SELECT:-} "${FAULT_TESTS[@]}"
+        "$FAULTS_TIMEOUT" "$OUT/faults.log" -rfEPxX "${faults_select[@]}" "${FAULT_TESTS[@]}"
 fi
 
 if wants pretrain; then
