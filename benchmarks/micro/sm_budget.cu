@@ -6,7 +6,8 @@
 //       benchmarks/micro/sm_budget.cu && /tmp/sm_budget 24        # argument: SMs (CTAs)
 //
 // Variants: expand with 16-byte register stores (expand_v0) or TMA bulk stores from shared memory
-// (expand_tma: warps x segment x stages); combine with 1 or 2 packs per lane of register loads
+// (expand_tma: warps x segment x stages), or a share of the tokens by the copy engines (one
+// cudaMemcpyBatchAsync of their row copies) beside expand_v0 on the SMs; combine with 1 or 2 packs per lane of register loads
 // (combine_reg) or TMA bulk loads into shared memory (combine_tma); the library's token sums
 // (combine_library), also with the engine receiver's per-token code (ENGINE); the hand-written
 // TMA combine without the proxy fence before each refill; split: the same
@@ -24,6 +25,7 @@
 #include <algorithm>
 #include <random>
 #include <cstring>
+#include <chrono>
 
 // The library's own token sums (csrc/kernels/token_sum.cuh), timed outside the exchange engine,
 // and the engine's per-token receiver code (exchange.cuh: dest_mask, collect_rows).
@@ -54,13 +56,15 @@ template <int n> __device__ __forceinline__ void bulk_wait_read() { asm volatile
 template <int n> __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;" :: "n"(n) : "memory"); }
 
 // ---- expand ----
-// V0: registers, one warp per token, 4 x 16B loads in flight per lane, stores to K rows.
+// V0: registers, one warp per token, 4 x 16B loads in flight per lane, stores to K rows; tokens
+// [t_begin, T) (the split with the copy engines gives them the others).
 template <int WARPS>
-__global__ void __launch_bounds__(WARPS * 32) expand_v0(const uint4* x, uint4* out, const int* rr) {
+__global__ void __launch_bounds__(WARPS * 32) expand_v0(const uint4* x, uint4* out, const int* rr,
+                                                        int t_begin = 0) {
   const int lane = threadIdx.x & 31;
   const int warp = blockIdx.x * WARPS + (threadIdx.x >> 5), nw = gridDim.x * WARPS;
   const int units = ROWB / 16;
-  for (int t = warp; t < T; t += nw) {
+  for (int t = t_begin + warp; t < T; t += nw) {
     int rows[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) rows[k] = rr[t * K + k];
@@ -356,6 +360,73 @@ int main(int argc, char** argv) {
     CK(cudaMemset(out2, 0x55, (size_t)N * ROWB)); \
     report("expand_tma w" #W " seg" #S " st" #ST, time_it([&] { k<<<sms, W * 32, smem>>>(x, out2, d_rr); }), exp_bytes); cmp(out, out2, (size_t)N * ROWB, "expand"); }
   EXP_TMA(16, 4096, 2) EXP_TMA(16, 2048, 3) EXP_TMA(8, 4096, 3) EXP_TMA(16, 3584, 3) EXP_TMA(32, 2048, 2) EXP_TMA(8, 7168, 2) EXP_TMA(4, 14336, 2)
+  // The copy engines in the expansion (issue 7, item 2): the rows of tokens [0, n) as one batch of
+  // row copies (cudaMemcpyBatchAsync, preferring to overlap compute) on a second stream, while
+  // expand_v0 on the SM budget writes the other tokens' rows; n = 0: the SMs alone, n = T: the
+  // copy engines alone. Times: GPU (events, from before both to after both) and the host's
+  // batch call.
+  {
+    std::vector<void*> dsts(N);
+    std::vector<const void*> srcs(N);
+    std::vector<size_t> sizes(N, ROWB);
+    for (int i = 0; i < N; ++i) {
+      dsts[i] = out2 + (size_t)rr[i] * ROWB;
+      srcs[i] = x + (size_t)(i / K) * ROWB;
+    }
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    size_t attr_idx = 0;
+    cudaStream_t sm_stream, ce_stream;
+    CK(cudaStreamCreateWithFlags(&sm_stream, cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&ce_stream, cudaStreamNonBlocking));
+    cudaEvent_t start, ce_done, stop;
+    CK(cudaEventCreate(&start)); CK(cudaEventCreate(&ce_done)); CK(cudaEventCreate(&stop));
+    cudaError_t batch_error = cudaSuccess;  // a runtime without batches: the SMs' line only
+    for (int n_ce : {0, T / 8, T / 4, 3 * T / 8, T / 2, T}) {
+      if (n_ce > 0 && batch_error != cudaSuccess) break;
+      double host_us = 0;
+      auto run = [&] {
+        CK(cudaEventRecord(start, sm_stream));
+        CK(cudaStreamWaitEvent(ce_stream, start));
+        if (n_ce > 0 && batch_error == cudaSuccess) {
+          const auto h0 = std::chrono::steady_clock::now();
+          batch_error = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(),
+                                             (size_t)n_ce * K, &attr, &attr_idx, 1, ce_stream);
+          host_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0)
+                        .count();
+          if (batch_error != cudaSuccess) {
+            printf("cudaMemcpyBatchAsync: %s (the copy-engine lines are skipped)\n",
+                   cudaGetErrorString(batch_error));
+            (void)cudaGetLastError();
+          }
+        }
+        CK(cudaEventRecord(ce_done, ce_stream));
+        if (n_ce < T) expand_v0<16><<<sms, 512, 0, sm_stream>>>((const uint4*)x, (uint4*)out2, d_rr, n_ce);
+        CK(cudaStreamWaitEvent(sm_stream, ce_done));
+        CK(cudaEventRecord(stop, sm_stream));
+      };
+      CK(cudaMemset(out2, 0x55, (size_t)N * ROWB));
+      std::vector<float> ts;
+      for (int it = 0; it < 13 && batch_error == cudaSuccess; ++it) {
+        run();
+        CK(cudaEventSynchronize(stop));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, start, stop));
+        if (it >= 3) ts.push_back(ms * 1000);
+      }
+      if (ts.empty()) break;
+      CK(cudaGetLastError());
+      std::sort(ts.begin(), ts.end());
+      char name[96];
+      snprintf(name, sizeof(name), "expand, copy engines %d%% + %d SMs (host %.0f us)",
+               100 * n_ce / T, n_ce < T ? sms : 0, host_us);
+      report(name, ts[ts.size() / 2], exp_bytes);
+      cmp(out, out2, (size_t)N * ROWB, "expand");
+    }
+    CK(cudaEventDestroy(start)); CK(cudaEventDestroy(ce_done)); CK(cudaEventDestroy(stop));
+    CK(cudaStreamDestroy(sm_stream)); CK(cudaStreamDestroy(ce_stream));
+  }
   // combine
   CK(cudaMemset(y, 0x7f, (size_t)T * ROWB));
   report("combine_reg P1", time_it([&] { combine_reg<1><<<sms, 512>>>((const uint4*)eo, (uint4*)y, d_rr); }), comb_bytes);
