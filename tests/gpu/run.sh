@@ -311,6 +311,7 @@ if wants bench; then
         ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
         (
             echo "== ncu ($ncu_bin), one-rank bench, kernels matching '$BENCH_NCU'"
+            [ -n "$ncu_bin" ] || { echo "no ncu on this machine"; exit 1; }
             timeout -k 5 "${BENCH_NCU_TIMEOUT:-150}" "$ncu_bin" --clock-control none \
                 --target-processes all --kernel-name-base demangled -k "regex:$BENCH_NCU" \
                 --launch-count "${BENCH_NCU_COUNT:-2}" --import-source yes \
