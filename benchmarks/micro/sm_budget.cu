@@ -122,6 +122,20 @@ __global__ void hold(const volatile int* flag) {
 }
 
 // ---- combine (own partial: y[t] = round(0 + sum_k rows)) ----
+// The contract's arithmetic on one 16-byte pack of 8 bf16: acc = acc + v element by element, in
+// float32; the sum rounded to nearest even.
+__device__ __forceinline__ void add_pack(float (&acc)[8], const uint4& v) {
+  const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) acc[q] = acc[q] + __bfloat162float(e[q]);
+}
+__device__ __forceinline__ uint4 round_pack(const float (&acc)[8]) {
+  uint4 o;
+  __nv_bfloat16* oe = reinterpret_cast<__nv_bfloat16*>(&o);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) oe[q] = __float2bfloat16_rn(acc[q]);
+  return o;
+}
 template <int P>  // packs per lane in flight
 __global__ void __launch_bounds__(512) combine_reg(const uint4* eo, uint4* y, const int* rr) {
   const int lane = threadIdx.x & 31;
@@ -140,19 +154,10 @@ __global__ void __launch_bounds__(512) combine_reg(const uint4* eo, uint4* y, co
 #pragma unroll
       for (int p = 0; p < P; ++p) {
         if (j0 + 32 * p >= units) continue;
-        float acc[8];
+        float acc[8] = {};
 #pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-          const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v[p][k]);
-#pragma unroll
-          for (int q = 0; q < 8; ++q) acc[q] = acc[q] + __bfloat162float(e[q]);
-        }
-        uint4 o; __nv_bfloat16* oe = reinterpret_cast<__nv_bfloat16*>(&o);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) oe[q] = __float2bfloat16_rn(acc[q]);
-        y[(size_t)t * units + j0 + 32 * p] = o;
+        for (int k = 0; k < K; ++k) add_pack(acc, v[p][k]);
+        y[(size_t)t * units + j0 + 32 * p] = round_pack(acc);
       }
     }
   }
@@ -196,20 +201,10 @@ __global__ void __launch_bounds__(WARPS * 32) combine_tma(const char* eo, char* 
       mbar_wait(&bars[b], ph[b]); ph[b] ^= 1;
       const int off = s * SEG; const int bytes = min(SEG, ROWB - off);
       for (int j = lane; j < bytes / 16; j += 32) {
-        float acc[8];
+        float acc[8] = {};
 #pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-          uint4 v = reinterpret_cast<const uint4*>(buf + (b * K + k) * SEG)[j];
-          const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
-#pragma unroll
-          for (int q = 0; q < 8; ++q) acc[q] = acc[q] + __bfloat162float(e[q]);
-        }
-        uint4 o; __nv_bfloat16* oe = reinterpret_cast<__nv_bfloat16*>(&o);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) oe[q] = __float2bfloat16_rn(acc[q]);
-        reinterpret_cast<uint4*>(y + (size_t)t * ROWB + off)[j] = o;
+        for (int k = 0; k < K; ++k) add_pack(acc, reinterpret_cast<const uint4*>(buf + (b * K + k) * SEG)[j]);
+        reinterpret_cast<uint4*>(y + (size_t)t * ROWB + off)[j] = round_pack(acc);
       }
       __syncwarp();
     }
@@ -291,19 +286,9 @@ __global__ void combine_split_ref(const uint4* eo, uint4* y, const int* rr) {
   for (size_t p = blockIdx.x * (size_t)blockDim.x + threadIdx.x; p < (size_t)T * kSplit * units;
        p += (size_t)gridDim.x * blockDim.x) {
     const int i = (int)(p / units), j = (int)(p % units), t = i / kSplit, h = i % kSplit;
-    float acc[8];
-#pragma unroll
-    for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
-    for (int k = 0; k < kSplitRows; ++k) {
-      const uint4 v = eo[(size_t)rr[t * K + h * kSplitRows + k] * units + j];
-      const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) acc[q] = acc[q] + __bfloat162float(e[q]);
-    }
-    uint4 o; __nv_bfloat16* oe = reinterpret_cast<__nv_bfloat16*>(&o);
-#pragma unroll
-    for (int q = 0; q < 8; ++q) oe[q] = __float2bfloat16_rn(acc[q]);
-    y[p] = o;
+    float acc[8] = {};
+    for (int k = 0; k < kSplitRows; ++k) add_pack(acc, eo[(size_t)rr[t * K + h * kSplitRows + k] * units + j]);
+    y[p] = round_pack(acc);
   }
 }
 

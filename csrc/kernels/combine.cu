@@ -116,7 +116,7 @@ struct CombineOp {
           P* dst = reinterpret_cast<P*>(
               ring_row(e.peers[p], e.win, b, ring_index(e.rank, p, e.num_ranks), js, items.i));
           clock.lap(kPhaseSetup);
-          clock.count(&sh.phases.items);
+          clock.count_item();
           sum_token<T, N, false>({src, n, 0, 0}, ws, dst, packs, e.vec, lane);
           clock.restart();
         }
@@ -145,7 +145,7 @@ struct CombineOp {
       __syncwarp();
       const int own_at = has_own ? __popcll(others & ((1ull << e.rank) - 1ull)) : -1;
       clock.lap(kPhaseSetup);
-      clock.count(&sh.phases.items);
+      clock.count_item();
       sum_token<T, N, true>({src, n_own, __popcll(others), own_at}, ws,
                             reinterpret_cast<P*>(a.y) + (size_t)t * packs, packs, e.vec, lane);
       clock.restart();

@@ -66,8 +66,12 @@ struct PhaseClock {
   __device__ __forceinline__ void restart() {
     if (kTrace && timers != nullptr) last = sm_cycles();
   }
-  __device__ __forceinline__ void count(unsigned* counter) {
-    if (kTrace && timers != nullptr) atomicAdd(counter, 1u);
+  // Counts one item / one segment.
+  __device__ __forceinline__ void count_item() {
+    if (kTrace && timers != nullptr) atomicAdd(&timers->items, 1u);
+  }
+  __device__ __forceinline__ void count_segment() {
+    if (kTrace && timers != nullptr) atomicAdd(&timers->segments, 1u);
   }
 };
 

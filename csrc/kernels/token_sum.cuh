@@ -149,7 +149,7 @@ EP_DEVICE void sum_token(const TokenSum& s, const WarpStaging& ws, Pack<T, N>* d
                             seg, min(seg, packs - g * seg), dst + (size_t)g * seg, lane);
     __syncwarp();  // the buffer is refilled next
     clock.lap(kPhaseWork);
-    if (ws.timers != nullptr) clock.count(&ws.timers->segments);
+    clock.count_segment();
   }
 }
 
