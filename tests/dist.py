@@ -100,6 +100,17 @@ def _load_function(path: str, qualname: str):
     return obj
 
 
+def gpu_of_rank(rank: int, world_size: int) -> int:
+    """Rank r's GPU: GPU r, or r mod the GPU count where the ranks outnumber the GPUs. Ranks that
+    share a GPU are each an emulated host of their own (NCCL_HOSTID, set here before this
+    process's first NCCL call): NCCL refuses two ranks of one host on one GPU, and a test lets ranks
+    share GPUs only for groups of one rank per node (gpu_common.gpus_needed)."""
+    count = torch.cuda.device_count()
+    if world_size > count:
+        os.environ["NCCL_HOSTID"] = f"nccl-ep-emulated-host-{rank}"
+    return rank % count
+
+
 def _join_group(rank: int, world_size: int, backend: str, init_file: str, sys_path: list,
                 gpus: bool, pg_timeout: float) -> None:
     """A spawned rank's setup: the parent's import path and GPU environment, one intra-op thread
@@ -111,7 +122,7 @@ def _join_group(rank: int, world_size: int, backend: str, init_file: str, sys_pa
     os.environ.update(GPU_ENV)
     torch.set_num_threads(1)
     if gpus:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(gpu_of_rank(rank, world_size))
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout))
 

@@ -27,3 +27,11 @@ def test_each_kernel_block_ranks_its_lines_by_samples():
 
 def test_a_page_without_sampling_gives_nothing():
     assert ncu_hot_lines.hot_lines([["#", "Source"], ["1", "a = 0;"]], top=5) == []
+
+
+def test_without_sampling_the_lines_rank_by_instructions_executed():
+    rows = [["#", "Source", "Instructions Executed"], ["4", "x += y;", "300"], ["5", "z = 0;", "100"]]
+    assert ncu_hot_lines.hot_lines(rows, top=1) == [
+        "-- 400 instructions executed; top 1 lines",
+        " 75.00%  line     4  x += y;",
+    ]

@@ -115,9 +115,17 @@ __global__ void __launch_bounds__(WARPS * 32) expand_tma(const char* x, char* ou
   bulk_wait<0>();
 }
 
-// Holds its stream until the host writes 1 to the host-mapped *flag.
-__global__ void hold(const volatile int* flag) {
+// Holds its stream until the host writes 1 to the host-mapped *flag, for 2 s at most (then
+// *timed_out = 1): a host call that waits for the held stream cannot hang the micro.
+__global__ void hold(const volatile int* flag, int* timed_out) {
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
   while (*flag == 0) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > 2000000000ull) {
+      *timed_out = 1;
+      return;
+    }
   }
 }
 
@@ -212,7 +220,7 @@ __global__ void __launch_bounds__(WARPS * 32) combine_tma(const char* eo, char* 
 }
 
 // The engine's sum_token on the same work: per token a source list of its K rows, then the
-// library's staging (bulk copies into 2 x 8 KiB per warp). CTA b takes the engine's contiguous
+// library's staging (token_sum.cuh: 2 x 6 KiB per warp). CTA b takes the engine's contiguous
 // token range; FINAL: the receivers' stage-2 path (own partial rounded, then the chain). ENGINE:
 // the token's rows found as the engine's combine finds them at EP=1 (combine.cu: the row map's
 // and the routing's loads, the destination mask, compact_rows: ballots, shared memory) instead
@@ -225,11 +233,7 @@ __global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
   __shared__ int rows_sh[kCombineWarps][kMaxTopk], slots_sh[kCombineWarps][kMaxTopk];
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   const WarpStaging ws = warp_staging();
-  if (lane == 0) {
-    for (int i = 0; i < kStages; ++i) nccl_ep::mbar_init(&ws.bar[i]);
-    *ws.phase = 0;
-  }
-  __syncwarp();
+  init_warp_staging(ws, lane);
   const int t1 = (int)((long long)T * (blockIdx.x + 1) / gridDim.x);
   for (int t = (int)((long long)T * blockIdx.x / gridDim.x) + wid; t < t1; t += kCombineWarps) {
     int n = K;
@@ -261,11 +265,7 @@ __global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
   using P = Pack<__nv_bfloat16, 8>;
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   const WarpStaging ws = warp_staging();
-  if (lane == 0) {
-    for (int i = 0; i < kStages; ++i) nccl_ep::mbar_init(&ws.bar[i]);
-    *ws.phase = 0;
-  }
-  __syncwarp();
+  init_warp_staging(ws, lane);
   constexpr int items = T * kSplit;
   const int i1 = (int)((long long)items * (blockIdx.x + 1) / gridDim.x);
   for (int i = (int)((long long)items * blockIdx.x / gridDim.x) + wid; i < i1; i += kCombineWarps) {
@@ -314,6 +314,7 @@ float time_it(F f, int iters = 20) {
 }
 
 int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);  // line by line: a run cut off by a timeout keeps its lines
   const int sms = argc > 1 ? atoi(argv[1]) : 24;
   std::mt19937 rng(1234);
   std::vector<int> topk(T * K);
@@ -351,84 +352,6 @@ int main(int argc, char** argv) {
     CK(cudaMemset(out2, 0x55, (size_t)N * ROWB)); \
     report("expand_tma w" #W " seg" #S " st" #ST, time_it([&] { k<<<sms, W * 32, smem>>>(x, out2, d_rr); }), exp_bytes); cmp(out, out2, (size_t)N * ROWB, "expand"); }
   EXP_TMA(16, 4096, 2) EXP_TMA(16, 2048, 3) EXP_TMA(8, 4096, 3) EXP_TMA(16, 3584, 3) EXP_TMA(32, 2048, 2) EXP_TMA(8, 7168, 2) EXP_TMA(4, 14336, 2)
-  // The copy engines in the expansion (issue 7, item 2): the rows of tokens [0, n) as one batch of
-  // row copies (cudaMemcpyBatchAsync, preferring to overlap compute) on a second stream, while
-  // expand_v0 on the SM budget writes the other tokens' rows; n = 0: the SMs alone, n = T: the
-  // copy engines alone. Times: GPU (events, from before both to after both) and the host's
-  // batch call.
-  {
-    std::vector<void*> dsts(N);
-    std::vector<const void*> srcs(N);
-    std::vector<size_t> sizes(N, ROWB);
-    for (int i = 0; i < N; ++i) {
-      dsts[i] = out2 + (size_t)rr[i] * ROWB;
-      srcs[i] = x + (size_t)(i / K) * ROWB;
-    }
-    cudaMemcpyAttributes attr{};
-    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-    size_t attr_idx = 0;
-    cudaStream_t sm_stream, ce_stream;
-    CK(cudaStreamCreateWithFlags(&sm_stream, cudaStreamNonBlocking));
-    CK(cudaStreamCreateWithFlags(&ce_stream, cudaStreamNonBlocking));
-    cudaEvent_t start, ce_done, stop;
-    CK(cudaEventCreate(&start)); CK(cudaEventCreate(&ce_done)); CK(cudaEventCreate(&stop));
-    int* gate;  // host-mapped: the spin kernel `hold` waits for the host's 1
-    int* d_gate;
-    CK(cudaHostAlloc(&gate, sizeof(int), cudaHostAllocMapped));
-    CK(cudaHostGetDevicePointer(&d_gate, gate, 0));
-    cudaError_t batch_error = cudaSuccess;  // a runtime without batches: the SMs' line only
-    for (int n_ce : {0, T / 8, T / 4, 3 * T / 8, T / 2, T}) {
-      if (n_ce > 0 && batch_error != cudaSuccess) break;
-      double host_us = 0;
-      // The SM stream is held by a spin kernel until everything is enqueued, so that neither the
-      // host's batch call nor the launch after it is timed as GPU time.
-      auto run = [&] {
-        *gate = 0;
-        hold<<<1, 1, 0, sm_stream>>>(d_gate);
-        CK(cudaEventRecord(start, sm_stream));
-        CK(cudaStreamWaitEvent(ce_stream, start));
-        if (n_ce > 0 && batch_error == cudaSuccess) {
-          const auto h0 = std::chrono::steady_clock::now();
-          batch_error = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(),
-                                             (size_t)n_ce * K, &attr, &attr_idx, 1, ce_stream);
-          host_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0)
-                        .count();
-          if (batch_error != cudaSuccess) {
-            printf("cudaMemcpyBatchAsync: %s (the copy-engine lines are skipped)\n",
-                   cudaGetErrorString(batch_error));
-            (void)cudaGetLastError();
-          }
-        }
-        CK(cudaEventRecord(ce_done, ce_stream));
-        if (n_ce < T) expand_v0<16><<<sms, 512, 0, sm_stream>>>((const uint4*)x, (uint4*)out2, d_rr, n_ce);
-        CK(cudaStreamWaitEvent(sm_stream, ce_done));
-        CK(cudaEventRecord(stop, sm_stream));
-        __atomic_store_n(gate, 1, __ATOMIC_RELEASE);  // all enqueued: go
-      };
-      CK(cudaMemsetAsync(out2, 0x55, (size_t)N * ROWB, sm_stream));
-      CK(cudaStreamSynchronize(sm_stream));
-      std::vector<float> ts;
-      for (int it = 0; it < 13 && batch_error == cudaSuccess; ++it) {
-        run();
-        CK(cudaEventSynchronize(stop));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, start, stop));
-        if (it >= 3) ts.push_back(ms * 1000);
-      }
-      if (ts.empty()) break;
-      CK(cudaGetLastError());
-      std::sort(ts.begin(), ts.end());
-      char name[96];
-      snprintf(name, sizeof(name), "expand, copy engines %d%% + %d SMs (host %.0f us)",
-               100 * n_ce / T, n_ce < T ? sms : 0, host_us);
-      report(name, ts[ts.size() / 2], exp_bytes);
-      cmp(out, out2, (size_t)N * ROWB, "expand");
-    }
-    CK(cudaEventDestroy(start)); CK(cudaEventDestroy(ce_done)); CK(cudaEventDestroy(stop));
-    CK(cudaStreamDestroy(sm_stream)); CK(cudaStreamDestroy(ce_stream));
-    CK(cudaFreeHost(gate));
-  }
   // combine
   CK(cudaMemset(y, 0x7f, (size_t)T * ROWB));
   report("combine_reg P1", time_it([&] { combine_reg<1><<<sms, 512>>>((const uint4*)eo, (uint4*)y, d_rr); }), comb_bytes);
@@ -469,6 +392,95 @@ int main(int argc, char** argv) {
     CK(cudaFree(ys)); CK(cudaFree(ys_ref)); }
   COMB_LIB(true, false, "combine_library (token_sum.cuh)")
   COMB_LIB(false, true, "combine, engine's per-token code") COMB_LIB(true, true, "combine, engine's per-token code")
+  // The copy engines in the expansion (issue 7, item 2): the rows of tokens [0, n) as one batch of
+  // row copies (cudaMemcpyBatchAsync, preferring to overlap compute) on a second stream, while
+  // expand_v0 on the SM budget writes the other tokens' rows; n = 0: the SMs alone, n = T: the
+  // copy engines alone. Times: GPU (events, from before both to after both) and the host's
+  // batch call.
+  {
+    std::vector<void*> dsts(N);
+    std::vector<const void*> srcs(N);
+    std::vector<size_t> sizes(N, ROWB);
+    for (int i = 0; i < N; ++i) {
+      dsts[i] = out2 + (size_t)rr[i] * ROWB;
+      srcs[i] = x + (size_t)(i / K) * ROWB;
+    }
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    size_t attr_idx = 0;
+    cudaStream_t sm_stream, ce_stream;
+    CK(cudaStreamCreateWithFlags(&sm_stream, cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&ce_stream, cudaStreamNonBlocking));
+    cudaEvent_t start, ce_done, stop;
+    CK(cudaEventCreate(&start)); CK(cudaEventCreate(&ce_done)); CK(cudaEventCreate(&stop));
+    int* gate;  // host-mapped: the spin kernel `hold` waits for the host's 1
+    int* d_gate;
+    int* held_too_long;  // host-mapped: `hold` gave up (an enqueue waited for the held stream)
+    int* d_held_too_long;
+    CK(cudaHostAlloc(&gate, sizeof(int), cudaHostAllocMapped));
+    CK(cudaHostGetDevicePointer(&d_gate, gate, 0));
+    CK(cudaHostAlloc(&held_too_long, sizeof(int), cudaHostAllocMapped));
+    CK(cudaHostGetDevicePointer(&d_held_too_long, held_too_long, 0));
+    *held_too_long = 0;
+    cudaError_t batch_error = cudaSuccess;  // a runtime without batches: the SMs' line only
+    for (int n_ce : {0, T / 8, T / 4, 3 * T / 8, T / 2, T}) {
+      if (n_ce > 0 && batch_error != cudaSuccess) break;
+      double host_us = 0;
+      // The SM stream is held by a spin kernel until everything is enqueued, so that neither the
+      // host's batch call nor the launch after it is timed as GPU time.
+      auto run = [&] {
+        *gate = 0;
+        hold<<<1, 1, 0, sm_stream>>>(d_gate, d_held_too_long);
+        CK(cudaEventRecord(start, sm_stream));
+        CK(cudaStreamWaitEvent(ce_stream, start));
+        if (n_ce > 0 && batch_error == cudaSuccess) {
+          const auto h0 = std::chrono::steady_clock::now();
+          batch_error = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(),
+                                             (size_t)n_ce * K, &attr, &attr_idx, 1, ce_stream);
+          host_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0)
+                        .count();
+          if (batch_error != cudaSuccess) {
+            printf("cudaMemcpyBatchAsync: %s (the copy-engine lines are skipped)\n",
+                   cudaGetErrorString(batch_error));
+            (void)cudaGetLastError();
+          }
+        }
+        CK(cudaEventRecord(ce_done, ce_stream));
+        if (n_ce < T) expand_v0<16><<<sms, 512, 0, sm_stream>>>((const uint4*)x, (uint4*)out2, d_rr, n_ce);
+        CK(cudaStreamWaitEvent(sm_stream, ce_done));
+        CK(cudaEventRecord(stop, sm_stream));
+        __atomic_store_n(gate, 1, __ATOMIC_RELEASE);  // all enqueued: go
+      };
+      CK(cudaMemsetAsync(out2, 0x55, (size_t)N * ROWB, sm_stream));
+      CK(cudaStreamSynchronize(sm_stream));
+      std::vector<float> ts;
+      for (int it = 0; it < 13 && batch_error == cudaSuccess; ++it) {
+        run();
+        CK(cudaEventSynchronize(stop));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, start, stop));
+        if (it >= 3) ts.push_back(ms * 1000);
+      }
+      if (*held_too_long) {
+        printf("expand, copy engines %d%%: an enqueue waited for the held SM stream (2 s); "
+               "the copy-engine lines are skipped\n", 100 * n_ce / T);
+        break;
+      }
+      if (ts.empty()) break;
+      CK(cudaGetLastError());
+      std::sort(ts.begin(), ts.end());
+      char name[96];
+      snprintf(name, sizeof(name), "expand, copy engines %d%% + %d SMs (host %.0f us)",
+               100 * n_ce / T, n_ce < T ? sms : 0, host_us);
+      report(name, ts[ts.size() / 2], exp_bytes);
+      cmp(out, out2, (size_t)N * ROWB, "expand");
+    }
+    CK(cudaEventDestroy(start)); CK(cudaEventDestroy(ce_done)); CK(cudaEventDestroy(stop));
+    CK(cudaStreamDestroy(sm_stream)); CK(cudaStreamDestroy(ce_stream));
+    CK(cudaFreeHost(gate));
+    CK(cudaFreeHost(held_too_long));
+  }
   CK(cudaDeviceSynchronize());
   printf("done\n");
   return 0;

@@ -52,6 +52,8 @@ struct PackArgs {
   // Per-handle scratch the layout expects reset, reset here (no memset launches):
   unsigned long long* err_key;  // = ~0
   int* hist;              // [num_experts] = 0
+  int* cnt;               // [cnt_len] = 0 (the layout's per (source, local expert) counts)
+  int cnt_len;
   ErrorInfo* meta_err;    // = 0
   // Groups that span nodes: the record's `stopped` word from this rank's state (nullptr: 0).
   const DeviceState* state;

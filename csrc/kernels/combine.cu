@@ -80,13 +80,7 @@ struct CombineOp {
   // Host and device: the launch reads the channel count through it.
   static __host__ __device__ const ExchangeArgs& ex(const Args& a) { return a.ex; }
 
-  static __device__ void warp_setup(int lane) {
-    const WarpStaging ws = warp_staging();
-    if (lane == 0) {
-      for (int i = 0; i < kStages; ++i) mbar_init(&ws.bar[i]);
-      *ws.phase = 0;
-    }
-  }
+  static __device__ void warp_setup(int lane) { init_warp_staging(warp_staging(), lane); }
 
   // Round r of the combine on every warp: stage 1 for the peers' tokens of chunk js (their
   // partials go to the owner's ring), stage 2 for this rank's tokens of chunk jr (every peer's

@@ -7,14 +7,14 @@
  *             written into every rank's window (the routing exchange) and into the handle; or
  *             own routing map [T, E] (bool) -> the same record, one warp per token (a ballot and
  *             a prefix count over each 32 experts give the ascending slots). Also resets the
- *             layout's scratch (error key, histogram, error word): no memset launches.
+ *             layout's scratch (error key, histogram, counts, error word): no memset launches.
  *   (barrier) every rank's record is in every window (handle.cc)
  *   validate  one thread per (s, t): expert id in [-1, E), no duplicate expert in a token; the
  *             first error (by rank, then range-before-duplicate, then token, then slot/expert,
  *             matching the reference's choice) is kept as an atomicMin'd 64-bit key; also the
- *             per-expert histogram of all ranks' slots (a count: order does not matter), and
- *             recv_row[s][t][*] = -1 (the scatter fills the rows here)
- *   count     one block per (local expert l, source s): cnt[s][l] = tokens of s routed to l
+ *             per-expert histogram of all ranks' slots and cnt[s][l] = tokens of s routed to
+ *             local expert l (counts: order does not matter), and recv_row[s][t][*] = -1 (the
+ *             scatter fills the rows here)
  *   bases     one block: error decode (one thread), a scan over local experts for the aligned
  *             expert blocks, tokens_per_expert, off[s][l], N_d, src_of_row = -1 on padding
  *             rows, the capacity check
@@ -23,7 +23,7 @@
  * NOTES:
  *  - Row of slot (s, t, k) with local expert l: off[s][l] + #{t' < t : token t' of s routes to l}.
  *    off[s][l] = base[l] + sum_{s' < s} cnt[s'][l]; base[l] = sum_{l' < l} align(total[l']).
- *    Only scans decide rows; atomics are used for the error key and the histogram alone.
+ *    Only scans decide rows; atomics are used for the error key and the counts alone.
  *  - Capacity mode: every rank checks the receive count of every rank (from the histogram), so
  *    an overflow anywhere is reported by all ranks, with the first overflowing rank's numbers.
  *  - A token names an expert at most once (validated), so one (s, t) gives at most one row per l;
@@ -75,6 +75,7 @@ __device__ __forceinline__ void pack_header(const PackArgs& a) {
     memset(a.meta_err, 0, sizeof(ErrorInfo));
   }
   for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) a.hist[e] = 0;
+  for (int i = threadIdx.x; i < a.cnt_len; i += blockDim.x) a.cnt[i] = 0;
 }
 
 template <typename IdxT>
@@ -181,12 +182,20 @@ __global__ void validate_kernel(LayoutArgs a) {
   const int ks = clamp_topk(rec, a.max_topk);
   const int* row = rec + kRecordHeader + (size_t)t * ks;
   unsigned long long key = ~0ull;
+  const int first_local = a.rank * a.num_local;
   for (int k = 0; k < ks; ++k) {
     const int v = row[k];
     if (v < -1 || v >= a.num_experts) {
       if (key == ~0ull) key = error_key(s, 0, t, k);
-    } else if (v >= 0 && a.capacity >= 0) {
-      atomicAdd(&a.hist[v], 1);
+      continue;
+    }
+    if (v >= 0 && a.capacity >= 0) atomicAdd(&a.hist[v], 1);
+    // cnt[s][l]: tokens of s routed to local expert l, a token once (its first slot naming l).
+    // Only records of the handle's top-k, as the scatter reads them (another top-k is an error).
+    if (rec[1] == a.topk && v >= first_local && v < first_local + a.num_local) {
+      bool first = true;
+      for (int j = 0; j < k; ++j) first &= row[j] != v;
+      if (first) atomicAdd(&a.cnt[s * a.num_local + (v - first_local)], 1);
     }
   }
   if (key == ~0ull) {
@@ -197,24 +206,6 @@ __global__ void validate_kernel(LayoutArgs a) {
     if (dup != 0x7fffffff) key = error_key(s, 1, t, dup);
   }
   if (key != ~0ull) atomicMin(a.err_key, key);
-}
-
-__global__ void __launch_bounds__(kLayoutThreads) count_kernel(LayoutArgs a) {
-  const int l = blockIdx.x, s = blockIdx.y;
-  const int* rec = a.gathered + (size_t)s * a.rec_ints;
-  const int ts = record_tokens(rec, a.max_tokens, a.max_topk);
-  const int e = a.rank * a.num_local + l;
-  int c = 0;
-  for (int t = threadIdx.x; t < ts; t += blockDim.x) {
-    const int* row = rec + kRecordHeader + (size_t)t * a.topk;
-    bool hit = false;
-    for (int k = 0; k < a.topk; ++k) hit |= row[k] == e;
-    c += hit;
-  }
-  using Reduce = cub::BlockReduce<int, kLayoutThreads>;
-  __shared__ typename Reduce::TempStorage tmp;
-  const int total = Reduce(tmp).Sum(c);
-  if (threadIdx.x == 0) a.cnt[s * a.num_local + l] = total;
 }
 
 __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
@@ -320,7 +311,8 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
 __global__ void __launch_bounds__(kLayoutThreads) scatter_kernel(LayoutArgs a) {
   const int l = blockIdx.x, s = blockIdx.y;
   const int* rec = a.gathered + (size_t)s * a.rec_ints;
-  const int ts = record_tokens(rec, a.max_tokens, a.max_topk);
+  // A record of another top-k (an error) gets no rows, as validate counts none of it.
+  const int ts = rec[1] == a.topk ? record_tokens(rec, a.max_tokens, a.max_topk) : 0;
   const int e = a.rank * a.num_local + l;
   using Scan = cub::BlockScan<int, kLayoutThreads>;
   __shared__ typename Scan::TempStorage tmp;
@@ -354,7 +346,6 @@ cudaError_t preload_layout() {
       reinterpret_cast<const void*>(pack_map_kernel),
       reinterpret_cast<const void*>(copy_topk_kernel),
       reinterpret_cast<const void*>(validate_kernel),
-      reinterpret_cast<const void*>(count_kernel),
       reinterpret_cast<const void*>(bases_kernel),
       reinterpret_cast<const void*>(scatter_kernel)};
   for (const void* k : kernels) {
@@ -366,12 +357,11 @@ cudaError_t preload_layout() {
 
 cudaError_t launch_layout(const LayoutArgs& a, cudaStream_t stream) {
   const long long tokens = (long long)a.num_ranks * a.max_tokens;
-  if (tokens > 0) {  // (validate also initializes recv_row: it must run first)
+  if (tokens > 0) {  // (validate also initializes recv_row and counts: it must run first)
     validate_kernel<<<(int)((tokens + kLayoutThreads - 1) / kLayoutThreads), kLayoutThreads, 0,
                       stream>>>(a);
   }
   const dim3 grid(a.num_local, a.num_ranks);
-  count_kernel<<<grid, kLayoutThreads, 0, stream>>>(a);
   bases_kernel<<<1, kLayoutThreads, 0, stream>>>(a);
   scatter_kernel<<<grid, kLayoutThreads, 0, stream>>>(a);
   return cudaGetLastError();

@@ -58,6 +58,15 @@ EP_DEVICE WarpStaging warp_staging() {
   return {sources[w], staging + (size_t)w * kStages * kStageBytes, bars[w], &phases[w], nullptr};
 }
 
+// Once per warp before its first token sum (lane 0 initializes, the warp waits).
+EP_DEVICE void init_warp_staging(const WarpStaging& ws, int lane) {
+  if (lane == 0) {
+    for (int i = 0; i < kStages; ++i) mbar_init(&ws.bar[i]);
+    *ws.phase = 0;
+  }
+  __syncwarp();
+}
+
 // Packs [first, first + count) of every source into buffer `stage`, source i at i * seg packs: by
 // bulk copies (16-byte path; lane 0 issues, the barrier counts the bytes), else by the lanes.
 template <typename P>

@@ -132,6 +132,8 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   p.own_routing = s->own_routing.ptr;
   p.err_key = s->err_key.ptr;
   p.hist = s->hist.ptr;
+  p.cnt = s->cnt.ptr;
+  p.cnt_len = R * g->num_local;
   p.meta_err = &s->meta.ptr->err;
   p.state = one_node ? nullptr : g->d_state;  // one node: its barrier carries errors
   p.err = g->d_err;

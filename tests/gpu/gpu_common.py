@@ -32,12 +32,35 @@ def this_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def world_sizes():
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpus_needed(world_size: int, ranks_per_node: int = 0) -> int:
+    """GPUs a case of ``world_size`` ranks needs: one a rank, except for groups of one rank per
+    node (``ranks_per_node`` 1), whose ranks may share a GPU two by two as emulated hosts
+    (tests/dist.py gpu_of_rank): such a group's traffic goes through NCCL, never between GPUs of a
+    node, so a one-GPU machine still runs its 2-rank cases (time-sliced, slower, same results)."""
+    return -(-world_size // 2) if ranks_per_node == 1 else world_size
+
+
+def skip_without_gpus(world_size: int, ranks_per_node: int = 0) -> None:
+    """Skips (with the reason) a case that needs more GPUs than the machine has."""
+    need, count = gpus_needed(world_size, ranks_per_node), gpu_count()
+    if count < need:
+        pytest.skip(f"{world_size}-rank GPU case (ranks per node {ranks_per_node or 'all'}) "
+                    f"needs {need} CUDA devices, found {count}")
+
+
+def world_sizes(nodes_of_one: bool = False):
     """1 rank (one GPU: the kernels without a peer), 2 ranks, and 4 (2 ranks is a degenerate
-    all-to-all), each where enough GPUs exist: one rank a GPU."""
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    all-to-all), each where enough GPUs exist: one rank a GPU, or with ``nodes_of_one`` two ranks
+    a GPU (a test that also runs other node sizes calls skip_without_gpus for those)."""
+    count = gpu_count()
     return [pytest.param(n, marks=pytest.mark.skipif(
-        count < n, reason=f"{n}-rank GPU cases need {n} CUDA devices, found {count}"))
+        count < gpus_needed(n, 1 if nodes_of_one else 0),
+        reason=f"{n}-rank GPU cases need {gpus_needed(n, 1 if nodes_of_one else 0)} CUDA devices, "
+               f"found {count}"))
         for n in (1, 2, 4)]
 
 

@@ -1,5 +1,6 @@
 """The hottest source lines of an Nsight Compute source page (``ncu --import R --page source
---csv --print-source cuda``): the lines with the most warp-stall samples, with their share.
+--csv --print-source cuda``): the lines with the most warp-stall samples, with their share, or,
+where the page has no sampling column, the lines that executed the most instructions.
 
     python tests/gpu/ncu_hot_lines.py source.csv [lines]
 
@@ -15,26 +16,39 @@ def _number(text: str) -> float:
         return 0.0
 
 
+# The columns a line is ranked by, in order of preference: (name part, what it counts).
+RANKINGS = (("Sampling (All", "warp-stall samples"), ("Instructions Executed", "instructions executed"))
+
+
+def _ranking(row: list):
+    """(column index, what it counts) of the first RANKINGS column this header row holds."""
+    for part, what in RANKINGS:
+        for i, cell in enumerate(row):
+            if part in cell:
+                return i, what
+    return None
+
+
 def hot_lines(rows: list, top: int) -> list:
-    """Printable lines: for every header row naming a stall-sampling column, the top rows below
-    it (until the next header) by that column."""
+    """Printable lines: for every header row naming a ranking column, the top rows below it
+    (until the next header) by that column."""
     out, header, block = [], None, []
 
     def flush():
         if header is None or not block:
             return
-        samples = next(i for i, name in enumerate(header) if "Sampling (All" in name)
-        total = sum(_number(r[samples]) for r in block if len(r) > samples) or 1.0
+        column, what = _ranking(header)
+        total = sum(_number(r[column]) for r in block if len(r) > column) or 1.0
         source = next((i for i, name in enumerate(header) if name.strip() == "Source"), -1)
         line = next((i for i, name in enumerate(header) if name.strip() in ("#", "Line")), 0)
-        ranked = sorted((r for r in block if len(r) > samples), key=lambda r: -_number(r[samples]))
-        out.append(f"-- {total:.0f} warp-stall samples; top {min(top, len(ranked))} lines")
+        ranked = sorted((r for r in block if len(r) > column), key=lambda r: -_number(r[column]))
+        out.append(f"-- {total:.0f} {what}; top {min(top, len(ranked))} lines")
         for r in ranked[:top]:
             text = r[source].strip() if source >= 0 else ""
-            out.append(f"{100 * _number(r[samples]) / total:6.2f}%  line {r[line]:>5}  {text[:110]}")
+            out.append(f"{100 * _number(r[column]) / total:6.2f}%  line {r[line]:>5}  {text[:110]}")
 
     for row in rows:
-        if any("Sampling (All" in cell for cell in row):
+        if _ranking(row) is not None:
             flush()
             header, block = row, []
         elif header is not None:
@@ -48,7 +62,12 @@ def main() -> None:
     with open(sys.argv[1], newline="") as f:
         rows = list(csv.reader(f))
     lines = hot_lines(rows, top)
-    print("\n".join(lines) if lines else "no warp-stall sampling column in the source page")
+    if lines:
+        print("\n".join(lines))
+    else:  # say what the page holds instead, so that the next run can ask for the right thing
+        print("no sampling or instruction column in the source page; its first rows:")
+        for row in rows[:3]:
+            print(" | ".join(row)[:400])
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ rank's outcome and its time to error.
   victim's running kernel may outlive its process), destroy the group and exit with code 0.
 - Both also with ranks_per_node=1 (every rank a node of its own: the rail's NCCL send/receive
   and the routing all-gather carry the ops): the watchdog of csrc/runtime/watchdog.cc must turn the
-  NCCL wait into the same error within the timeout.
+  NCCL wait into the same error within the timeout. These also run with two ranks on one GPU
+  (each an emulated host: gpu_common.gpus_needed).
 - The existing local-team versions (tests/gpu/test_cuda_local_team.py) run every rank in one
   process; these run one process per GPU, as training does.
 """
@@ -36,7 +37,7 @@ import dist
 import ep_cases
 import thread_cases
 from ep_cases import group_pair, rank_inputs, recv_rows_bound
-from gpu_common import requires_gpus, this_device, world_sizes
+from gpu_common import requires_gpus, skip_without_gpus, this_device, world_sizes
 
 pytestmark = requires_gpus
 
@@ -141,12 +142,13 @@ def check_never_calls(op: str, recv_mode: str, seed: int, ranks_per_node: int) -
     return out
 
 
-@pytest.mark.parametrize("world_size", world_sizes()[1:])
+@pytest.mark.parametrize("world_size", world_sizes(nodes_of_one=True)[1:])
 @NODES
 @pytest.mark.parametrize("recv_mode", ["exact", "capacity"])
 @pytest.mark.parametrize("op", ROUND[:3])
 def test_rank_that_never_calls_makes_the_others_raise(op, recv_mode, ranks_per_node, world_size,
                                                       seed, summary_line):
+    skip_without_gpus(world_size, ranks_per_node)
     per_rank = dist.run(world_size, check_never_calls, op, recv_mode, seed, ranks_per_node,
                         backend="nccl", timeout=60)
     silent = world_size - 1
@@ -264,11 +266,12 @@ def killed_mid_op(point: str, seed: int, ranks_per_node: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world_size", world_sizes()[1:])
+@pytest.mark.parametrize("world_size", world_sizes(nodes_of_one=True)[1:])
 @NODES
 @pytest.mark.parametrize("point", list(KILL_POINTS))
 def test_rank_killed_mid_op_makes_the_others_raise(point, ranks_per_node, world_size, seed,
                                                    summary_line):
+    skip_without_gpus(world_size, ranks_per_node)
     recv_mode, op = KILL_POINTS[point]
     runs = dist.run_isolated(world_size, killed_mid_op, point, seed, ranks_per_node, gpus=True,
                              timeout=45.0)

@@ -21,12 +21,12 @@ import dist
 import ep_cases
 import megatron_nccl_ep as ep
 from ep_cases import rank_inputs, tokens_of
-from gpu_common import poison_allocator, requires_gpus
+from gpu_common import gpu_count, gpus_needed, poison_allocator, requires_gpus
 from test_cuda_parity import check_parity, resolve
 
 pytestmark = requires_gpus
 
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+GPUS = gpu_count()
 
 # Exact and capacity mode, uneven token counts, a rank with 0 tokens, every token to one expert
 # (one_expert: so one node's tokens all go to the other node), masked slots, rows that are not a
@@ -38,9 +38,11 @@ NODE_CASES = ["bench_shape_4096x7168_top8_e256", "t16384_e64_top2_capacity",
 
 
 def world_and_nodes():
-    """(world, G) pairs: 2 ranks as 2 nodes of 1; 4 ranks as 2 nodes of 2 and 4 nodes of 1."""
+    """(world, G) pairs: 2 ranks as 2 nodes of 1; 4 ranks as 2 nodes of 2 and 4 nodes of 1 (nodes
+    of one rank may share GPUs: gpus_needed)."""
     return [pytest.param(w, g, marks=pytest.mark.skipif(
-        GPUS < w, reason=f"{w}-rank GPU cases need {w} CUDA devices, found {GPUS}"))
+        GPUS < gpus_needed(w, g),
+        reason=f"{w}-rank GPU cases of G={g} need {gpus_needed(w, g)} CUDA devices, found {GPUS}"))
         for w, g in ((2, 1), (4, 2), (4, 1))]
 
 
@@ -116,7 +118,8 @@ def hostid_rank(case_name: str, seed: int) -> str:
     return check_hostid(case_name, seed)
 
 
-@pytest.mark.skipif(GPUS < 2, reason=f"2 emulated hosts need 2 CUDA devices, found {GPUS}")
+@pytest.mark.skipif(GPUS < gpus_needed(2, 1),
+                    reason=f"2 emulated hosts need {gpus_needed(2, 1)} CUDA device(s), found {GPUS}")
 @pytest.mark.parametrize("case_name", ["t4096_e64_fp16_masked_align16",
                                        "zero_token_rank_one_expert_top8",
                                        "one_expert_capacity_align16_h7168"])
