@@ -29,9 +29,8 @@
  *    once per remote node over NCCL send/receive on a rail communicator (the ranks of the same
  *    index in every node) and fan out over NVLink inside the node; combine sums node by node
  *    (docs/design.md section 4). Those rail transfers and the routing all-gather are NCCL's:
- *    a watchdog thread of the group stops its communicators (ncclCommRevoke, or ncclCommAbort
- *    before NCCL 2.28.7) when one has not finished timeout_ms after it started on the GPU, and
- *    every later call returns that error. One such NCCL step is in flight per group: a call
+ *    a watchdog thread of the group aborts its communicators (ncclCommAbort) when one has not
+ *    finished timeout_ms after it started on the GPU, and every later call returns that error. One such NCCL step is in flight per group: a call
  *    waits on the host for the previous one; these calls refuse a capturing stream. A
  *    device-side error stops the node's ranks only; the other nodes learn it at the next handle
  *    creation.

@@ -30,8 +30,8 @@ namespace {
 
 void destroy_group_state(ncclEpGroup* g) {
   if (g == nullptr) return;
-  // The watchdog's thread first: it may stop the communicators below.
-  const bool stopped = g->watchdog != nullptr && g->watchdog->shutdown();
+  // The watchdog's thread first: it may abort (and free) the communicators below.
+  if (g->watchdog != nullptr) g->watchdog->shutdown();
   g->watchdog.reset();
   {
     std::lock_guard<std::mutex> lock(g->mu);
@@ -41,8 +41,8 @@ void destroy_group_state(ncclEpGroup* g) {
   }
   close_window(g);
   if (g->node_comm != nullptr && g->node_comm != g->comm) ncclCommDestroy(g->node_comm);
-  destroy_step_comm(g->rail_comm, stopped);
-  destroy_step_comm(g->op_comm, stopped);
+  for (ncclComm_t c : {g->rail_comm, g->op_comm})  // null once the watchdog aborted them
+    if (c != nullptr) ncclCommDestroy(c);
   free_device(g, g->rail.base);
   if (g->d_state != nullptr) free_device(g, g->d_state);
   if (g->h_err != nullptr) cudaFreeHost(g->h_err);

@@ -47,11 +47,40 @@ void destroy_handle_state(ncclEpHandle* h) {
   delete h;
 }
 
+// Waits for the layout's copy to the host. Inside a node every wait before it is a device-side
+// wait with a timeout. Over nodes it sits behind the routing all-gather: once the watchdog
+// stopped that, the wait ends with the group's error after timeout_ms more at most, whether or
+// not the stream moves again (no hang on any path).
+static ncclResult_t wait_layout(ncclEpGroup* g, cudaEvent_t ready) {
+  if (g->num_nodes == 1) {
+    EP_CUDA(cudaEventSynchronize(ready));
+    return ncclSuccess;
+  }
+  const auto poll = std::chrono::microseconds(20);
+  std::chrono::steady_clock::time_point give_up{};
+  for (;;) {
+    const cudaError_t q = cudaEventQuery(ready);
+    if (q == cudaSuccess) return ncclSuccess;
+    EP_CHECK(q == cudaErrorNotReady, ncclUnhandledCudaError, "CUDA error: %s",
+             cudaGetErrorString(q));
+    if (g->watchdog->aborted()) {
+      const auto now = std::chrono::steady_clock::now();
+      if (give_up == std::chrono::steady_clock::time_point{})
+        give_up = now + std::chrono::milliseconds(g->cfg.timeout_ms);
+      if (now > give_up) {
+        EP_RETURN_IF(check_group_errors(g));
+        EP_CHECK(false, ncclSystemError, "the layout never arrived after the group's stop");
+      }
+    }
+    std::this_thread::sleep_for(poll);
+  }
+}
+
 ncclResult_t read_layout(ncclEpHandle* h) {
   ncclEpGroup* g = h->group;
   if (g->capacity >= 0) return ncclSuccess;  // nothing to read: the count is the capacity
   if (!h->layout_read) {
-    EP_CUDA(cudaEventSynchronize(h->slot->meta_ready));
+    EP_RETURN_IF(wait_layout(g, h->slot->meta_ready));
     // A group error (a failed barrier: the records may be stale) explains any layout error. (A
     // group that spans nodes has no barrier here, and its ops defer group errors: ops.cc; but
     // an aborted all-gather left the records unwritten.)

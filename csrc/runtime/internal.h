@@ -187,9 +187,6 @@ class NcclWatchdog {
   std::thread thread_;  // last: started once the members above exist
 };
 
-// Destroys op_comm or rail_comm of a group; `revoked`: its watchdog stopped them (waits until
-// NCCL says they are quiescent, within a bound).
-void destroy_step_comm(ncclComm_t comm, bool revoked);
 
 }  // namespace nccl_ep
 

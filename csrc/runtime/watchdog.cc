@@ -9,17 +9,17 @@
  * (the next kernels see the error word, stop and poison their outputs).
  *
  * NOTES:
- *  - Stopping: ncclCommRevoke where the loaded NCCL has it (>= 2.28.7, looked up at run time:
- *    the communicators are destroyed with the group once quiescent), else ncclCommAbort. Either
- *    ends the stuck kernel; revoke re-arms the communicators when done, so nothing may be queued
- *    behind it (next note). The error word is written before, so that a latch kernel queued
- *    after each rail step (ops.cc) stops the group's later kernels on the device.
+ *  - Stopping is ncclCommAbort: it ends the stuck kernel and frees the communicators whatever
+ *    the peers do. (ncclCommRevoke, tried first until 2026-12-01, left the survivor's stream or
+ *    its destroy waiting when the peer was gone: measured with two emulated nodes on one H200.)
+ *    The error word is written before, so that a latch kernel queued after each rail step
+ *    (ops.cc) stops the group's later kernels on the device.
  *  - The clock starts when the step's start event has completed, not at enqueue: a stream with
  *    long work queued before the step is not a peer that stopped.
  *  - One step in flight: run() waits (host) until the previous step finished before it enqueues
- *    the next, so no NCCL kernel ever sits queued behind a stuck one (revoke re-arms the
- *    communicators once done, abort frees them: a queued kernel would hang or fault). The cost
- *    is a host wait when the host runs more than one NCCL step ahead of the GPU.
+ *    the next, so no NCCL kernel ever sits queued behind a stuck one (abort frees the
+ *    communicators: a kernel queued behind would fault). The cost is a host wait when the host
+ *    runs more than one NCCL step ahead of the GPU.
  *  - mu_ guards the step and every NCCL call made through run(): stopping never races an
  *    enqueue, and after it no call reaches the stopped communicators. Enqueues do not block on
  *    peers: group creation connects the rail and op_comm first.
@@ -31,8 +31,6 @@
  *  - The user's communicator is never aborted (it is not the group's): handle creation gathers
  *    over op_comm, split from it at creation.
  */
-#include <dlfcn.h>
-
 #include "internal.h"
 
 namespace nccl_ep {
@@ -40,14 +38,6 @@ namespace nccl_ep {
 namespace {
 constexpr auto kPoll = std::chrono::milliseconds(2);  // the watchdog's look at a running step
 constexpr auto kHostWait = std::chrono::microseconds(20);  // run()'s, at the previous step
-
-// ncclCommRevoke of the loaded NCCL, or null before 2.28.7 (not a link-time dependency: the
-// library must load on any NCCL of its major.minor).
-using RevokeFn = ncclResult_t (*)(ncclComm_t, int);
-RevokeFn nccl_revoke() {
-  static const RevokeFn fn = reinterpret_cast<RevokeFn>(dlsym(RTLD_DEFAULT, "ncclCommRevoke"));
-  return fn;
-}
 
 // Event queries of this thread never invalidate a capture running on another (global mode).
 void relax_capture_mode() {
@@ -155,8 +145,8 @@ void NcclWatchdog::loop() {
   }
 }
 
-// Caller holds mu_ (through `lock`); released while NCCL stops the communicators (revoke waits
-// for the stuck kernel and NCCL's proxy threads), with aborted_ already set: no call uses them.
+// Caller holds mu_ (through `lock`); released while NCCL aborts the communicators (it waits for
+// the stuck kernel and NCCL's proxy threads), with aborted_ already set: no call uses them.
 void NcclWatchdog::stop_communicators(std::unique_lock<std::mutex>& lock) {
   aborted_ = true;
   ErrorInfo* e = g_->h_err;
@@ -174,31 +164,11 @@ void NcclWatchdog::stop_communicators(std::unique_lock<std::mutex>& lock) {
     __atomic_store_n(&e->code, (int)kErrNcclTimeout, __ATOMIC_RELEASE);
   }
   ncclComm_t comms[] = {g_->rail_comm, g_->op_comm};
-  const RevokeFn revoke = nccl_revoke();
-  if (revoke == nullptr) g_->rail_comm = g_->op_comm = nullptr;  // abort frees them
+  g_->rail_comm = g_->op_comm = nullptr;  // abort frees them
   lock.unlock();
-  for (ncclComm_t c : comms) {
-    if (c == nullptr) continue;
-    if (revoke != nullptr) revoke(c, 0);  // NCCL_REVOKE_DEFAULT
-    else ncclCommAbort(c);
-  }
+  for (ncclComm_t c : comms)
+    if (c != nullptr) ncclCommAbort(c);
   lock.lock();
-}
-
-void destroy_step_comm(ncclComm_t comm, bool revoked) {
-  if (comm == nullptr) return;
-  // A revoked communicator is destroyed once quiescent, within a bound (else aborted).
-  ncclResult_t state = ncclInProgress;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (revoked && state == ncclInProgress && std::chrono::steady_clock::now() < until) {
-    if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) break;
-    if (state == ncclInProgress) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  if (revoked && state == ncclInProgress) {
-    ncclCommAbort(comm);
-    return;
-  }
-  ncclCommDestroy(comm);
 }
 
 }  // namespace nccl_ep
