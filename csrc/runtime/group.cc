@@ -28,6 +28,15 @@ namespace nccl_ep {
 
 namespace {
 
+// Frees a communicator of the group. One with an asynchronous error (a peer's process gone, its
+// sockets closed) is aborted: ncclCommDestroy would wait for that peer.
+void release_comm(ncclComm_t c) {
+  if (c == nullptr) return;
+  ncclResult_t async = ncclSuccess;
+  if (ncclCommGetAsyncError(c, &async) != ncclSuccess || async != ncclSuccess) ncclCommAbort(c);
+  else ncclCommDestroy(c);
+}
+
 void destroy_group_state(ncclEpGroup* g) {
   if (g == nullptr) return;
   // The watchdog's thread first: it may abort (and free) the communicators below.
@@ -40,9 +49,9 @@ void destroy_group_state(ncclEpGroup* g) {
     free_slots(g);
   }
   close_window(g);
-  if (g->node_comm != nullptr && g->node_comm != g->comm) ncclCommDestroy(g->node_comm);
-  for (ncclComm_t c : {g->rail_comm, g->op_comm})  // null once the watchdog aborted them
-    if (c != nullptr) ncclCommDestroy(c);
+  if (g->node_comm != g->comm) release_comm(g->node_comm);
+  release_comm(g->rail_comm);  // null once the watchdog aborted them
+  release_comm(g->op_comm);
   free_device(g, g->rail.base);
   if (g->d_state != nullptr) free_device(g, g->d_state);
   if (g->h_err != nullptr) cudaFreeHost(g->h_err);
