@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import faulthandler
+import hashlib
 import json
 import math
 import os
@@ -318,13 +319,26 @@ def _collect(records: list[dict]) -> tuple[dict, list, dict, dict]:
     return out, errors, info, checks
 
 
-def _git_commit() -> Optional[str]:
+def source_version() -> dict:
+    """What code ran: ``git describe --dirty`` of the tree (a copy of the tree may carry an older
+    .git: "-dirty" then says the files differ from that commit) and a SHA-256 over the library's
+    sources (csrc/, the package's .py files), which names the code whatever the .git says."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
     try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=5).stdout.strip() or None
+        git = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty", "--abbrev=40"],
+                             capture_output=True, text=True, timeout=5).stdout.strip() or None
     except Exception:  # noqa: BLE001 - the device copy of the tree may have no .git
-        return None
+        git = None
+    digest = hashlib.sha256()
+    paths = [os.path.join(d, f) for top in (os.path.join(root, "csrc"), here)
+             for d, _, files in os.walk(top) for f in files
+             if f.endswith((".py", ".cu", ".cuh", ".cc", ".h"))]
+    for path in sorted(paths):
+        digest.update(os.path.relpath(path, root).encode() + b"\0")
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return {"git": git, "sources_sha256": digest.hexdigest()[:16]}
 
 
 def _fmt(value, spec: str) -> str:
@@ -539,7 +553,7 @@ def main(argv=None) -> int:
 
     result = {
         "meta": {"torch": torch.__version__, "python": sys.version.split()[0],
-                 "git_commit": _git_commit(), "device": args.device,
+                 "source": source_version(), "device": args.device,
                  "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                  "env": {k: os.environ.get(k) for k in MULTICAST_OFF_ENV}},
         "shape": shape, "args": {k: v for k, v in vars(args).items()},

@@ -142,6 +142,8 @@ enum ErrorCode : int {
                            // error stopped a node, value = the rank whose record said so
   kErrNcclTimeout = 10,    // groups that span nodes, written by the host's watchdog: rank (this
                            // one), slot = OpKind, aux = NcclStep, value = the timeout in ms
+  kErrNcclFailed = 11,     // the same, when NCCL reported an asynchronous error (a peer's
+                           // process gone, its sockets closed) first: value = the ncclResult_t
 };
 
 // Written once per error word: the single winner of `claim` fills the fields, then publishes

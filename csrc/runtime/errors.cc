@@ -161,7 +161,8 @@ ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& word, const Lay
                 "exact mode",
                 e.rank, e.value, e.extra);
       return ncclSystemError;
-    case kErrNcclTimeout: {
+    case kErrNcclTimeout:
+    case kErrNcclFailed: {
       // Who it waited for: the rail's peers (this index in the other nodes), or, in the routing
       // all-gather, every other rank (the first 8 named).
       std::string peers;
@@ -177,11 +178,17 @@ ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& word, const Lay
       const char* what = e.aux == kStepRail           ? "the rail's send/receive"
                          : e.aux == kStepRoutingGather ? "the routing all-gather"
                                                        : "connecting the rail and the all-gather";
-      set_error("NCCL exchange between nodes timed out after %lld ms: rank %d waited for %s %s "
-                "(%s) in %s; every rank must make the same collective calls in the same order (a "
-                "rank may have failed, returned early, exited or be blocked). The group's NCCL "
-                "communicators were stopped: destroy the group and create a new one",
-                e.value, e.rank, n == 1 ? "rank" : "ranks", peers.c_str(), what,
+      char failure[160];
+      if (e.code == kErrNcclTimeout)
+        snprintf(failure, sizeof(failure), "timed out after %lld ms", e.value);
+      else
+        snprintf(failure, sizeof(failure), "failed (NCCL: %s)",
+                 ncclGetErrorString((ncclResult_t)e.value));
+      set_error("NCCL exchange between nodes %s: rank %d waited for %s %s (%s) in %s; every rank "
+                "must make the same collective calls in the same order (a rank may have failed, "
+                "returned early, exited or be blocked). The group's NCCL communicators were "
+                "stopped: destroy the group and create a new one",
+                failure, e.rank, n == 1 ? "rank" : "ranks", peers.c_str(), what,
                 e.aux == kStepConnect ? "ncclEpCreateGroup" : op_name(e.slot));
       return ncclSystemError;
     }

@@ -177,7 +177,8 @@ class NcclWatchdog {
   };
   void loop();
   bool idle();
-  void stop_communicators(std::unique_lock<std::mutex>& lock);
+  ncclResult_t async_error();
+  void stop_communicators(std::unique_lock<std::mutex>& lock, ErrorCode code, long long value);
 
   ncclEpGroup* g_;
   std::mutex mu_;

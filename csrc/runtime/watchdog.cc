@@ -16,6 +16,10 @@
  *    (ops.cc) stops the group's later kernels on the device.
  *  - The clock starts when the step's start event has completed, not at enqueue: a stream with
  *    long work queued before the step is not a peer that stopped.
+ *  - An asynchronous error of either communicator during a step (ncclCommGetAsyncError: a
+ *    peer's process gone, its sockets closed) stops them at once, the same way, instead of after
+ *    the timeout: NCCL's kernels keep waiting after such an error until the communicator is
+ *    aborted. Between steps it is left alone (a peer may have destroyed its group already).
  *  - One step in flight: run() waits (host) until the previous step finished before it enqueues
  *    the next, so no NCCL kernel ever sits queued behind a stuck one (abort frees the
  *    communicators: a kernel queued behind would fault). The cost is a host wait when the host
@@ -132,22 +136,43 @@ void NcclWatchdog::loop() {
       cv_.wait(lock, [this] { return stop_ || (in_flight_ && !aborted_); });
       continue;
     }
+    // Only while a step runs: a peer that destroyed its group after the last step is no error.
+    const ncclResult_t failed = async_error();
+    if (failed != ncclSuccess) {
+      stop_communicators(lock, kErrNcclFailed, failed);
+      continue;
+    }
     const auto now = std::chrono::steady_clock::now();
     if (!step_.running && cudaEventQuery(step_.start) == cudaSuccess) {
       step_.running = true;
       step_.started = now;
     }
     if (step_.running && now - step_.started > limit) {
-      stop_communicators(lock);
+      stop_communicators(lock, kErrNcclTimeout, g_->cfg.timeout_ms);
       continue;
     }
     cv_.wait_for(lock, kPoll);
   }
 }
 
+// Caller holds mu_. The first asynchronous error of the group's communicators (ncclInProgress:
+// a nonblocking call still running, not an error).
+ncclResult_t NcclWatchdog::async_error() {
+  for (ncclComm_t c : {g_->rail_comm, g_->op_comm}) {
+    if (c == nullptr) continue;
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t res = ncclCommGetAsyncError(c, &state);
+    if (res != ncclSuccess) return res;
+    if (state != ncclSuccess && state != ncclInProgress) return state;
+  }
+  return ncclSuccess;
+}
+
 // Caller holds mu_ (through `lock`); released while NCCL aborts the communicators (it waits for
 // the stuck kernel and NCCL's proxy threads), with aborted_ already set: no call uses them.
-void NcclWatchdog::stop_communicators(std::unique_lock<std::mutex>& lock) {
+// `code`: kErrNcclTimeout (value: the timeout in ms) or kErrNcclFailed (value: NCCL's error).
+void NcclWatchdog::stop_communicators(std::unique_lock<std::mutex>& lock, ErrorCode code,
+                                      long long value) {
   aborted_ = true;
   ErrorInfo* e = g_->h_err;
   // The device claims the word with an atomic on `claim`; the host does the same, then
@@ -158,10 +183,10 @@ void NcclWatchdog::stop_communicators(std::unique_lock<std::mutex>& lock) {
     e->token = -1;
     e->slot = (int)step_.op;
     e->aux = (int)step_.step;
-    e->value = g_->cfg.timeout_ms;
+    e->value = value;
     e->extra = g_->num_nodes;
     e->where = -1;
-    __atomic_store_n(&e->code, (int)kErrNcclTimeout, __ATOMIC_RELEASE);
+    __atomic_store_n(&e->code, (int)code, __ATOMIC_RELEASE);
   }
   ncclComm_t comms[] = {g_->rail_comm, g_->op_comm};
   g_->rail_comm = g_->op_comm = nullptr;  // abort frees them

@@ -89,13 +89,14 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
     nvcc --version | tail -n 2
     "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
 "nccl", ".".join(map(str, torch.cuda.nccl.version())), "gpus", torch.cuda.device_count())'
-    git rev-parse HEAD 2>/dev/null || echo "no git metadata in this copy"
+    # The copy's .git may be older than its files: the sources' digest names the code that ran.
+    "$PY" -c 'from megatron_nccl_ep.bench import source_version; print("source", source_version())'
     echo "## CUDA / NCCL environment"; env | grep -E '^(CUDA|NCCL|TORCH)_' | sort
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 {
     echo "- machine: $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s): $(nvidia-smi -L 2>/dev/null | head -n 1 | cut -d'(' -f1)"
-    grep '^torch ' "$OUT/env.txt" | sed 's/^/- /'
+    grep -E '^(torch|source) ' "$OUT/env.txt" | sed 's/^/- /'
 } >>"$SUMMARY"
 
 # -- carried wheels ------------------------------------------------------------------------------
