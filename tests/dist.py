@@ -32,6 +32,7 @@ import os
 import queue
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,6 +78,23 @@ def dump_stacks(procs: dict) -> None:
         except OSError:
             continue
         time.sleep(STACK_DUMP_WAIT_S)
+        native_stacks(p.pid)
+
+
+def native_stacks(pid: int) -> None:
+    """The native stack of every thread of ``pid`` (gdb, where the machine has it), to stderr: a
+    rank stuck inside the library (a CUDA or NCCL wait) shows only its Python call above."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        print("(no gdb here: no native stacks)", file=sys.stderr, flush=True)
+        return
+    try:
+        out = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 25"],
+                             capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        out = f"(gdb failed: {exc})"
+    frames = [line for line in out.splitlines() if line.startswith(("Thread ", "#"))]
+    print("\n".join(frames) or out[-4000:], file=sys.stderr, flush=True)
 
 
 _loaded_modules: dict = {}
