@@ -30,7 +30,10 @@
  *    index in every node) and fan out over NVLink inside the node; combine sums node by node
  *    (docs/design.md section 4). Those rail transfers and the routing all-gather are NCCL's:
  *    a watchdog thread of the group aborts its communicators (ncclCommAbort) when one has not
- *    finished timeout_ms after it started on the GPU, and every later call returns that error. One such NCCL step is in flight per group: a call
+ *    finished timeout_ms after it started on the GPU, or when NCCL reports an error on its
+ *    communicator first, and every later call returns that error. `comm` must not share
+ *    resources with its splits (splitShare = 0, NCCL_COMM_SPLIT_SHARE_RESOURCES unset): the
+ *    group's communicators are split from it, and a shared abort flag would stop `comm` too. One such NCCL step is in flight per group: a call
  *    waits on the host for the previous one; these calls refuse a capturing stream. A
  *    device-side error stops the node's ranks only; the other nodes learn it at the next handle
  *    creation.

@@ -135,7 +135,8 @@ ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& word, const Lay
       return ncclInvalidArgument;
     case kErrPeerAbort:
       set_error("rank %d stopped this group after a device-side error (reported there: a "
-                "timeout, a routing error, a capacity overflow or inconsistent calls), seen in "
+                "timeout, an NCCL error between nodes, a routing error, a capacity overflow or "
+                "inconsistent calls), seen in "
                 "%s; the ranks can no longer synchronize: destroy the group and create a new "
                 "one%s",
                 e.token, op_name(e.slot), where);

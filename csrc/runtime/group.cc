@@ -29,11 +29,11 @@ namespace nccl_ep {
 namespace {
 
 // Frees a communicator of the group. One with an asynchronous error (a peer's process gone, its
-// sockets closed) is aborted: ncclCommDestroy would wait for that peer.
-void release_comm(ncclComm_t c) {
+// sockets closed), or any of a group that holds an error (`failed`: a peer may be gone before
+// NCCL noticed), is aborted: ncclCommDestroy would wait for that peer.
+void release_comm(ncclComm_t c, bool failed) {
   if (c == nullptr) return;
-  ncclResult_t async = ncclSuccess;
-  if (ncclCommGetAsyncError(c, &async) != ncclSuccess || async != ncclSuccess) ncclCommAbort(c);
+  if (failed || comm_async_error(c) != ncclSuccess) ncclCommAbort(c);
   else ncclCommDestroy(c);
 }
 
@@ -49,9 +49,10 @@ void destroy_group_state(ncclEpGroup* g) {
     free_slots(g);
   }
   close_window(g);
-  if (g->node_comm != g->comm) release_comm(g->node_comm);
-  release_comm(g->rail_comm);  // null once the watchdog aborted them
-  release_comm(g->op_comm);
+  const bool failed = g->h_err != nullptr && __atomic_load_n(&g->h_err->code, __ATOMIC_ACQUIRE);
+  if (g->node_comm != g->comm) release_comm(g->node_comm, failed);
+  release_comm(g->rail_comm, failed);  // null once the watchdog aborted them
+  release_comm(g->op_comm, failed);
   free_device(g, g->rail.base);
   if (g->d_state != nullptr) free_device(g, g->d_state);
   if (g->h_err != nullptr) cudaFreeHost(g->h_err);
@@ -243,8 +244,16 @@ ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGrou
   } else {
     // Collective over comm, in the same order on every rank (all agreed on the node size).
     if (g->node_size > 1) EP_NCCL(ncclCommSplit(comm, g->node, rank, &g->node_comm, nullptr));
-    // The watchdog's communicators share nothing with the user's (a shared abort flag would
-    // stop the user's collectives with them).
+    // The watchdog's communicators must share nothing with the user's: a shared abort flag
+    // would stop the user's collectives with them. NCCL shares a split's resources (and abort
+    // flag) when the parent was made to share them, whatever the split's own config says; the
+    // parent's config cannot be read back, its environment default can.
+    const char* share = getenv("NCCL_COMM_SPLIT_SHARE_RESOURCES");
+    EP_CHECK(share == nullptr || atoi(share) == 0, ncclInvalidUsage,
+             "ncclEpCreateGroup: NCCL_COMM_SPLIT_SHARE_RESOURCES=%s makes NCCL share a split's "
+             "abort flag with its parent, so stopping this group between nodes would also stop "
+             "the caller's communicator; unset it (and create comm with splitShare = 0)",
+             share);
     ncclConfig_t own = NCCL_CONFIG_INITIALIZER;
     own.splitShare = 0;
     EP_NCCL(ncclCommSplit(comm, g->node_rank, rank, &g->rail_comm, &own));

@@ -49,30 +49,30 @@ void destroy_handle_state(ncclEpHandle* h) {
 
 // Waits for the layout's copy to the host. Inside a node every wait before it is a device-side
 // wait with a timeout. Over nodes it sits behind the routing all-gather: once the watchdog
-// stopped that, the wait ends with the group's error after timeout_ms more at most, whether or
-// not the stream moves again (no hang on any path).
+// stopped that, the wait ends with the group's error timeout_ms after the stop at the latest,
+// whether or not the stream moves again. (Polled: a spin first, as cudaEventSynchronize would,
+// then short sleeps.)
 static ncclResult_t wait_layout(ncclEpGroup* g, cudaEvent_t ready) {
   if (g->num_nodes == 1) {
     EP_CUDA(cudaEventSynchronize(ready));
     return ncclSuccess;
   }
-  const auto poll = std::chrono::microseconds(20);
-  std::chrono::steady_clock::time_point give_up{};
+  using Clock = std::chrono::steady_clock;
+  const auto spin_until = Clock::now() + std::chrono::milliseconds(1);
   for (;;) {
     const cudaError_t q = cudaEventQuery(ready);
     if (q == cudaSuccess) return ncclSuccess;
     EP_CHECK(q == cudaErrorNotReady, ncclUnhandledCudaError, "CUDA error: %s",
              cudaGetErrorString(q));
-    if (g->watchdog->aborted()) {
-      const auto now = std::chrono::steady_clock::now();
-      if (give_up == std::chrono::steady_clock::time_point{})
-        give_up = now + std::chrono::milliseconds(g->cfg.timeout_ms);
-      if (now > give_up) {
-        EP_RETURN_IF(check_group_errors(g));
-        EP_CHECK(false, ncclSystemError, "the layout never arrived after the group's stop");
-      }
+    const auto now = Clock::now();
+    if (now < spin_until) continue;
+    const auto stopped = g->watchdog->stopped_at();
+    if (stopped != Clock::time_point{} &&
+        now - stopped > std::chrono::milliseconds(g->cfg.timeout_ms)) {
+      EP_RETURN_IF(check_group_errors(g));
+      EP_CHECK(false, ncclSystemError, "the layout never arrived after the group's stop");
     }
-    std::this_thread::sleep_for(poll);
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 }
 

@@ -155,7 +155,8 @@ enum NcclStep : int {
 };
 
 // watchdog.cc: follows the NCCL steps of a group that spans nodes on the device and stops the
-// group's communicators when one has not finished timeout_ms after it started.
+// group's communicators when one has not finished timeout_ms after it started, or when NCCL
+// reports an asynchronous error on its communicator first.
 class NcclWatchdog {
  public:
   explicit NcclWatchdog(ncclEpGroup* g);
@@ -165,6 +166,8 @@ class NcclWatchdog {
   ncclResult_t run(OpKind op, NcclStep step, cudaStream_t stream,
                    const std::function<ncclResult_t()>& enqueue);
   bool aborted();
+  // When the communicators were stopped (a default time_point while they were not).
+  std::chrono::steady_clock::time_point stopped_at();
   bool shutdown();  // stops the thread (after a stop in progress); returns aborted()
 
  private:
@@ -177,7 +180,7 @@ class NcclWatchdog {
   };
   void loop();
   bool idle();
-  ncclResult_t async_error();
+  ncclResult_t async_error(NcclStep step);
   void stop_communicators(std::unique_lock<std::mutex>& lock, ErrorCode code, long long value);
 
   ncclEpGroup* g_;
@@ -185,9 +188,12 @@ class NcclWatchdog {
   std::condition_variable cv_;
   Step step_;
   bool in_flight_ = false, stop_ = false, aborted_ = false;
+  std::chrono::steady_clock::time_point stopped_at_{};
   std::thread thread_;  // last: started once the members above exist
 };
 
+// `comm`'s asynchronous error, or ncclSuccess (also for a null comm and for ncclInProgress).
+ncclResult_t comm_async_error(ncclComm_t comm);
 
 }  // namespace nccl_ep
 

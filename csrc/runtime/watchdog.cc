@@ -4,8 +4,9 @@
  * timeouts: a rank that died, or returned early on an error of its own, would leave its peers'
  * streams waiting in NCCL forever. Every such step runs between two events; a thread of the group
  * stops the group's own communicators (op_comm, rail_comm) when a step has not finished
- * timeout_ms after it started on the GPU, records the error in the group's error word, and every
- * later call of the group returns it. The NCCL kernels end when stopped, so the stream moves on
+ * timeout_ms after it started on the GPU, or when NCCL reports an asynchronous error on the
+ * step's communicator first, records the error in the group's error word, and every later call
+ * of the group returns it. The NCCL kernels end when stopped, so the stream moves on
  * (the next kernels see the error word, stop and poison their outputs).
  *
  * NOTES:
@@ -16,10 +17,11 @@
  *    (ops.cc) stops the group's later kernels on the device.
  *  - The clock starts when the step's start event has completed, not at enqueue: a stream with
  *    long work queued before the step is not a peer that stopped.
- *  - An asynchronous error of either communicator during a step (ncclCommGetAsyncError: a
- *    peer's process gone, its sockets closed) stops them at once, the same way, instead of after
+ *  - An asynchronous error of the running step's communicator (ncclCommGetAsyncError: a peer's
+ *    process gone, its sockets closed) stops the group at once, the same way, instead of after
  *    the timeout: NCCL's kernels keep waiting after such an error until the communicator is
- *    aborted. Between steps it is left alone (a peer may have destroyed its group already).
+ *    aborted. Only while that step is unfinished: a peer may destroy its group right after the
+ *    last step, and NCCL's error never clears.
  *  - One step in flight: run() waits (host) until the previous step finished before it enqueues
  *    the next, so no NCCL kernel ever sits queued behind a stuck one (abort frees the
  *    communicators: a kernel queued behind would fault). The cost is a host wait when the host
@@ -31,9 +33,10 @@
  *    previous step. run() refuses a capturing stream; the watchdog's own event queries run in
  *    relaxed capture mode so that they never break a capture elsewhere in the process.
  *  - A stop is this rank's: the other nodes' ranks stop on their own timeouts (one later at
- *    most), since this rank makes no NCCL call after it.
+ *    most) or sooner on NCCL's error, since this rank makes no NCCL call after it.
  *  - The user's communicator is never aborted (it is not the group's): handle creation gathers
- *    over op_comm, split from it at creation.
+ *    over op_comm, split from it at creation. (NCCL lets a split share its parent's abort flag
+ *    when the parent shares resources with its splits: group creation refuses that case.)
  */
 #include "internal.h"
 
@@ -75,6 +78,11 @@ bool NcclWatchdog::aborted() {
   return aborted_;
 }
 
+std::chrono::steady_clock::time_point NcclWatchdog::stopped_at() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stopped_at_;
+}
+
 // Caller holds mu_. True when no step is in flight: the last one finished (or the device
 // failed, which the next CUDA call reports).
 bool NcclWatchdog::idle() {
@@ -108,8 +116,8 @@ ncclResult_t NcclWatchdog::run(OpKind op, NcclStep step, cudaStream_t stream,
     lock.unlock();
     EP_RETURN_IF(check_group_errors(g_));
     EP_CHECK(false, ncclSystemError,
-             "this group's NCCL communicators were stopped after a timeout between nodes: "
-             "destroy the group and create a new one");
+             "this group's NCCL communicators were stopped (a timeout or an NCCL error between "
+             "nodes): destroy the group and create a new one");
   }
   for (cudaEvent_t* e : {&step_.start, &step_.end})
     if (*e == nullptr) EP_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
@@ -136,36 +144,45 @@ void NcclWatchdog::loop() {
       cv_.wait(lock, [this] { return stop_ || (in_flight_ && !aborted_); });
       continue;
     }
-    // Only while a step runs: a peer that destroyed its group after the last step is no error.
-    const ncclResult_t failed = async_error();
-    if (failed != ncclSuccess) {
-      stop_communicators(lock, kErrNcclFailed, failed);
-      continue;
-    }
     const auto now = std::chrono::steady_clock::now();
     if (!step_.running && cudaEventQuery(step_.start) == cudaSuccess) {
       step_.running = true;
       step_.started = now;
     }
-    if (step_.running && now - step_.started > limit) {
-      stop_communicators(lock, kErrNcclTimeout, g_->cfg.timeout_ms);
-      continue;
+    if (step_.running) {
+      // An error counts only while the step is unfinished (NOTES); idle() looks once more.
+      const ncclResult_t failed = async_error(step_.step);
+      if (failed != ncclSuccess && !idle()) {
+        stop_communicators(lock, kErrNcclFailed, failed);
+        continue;
+      }
+      if (now - step_.started > limit) {
+        stop_communicators(lock, kErrNcclTimeout, g_->cfg.timeout_ms);
+        continue;
+      }
     }
     cv_.wait_for(lock, kPoll);
   }
 }
 
-// Caller holds mu_. The first asynchronous error of the group's communicators (ncclInProgress:
-// a nonblocking call still running, not an error).
-ncclResult_t NcclWatchdog::async_error() {
-  for (ncclComm_t c : {g_->rail_comm, g_->op_comm}) {
-    if (c == nullptr) continue;
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t res = ncclCommGetAsyncError(c, &state);
-    if (res != ncclSuccess) return res;
-    if (state != ncclSuccess && state != ncclInProgress) return state;
+// Caller holds mu_. The asynchronous error of the communicator(s) that `step` uses, or
+// ncclSuccess (ncclInProgress: a nonblocking call still running, not an error).
+ncclResult_t NcclWatchdog::async_error(NcclStep step) {
+  const ncclComm_t rail = step == kStepRoutingGather ? nullptr : g_->rail_comm;
+  const ncclComm_t gather = step == kStepRail ? nullptr : g_->op_comm;
+  for (ncclComm_t c : {rail, gather}) {
+    const ncclResult_t state = comm_async_error(c);
+    if (state != ncclSuccess) return state;
   }
   return ncclSuccess;
+}
+
+ncclResult_t comm_async_error(ncclComm_t comm) {
+  if (comm == nullptr) return ncclSuccess;
+  ncclResult_t state = ncclSuccess;
+  const ncclResult_t res = ncclCommGetAsyncError(comm, &state);
+  if (res != ncclSuccess) return res;
+  return state == ncclInProgress ? ncclSuccess : state;
 }
 
 // Caller holds mu_ (through `lock`); released while NCCL aborts the communicators (it waits for
@@ -174,6 +191,7 @@ ncclResult_t NcclWatchdog::async_error() {
 void NcclWatchdog::stop_communicators(std::unique_lock<std::mutex>& lock, ErrorCode code,
                                       long long value) {
   aborted_ = true;
+  stopped_at_ = std::chrono::steady_clock::now();
   ErrorInfo* e = g_->h_err;
   // The device claims the word with an atomic on `claim`; the host does the same, then
   // publishes `code` last, as raise_error does. (Host and device atomics on mapped memory are
