@@ -355,9 +355,7 @@ print(([d for p in nvidia.__path__ for d in glob.glob(p + "/nccl/include")] + ["
         else
             echo "peer_ceilings: skipped, one GPU on this machine (it times copies between two)"
         fi
-        # EAGER: sm_budget's spin kernel holds a stream while others launch (no lazy load then).
-        CUDA_MODULE_LOADING=EAGER timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/sm_budget \
-            "${MICRO_SMS:-24}" || exit 1
+        timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/sm_budget "${MICRO_SMS:-24}" || exit 1
         if [ -n "${MICRO_NCU:-}" ]; then  # Nsight Compute on the micro's kernels of that name
             ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
             echo "== ncu ($ncu_bin) on kernels matching '$MICRO_NCU': ncu.txt"
