@@ -33,8 +33,9 @@
  *    finished timeout_ms after it started on the GPU, or when NCCL reports an error on its
  *    communicator first, and every later call returns that error. `comm` must not share
  *    resources with its splits (splitShare = 0, NCCL_COMM_SPLIT_SHARE_RESOURCES unset): the
- *    group's communicators are split from it, and a shared abort flag would stop `comm` too. One such NCCL step is in flight per group: a call
- *    waits on the host for the previous one; these calls refuse a capturing stream. A
+ *    group's communicators are split from it, and a shared abort flag would stop `comm` too.
+ *    One such NCCL step is in flight per group: a call waits on the host for the previous one;
+ *    these calls refuse a capturing stream. A
  *    device-side error stops the node's ranks only; the other nodes learn it at the next handle
  *    creation.
  *  - Limits of this implementation (HT): group size <= 64, every node's ranks load/store

@@ -105,9 +105,8 @@ cudaError_t preload_barrier() {
 
 // Groups that span nodes, after each rail step: a stop the host's watchdog recorded in the
 // error word (a timeout or an NCCL error; it ended the step's NCCL kernels) stops the group on
-// the device too, so that the
-// kernels after the rail, which read only `failed`, poison their outputs, and the node's peers
-// stop as for a device-side error.
+// the device too, so that the kernels after the rail, which read only `failed`, poison their
+// outputs, and the node's peers stop as for a device-side error.
 __global__ void latch_error_kernel(const ErrorInfo* err, void* const* peers, size_t sync_off,
                                    int num_ranks, int rank, DeviceState* state) {
   if (ld_volatile_int(&err->code) != kErrNone)

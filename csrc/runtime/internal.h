@@ -165,10 +165,10 @@ class NcclWatchdog {
   // finished; once the communicators were stopped, makes none and returns the group's error.
   ncclResult_t run(OpKind op, NcclStep step, cudaStream_t stream,
                    const std::function<ncclResult_t()>& enqueue);
-  bool aborted();
+  bool aborted();  // the communicators were stopped
   // When the communicators were stopped (a default time_point while they were not).
   std::chrono::steady_clock::time_point stopped_at();
-  bool shutdown();  // stops the thread (after a stop in progress); returns aborted()
+  void shutdown();  // stops the thread (after a stop in progress)
 
  private:
   struct Step {
@@ -180,6 +180,7 @@ class NcclWatchdog {
   };
   void loop();
   bool idle();
+  bool stopped() const { return stopped_at_ != std::chrono::steady_clock::time_point{}; }
   ncclResult_t async_error(NcclStep step);
   void stop_communicators(std::unique_lock<std::mutex>& lock, ErrorCode code, long long value);
 
@@ -187,8 +188,8 @@ class NcclWatchdog {
   std::mutex mu_;
   std::condition_variable cv_;
   Step step_;
-  bool in_flight_ = false, stop_ = false, aborted_ = false;
-  std::chrono::steady_clock::time_point stopped_at_{};
+  bool in_flight_ = false, stop_ = false;
+  std::chrono::steady_clock::time_point stopped_at_{};  // set once, when stopped (under mu_)
   std::thread thread_;  // last: started once the members above exist
 };
 

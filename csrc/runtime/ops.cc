@@ -168,7 +168,6 @@ ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, int prob_bytes, boo
   return e;
 }
 
-
 // Tokens of source s as the rail moves them: exact mode the all-gathered count (the layout was
 // read), capacity mode max_tokens_per_rank (no host read; the tail is never used).
 long long rail_tokens(const ncclEpHandle* h, int s) {

@@ -63,19 +63,18 @@ NcclWatchdog::~NcclWatchdog() {
   if (step_.end != nullptr) cudaEventDestroy(step_.end);
 }
 
-bool NcclWatchdog::shutdown() {
+void NcclWatchdog::shutdown() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
-  return aborted();
 }
 
 bool NcclWatchdog::aborted() {
   std::lock_guard<std::mutex> lock(mu_);
-  return aborted_;
+  return stopped();
 }
 
 std::chrono::steady_clock::time_point NcclWatchdog::stopped_at() {
@@ -106,13 +105,13 @@ ncclResult_t NcclWatchdog::run(OpKind op, NcclStep step, cudaStream_t stream,
   // relaxed capture mode: another thread may be capturing.)
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
   cudaThreadExchangeStreamCaptureMode(&mode);
-  while (!aborted_ && !idle()) {
+  while (!stopped() && !idle()) {
     lock.unlock();
     std::this_thread::sleep_for(kHostWait);
     lock.lock();
   }
   cudaThreadExchangeStreamCaptureMode(&mode);
-  if (aborted_) {
+  if (stopped()) {
     lock.unlock();
     EP_RETURN_IF(check_group_errors(g_));
     EP_CHECK(false, ncclSystemError,
@@ -140,8 +139,8 @@ void NcclWatchdog::loop() {
   const auto limit = std::chrono::milliseconds(g_->cfg.timeout_ms);
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
-    if (aborted_ || idle()) {
-      cv_.wait(lock, [this] { return stop_ || (in_flight_ && !aborted_); });
+    if (stopped() || idle()) {
+      cv_.wait(lock, [this] { return stop_ || (in_flight_ && !stopped()); });
       continue;
     }
     const auto now = std::chrono::steady_clock::now();
@@ -186,11 +185,10 @@ ncclResult_t comm_async_error(ncclComm_t comm) {
 }
 
 // Caller holds mu_ (through `lock`); released while NCCL aborts the communicators (it waits for
-// the stuck kernel and NCCL's proxy threads), with aborted_ already set: no call uses them.
+// the stuck kernel and NCCL's proxy threads), with the stop already recorded: no call uses them.
 // `code`: kErrNcclTimeout (value: the timeout in ms) or kErrNcclFailed (value: NCCL's error).
 void NcclWatchdog::stop_communicators(std::unique_lock<std::mutex>& lock, ErrorCode code,
                                       long long value) {
-  aborted_ = true;
   stopped_at_ = std::chrono::steady_clock::now();
   ErrorInfo* e = g_->h_err;
   // The device claims the word with an atomic on `claim`; the host does the same, then

@@ -56,12 +56,11 @@ def world_sizes(nodes_of_one: bool = False):
     """1 rank (one GPU: the kernels without a peer), 2 ranks, and 4 (2 ranks is a degenerate
     all-to-all), each where enough GPUs exist: one rank a GPU, or with ``nodes_of_one`` two ranks
     a GPU (a test that also runs other node sizes calls skip_without_gpus for those)."""
-    count = gpu_count()
+    count, ranks_per_node = gpu_count(), 1 if nodes_of_one else 0
+    needs = {n: gpus_needed(n, ranks_per_node) for n in (1, 2, 4)}
     return [pytest.param(n, marks=pytest.mark.skipif(
-        count < gpus_needed(n, 1 if nodes_of_one else 0),
-        reason=f"{n}-rank GPU cases need {gpus_needed(n, 1 if nodes_of_one else 0)} CUDA devices, "
-               f"found {count}"))
-        for n in (1, 2, 4)]
+        count < need, reason=f"{n}-rank GPU cases need {need} CUDA devices, found {count}"))
+        for n, need in needs.items()]
 
 
 def poison_allocator(device, large_bytes: int = 4 << 30, small_blocks: int = 128) -> None:
