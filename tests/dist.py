@@ -82,19 +82,43 @@ def dump_stacks(procs: dict) -> None:
 
 
 def native_stacks(pid: int) -> None:
-    """The native stack of every thread of ``pid`` (gdb, where the machine has it), to stderr: a
-    rank stuck inside the library (a CUDA or NCCL wait) shows only its Python call above."""
+    """The native stack of every thread of ``pid``, to stderr: a rank stuck inside the library (a
+    CUDA or NCCL wait) shows only its Python call above. gdb where the machine has it, else
+    py-spy's native frames of the Python threads and every thread's name and kernel wait."""
     gdb = shutil.which("gdb")
-    if gdb is None:
-        print("(no gdb here: no native stacks)", file=sys.stderr, flush=True)
+    if gdb is not None:
+        out = _run_tool([gdb, "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 25"])
+        frames = [line for line in out.splitlines() if line.startswith(("Thread ", "#"))]
+        print("\n".join(frames) or out[-4000:], file=sys.stderr, flush=True)
         return
+    py_spy = shutil.which("py-spy") or next(
+        (p for p in (os.path.join(d, "bin", "py-spy") for d in sys.path if d)
+         if os.path.isfile(p)), None)
+    if py_spy is not None:
+        print(_run_tool([py_spy, "dump", "--native", "--pid", str(pid)])[-8000:], file=sys.stderr,
+              flush=True)
+    else:
+        print("(no gdb or py-spy here: no native stacks)", file=sys.stderr, flush=True)
+    threads = []
+    for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+        fields = []
+        for name in ("comm", "wchan", "syscall"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/{name}") as f:
+                    fields.append(f.read().strip().split(" ")[0])
+            except OSError:
+                fields.append("?")
+        threads.append(f"  thread {tid} {fields[0]!r}: wchan {fields[1]}, syscall {fields[2]}")
+    print("threads (name, kernel wait, system call number):\n" + "\n".join(threads),
+          file=sys.stderr, flush=True)
+
+
+def _run_tool(cmd: list) -> str:
     try:
-        out = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 25"],
-                             capture_output=True, text=True, timeout=60).stdout
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        return done.stdout + done.stderr
     except (OSError, subprocess.TimeoutExpired) as exc:
-        out = f"(gdb failed: {exc})"
-    frames = [line for line in out.splitlines() if line.startswith(("Thread ", "#"))]
-    print("\n".join(frames) or out[-4000:], file=sys.stderr, flush=True)
+        return f"({os.path.basename(cmd[0])} failed: {exc})"
 
 
 _loaded_modules: dict = {}

@@ -1,10 +1,15 @@
 /*
  * errors.cc: the thread-local last-error message, dtype helpers, and the decoding of device-side
  * error words into messages (worded like the reference backend's, so both backends read alike).
- * Op kinds and wait kinds come from the protocol's enums (kernels/protocol.cuh).
+ * Op kinds and wait kinds come from the protocol's enums (kernels/protocol.cuh). Also the
+ * NCCL_EP_DEBUG lines.
  */
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
+#include <chrono>
 #include <string>
 
 #include "internal.h"
@@ -20,6 +25,23 @@ void set_error(const char* fmt, ...) {
   vsnprintf(buf, sizeof(buf), fmt, ap);
   va_end(ap);
   g_last_error = buf;
+}
+
+void debug_log(const char* fmt, ...) {
+  static const bool enabled = [] {
+    const char* v = getenv("NCCL_EP_DEBUG");
+    return v != nullptr && strcmp(v, "1") == 0;
+  }();
+  if (!enabled) return;
+  static const auto t0 = std::chrono::steady_clock::now();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "NCCL_EP_DEBUG pid %d %.3f s: %s\n", (int)getpid(), s, buf);
+  fflush(stderr);
 }
 
 const char* dtype_name(ncclDataType_t dtype) {

@@ -31,15 +31,19 @@ namespace {
 // Frees a communicator of the group. One with an asynchronous error (a peer's process gone, its
 // sockets closed), or any of a group that holds an error (`failed`: a peer may be gone before
 // NCCL noticed), is aborted: ncclCommDestroy would wait for that peer.
-void release_comm(ncclComm_t c, bool failed) {
+void release_comm(ncclComm_t c, const char* name, int rank, bool failed) {
   if (c == nullptr) return;
-  if (failed || comm_async_error(c) != ncclSuccess) ncclCommAbort(c);
+  const bool abort = failed || comm_async_error(c) != ncclSuccess;
+  debug_log("rank %d: group destroy: %s %s", rank, abort ? "aborting" : "destroying", name);
+  if (abort) ncclCommAbort(c);
   else ncclCommDestroy(c);
+  debug_log("rank %d: group destroy: %s released", rank, name);
 }
 
 void destroy_group_state(ncclEpGroup* g) {
   if (g == nullptr) return;
   // The watchdog's thread first: it may abort (and free) the communicators below.
+  debug_log("rank %d: group destroy: stopping the watchdog", g->rank);
   if (g->watchdog != nullptr) g->watchdog->shutdown();
   g->watchdog.reset();
   {
@@ -50,9 +54,9 @@ void destroy_group_state(ncclEpGroup* g) {
   }
   close_window(g);
   const bool failed = g->h_err != nullptr && __atomic_load_n(&g->h_err->code, __ATOMIC_ACQUIRE);
-  if (g->node_comm != g->comm) release_comm(g->node_comm, failed);
-  release_comm(g->rail_comm, failed);  // null once the watchdog aborted them
-  release_comm(g->op_comm, failed);
+  if (g->node_comm != g->comm) release_comm(g->node_comm, "node_comm", g->rank, failed);
+  release_comm(g->rail_comm, "rail_comm", g->rank, failed);  // null once the watchdog aborted
+  release_comm(g->op_comm, "op_comm", g->rank, failed);
   free_device(g, g->rail.base);
   if (g->d_state != nullptr) free_device(g, g->d_state);
   if (g->h_err != nullptr) cudaFreeHost(g->h_err);
@@ -407,6 +411,7 @@ extern "C" ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
 extern "C" ncclResult_t ncclEpGroupDestroy(ncclEpGroup_t group) {
   if (group == nullptr) return ncclSuccess;
   // Work still queued on any stream may use the buffers: wait for the device first.
+  debug_log("rank %d: group destroy: waiting for the device", group->rank);
   cudaError_t ce = cudaDeviceSynchronize();
   destroy_group_state(group);
   EP_CUDA(ce);

@@ -31,6 +31,9 @@
 namespace nccl_ep {
 
 void set_error(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+// A line on stderr when NCCL_EP_DEBUG=1 (read once): the lifecycle steps that can wait on peers
+// (the watchdog's steps and stops, group destroy), so that a hang names the step it is in.
+void debug_log(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 const char* dtype_name(ncclDataType_t dtype);
 int dtype_bytes(ncclDataType_t dtype);  // 0 for dtypes the library does not move
 size_t align_up(size_t v, size_t a);

@@ -14,7 +14,10 @@
  *    the peers do. (ncclCommRevoke, tried first until 2026-12-01, left the survivor's stream or
  *    its destroy waiting when the peer was gone: measured with two emulated nodes on one H200.)
  *    The error word is written before, so that a latch kernel queued after each rail step
- *    (ops.cc) stops the group's later kernels on the device.
+ *    (ops.cc) stops the group's later kernels on the device. The stuck step's communicator is
+ *    aborted first: freeing the other one's memory waits for the device, that is for the stuck
+ *    kernel (measured: a routing gather stuck on op_comm, rail_comm aborted first, never
+ *    returned).
  *  - The clock starts when the step's start event has completed, not at enqueue: a stream with
  *    long work queued before the step is not a peer that stopped.
  *  - An asynchronous error of the running step's communicator (ncclCommGetAsyncError: a peer's
@@ -88,6 +91,7 @@ bool NcclWatchdog::idle() {
   if (!in_flight_) return true;
   if (cudaEventQuery(step_.end) == cudaErrorNotReady) return false;
   in_flight_ = false;
+  debug_log("rank %d: step of op %d finished", g_->rank, (int)step_.op);
   return true;
 }
 
@@ -128,6 +132,9 @@ ncclResult_t NcclWatchdog::run(OpKind op, NcclStep step, cudaStream_t stream,
   step_.step = step;
   step_.running = false;
   in_flight_ = true;
+  debug_log("rank %d: %s step of op %d enqueued (%s)", g_->rank,
+            step == kStepRoutingGather ? "routing gather" : "rail", (int)op,
+            ncclGetErrorString(res));
   lock.unlock();
   cv_.notify_all();
   return res;
@@ -147,6 +154,7 @@ void NcclWatchdog::loop() {
     if (!step_.running && cudaEventQuery(step_.start) == cudaSuccess) {
       step_.running = true;
       step_.started = now;
+      debug_log("rank %d: step of op %d started on the GPU", g_->rank, (int)step_.op);
     }
     if (step_.running) {
       // An error counts only while the step is unfinished (NOTES); idle() looks once more.
@@ -204,11 +212,17 @@ void NcclWatchdog::stop_communicators(std::unique_lock<std::mutex>& lock, ErrorC
     e->where = -1;
     __atomic_store_n(&e->code, (int)code, __ATOMIC_RELEASE);
   }
-  ncclComm_t comms[] = {g_->rail_comm, g_->op_comm};
+  // The stuck step's communicator first (NOTES).
+  const bool gather = step_.step == kStepRoutingGather;
+  ncclComm_t comms[] = {gather ? g_->op_comm : g_->rail_comm,
+                        gather ? g_->rail_comm : g_->op_comm};
   g_->rail_comm = g_->op_comm = nullptr;  // abort frees them
   lock.unlock();
+  debug_log("rank %d: stopping op %d's step (%s, %lld): aborting the communicators", g_->rank,
+            (int)step_.op, code == kErrNcclTimeout ? "timeout ms" : "NCCL error", value);
   for (ncclComm_t c : comms)
     if (c != nullptr) ncclCommAbort(c);
+  debug_log("rank %d: communicators aborted", g_->rank);
   lock.lock();
 }
 
