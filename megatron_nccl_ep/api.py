@@ -259,8 +259,8 @@ class Group:
     slots for an expert fill its sub-block in token order, slots past the ``C``-th are dropped
     (not sent, not combined, zero probability gradient), unused rows are zero with prob 0. Every
     dispatch output has ``L * roundup(R * C, expert_alignment)`` rows and ``tokens_per_expert``
-    is that constant per expert, in exact and capacity mode alike, with no host read. The torch
-    backend implements it; the cuda backend refuses it (ValueError) until its kernels do.
+    is that constant per expert, in exact and capacity mode alike, with no host read. Both
+    backends implement it (the cuda backend up to its 32 slots per token, ``max_topk`` <= 32).
     """
 
     def __init__(self, process_group=None, *, num_experts: int, hidden: int,

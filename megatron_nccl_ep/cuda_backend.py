@@ -35,6 +35,7 @@ except (ImportError, OSError) as exc:  # not built, or libnccl.so.2 / CUDA not l
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_TOPK = 32  # kMaxTopk of the kernels: a warp's lane per slot
 _MODE_EXACT, _MODE_CAPACITY = 0, 1
 
 
@@ -111,6 +112,7 @@ def _c_config(config: GroupConfig):
     c.timeout_ms = max(1, int(math.ceil(config.timeout_s * 1000)))
     c.staging_chunk_tokens, c.staging_depth = config.staging_chunk_tokens, config.staging_depth
     c.ranks_per_node = config.ranks_per_node
+    c.expert_capacity = config.expert_capacity
     return c
 
 
@@ -120,13 +122,12 @@ class CudaBackend:
     @staticmethod
     def check(config: GroupConfig, world_size: int, device: Optional[torch.device]) -> None:
         """Group creation's local checks (no communication), in the same order on every rank."""
-        if config.expert_capacity:
+        if config.max_topk > MAX_TOPK:
             # First, so that the refusal is the same with or without the built extension.
             raise ValueError(
-                f"GroupConfig: expert_capacity={config.expert_capacity} (the fixed-capacity "
-                "drop-and-pad layout, Megatron's moe_pad_expert_input_to_capacity) is not "
-                "implemented by the cuda backend yet; backend='torch' computes it "
-                "(docs/cuda_backend.md says what the kernels need)")
+                f"GroupConfig: max_topk={config.max_topk} is more than the cuda backend's "
+                f"{MAX_TOPK} slots per token (a drop-and-pad routing map, which may name every "
+                "expert, has max_topk = num_experts); use backend='torch' for it")
         if _C is None:
             raise RuntimeError(unavailable_reason())
         if config.dtype not in TOKEN_DTYPES:

@@ -247,14 +247,15 @@ def test_configuration_rules():
     assert ep.Group(**base).config.static_recv_rows(1) is None
 
 
-def test_cuda_backend_refuses_fixed_capacity():
-    """The cuda kernels do not build this layout yet: the backend says so, naming the option,
-    before it touches the extension or a GPU."""
+def test_cuda_backend_refuses_more_slots_than_its_kernels():
+    """The cuda kernels take a lane per slot (32): a drop-and-pad routing map of more experts
+    (max_topk = E) is refused, naming the option and the way out, before the extension or a GPU
+    is touched. The fixed-capacity layout itself runs there (tests/gpu: bitwise)."""
     from megatron_nccl_ep.cuda_backend import CudaBackend
 
-    config = GroupConfig(num_experts=8, hidden=16, max_tokens_per_rank=32, max_topk=2,
+    config = GroupConfig(num_experts=64, hidden=16, max_tokens_per_rank=32, max_topk=64,
                          expert_capacity=4)
     config.validate(1)
-    with pytest.raises(ValueError, match=r"expert_capacity=4 .*drop-and-pad.*not implemented by "
-                                         r"the cuda backend.*backend='torch'"):
+    with pytest.raises(ValueError, match=r"max_topk=64 is more than the cuda backend's 32 slots "
+                                         r"per token.*drop-and-pad.*backend='torch'"):
         CudaBackend(config, None)

@@ -152,7 +152,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("timeout_ms", &ncclEpGroupConfig_t::timeout_ms)
       .def_readwrite("staging_chunk_tokens", &ncclEpGroupConfig_t::staging_chunk_tokens)
       .def_readwrite("staging_depth", &ncclEpGroupConfig_t::staging_depth)
-      .def_readwrite("ranks_per_node", &ncclEpGroupConfig_t::ranks_per_node);
+      .def_readwrite("ranks_per_node", &ncclEpGroupConfig_t::ranks_per_node)
+      .def_readwrite("expert_capacity", &ncclEpGroupConfig_t::expert_capacity);
   m.def(
       "create_group",
       [](uintptr_t comm, const ncclEpGroupConfig_t& cfg, uintptr_t stream) {

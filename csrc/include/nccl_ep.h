@@ -64,7 +64,7 @@ extern "C" {
 #pragma GCC visibility push(default)
 #endif
 
-#define NCCL_EP_API_VERSION 2
+#define NCCL_EP_API_VERSION 3
 #define NCCL_EP_MAX_NDIM 4
 
 typedef struct ncclEpGroup* ncclEpGroup_t;
@@ -135,12 +135,19 @@ typedef struct {
    * LSA team size (one node when every rank reaches every other over NVLink). Set smaller to
    * emulate nodes (G = 1: every transfer goes over the rail). */
   int ranks_per_node;
+  /* C > 0: the fixed-capacity ("drop-and-pad") layout. Each local expert's block holds R runs of
+   * C rows, one per source rank in rank order (then padded to expert_alignment): a source's slots
+   * for an expert past the C-th, in token order, are dropped (masked everywhere: not sent, not
+   * summed, 0 in the probs' gradient), and rows no slot fills are zero. Every dispatch output
+   * then has L x roundup(R x C, expert_alignment) rows, and tokens_per_expert is that block
+   * size; capacity mode needs max_recv_tokens_per_rank to equal it. 0 = off. */
+  int expert_capacity;
 } ncclEpGroupConfig_t;
 
 #define NCCL_EP_GROUP_CONFIG_INITIALIZER                                                  \
   {                                                                                       \
     sizeof(ncclEpGroupConfig_t), NCCL_EP_API_VERSION, ncclEpModeHighThroughput, 0, 0, 0, \
-        0, ncclBfloat16, ncclEpRecvCountExact, 0, 1, 0, 100000, NULL, NULL, NULL, 0, 0, 0 \
+        0, ncclBfloat16, ncclEpRecvCountExact, 0, 1, 0, 100000, NULL, NULL, NULL, 0, 0, 0, 0 \
   }
 
 /* What a group allocated (ncclEpGroupGetInfo). */

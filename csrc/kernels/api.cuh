@@ -49,6 +49,7 @@ struct PackArgs {
   void* own_record;       // groups that span nodes: this rank's place in the all-gather buffer
   int num_ranks;
   int* own_routing;       // the handle's own copy [tokens * topk]
+  int* kept_routing;      // expert_capacity: a second copy, its drops masked by the layout
   // Per-handle scratch the layout expects reset, reset here (no memset launches):
   unsigned long long* err_key;  // = ~0
   int* hist;              // [num_experts] = 0
@@ -77,6 +78,16 @@ struct LayoutArgs {
                           // capacity, so all ranks report an overflow together
   LayoutMeta* meta;
   ErrorInfo* err;         // where errors are reported (meta->err or the group's mapped word)
+  // expert_capacity C > 0 (0: off): every (source, local expert) run is C rows at
+  // off = l * block_rows + s * C, and each source's slots past the C-th per expert are dropped.
+  int expert_capacity;
+  long long block_rows;
+  // The drop pass masks them in the routing the ops follow: this rank's (kept_routing) and,
+  // over nodes, the records of the sources whose tokens the rail brings here (node_rank of every
+  // node; records_rw: the all-gathered records, nullptr on one node).
+  int* kept_routing;
+  int* records_rw;
+  int node_size, node_rank, num_nodes;
 };
 
 struct BarrierArgs {

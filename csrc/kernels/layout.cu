@@ -19,6 +19,8 @@
  *             expert blocks, tokens_per_expert, off[s][l], N_d, src_of_row = -1 on padding
  *             rows, the capacity check
  *   scatter   one block per (l, s): block scan over tokens -> recv_row[s][t][k], src_of_row[row]
+ *   drop      expert_capacity only: one block per (expert, node) masks the dropped slots in the
+ *             routing the ops follow (kept_routing; over nodes also the rail's sources' records)
  *
  * NOTES:
  *  - Row of slot (s, t, k) with local expert l: off[s][l] + #{t' < t : token t' of s routes to l}.
@@ -31,6 +33,10 @@
  *    twice or out of bounds.
  *  - tokens_per_expert[l] is the size of expert l's block including its alignment padding, like
  *    the reference backend, so sum(tokens_per_expert) == N_d.
+ *  - Fixed capacity (expert_capacity C): off[s][l] = l * roundup(R * C, A) + s * C; a slot is kept
+ *    iff its position among s's slots for its expert, in token order, is < C. The scatter and the
+ *    drop pass decide it with the same scan, from the source's record alone, so the destination's
+ *    rows and the source's sends agree without any exchange.
  */
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -52,6 +58,7 @@ __device__ __forceinline__ int* record_in(const PackArgs& a, int d) {
 // Writes id `v` of entry i (token-major, i < tokens * topk) to every window and to the handle.
 __device__ __forceinline__ void put_id(const PackArgs& a, long long i, int v) {
   a.own_routing[i] = v;
+  if (a.kept_routing != nullptr) a.kept_routing[i] = v;
   for (int d = 0; d < a.num_ranks; ++d) record_in(a, d)[kRecordHeader + i] = v;
 }
 
@@ -208,6 +215,26 @@ __global__ void validate_kernel(LayoutArgs a) {
   if (key != ~0ull) atomicMin(a.err_key, key);
 }
 
+// The fixed-capacity layout (expert_capacity C): expert l's block is block_rows rows from
+// l * block_rows, source s's run C rows from s * C into it, whatever the routing. Its rows past
+// the run's min(cnt, C) slots, and the block's alignment tail, are rows of no slot (zeros).
+// Nothing can overflow: the output always has L x block_rows rows.
+EP_DEVICE void fixed_capacity_bases(const LayoutArgs& a) {
+  const long long C = a.expert_capacity, block = a.block_rows;
+  for (int l = threadIdx.x; l < a.num_local; l += blockDim.x) {
+    const long long base = (long long)l * block;
+    for (int s = 0; s < a.num_ranks; ++s) {
+      const long long run = base + s * C;
+      a.off[s * a.num_local + l] = (int)run;
+      const long long filled = min((long long)a.cnt[s * a.num_local + l], C);
+      for (long long r = run + filled; r < run + C; ++r) a.src_of_row[r] = -1;
+    }
+    for (long long r = base + a.num_ranks * C; r < base + block; ++r) a.src_of_row[r] = -1;
+    a.meta->tokens_per_expert[l] = block;
+  }
+  if (threadIdx.x == 0) a.meta->num_rows = block * a.num_local;
+}
+
 __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
   LayoutMeta* m = a.meta;
   for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
@@ -258,6 +285,10 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
         }
       }
     }
+  }
+  if (a.expert_capacity > 0) {
+    fixed_capacity_bases(a);
+    return;
   }
   // Expert blocks: one thread per local expert, an exclusive scan of the aligned block sizes
   // over l (tiles of blockDim, carried), then off[s][l] in source-rank order.
@@ -316,7 +347,8 @@ __global__ void __launch_bounds__(kLayoutThreads) scatter_kernel(LayoutArgs a) {
   const int e = a.rank * a.num_local + l;
   using Scan = cub::BlockScan<int, kLayoutThreads>;
   __shared__ typename Scan::TempStorage tmp;
-  long long run = a.off[s * a.num_local + l];
+  const long long first = a.off[s * a.num_local + l];
+  long long run = first;
   for (int t0 = 0; t0 < ts; t0 += kLayoutThreads) {
     const int t = t0 + (int)threadIdx.x;
     int hit_k = -1;
@@ -327,12 +359,44 @@ __global__ void __launch_bounds__(kLayoutThreads) scatter_kernel(LayoutArgs a) {
     }
     int prefix, aggregate;
     Scan(tmp).ExclusiveSum(hit_k >= 0 ? 1 : 0, prefix, aggregate);
-    if (hit_k >= 0) {
+    // Fixed capacity: the slot's position in its run decides; past C it is dropped (no row).
+    if (hit_k >= 0 && (a.expert_capacity == 0 || run - first + prefix < a.expert_capacity)) {
       const long long r = run + prefix;
       const int slot = (s * a.max_tokens + t) * a.max_topk + hit_k;
       a.recv_row[slot] = (int)r;
       if (r < a.src_rows) a.src_of_row[r] = slot;
     }
+    run += aggregate;
+    __syncthreads();  // tmp is reused by the next tile
+  }
+}
+
+// Fixed capacity: one block per (expert e, node m) masks, in the routing the ops follow for
+// source s = m * G + node_rank (this rank's, or one the rail brings here), every slot naming e
+// past the C-th in s's token order: the scatter's scan for every expert, not only the local ones,
+// so that no rank sends, sums or reports a slot its destination dropped.
+// NOTES: blocks of other experts read the ids this one masks; an id turned to -1 never equals
+// theirs, so none of them sees a change.
+__global__ void __launch_bounds__(kLayoutThreads) drop_kernel(LayoutArgs a) {
+  const int e = blockIdx.x, m = blockIdx.y;
+  const int s = m * a.node_size + a.node_rank;
+  const int* rec = a.gathered + (size_t)s * a.rec_ints;
+  const int ts = rec[1] == a.topk ? record_tokens(rec, a.max_tokens, a.max_topk) : 0;
+  int* kept = s == a.rank ? a.kept_routing : a.records_rw + (size_t)s * a.rec_ints + kRecordHeader;
+  using Scan = cub::BlockScan<int, kLayoutThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  long long run = 0;
+  for (int t0 = 0; t0 < ts; t0 += kLayoutThreads) {
+    const int t = t0 + (int)threadIdx.x;
+    int hit_k = -1;
+    if (t < ts) {
+      const int* row = rec + kRecordHeader + (size_t)t * a.topk;
+      for (int k = a.topk - 1; k >= 0; --k)
+        if (row[k] == e) hit_k = k;  // first slot naming e, as the scatter
+    }
+    int prefix, aggregate;
+    Scan(tmp).ExclusiveSum(hit_k >= 0 ? 1 : 0, prefix, aggregate);
+    if (hit_k >= 0 && run + prefix >= a.expert_capacity) kept[(size_t)t * a.topk + hit_k] = -1;
     run += aggregate;
     __syncthreads();  // tmp is reused by the next tile
   }
@@ -347,7 +411,8 @@ cudaError_t preload_layout() {
       reinterpret_cast<const void*>(copy_topk_kernel),
       reinterpret_cast<const void*>(validate_kernel),
       reinterpret_cast<const void*>(bases_kernel),
-      reinterpret_cast<const void*>(scatter_kernel)};
+      reinterpret_cast<const void*>(scatter_kernel),
+      reinterpret_cast<const void*>(drop_kernel)};
   for (const void* k : kernels) {
     const cudaError_t e = cudaFuncGetAttributes(&attr, k);
     if (e != cudaSuccess) return e;
@@ -364,6 +429,8 @@ cudaError_t launch_layout(const LayoutArgs& a, cudaStream_t stream) {
   const dim3 grid(a.num_local, a.num_ranks);
   bases_kernel<<<1, kLayoutThreads, 0, stream>>>(a);
   scatter_kernel<<<grid, kLayoutThreads, 0, stream>>>(a);
+  if (a.expert_capacity > 0)  // after the scatter: over nodes it rewrites the records it read
+    drop_kernel<<<dim3(a.num_experts, a.num_nodes), kLayoutThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

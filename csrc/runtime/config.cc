@@ -27,14 +27,14 @@ constexpr size_t kChunkTargetBytes = 2 << 20;  // chunk x R x row
 
 struct ConfigRecord {  // all-gathered at creation; int64 fields so the compare is trivial
   long long magic, version, mode, num_experts, hidden, max_tokens, max_topk, token_dtype,
-      recv_mode, capacity, align, num_sms, timeout_ms, chunk, depth, nccl_version, node_size,
-      lsa_size;
+      recv_mode, capacity, align, num_sms, timeout_ms, chunk, depth, expert_capacity,
+      nccl_version, node_size, lsa_size;
 };
 const char* kConfigFields[] = {"magic", "version", "mode", "num_experts", "hidden",
                                "max_tokens_per_rank", "max_topk", "token_dtype",
                                "recv_count_mode", "max_recv_tokens_per_rank", "expert_alignment",
                                "num_sms", "timeout_ms", "staging_chunk_tokens", "staging_depth",
-                               "nccl_version", "ranks_per_node (as resolved)", "lsa_size"};
+                               "expert_capacity", "nccl_version", "ranks_per_node (as resolved)", "lsa_size"};
 constexpr int kConfigFieldCount = (int)(sizeof(ConfigRecord) / sizeof(long long));
 static_assert(sizeof(kConfigFields) / sizeof(kConfigFields[0]) == kConfigFieldCount, "fields");
 constexpr int kLsaField = kConfigFieldCount - 1;  // checked with its own message
@@ -49,6 +49,10 @@ int chunk_tokens(const ncclEpGroupConfig_t& c, size_t row_stride, int nranks) {
 }  // namespace
 
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+long long expert_block_rows(const ncclEpGroupConfig_t& c, int nranks) {
+  return (long long)align_up((size_t)nranks * c.expert_capacity, c.expert_alignment);
+}
 
 int default_channels(const ncclEpGroupConfig_t& c) {
   return c.num_sms > 0 ? c.num_sms : kDefaultSms;
@@ -152,6 +156,25 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
            "ncclEpCreateGroup: group size x max_tokens_per_rank x max_topk (%lld) must stay "
            "below 2^31",
            slots);
+  EP_CHECK(c->expert_capacity >= 0, ncclInvalidArgument,
+           "ncclEpCreateGroup: expert_capacity must be >= 0 (0 = off), got %d",
+           c->expert_capacity);
+  if (c->expert_capacity > 0) {
+    const long long block = expert_block_rows(*c, nranks);
+    const long long fixed = block * (c->num_experts / nranks);
+    EP_CHECK(fixed < (1ll << 31), ncclInvalidArgument,
+             "ncclEpCreateGroup: expert_capacity=%d gives %lld rows per rank (local experts x "
+             "roundup(group size x capacity, expert_alignment)), which must stay below 2^31",
+             c->expert_capacity, fixed);
+    EP_CHECK(c->recv_count_mode != ncclEpRecvCountCapacity ||
+                 c->max_recv_tokens_per_rank == fixed,
+             ncclInvalidArgument,
+             "ncclEpCreateGroup: expert_capacity=%d fixes every dispatch output at %lld rows "
+             "(%d local experts x %lld); in capacity mode max_recv_tokens_per_rank must be "
+             "that, got %lld",
+             c->expert_capacity, fixed, c->num_experts / nranks, block,
+             (long long)c->max_recv_tokens_per_rank);
+  }
   const WindowLayout w = plan_window(*c, node_size);
   const long long per_channel = (c->max_tokens_per_rank + w.channels - 1) / w.channels;
   EP_CHECK((per_channel + w.chunk - 1) / w.chunk <= kMaxChunksPerChannel, ncclInvalidArgument,
@@ -196,8 +219,8 @@ ncclResult_t agree_config(ncclEpGroup* g, int lsa_size, int nccl_version, cudaSt
                              c.num_experts, c.hidden, c.max_tokens_per_rank, c.max_topk,
                              (long long)c.token_dtype, (long long)c.recv_count_mode,
                              g->capacity, c.expert_alignment, c.num_sms, (long long)c.timeout_ms,
-                             c.staging_chunk_tokens, c.staging_depth, nccl_version, g->node_size,
-                             lsa_size};
+                             c.staging_chunk_tokens, c.staging_depth, c.expert_capacity,
+                             nccl_version, g->node_size, lsa_size};
   const int R = g->nranks;
   std::vector<ConfigRecord> all(R);
   EP_RETURN_IF(host_all_gather(g->comm, R, g->rank, &mine, sizeof(mine), all.data(), stream));

@@ -117,6 +117,10 @@ ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int n
                               std::min(c.max_topk, g->num_local) +
                           (long long)g->num_local * (c.expert_alignment - 1);
   g->src_rows = g->capacity >= 0 ? std::min(bound, g->capacity) : bound;
+  if (c.expert_capacity > 0) {  // every row of the fixed layout, filled or zero
+    g->block_rows = expert_block_rows(c, nranks);
+    g->src_rows = g->block_rows * g->num_local;
+  }
   g->win = plan_window(c, node_size);
   EP_CUDA(cudaGetDevice(&g->device));
   EP_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&g->h_err), sizeof(ErrorInfo),

@@ -159,6 +159,7 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   p.own_record = one_node ? nullptr : own_record;
   p.num_ranks = one_node ? G : 1;
   p.own_routing = s->own_routing.ptr;
+  p.kept_routing = s->kept_routing.count > 0 ? s->kept_routing.ptr : nullptr;
   p.err_key = s->err_key.ptr;
   p.hist = s->hist.ptr;
   p.cnt = s->cnt.ptr;
@@ -208,6 +209,13 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   a.hist = s->hist.ptr;
   a.meta = s->meta.ptr;
   a.err = g->capacity >= 0 ? g->d_err : &s->meta.ptr->err;
+  a.expert_capacity = c.expert_capacity;
+  a.block_rows = g->block_rows;
+  a.kept_routing = p.kept_routing;
+  a.records_rw = one_node ? nullptr : s->records.ptr;
+  a.node_size = G;
+  a.node_rank = g->node_rank;
+  a.num_nodes = g->num_nodes;
   EP_CUDA(launch_layout(a, stream));
 
   if (g->capacity >= 0) {

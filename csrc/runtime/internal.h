@@ -115,7 +115,9 @@ class BufferPlan {
 // One handle's device buffers (a pool slot) and its host readback.
 struct HandleSlot {
   void* base = nullptr;          // one device allocation for every view below
-  View<int> own_routing;         // [Tmax * Kmax] this rank's expert ids
+  View<int> own_routing;         // [Tmax * Kmax] this rank's expert ids (the caller's)
+  View<int> kept_routing;        // expert_capacity: the same with dropped slots -1, what the
+                                 // ops follow ([Tmax * Kmax]; empty without expert_capacity)
   View<int> recv_row;            // [R * Tmax * Kmax]
   View<int> src_of_row;          // [src_rows]
   View<int> cnt, off;            // [R * L]
@@ -126,6 +128,9 @@ struct HandleSlot {
                                  // routing records (one node: they sit in the window)
   LayoutMeta* host_meta = nullptr;  // pinned: the exact-mode readback
   cudaEvent_t meta_ready = nullptr; // recorded after the readback copy
+
+  // This rank's routing as the ops follow it (its dropped slots masked under expert_capacity).
+  int* op_routing() const { return kept_routing.count > 0 ? kept_routing.ptr : own_routing.ptr; }
 };
 
 // Windows of a local team (ncclEpCreateLocalTeam): freed when the last member goes.
@@ -219,6 +224,7 @@ struct ncclEpGroup {
   size_t row_bytes = 0;          // hidden * token element bytes
   long long capacity = -1;       // capacity mode rows, -1 in exact mode
   long long src_rows = 0;        // rows that src_of_row covers
+  long long block_rows = 0;      // expert_capacity: rows of each local expert's block (0: off)
   int device = 0;
   // symmetric window
   nccl_ep::WindowLayout win{};
@@ -258,6 +264,8 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
 // Sizes and offsets of the window for this config (the same on every rank of a node of nranks).
 WindowLayout plan_window(const ncclEpGroupConfig_t& c, int nranks);
 int default_channels(const ncclEpGroupConfig_t& c);
+// expert_capacity: roundup(nranks x C, expert_alignment), the rows of a local expert's block.
+long long expert_block_rows(const ncclEpGroupConfig_t& c, int nranks);
 // Checks that every rank of an NCCL group has the same configuration (collective).
 ncclResult_t agree_config(ncclEpGroup* g, int lsa_size, int nccl_version, cudaStream_t stream);
 ncclResult_t host_all_gather(ncclComm_t comm, int n, int rank, const void* mine, size_t bytes,

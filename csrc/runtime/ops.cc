@@ -154,7 +154,7 @@ ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, int prob_bytes, boo
   e.zero_padding = pass == 0;
   e.topk = h->topk;
   // The routing of source first + node_rank: this rank's own, or its record.
-  e.own_routing = pass == g->node ? s->own_routing.ptr
+  e.own_routing = pass == g->node ? s->op_routing()
                                   : s->records.ptr + (first + g->node_rank) * g->win.rec_ints +
                                         kRecordHeader;
   e.tokens_of = s->meta.ptr->tokens + first;
@@ -226,7 +226,7 @@ ncclResult_t dispatch_nodes(ncclEpHandle* h, DispatchArgs a, bool with_probs, in
 NodeParts node_parts(const ncclEpHandle* h) {
   const ncclEpGroup* g = h->group;
   NodeParts p;
-  p.own_routing = h->slot->own_routing.ptr;
+  p.own_routing = h->slot->op_routing();
   p.tokens = h->num_tokens;
   p.topk = h->topk;
   p.experts_per_node = g->node_size * g->num_local;

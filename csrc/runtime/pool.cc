@@ -20,6 +20,7 @@ size_t plan_slot(const ncclEpGroup* g, HandleSlot* s, void* base) {
   const size_t Tm = (size_t)g->cfg.max_tokens_per_rank, Km = (size_t)g->cfg.max_topk;
   BufferPlan plan;
   plan.add(&s->own_routing, Tm * Km);
+  plan.add(&s->kept_routing, g->block_rows > 0 ? Tm * Km : 0);
   plan.add(&s->recv_row, (size_t)R * Tm * Km);
   plan.add(&s->src_of_row, (size_t)g->src_rows);
   plan.add(&s->cnt, (size_t)R * L);

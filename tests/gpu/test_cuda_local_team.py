@@ -129,7 +129,31 @@ CASES = {
                                    dtype=BF16, routing="random", num_sms=16, chunk=16),
     "ep2_no_probs_top1": dict(world=2, tokens=1024, hidden=2048, topk=1, experts=8, dtype=FP16,
                               routing="random", probs_dtype=None),
+    # The fixed-capacity (drop-and-pad) layout, expert_capacity C: runs of C rows per (expert,
+    # source), later slots dropped, empty rows zero. Each case drops slots and leaves rows empty.
+    "fixed_capacity_ep1_one_expert": dict(world=1, tokens=300, hidden=256, topk=4, experts=16,
+                                          dtype=BF16, routing="one_expert", expert_capacity=40),
+    "fixed_capacity_ep2_bench_shape": dict(world=2, tokens=4096, hidden=7168, topk=8,
+                                           experts=256, dtype=BF16, routing="random",
+                                           num_sms=24, expert_capacity=128, alignment=16),
+    "fixed_capacity_ep2_capacity_mode_wraps": dict(world=2, tokens=(500, 0), hidden=512, topk=4,
+                                                   experts=8, dtype=FP32, routing="masked",
+                                                   expert_capacity=100, capacity=True, chunk=8,
+                                                   probs_dtype=BF16),
+    "fixed_capacity_ep4_masked_fp16": dict(world=4, tokens=(300, 17, 0, 512), hidden=128,
+                                           topk=8, experts=64, dtype=FP16, routing="masked",
+                                           alignment=8, idx_dtype=torch.int32,
+                                           expert_capacity=25),
 }
+
+
+def check_drops_and_empty_rows(problem: dense.Problem, C: int, align: int, rows) -> None:
+    """A fixed-capacity case does what it is for: some slots dropped, some rows empty."""
+    slots = sum(int((idx >= 0).sum()) for idx in problem.topk_idx)
+    kept = sum(sum(dense.layout(problem, d, align, expert_capacity=C).real_counts)
+               for d in range(problem.world_size))
+    assert kept < slots, f"no slot dropped ({kept} of {slots} kept)"
+    assert kept < sum(rows), "no row left empty"
 
 
 def slots_ascending(problem: dense.Problem) -> dense.Problem:
@@ -168,10 +192,15 @@ def check_team(name: str, seed: int, from_map: bool = False) -> str:
     if from_map:
         problem = slots_ascending(problem)
     align = case.get("alignment", 1)
-    rows = [dense.layout(problem, d, align).num_rows for d in range(world)]
-    capacity = max(rows) + 37 if case.get("capacity") else None
+    C = case.get("expert_capacity")  # the fixed-capacity layout (None: off)
+    rows = [dense.layout(problem, d, align, expert_capacity=C).num_rows for d in range(world)]
+    if C:
+        check_drops_and_empty_rows(problem, C, align, rows)
+        capacity = rows[0] if case.get("capacity") else None  # the layout's fixed size
+    else:
+        capacity = max(rows) + 37 if case.get("capacity") else None
     extra = dict(recv_mode="capacity", max_recv_tokens_per_rank=capacity) if capacity else {}
-    groups = make_team(world, case, **extra)
+    groups = make_team(world, case, expert_capacity=C or 0, **extra)
     gen = torch.Generator().manual_seed(seed + 99)
     inputs = []
     for r in range(world):
@@ -180,7 +209,7 @@ def check_team(name: str, seed: int, from_map: bool = False) -> str:
                                                                 case["experts"], gen)
         inputs.append((x.to(device), idx.to(device), None if probs is None else probs.to(device),
                        None if dense_probs is None else dense_probs.to(device)))
-    want = [dense.dispatch(problem, d, align, capacity) for d in range(world)]
+    want = [dense.dispatch(problem, d, align, capacity, expert_capacity=C) for d in range(world)]
     handles = [None] * world
 
     def phase_dispatch(r, g):
@@ -206,7 +235,7 @@ def check_team(name: str, seed: int, from_map: bool = False) -> str:
     # Combine: expert outputs with NaN in every row that carries no (token, slot).
     expert_out, grad_recv = [], []
     for d in range(world):
-        lay = dense.layout(problem, d, align)
+        lay = dense.layout(problem, d, align, expert_capacity=C)
         n = want[d][0].shape[0]
         used = torch.zeros(n, dtype=torch.bool)
         used[:lay.num_rows] = torch.tensor([r is not None for r in lay.rows], dtype=torch.bool)
@@ -225,11 +254,12 @@ def check_team(name: str, seed: int, from_map: bool = False) -> str:
         return y, gp
 
     got = run_ranks(groups, phase_combine)
-    cut = [e[:dense.layout(problem, d, align).num_rows] for d, e in enumerate(expert_out)]
+    cut = [e[:rows[d]] for d, e in enumerate(expert_out)]
     for s in range(world):
         y, gp = got[s]
-        dense.assert_bitwise_equal(y, dense.combine(problem, cut, s, align), f"{name} rank {s}: y")
-        w_gp = dense.combine_probs(problem, grad_recv, s, align)
+        dense.assert_bitwise_equal(y, dense.combine(problem, cut, s, align, expert_capacity=C),
+                                   f"{name} rank {s}: y")
+        w_gp = dense.combine_probs(problem, grad_recv, s, align, expert_capacity=C)
         if from_map:  # dense [T, E]: the slot values in their experts' columns, 0 elsewhere
             idx = problem.topk_idx[s].long()
             w_dense = torch.zeros(idx.shape[0], case["experts"], dtype=w_gp.dtype)
@@ -251,7 +281,8 @@ def test_local_team_bitwise_equals_oracle(name, seed, summary_line):
 
 
 @pytest.mark.parametrize("name", ["ep2_bench_shape", "ep4_masked_fp16_align16_int32",
-                                  "ep2_ring_wraps_chunk4_depth2"])
+                                  "ep2_ring_wraps_chunk4_depth2",
+                                  "fixed_capacity_ep4_masked_fp16"])
 def test_local_team_routing_map_dense_probs(name, seed, summary_line):
     summary_line(check_team(name, seed, from_map=True) + ": routing-map handles with dense "
                  "[T, E] probs and grads, bitwise equal")

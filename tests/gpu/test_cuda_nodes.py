@@ -30,11 +30,14 @@ GPUS = gpu_count()
 
 # Exact and capacity mode, uneven token counts, a rank with 0 tokens, every token to one expert
 # (one_expert: so one node's tokens all go to the other node), masked slots, rows that are not a
-# multiple of 16 bytes, no probs, the bench shape.
+# multiple of 16 bytes, no probs, the bench shape, the fixed-capacity layout (whose drops the
+# rail's receivers apply to the records of the sources they stand in for).
 NODE_CASES = ["bench_shape_4096x7168_top8_e256", "t16384_e64_top2_capacity",
               "zero_token_rank_one_expert_top8", "one_expert_capacity_align16_h7168",
               "t17_e2_top1_fp32_align16_masked_int32", "t1_e8_fp16_capacity_align16_probs_bf16",
-              "no_probs_fp16_top8_e64", "h100_rows_not_16_byte_multiple"]
+              "no_probs_fp16_top8_e64", "h100_rows_not_16_byte_multiple",
+              "fixed_capacity_bench_shape_c128_align16",
+              "fixed_capacity_one_expert_capacity_mode"]
 
 
 def world_and_nodes():

@@ -62,6 +62,15 @@ CASES = {
     # 40 experts: the routing-map kernel's last group of 32 experts is partial.
     "e40_top3_masked": dict(tokens=300, hidden=256, topk=3, experts=40, dtype=BF16,
                             routing="masked"),
+    # The fixed-capacity (drop-and-pad) layout: C rows per (expert, source), later slots dropped
+    # (~4% of them at the bench shape), empty rows zero; capacity mode at its fixed size.
+    "fixed_capacity_bench_shape_c128_align16": dict(tokens=4096, hidden=7168, topk=8,
+                                                    experts=256, dtype=BF16, routing="random",
+                                                    expert_capacity=128, alignment=16),
+    "fixed_capacity_one_expert_capacity_mode": dict(tokens=(300, 17), hidden=2048, topk=2,
+                                                    experts=8, dtype=FP16, routing="one_expert",
+                                                    capacity=True, expert_capacity=40,
+                                                    probs_dtype=BF16),
 }
 
 
@@ -80,8 +89,11 @@ def make_groups(case: dict, x, idx, world: int, device, **extra):
     common = dict(num_experts=case["experts"], hidden=case["hidden"],
                   max_tokens_per_rank=max(1, tokens), max_topk=case["topk"],
                   dtype=case["dtype"], device=device,
-                  expert_alignment=case.get("alignment", 1), **extra)
-    if case.get("capacity"):
+                  expert_alignment=case.get("alignment", 1),
+                  expert_capacity=case.get("expert_capacity", 0), **extra)
+    if case.get("capacity") and case.get("expert_capacity"):  # its size is the layout's
+        common.update(recv_mode="capacity")
+    elif case.get("capacity"):
         probe = ep.Group(backend="torch", **common)
         need = torch.tensor([probe.create_handle(idx).num_recv_tokens], device=device)
         tdist.all_reduce(need, op=tdist.ReduceOp.MAX, group=extra.get("process_group"))
@@ -197,7 +209,8 @@ def test_cuda_equals_reference_bitwise(case_name, world_size, seed, summary_line
 @pytest.mark.parametrize("case_name", ["bench_shape_4096x7168_top8_e256",
                                        "t4096_e64_fp16_masked_align16",
                                        "zero_token_rank_one_expert_top8",
-                                       "t16384_e64_top2_capacity", "e40_top3_masked"])
+                                       "t16384_e64_top2_capacity", "e40_top3_masked",
+                                       "fixed_capacity_bench_shape_c128_align16"])
 def test_cuda_routing_map_equals_reference_bitwise(case_name, world_size, seed, summary_line):
     per_rank = dist.run(world_size, check_parity, case_name, seed, None, True, backend="nccl")
     summary_line(f"{per_rank[0][0]} from routing_map: N={[r[2] for r in per_rank]}: topk_idx, "
