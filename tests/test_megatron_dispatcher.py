@@ -129,12 +129,13 @@ def cuda_streams_on_cpu():
         schedule_utils._COMM_STREAM = None  # made once per process from torch.cuda.Stream
 
 
-def moe_layer(dispatcher_type: str, num_experts: int, topk: int, **config_fields):
+def moe_layer(dispatcher_type: str, num_experts: int, topk: int,
+              params_dtype: torch.dtype = torch.float64, **config_fields):
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=2,
         num_moe_experts=num_experts, moe_router_topk=topk,
         moe_token_dispatcher_type=dispatcher_type, use_cpu_initialization=True,
-        add_bias_linear=False, params_dtype=torch.float64, hidden_dropout=0.0,
+        add_bias_linear=False, params_dtype=params_dtype, hidden_dropout=0.0,
         attention_dropout=0.0, **config_fields)
     spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
     submodules = dataclasses.replace(spec.keywords["submodules"], router=DeviceLocalTopKRouter)

@@ -19,6 +19,8 @@ Where alltoall cannot run (capacity above the token count) the baseline is ``all
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from megatron.core import parallel_state
@@ -30,7 +32,7 @@ import dist
 from megatron_nccl_ep.dispatcher import NcclEpTokenDispatcher
 from megatron_nccl_ep.options import NcclEpOptions
 from test_megatron_dispatcher import (BATCH, HIDDEN, SEQ, cuda_streams_on_cpu, megatron_on_cpu,
-                                      moe_layer, parity_case, run_layer)
+                                      megatron_parallel, moe_layer, parity_case, run_layer)
 
 
 def drop_and_pad(factor: float, policy: str = "probs") -> dict:
@@ -118,11 +120,13 @@ def expected_rows(xs: list, maps: list, probs: list, experts, capacity: int) -> 
     return torch.cat(rows), torch.cat(row_probs)
 
 
-def assert_grads_close(got: tuple, want: tuple) -> None:
+def assert_grads_close(got: tuple, want: tuple, atol: float = 1e-12) -> None:
+    """``atol``: 1e-12 in float64 on CPU; float32 on a GPU, where alltoall's unpermute adds a
+    token's rows with atomics (in any order), a few float32 ulps."""
     got_out, got_dx, got_grads = got
     want_out, want_dx, want_grads = want
-    torch.testing.assert_close(got_out, want_out, rtol=0, atol=1e-12)
-    torch.testing.assert_close(got_dx, want_dx, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got_out, want_out, rtol=0, atol=atol)
+    torch.testing.assert_close(got_dx, want_dx, rtol=0, atol=atol)
     assert got_grads.keys() == want_grads.keys() and "router.weight" in got_grads
     assert want_grads["router.weight"].abs().sum() > 0
     # Some expert weights get a gradient. Checked over all ranks: a rank's local experts may be
@@ -133,13 +137,17 @@ def assert_grads_close(got: tuple, want: tuple) -> None:
     torch.distributed.all_reduce(expert_grad)
     assert expert_grad.item() > 0
     for name in want_grads:
-        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0, atol=1e-12,
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0, atol=atol,
                                    msg=lambda m: f"{name}: {m}")
 
 
 def alltoall_case(num_experts: int, topk: int, factor: float, seed: int, policy: str = "probs",
                   recv_mode: str = "exact", ep: int = 0, etp: int = 1, tp: int = 1,
-                  skewed: bool = False, baseline_type: str = "alltoall") -> dict:
+                  skewed: bool = False, baseline_type: str = "alltoall",
+                  backend: str = "torch") -> dict:
+    """``backend="cuda"``: on this rank's GPU over NCCL, Megatron's real streams, float32 (the
+    cuda backend's dtypes); the layout checks stay bitwise, outputs and gradients within
+    float32's rounding (tests/gpu/test_megatron_fixed_capacity.py)."""
     rank = torch.distributed.get_rank()
     ep = ep or torch.distributed.get_world_size() // max(tp, etp)
     fields = drop_and_pad(factor, policy)
@@ -147,23 +155,33 @@ def alltoall_case(num_experts: int, topk: int, factor: float, seed: int, policy:
         fields.update(tensor_model_parallel_size=tp, sequence_parallel=True)
     if etp > 1:
         fields.update(expert_tensor_parallel_size=etp)
-    with megatron_on_cpu(ep, etp=etp, tp=tp), cuda_streams_on_cpu():
+    on_gpu = backend == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    dtype = torch.float32 if on_gpu else torch.float64
+    with contextlib.ExitStack() as stack:
+        if on_gpu:
+            stack.enter_context(megatron_parallel(ep, etp=etp, tp=tp))
+        else:
+            stack.enter_context(megatron_on_cpu(ep, etp=etp, tp=tp))
+            stack.enter_context(cuda_streams_on_cpu())
         try:
             torch.manual_seed(seed)  # same weights on every rank and in both layers
-            baseline = moe_layer(baseline_type, num_experts, topk, **fields)
-            ours = moe_layer("nccl_ep", num_experts, topk, **fields)
-            ours.config.nccl_ep_options = NcclEpOptions(backend="torch", recv_mode=recv_mode)
+            baseline = moe_layer(baseline_type, num_experts, topk, params_dtype=dtype,
+                                 **fields).to(device)
+            ours = moe_layer("nccl_ep", num_experts, topk, params_dtype=dtype,
+                             **fields).to(device)
+            ours.config.nccl_ep_options = NcclEpOptions(backend=backend, recv_mode=recv_mode)
             assert isinstance(ours.token_dispatcher, NcclEpTokenDispatcher)
             torch.manual_seed(seed + rank + 1)  # each rank has its own tokens
-            x = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64)
-            grad_out = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64)
+            x = torch.randn(SEQ, BATCH, HIDDEN, dtype=dtype).to(device)
+            grad_out = torch.randn(SEQ, BATCH, HIDDEN, dtype=dtype).to(device)
             if skewed:
                 skew(baseline, x)
             ours.load_state_dict(baseline.state_dict())
             seen_base, seen = record(baseline), record(ours)
             want = run_layer(baseline, x, grad_out)
             got = run_layer(ours, x, grad_out)
-            assert_grads_close(got, want)
+            assert_grads_close(got, want, atol=1e-5 if on_gpu else 1e-12)
             report = check_layout(ours, x, seen, seen_base, policy, ep, etp, baseline_type)
 
             # Rerun: bitwise the same.
@@ -183,6 +201,9 @@ def check_layout(ours, x, seen, seen_base, policy, ep, etp, baseline_type) -> di
                             capacity_factor=ours.config.moe_expert_capacity_factor)
     sources = ep * etp  # every rank of the TP x EP group sends each expert one run
     dropped, padded = check_router_drops(ours, x, seen, capacity, policy)
+    # Compared on the host; gathered from the device (NCCL gathers device tensors).
+    on_device = seen
+    seen, seen_base = ({k: v.cpu() for k, v in d.items()} for d in (seen, seen_base))
 
     # The library was asked for the fixed-capacity layout (static shapes, no host read): the
     # group the dispatcher used.
@@ -202,9 +223,9 @@ def check_layout(ours, x, seen, seen_base, policy, ep, etp, baseline_type) -> di
     # The experts' input against the oracle (sources in the TP x EP group's order).
     group = parallel_state.get_expert_tensor_and_model_parallel_group()
     assert group.size() == sources
-    xs = gather(x.reshape(-1, HIDDEN), group)
-    maps = [m.bool() for m in gather(seen["map"].to(torch.uint8), group)]
-    probs = gather(seen["probs"], group)
+    xs = [t.cpu() for t in gather(x.reshape(-1, HIDDEN), group)]
+    maps = [m.bool().cpu() for m in gather(on_device["map"].to(torch.uint8), group)]
+    probs = [t.cpu() for t in gather(on_device["probs"], group)]
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     want_rows, want_probs = expected_rows(xs, maps, probs, range(ep_rank * L, ep_rank * L + L),
                                           capacity)

@@ -8,7 +8,7 @@
 # (keep it to 8 files: what a remote runner may copy back). Each stage has its own time limit
 # (choose stages and limits so that a call stays inside 10 minutes): BUILD_TIMEOUT (150 s),
 # TESTS_TIMEOUT (180 s), NODES_TESTS_TIMEOUT (180 s, groups that span nodes, emulated),
-# MEGATRON_TESTS_TIMEOUT (150 s, Megatron's EP overlap on GPUs) and
+# MEGATRON_TESTS_TIMEOUT (150 s, Megatron's EP overlap and drop-and-pad on GPUs) and
 # TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s), MICRO_TIMEOUT (90 s per
 # microbenchmark; MICRO_SMS: sm_budget's SM count, 24; MICRO_BASELINES=0: not the baselines'
 # sm_budget (each takes ~40 s); MICRO_NCU="combine_library": Nsight
@@ -220,7 +220,7 @@ run_pytest() {
 FAULT_TESTS=(tests/gpu/test_cuda_faults.py tests/gpu/test_cuda_stress.py
              tests/gpu/test_cuda_soak.py)
 # Megatron on GPUs: a run of their own, so that one stuck there leaves the other summaries whole.
-MEGATRON_TESTS=(tests/gpu/test_megatron_overlap.py)
+MEGATRON_TESTS=(tests/gpu/test_megatron_overlap.py tests/gpu/test_megatron_fixed_capacity.py)
 # Groups that span nodes (emulated: the group option and NCCL_HOSTID): a run of their own too.
 NODES_TESTS=(tests/gpu/test_cuda_nodes.py)
 
@@ -236,7 +236,7 @@ if wants tests; then
         "$NODES_TESTS_TIMEOUT" "$OUT/gpu_tests.log" "${NODES_TESTS[@]}"
     # Megatron asks the 1F1B EP overlap for more than one hardware queue, as the runs above have.
     CUDA_DEVICE_MAX_CONNECTIONS=32 PER_TEST_TIMEOUT=130 \
-        run_pytest "tests (Megatron on GPUs: 1F1B EP overlap)" \
+        run_pytest "tests (Megatron on GPUs: 1F1B EP overlap, drop-and-pad)" \
         "$MEGATRON_TESTS_TIMEOUT" "$OUT/gpu_tests.log" "${MEGATRON_TESTS[@]}"
     # Local teams run every rank's kernels in one process, where they wait for each other: no
     # kernel may be loaded lazily while another spins (a lazy load may wait for the device).
