@@ -339,36 +339,46 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
   }
 }
 
+// Every token of a record (`tokens` of `topk` ids) that names expert e, in token order, block-
+// wide: visit(t, k, p), k the token's first slot naming e, p its position among those tokens (a
+// block scan over tiles of tokens). The placement of the layout and its capacity drops both come
+// from it, so they agree.
+template <typename Visit>
+__device__ __forceinline__ void for_tokens_naming(const int* rec, int tokens, int topk, int e,
+                                                  Visit visit) {
+  using Scan = cub::BlockScan<int, kLayoutThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  int run = 0;
+  for (int t0 = 0; t0 < tokens; t0 += kLayoutThreads) {
+    const int t = t0 + (int)threadIdx.x;
+    int hit_k = -1;
+    if (t < tokens) {
+      const int* row = rec + kRecordHeader + (size_t)t * topk;
+      for (int k = topk - 1; k >= 0; --k)
+        if (row[k] == e) hit_k = k;
+    }
+    int prefix, aggregate;
+    Scan(tmp).ExclusiveSum(hit_k >= 0 ? 1 : 0, prefix, aggregate);
+    if (hit_k >= 0) visit(t, hit_k, run + prefix);
+    run += aggregate;
+    __syncthreads();  // tmp is reused by the next tile
+  }
+}
+
 __global__ void __launch_bounds__(kLayoutThreads) scatter_kernel(LayoutArgs a) {
   const int l = blockIdx.x, s = blockIdx.y;
   const int* rec = a.gathered + (size_t)s * a.rec_ints;
   // A record of another top-k (an error) gets no rows, as validate counts none of it.
   const int ts = rec[1] == a.topk ? record_tokens(rec, a.max_tokens, a.max_topk) : 0;
-  const int e = a.rank * a.num_local + l;
-  using Scan = cub::BlockScan<int, kLayoutThreads>;
-  __shared__ typename Scan::TempStorage tmp;
   const long long first = a.off[s * a.num_local + l];
-  long long run = first;
-  for (int t0 = 0; t0 < ts; t0 += kLayoutThreads) {
-    const int t = t0 + (int)threadIdx.x;
-    int hit_k = -1;
-    if (t < ts) {
-      const int* row = rec + kRecordHeader + (size_t)t * a.topk;
-      for (int k = a.topk - 1; k >= 0; --k)
-        if (row[k] == e) hit_k = k;  // first slot naming e
-    }
-    int prefix, aggregate;
-    Scan(tmp).ExclusiveSum(hit_k >= 0 ? 1 : 0, prefix, aggregate);
+  for_tokens_naming(rec, ts, a.topk, a.rank * a.num_local + l, [&](int t, int k, int p) {
     // Fixed capacity: the slot's position in its run decides; past C it is dropped (no row).
-    if (hit_k >= 0 && (a.expert_capacity == 0 || run - first + prefix < a.expert_capacity)) {
-      const long long r = run + prefix;
-      const int slot = (s * a.max_tokens + t) * a.max_topk + hit_k;
-      a.recv_row[slot] = (int)r;
-      if (r < a.src_rows) a.src_of_row[r] = slot;
-    }
-    run += aggregate;
-    __syncthreads();  // tmp is reused by the next tile
-  }
+    if (a.expert_capacity > 0 && p >= a.expert_capacity) return;
+    const long long r = first + p;
+    const int slot = (s * a.max_tokens + t) * a.max_topk + k;
+    a.recv_row[slot] = (int)r;
+    if (r < a.src_rows) a.src_of_row[r] = slot;
+  });
 }
 
 // Fixed capacity: one block per (expert e, node m) masks, in the routing the ops follow for
@@ -378,28 +388,13 @@ __global__ void __launch_bounds__(kLayoutThreads) scatter_kernel(LayoutArgs a) {
 // NOTES: blocks of other experts read the ids this one masks; an id turned to -1 never equals
 // theirs, so none of them sees a change.
 __global__ void __launch_bounds__(kLayoutThreads) drop_kernel(LayoutArgs a) {
-  const int e = blockIdx.x, m = blockIdx.y;
-  const int s = m * a.node_size + a.node_rank;
+  const int s = blockIdx.y * a.node_size + a.node_rank;
   const int* rec = a.gathered + (size_t)s * a.rec_ints;
   const int ts = rec[1] == a.topk ? record_tokens(rec, a.max_tokens, a.max_topk) : 0;
   int* kept = s == a.rank ? a.kept_routing : a.records_rw + (size_t)s * a.rec_ints + kRecordHeader;
-  using Scan = cub::BlockScan<int, kLayoutThreads>;
-  __shared__ typename Scan::TempStorage tmp;
-  long long run = 0;
-  for (int t0 = 0; t0 < ts; t0 += kLayoutThreads) {
-    const int t = t0 + (int)threadIdx.x;
-    int hit_k = -1;
-    if (t < ts) {
-      const int* row = rec + kRecordHeader + (size_t)t * a.topk;
-      for (int k = a.topk - 1; k >= 0; --k)
-        if (row[k] == e) hit_k = k;  // first slot naming e, as the scatter
-    }
-    int prefix, aggregate;
-    Scan(tmp).ExclusiveSum(hit_k >= 0 ? 1 : 0, prefix, aggregate);
-    if (hit_k >= 0 && run + prefix >= a.expert_capacity) kept[(size_t)t * a.topk + hit_k] = -1;
-    run += aggregate;
-    __syncthreads();  // tmp is reused by the next tile
-  }
+  for_tokens_naming(rec, ts, a.topk, blockIdx.x, [&](int t, int k, int p) {
+    if (p >= a.expert_capacity) kept[(size_t)t * a.topk + k] = -1;
+  });
 }
 
 cudaError_t preload_layout() {
