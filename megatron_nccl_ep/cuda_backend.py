@@ -35,7 +35,7 @@ except (ImportError, OSError) as exc:  # not built, or libnccl.so.2 / CUDA not l
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_TOPK = 32  # kMaxTopk of the kernels: a warp's lane per slot
+MAX_SLOTS_PER_RANK = 32  # kMaxTopk of the kernels: a token's slots on one rank, a lane each
 _MODE_EXACT, _MODE_CAPACITY = 0, 1
 
 
@@ -122,12 +122,15 @@ class CudaBackend:
     @staticmethod
     def check(config: GroupConfig, world_size: int, device: Optional[torch.device]) -> None:
         """Group creation's local checks (no communication), in the same order on every rank."""
-        if config.max_topk > MAX_TOPK:
+        local = config.num_experts // world_size
+        if min(config.max_topk, local) > MAX_SLOTS_PER_RANK:
             # First, so that the refusal is the same with or without the built extension.
             raise ValueError(
-                f"GroupConfig: max_topk={config.max_topk} is more than the cuda backend's "
-                f"{MAX_TOPK} slots per token (a drop-and-pad routing map, which may name every "
-                "expert, has max_topk = num_experts); use backend='torch' for it")
+                f"GroupConfig: max_topk={config.max_topk} with {local} local experts per rank: a "
+                f"token may have min(max_topk, local experts) slots on one rank, and the cuda "
+                f"backend takes at most {MAX_SLOTS_PER_RANK} (a drop-and-pad routing map, which "
+                "may name every expert, has max_topk = num_experts); spread the experts over "
+                "more ranks or use backend='torch'")
         if _C is None:
             raise RuntimeError(unavailable_reason())
         if config.dtype not in TOKEN_DTYPES:

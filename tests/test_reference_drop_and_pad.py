@@ -247,15 +247,16 @@ def test_configuration_rules():
     assert ep.Group(**base).config.static_recv_rows(1) is None
 
 
-def test_cuda_backend_refuses_more_slots_than_its_kernels():
-    """The cuda kernels take a lane per slot (32): a drop-and-pad routing map of more experts
-    (max_topk = E) is refused, naming the option and the way out, before the extension or a GPU
-    is touched. The fixed-capacity layout itself runs there (tests/gpu: bitwise)."""
+def test_cuda_backend_refuses_more_slots_per_rank_than_its_kernels():
+    """The cuda kernels take a lane per slot of a token on one rank (32): a drop-and-pad routing
+    map (max_topk = E) over too few ranks is refused, naming the option and the ways out, before
+    the extension or a GPU is touched. The fixed-capacity layout itself, and top-k above 32 with
+    at most 32 local experts, run there (tests/gpu: bitwise)."""
     from megatron_nccl_ep.cuda_backend import CudaBackend
 
     config = GroupConfig(num_experts=64, hidden=16, max_tokens_per_rank=32, max_topk=64,
                          expert_capacity=4)
     config.validate(1)
-    with pytest.raises(ValueError, match=r"max_topk=64 is more than the cuda backend's 32 slots "
-                                         r"per token.*drop-and-pad.*backend='torch'"):
+    with pytest.raises(ValueError, match=r"max_topk=64 with 64 local experts per rank.*at most "
+                                         r"32.*drop-and-pad.*more ranks or use backend='torch'"):
         CudaBackend(config, None)

@@ -125,7 +125,8 @@ struct CombineOp {
       const bool has_own = (mask >> e.rank) & 1ull;
       int n_own = 0;  // mask is warp-uniform, so compact_rows runs on the whole warp
       if (has_own) {
-        n_own = max(0, compact_rows(e, row, lane, sh.rows_sh[w], sh.slots_sh[w]));
+        n_own = max(0, compact_rows(e, token_rows(e, e.rank, t), row, lane, sh.rows_sh[w],
+                                    sh.slots_sh[w]));
         point_at_rows(src, a.expert_out, row_bytes, sh.rows_sh[w], n_own, lane);
       }
       // The peers' partials after the rows, ascending rank: lane d points partial d.
@@ -148,19 +149,27 @@ struct CombineOp {
   }
 };
 
-// One token's row of the probs' gradient, warp-wide: lane k's value (from, nullptr: 0) at slot k
-// ([T, K]), or in its expert's column with 0 in every other column (dense [T, E]).
-EP_DEVICE void write_slot_probs(char* row_out, int cols, bool dense, int topk, int expert,
-                                const char* from, int prob_bytes, int lane) {
+// One token's row of the probs' gradient, warp-wide: slot k's value (value_of(k, expert): where
+// it is, nullptr: 0) at column k ([T, K]), or in its expert's column with 0 in every other
+// column (dense [T, E]). Lane k takes slots k, k + 32, ... (top-k may exceed 32).
+template <typename ValueOf>
+EP_DEVICE void write_slot_probs(char* row_out, int cols, bool dense, const int* routing, int topk,
+                                int prob_bytes, int lane, ValueOf value_of) {
   if (dense) {
     for (int col = lane; col < cols; col += 32)
       zero_prob(row_out + (size_t)col * prob_bytes, prob_bytes);
     __syncwarp();  // the routed columns below overwrite these zeros
-    if (from != nullptr) copy_prob(row_out + (size_t)expert * prob_bytes, from, prob_bytes);
-  } else if (lane < topk) {
-    char* out = row_out + (size_t)lane * prob_bytes;
-    if (from != nullptr) copy_prob(out, from, prob_bytes);
-    else zero_prob(out, prob_bytes);
+  }
+  for (int k = lane; k < topk; k += 32) {
+    const int expert = routing[k];
+    const char* from = value_of(k, expert);
+    if (dense) {
+      if (from != nullptr) copy_prob(row_out + (size_t)expert * prob_bytes, from, prob_bytes);
+    } else {
+      char* out = row_out + (size_t)k * prob_bytes;
+      if (from != nullptr) copy_prob(out, from, prob_bytes);
+      else zero_prob(out, prob_bytes);
+    }
   }
 }
 
@@ -182,12 +191,14 @@ struct CombineProbsOp {
                                     int, int lane) {
     const ExchangeArgs& e = a.ex;
     for (RoundTokens items(e, sh, b, j, -1, lane); items.next();) {
-      if (lane >= e.topk) continue;
       const int p = items.p, i = items.i;
-      const int row = token_rows(e, p, items.c.begin + i)[lane];
-      if (row < 0 || row >= e.rows) continue;
-      copy_prob(ring_prob(e.peers[p], e.win, b, ring_index(e.rank, p, e.num_ranks), j, i, lane),
-                grad_recv_at(a, row), a.prob_bytes);
+      const int* rows = token_rows(e, p, items.c.begin + i);
+      for (int k = lane; k < e.topk; k += 32) {
+        const int row = rows[k];
+        if (row < 0 || row >= e.rows) continue;
+        copy_prob(ring_prob(e.peers[p], e.win, b, ring_index(e.rank, p, e.num_ranks), j, i, k),
+                  grad_recv_at(a, row), a.prob_bytes);
+      }
     }
   }
 
@@ -201,18 +212,22 @@ struct CombineProbsOp {
     const ChunkRange c = chunk_of(sh.tokens[e.rank], e.win, b, j);
     const int cols = a.grad_dense ? e.num_experts : e.topk;
     for (int t = c.begin + warp; t < c.end; t += nwarps) {
-      const int expert = lane < e.topk ? e.own_routing[(size_t)t * e.topk + lane] : -1;
-      const int d = rank_of_expert(expert, e.expert_base, e.num_local, e.num_ranks);
-      const char* from = nullptr;  // nullptr: 0 (also for an expert of another node)
-      if (d == e.rank) {
-        const int row = token_rows(e, e.rank, t)[lane];
-        if (row >= 0 && row < e.rows) from = grad_recv_at(a, row);
-      } else if (d >= 0) {
-        from = ring_prob(self, e.win, b, ring_index(d, e.rank, e.num_ranks), j, t - c.begin,
-                         lane);
-      }
+      const int* rows = token_rows(e, e.rank, t);
       write_slot_probs(reinterpret_cast<char*>(a.grad) + (size_t)t * cols * a.prob_bytes, cols,
-                       a.grad_dense, e.topk, expert, from, a.prob_bytes, lane);
+                       a.grad_dense, e.own_routing + (size_t)t * e.topk, e.topk, a.prob_bytes,
+                       lane, [&](int k, int expert) -> const char* {
+                         // nullptr: 0 (also for an expert of another node)
+                         const int d = rank_of_expert(expert, e.expert_base, e.num_local,
+                                                      e.num_ranks);
+                         if (d == e.rank) {
+                           const int row = rows[k];
+                           return row >= 0 && row < e.rows ? grad_recv_at(a, row) : nullptr;
+                         }
+                         return d >= 0 ? ring_prob(self, e.win, b,
+                                                   ring_index(d, e.rank, e.num_ranks), j,
+                                                   t - c.begin, k)
+                                       : nullptr;
+                       });
     }
   }
 };
@@ -234,13 +249,6 @@ __device__ __forceinline__ void poison_row(void* p, size_t bytes, int lane) {
   for (size_t i = lane; i < bytes; i += 32) reinterpret_cast<unsigned char*>(p)[i] = 0xFF;
 }
 
-// Token t's expert of slot `lane` (-1 past top-k) and the node that holds it (-1: none).
-__device__ __forceinline__ int slot_node(const NodeParts& p, long long t, int lane, int* expert) {
-  *expert = lane < p.topk ? p.own_routing[t * p.topk + lane] : -1;
-  const int node = *expert >= 0 ? *expert / p.experts_per_node : -1;
-  return node < p.num_nodes ? node : -1;
-}
-
 // Step 2b (groups that span nodes): one warp per token; lane k finds slot k's node, the warp
 // the set of nodes, then each lane sums its packs over those nodes in ascending order.
 template <typename T, int N>
@@ -255,13 +263,10 @@ __global__ void combine_nodes_kernel(const CombineNodesArgs a) {
                lane);
     return;
   }
-  int expert;
-  const int node = slot_node(p, t, lane, &expert);
-  const bool ok = node >= 0;
-  const unsigned long long nodes =
-      ((unsigned long long)__reduce_or_sync(0xffffffffu, ok && node >= 32 ? 1u << (node - 32) : 0u)
-       << 32) |
-      __reduce_or_sync(0xffffffffu, ok && node < 32 ? 1u << node : 0u);
+  // The nodes token t has a slot on: the destination mask of its routing over nodes, a node
+  // standing for a rank of experts_per_node experts.
+  const unsigned long long nodes = dest_mask(p.own_routing + t * p.topk, p.topk, 0,
+                                             p.experts_per_node, p.num_nodes, lane);
   const int packs = a.hidden / N;
   P* out = reinterpret_cast<P*>(a.y) + t * packs;
   for (int j = lane; j < packs; j += 32) {
@@ -294,12 +299,14 @@ __global__ void merge_probs_kernel(const MergeProbsArgs a) {
     poison_row(row_out, (size_t)cols * a.prob_bytes, lane);
     return;
   }
-  int expert;
-  const int node = slot_node(p, t, lane, &expert);
-  const char* from = node >= 0 ? reinterpret_cast<const char*>(p.parts[node]) +
-                                     ((size_t)t * p.topk + lane) * a.prob_bytes
-                               : nullptr;
-  write_slot_probs(row_out, cols, a.grad_dense, p.topk, expert, from, a.prob_bytes, lane);
+  write_slot_probs(row_out, cols, a.grad_dense, p.own_routing + t * p.topk, p.topk, a.prob_bytes,
+                   lane, [&](int k, int expert) -> const char* {
+                     const int node = rank_of_expert(expert, 0, p.experts_per_node,
+                                                     p.num_nodes);
+                     return node >= 0 ? reinterpret_cast<const char*>(p.parts[node]) +
+                                            ((size_t)t * p.topk + k) * a.prob_bytes
+                                      : nullptr;
+                   });
 }
 
 constexpr int kNodeThreads = 256;  // 8 tokens per block

@@ -261,15 +261,19 @@ EP_DEVICE int rank_of_expert(int e, int expert_base, int num_local, int num_rank
 }
 
 // Destination ranks of one token (bit d set: the token has a slot on rank d), from its routing
-// row: lane k reads slot k (one load per lane, not a chain of topk dependent loads); warp-wide,
-// every lane gets the mask.
+// row: lane k reads slot k (one load per lane, not a chain of topk dependent loads), 32 slots a
+// pass (a routing-map row may name more experts than a warp has lanes); warp-wide, every lane
+// gets the mask.
 EP_DEVICE unsigned long long dest_mask(const int* routing_row, int topk, int expert_base,
                                        int num_local, int num_ranks, int lane) {
-  const int e = lane < topk ? routing_row[lane] : -1;
-  const int d = rank_of_expert(e, expert_base, num_local, num_ranks);
-  const bool ok = d >= 0;
-  const unsigned lo = __reduce_or_sync(0xffffffffu, ok && d < 32 ? 1u << d : 0u);
-  const unsigned hi = __reduce_or_sync(0xffffffffu, ok && d >= 32 ? 1u << (d - 32) : 0u);
+  unsigned lo = 0, hi = 0;
+  for (int k0 = 0; k0 < topk; k0 += 32) {
+    const int e = k0 + lane < topk ? routing_row[k0 + lane] : -1;
+    const int d = rank_of_expert(e, expert_base, num_local, num_ranks);
+    const bool ok = d >= 0;
+    lo |= __reduce_or_sync(0xffffffffu, ok && d < 32 ? 1u << d : 0u);
+    hi |= __reduce_or_sync(0xffffffffu, ok && d >= 32 ? 1u << (d - 32) : 0u);
+  }
   return ((unsigned long long)hi << 32) | lo;
 }
 

@@ -56,15 +56,18 @@ struct DispatchOp {
           dest_mask(routing, e.topk, e.expert_base, e.num_local, e.num_ranks, lane) &
           ~(1ull << e.rank);
       const char* src = reinterpret_cast<const char*>(a.x) + (size_t)t * row_bytes;
-      const int expert = lane < e.topk ? routing[lane] : -1;
       for (; mask; mask &= mask - 1) {
         const int d = __ffsll((long long)mask) - 1;
         const int q = ring_index(e.rank, d, e.num_ranks);
         char* dst = ring_row(e.peers[d], e.win, b, q, j, t - c.begin);
         warp_copy_rows<U>(src, units, lane, 1, [&](int) { return dst; });
-        if (a.probs != nullptr && expert >= 0)
-          copy_prob(ring_prob(e.peers[d], e.win, b, q, j, t - c.begin, lane),
-                    own_prob(a, t, lane, expert), a.prob_bytes);
+        if (a.probs == nullptr) continue;
+        for (int k = lane; k < e.topk; k += 32) {  // every slot's prob (top-k may exceed 32)
+          const int expert = routing[k];
+          if (expert >= 0)
+            copy_prob(ring_prob(e.peers[d], e.win, b, q, j, t - c.begin, k),
+                      own_prob(a, t, k, expert), a.prob_bytes);
+        }
       }
     }
   }

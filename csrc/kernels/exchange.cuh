@@ -128,31 +128,42 @@ __device__ __forceinline__ const int* token_rows(const ExchangeArgs& e, int s, i
   return e.recv_row + ((size_t)s * e.max_tokens + t) * e.max_topk;
 }
 
-// Lane k's row here of token (s, t) (-1: none, or past top-k).
+// Lane k's row here of token (s, t), of its first 32 slots (-1: none, or past top-k).
 __device__ __forceinline__ int slot_row(const ExchangeArgs& e, int s, int t, int lane) {
   return lane < e.topk ? token_rows(e, s, t)[lane] : -1;
 }
 
-// The rows here of a token (lane k holds slot k's, from slot_row), compacted in ascending k into
-// rows_out[] (and their slots k into slots_out[]), skipping rows past the output (capacity
-// overflow, already reported). Returns how many, or -1 when the token has no slot here at all.
-// Warp-wide.
-__device__ __forceinline__ int compact_rows(const ExchangeArgs& e, int row, int lane,
-                                            int* rows_out, int* slots_out) {
-  if (__ballot_sync(0xffffffffu, row >= 0) == 0) return -1;
-  const unsigned usable = __ballot_sync(0xffffffffu, row >= 0 && row < e.rows);
-  if ((usable >> lane) & 1u) {
-    const int j = __popc(usable & ((1u << lane) - 1u));
-    rows_out[j] = row;
-    slots_out[j] = lane;
+// The rows here of a token, compacted in ascending k into rows_out[] (and their slots k into
+// slots_out[]), skipping rows past the output (capacity overflow, already reported): `row` is
+// lane k's of slot k (slot_row), later slots (top-k > 32: routing maps) are read from `rows`
+// (token_rows) 32 a pass. At most kMaxTopk rows: a token has min(top-k, local experts) slots
+// on a rank, which the group's config bounds. Returns how many, or -1 when the token has no slot
+// here at all. Warp-wide.
+__device__ __forceinline__ int compact_rows(const ExchangeArgs& e, const int* rows, int row,
+                                            int lane, int* rows_out, int* slots_out) {
+  int n = 0;
+  bool any = false;
+  for (int k0 = 0;;) {
+    any |= __ballot_sync(0xffffffffu, row >= 0) != 0;
+    const unsigned usable = __ballot_sync(0xffffffffu, row >= 0 && row < e.rows);
+    if ((usable >> lane) & 1u) {
+      const int j = n + __popc(usable & ((1u << lane) - 1u));
+      rows_out[j] = row;
+      slots_out[j] = k0 + lane;
+    }
+    n += __popc(usable);
+    k0 += 32;
+    if (k0 >= e.topk) break;
+    row = k0 + lane < e.topk ? rows[k0 + lane] : -1;
   }
   __syncwarp();
-  return __popc(usable);
+  return any ? n : -1;
 }
 
 __device__ __forceinline__ int collect_rows(const ExchangeArgs& e, int s, int t, int lane,
                                             int* rows_out, int* slots_out) {
-  return compact_rows(e, slot_row(e, s, t, lane), lane, rows_out, slots_out);
+  return compact_rows(e, token_rows(e, s, t), slot_row(e, s, t, lane), lane, rows_out,
+                      slots_out);
 }
 
 // Records an error of this rank and stops the group (every peer is told).

@@ -188,6 +188,9 @@ __global__ void validate_kernel(LayoutArgs a) {
   for (int k = 0; k < a.max_topk; ++k) rows[k] = -1;
   const int ks = clamp_topk(rec, a.max_topk);
   const int* row = rec + kRecordHeader + (size_t)t * ks;
+  // A routing map's ids are distinct by construction (ascending): no duplicate to look for,
+  // which would cost top-k^2 per token when a map row names every expert.
+  const bool distinct = rec[2] == kRecordRoutingMap;
   unsigned long long key = ~0ull;
   const int first_local = a.rank * a.num_local;
   for (int k = 0; k < ks; ++k) {
@@ -201,11 +204,11 @@ __global__ void validate_kernel(LayoutArgs a) {
     // Only records of the handle's top-k, as the scatter reads them (another top-k is an error).
     if (rec[1] == a.topk && v >= first_local && v < first_local + a.num_local) {
       bool first = true;
-      for (int j = 0; j < k; ++j) first &= row[j] != v;
+      for (int j = 0; j < k && !distinct; ++j) first &= row[j] != v;
       if (first) atomicAdd(&a.cnt[s * a.num_local + (v - first_local)], 1);
     }
   }
-  if (key == ~0ull) {
+  if (key == ~0ull && !distinct) {
     int dup = 0x7fffffff;
     for (int k = 0; k < ks; ++k)
       for (int j = k + 1; j < ks; ++j)
@@ -343,9 +346,13 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
 // wide: visit(t, k, p), k the token's first slot naming e, p its position among those tokens (a
 // block scan over tiles of tokens). The placement of the layout and its capacity drops both come
 // from it, so they agree.
+// NOTES: a routing map's ids ascend, -1 after the last (pack_map), so its scan stops at the first
+// larger id: a map row may name every expert. The capacity drops mask ids in place (-1) in
+// records that later blocks may scan; a -1 is never larger than e, so the early stop holds.
 template <typename Visit>
 __device__ __forceinline__ void for_tokens_naming(const int* rec, int tokens, int topk, int e,
                                                   Visit visit) {
+  const bool ascending = rec[2] == kRecordRoutingMap;
   using Scan = cub::BlockScan<int, kLayoutThreads>;
   __shared__ typename Scan::TempStorage tmp;
   int run = 0;
@@ -354,8 +361,13 @@ __device__ __forceinline__ void for_tokens_naming(const int* rec, int tokens, in
     int hit_k = -1;
     if (t < tokens) {
       const int* row = rec + kRecordHeader + (size_t)t * topk;
-      for (int k = topk - 1; k >= 0; --k)
-        if (row[k] == e) hit_k = k;
+      if (ascending) {  // stop at the first larger id: e cannot follow it
+        for (int k = 0; k < topk && row[k] <= e && hit_k < 0; ++k)
+          if (row[k] == e) hit_k = k;
+      } else {
+        for (int k = topk - 1; k >= 0; --k)
+          if (row[k] == e) hit_k = k;
+      }
     }
     int prefix, aggregate;
     Scan(tmp).ExclusiveSum(hit_k >= 0 ? 1 : 0, prefix, aggregate);

@@ -29,7 +29,9 @@
 namespace nccl_ep {
 
 constexpr int kMaxRanks = 64;     // barrier flags and per-token destination masks (uint64)
-constexpr int kMaxTopk = 32;      // one lane per slot in the warp-level kernels
+// Slots of one token on one rank, min(top-k, local experts): one lane each in the warp-level
+// kernels (top-k itself may be larger: they take a token's slots 32 a pass).
+constexpr int kMaxTopk = 32;
 // Routing record: [T_s, K_s, kind, stopped] + Tmax * Kmax int32. stopped (groups that span nodes):
 // 0, or the group rank + 1 whose device-side error stopped the sender's node, so that the next
 // routing exchange tells every rank of every node.

@@ -111,10 +111,14 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
            c->hidden);
   EP_CHECK(c->max_tokens_per_rank >= 1, ncclInvalidArgument,
            "ncclEpCreateGroup: max_tokens_per_rank must be >= 1, got %d", c->max_tokens_per_rank);
-  EP_CHECK(c->max_topk >= 1 && c->max_topk <= c->num_experts && c->max_topk <= kMaxTopk,
-           ncclInvalidArgument,
-           "ncclEpCreateGroup: max_topk must be in [1, min(num_experts=%d, %d)], got %d",
-           c->num_experts, kMaxTopk, c->max_topk);
+  EP_CHECK(c->max_topk >= 1 && c->max_topk <= c->num_experts, ncclInvalidArgument,
+           "ncclEpCreateGroup: max_topk must be in [1, num_experts=%d], got %d", c->num_experts,
+           c->max_topk);
+  // A token's slots on one rank, min(top-k, local experts), are what a warp holds at once.
+  EP_CHECK(std::min(c->max_topk, c->num_experts / nranks) <= kMaxTopk, ncclInvalidArgument,
+           "ncclEpCreateGroup: a token may have min(max_topk=%d, local experts=%d) slots on one "
+           "rank, at most %d are supported: lower max_topk or use more ranks",
+           c->max_topk, c->num_experts / nranks, kMaxTopk);
   EP_CHECK(c->token_dtype == ncclBfloat16 || c->token_dtype == ncclFloat16 ||
                c->token_dtype == ncclFloat32,
            ncclInvalidArgument,

@@ -144,6 +144,15 @@ CASES = {
                                            topk=8, experts=64, dtype=FP16, routing="masked",
                                            alignment=8, idx_dtype=torch.int32,
                                            expert_capacity=25),
+    # Top-k above a warp's 32 lanes (a token's slots taken 32 a pass), with at most 32 of them
+    # on one rank: 48 of 128 experts over 4 ranks of 32; and every expert of every token (a
+    # drop-and-pad routing map's worst case) with the fixed capacity, 8 ranks of 8 experts.
+    "wide_ep4_e128_top48_masked": dict(world=4, tokens=(300, 17, 0, 256), hidden=256, topk=48,
+                                       experts=128, dtype=BF16, routing="masked"),
+    "wide_ep8_e64_every_expert_fixed_capacity": dict(world=8, tokens=(64, 40, 10, 0), hidden=128,
+                                                     topk=64, experts=64, dtype=BF16,
+                                                     routing="random", expert_capacity=20,
+                                                     num_sms=16),
 }
 
 
@@ -282,7 +291,8 @@ def test_local_team_bitwise_equals_oracle(name, seed, summary_line):
 
 @pytest.mark.parametrize("name", ["ep2_bench_shape", "ep4_masked_fp16_align16_int32",
                                   "ep2_ring_wraps_chunk4_depth2",
-                                  "fixed_capacity_ep4_masked_fp16"])
+                                  "fixed_capacity_ep4_masked_fp16", "wide_ep4_e128_top48_masked",
+                                  "wide_ep8_e64_every_expert_fixed_capacity"])
 def test_local_team_routing_map_dense_probs(name, seed, summary_line):
     summary_line(check_team(name, seed, from_map=True) + ": routing-map handles with dense "
                  "[T, E] probs and grads, bitwise equal")

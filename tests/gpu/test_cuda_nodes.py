@@ -37,7 +37,7 @@ NODE_CASES = ["bench_shape_4096x7168_top8_e256", "t16384_e64_top2_capacity",
               "t17_e2_top1_fp32_align16_masked_int32", "t1_e8_fp16_capacity_align16_probs_bf16",
               "no_probs_fp16_top8_e64", "h100_rows_not_16_byte_multiple",
               "fixed_capacity_bench_shape_c128_align16",
-              "fixed_capacity_one_expert_capacity_mode"]
+              "fixed_capacity_one_expert_capacity_mode", "wide_every_expert_e64_fixed_capacity"]
 
 
 def world_and_nodes():
@@ -60,7 +60,8 @@ def test_nodes_equal_reference_bitwise(case_name, world_size, ranks_per_node, se
 
 
 @pytest.mark.parametrize("world_size,ranks_per_node", world_and_nodes())
-@pytest.mark.parametrize("case_name", ["t4096_e64_fp16_masked_align16", "e40_top3_masked"])
+@pytest.mark.parametrize("case_name", ["t4096_e64_fp16_masked_align16", "e40_top3_masked",
+                                       "wide_every_expert_e64_fixed_capacity"])
 def test_nodes_from_routing_map_bitwise(case_name, world_size, ranks_per_node, seed,
                                         summary_line):
     per_rank = dist.run(world_size, check_parity, case_name, seed, None, True, ranks_per_node,
