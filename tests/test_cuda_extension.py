@@ -61,7 +61,9 @@ def test_error_code_becomes_exception_with_reason(ext):
     (dict(num_experts=7), r"num_experts \(7\) must be > 0 and a multiple of the group size \(2\)"),
     (dict(staging_depth=-1), "staging_depth 0 or in \\[2, 64\\]"),
     (dict(staging_depth=1), r"staging_depth 0 or in \[2, 64\] \(0 = default\), got 0 and 1"),
-    (dict(max_topk=33, num_experts=64), r"max_topk must be in \[1, min\(num_experts=64, 32\)\]"),
+    (dict(max_topk=9, num_experts=8), r"max_topk must be in \[1, num_experts=8\], got 9"),
+    (dict(max_topk=34, num_experts=66), r"a token may have min\(max_topk=34, local experts=33\) "
+                                        r"slots on one rank, at most 32"),
 ])
 def test_local_team_config_errors_name_the_field(ext, change, message):
     """Configuration checks run before any CUDA call, so they are exercised here without a GPU."""
