@@ -260,7 +260,8 @@ class Group:
     (not sent, not combined, zero probability gradient), unused rows are zero with prob 0. Every
     dispatch output has ``L * roundup(R * C, expert_alignment)`` rows and ``tokens_per_expert``
     is that constant per expert, in exact and capacity mode alike, with no host read. Both
-    backends implement it (the cuda backend up to its 32 slots per token, ``max_topk`` <= 32).
+    backends implement it (the cuda backend holds at most 32 slots of a token on one rank:
+    ``min(max_topk, num_experts // world_size) <= 32``).
     """
 
     def __init__(self, process_group=None, *, num_experts: int, hidden: int,

@@ -115,7 +115,7 @@ typedef struct {
   int num_experts;          /* E, multiple of the group size */
   int hidden;               /* H */
   int max_tokens_per_rank;  /* upper bound on T per call; buffers are chunked to this */
-  int max_topk;             /* upper bound on K */
+  int max_topk;             /* upper bound on K; min(K, num_experts / ranks) <= 32 */
   ncclDataType_t token_dtype;     /* ncclBfloat16, ncclFloat16, ncclFloat32 */
   ncclEpRecvCountMode_t recv_count_mode;
   int64_t max_recv_tokens_per_rank; /* capacity mode: rows of every dispatch output */
