@@ -41,9 +41,12 @@ def max_rows(problem: dense.Problem, alignment: int = 1) -> int:
 def make_group(problem: dense.Problem, *, backend: str = "torch", device="cpu",
                alignment: int = 1, capacity_slack=None, max_tokens=None, **kwargs):
     """A Group fitting ``problem``. ``capacity_slack=n``: capacity mode with n rows more than the
-    fullest rank needs (so a tail exists to check)."""
+    fullest rank needs (so a tail exists to check); with ``expert_capacity``, capacity mode at
+    the fixed-capacity layout's own size."""
     tokens = max(x.shape[0] for x in problem.x)
-    if capacity_slack is not None:
+    if capacity_slack is not None and kwargs.get("expert_capacity"):
+        kwargs.update(recv_mode="capacity")
+    elif capacity_slack is not None:
         kwargs.update(recv_mode="capacity",
                       max_recv_tokens_per_rank=max_rows(problem, alignment) + capacity_slack)
     return ep.Group(num_experts=problem.num_experts, hidden=problem.hidden,
@@ -71,9 +74,10 @@ def poisoned_rows(problem: dense.Problem, seed: int, num_rows, alignment: int = 
     return out
 
 
-def capacity_or_rows(problem: dense.Problem, alignment: int, capacity):
+def capacity_or_rows(problem: dense.Problem, alignment: int, capacity, expert_capacity=None):
     """Rows of each rank's dispatch output: the capacity when given, else the exact count."""
-    return [capacity if capacity is not None else dense.layout(problem, d, alignment).num_rows
+    return [capacity if capacity is not None else
+            dense.layout(problem, d, alignment, expert_capacity=expert_capacity).num_rows
             for d in range(problem.world_size)]
 
 

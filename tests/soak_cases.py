@@ -36,10 +36,11 @@ class Space:
     routing_maps: tuple = (False,)  # True: the handle is made from the dense routing map
     num_sms: tuple = (24,)
     staging: tuple = ((0, 0),)  # (staging_chunk_tokens, staging_depth); 0 = library default
+    expert_capacities: tuple = (0,)  # C > 0: the fixed-capacity (drop-and-pad) layout
 
 
 CPU = Space(tokens=(0, 1, 2, 7, 16, 33), hidden=(8, 24, 40), local_experts=(1, 2, 3), max_topk=6,
-            dtypes=(BF16, FP16, FP32, FP64), node_sizes=True)
+            dtypes=(BF16, FP16, FP32, FP64), node_sizes=True, expert_capacities=(0, 0, 0, 1, 4))
 
 # Rows of 200 bytes (hidden 100 bf16/fp16) are not a multiple of 16 (the kernels' element path);
 # staging (4, 2) and (16, 3) make every op wrap its ring many times; 0 tokens on a rank happens;
@@ -48,12 +49,15 @@ GPU = Space(tokens=(0, 1, 17, 300, 1024), hidden=(100, 128, 1024, 2048, 7168),
             local_experts=(1, 4, 32), max_topk=8, dtypes=(BF16, FP16, FP32),
             alignments=(1, 1, 16), capacity_slack=(None, 0, 37), node_sizes=True,
             probs_dtypes=(FP32, BF16, FP16, None), idx_dtypes=(torch.int64, torch.int32),
-            routing_maps=(False, True), num_sms=(8, 24), staging=((0, 0), (4, 2), (16, 3)))
+            routing_maps=(False, True), num_sms=(8, 24), staging=((0, 0), (4, 2), (16, 3)),
+            expert_capacities=(0, 0, 0, 0, 16, 300))
 
 
 def random_group(rng: random.Random, world: int, space: Space) -> dict:
     """A group configuration: ``num_experts, hidden, dtype, max_tokens, max_topk, alignment,
-    capacity_slack, ranks_per_node, num_sms, staging_chunk_tokens, staging_depth``."""
+    capacity_slack, ranks_per_node, num_sms, staging_chunk_tokens, staging_depth,
+    expert_capacity`` (with a capacity slack, the fixed-capacity layout's capacity mode is its
+    fixed size: the slack is not used)."""
     experts = rng.choice(space.local_experts) * world
     chunk, depth = rng.choice(space.staging)
     return dict(
@@ -63,7 +67,8 @@ def random_group(rng: random.Random, world: int, space: Space) -> dict:
         alignment=rng.choice(space.alignments), capacity_slack=rng.choice(space.capacity_slack),
         ranks_per_node=rng.choice([d for d in (0, 1, 2, world) if d == 0 or world % d == 0])
         if space.node_sizes else 0,
-        num_sms=rng.choice(space.num_sms), staging_chunk_tokens=chunk, staging_depth=depth)
+        num_sms=rng.choice(space.num_sms), staging_chunk_tokens=chunk, staging_depth=depth,
+        expert_capacity=rng.choice(space.expert_capacities))
 
 
 def random_call(rng: random.Random, world: int, group: dict, space: Space) -> dict:

@@ -21,7 +21,7 @@ import soak_cases
 def soak(seed: int, seconds: float) -> tuple:
     rank, world = ep_cases.rank_and_size()
     rng = random.Random(seed)
-    iterations = mismatches = 0
+    iterations = mismatches = fixed = 0
     deadline = time.monotonic() + seconds
     while True:
         # Every rank stops at the same iteration: rank 0's clock decides, shared by a collective.
@@ -36,37 +36,42 @@ def soak(seed: int, seconds: float) -> tuple:
                                      topk=case["topk"], dtype=case["dtype"],
                                      routing=case["routing"])
         align, slack = case["alignment"], case["capacity_slack"]
+        C = case["expert_capacity"] or None  # the fixed-capacity layout
         group = ep_cases.make_group(problem, alignment=align, capacity_slack=slack,
-                                    ranks_per_node=case["ranks_per_node"])
+                                    ranks_per_node=case["ranks_per_node"],
+                                    expert_capacity=C or 0)
         capacity = group.config.max_recv_tokens_per_rank if slack is not None else None
-        rows = ep_cases.capacity_or_rows(problem, align, capacity)
+        rows = ep_cases.capacity_or_rows(problem, align, capacity, expert_capacity=C)
         x, idx, probs = ep_cases.share(problem, rank)
         handle = group.create_handle(idx)
         recv_x, recv_p = handle.dispatch(x, probs)
-        want_x, want_p, want_tpe, _ = dense.dispatch(problem, rank, align, capacity)
-        expert_out = ep_cases.poisoned_rows(problem, case_seed + 1, rows, align)
+        want_x, want_p, want_tpe, _ = dense.dispatch(problem, rank, align, capacity,
+                                                     expert_capacity=C)
+        expert_out = ep_cases.poisoned_rows(problem, case_seed + 1, rows, align,
+                                            expert_capacity=C)
         y = handle.combine(expert_out[rank])
         want_y = dense.combine(problem, expert_out, rank, align,
-                               ranks_per_node=case["ranks_per_node"] or None)
+                               ranks_per_node=case["ranks_per_node"] or None, expert_capacity=C)
         for got, want in ((recv_x, want_x), (recv_p, want_p),
                           (handle.tokens_per_expert.cpu(), want_tpe), (y, want_y)):
             mismatches += int((dense.bits(got) != dense.bits(want)).sum())
         handle.destroy()
         group.destroy()
         iterations += 1
-    return iterations, mismatches
+        fixed += C is not None
+    return iterations, mismatches, fixed
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_random_soak_is_bitwise_equal_to_the_oracle(world_size, seed, summary_line):
     results = dist.run(world_size, soak, seed, 10.0, timeout=120)
-    iterations = {it for it, _ in results}
+    iterations = {it for it, _, _ in results}
     assert len(iterations) == 1, results  # every rank ran the same cases
-    total = sum(m for _, m in results)
-    summary_line(f"reference soak, R={world_size}: {iterations.pop()} cases in 10 s, "
-                 f"{total} mismatching elements")
+    total = sum(m for _, m, _ in results)
+    summary_line(f"reference soak, R={world_size}: {iterations.pop()} cases in 10 s "
+                 f"({results[0][2]} with the fixed-capacity layout), {total} mismatching elements")
     assert total == 0
-    assert min(it for it, _ in results) >= 5, results
+    assert min(it for it, _, _ in results) >= 5, results
 
 
 def resident_kib() -> int:

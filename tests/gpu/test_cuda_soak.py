@@ -55,8 +55,11 @@ class SoakGroup:
     def __init__(self, rng: random.Random, world: int, device):
         self.cfg = cfg = soak_cases.random_group(rng, world, soak_cases.GPU)
         local = cfg["num_experts"] // world
+        C = cfg["expert_capacity"]  # > 0: the fixed-capacity layout, its size fixed by C
         self.capacity = None
-        if cfg["capacity_slack"] is not None:  # room for any routing, plus the slack
+        if cfg["capacity_slack"] is not None and C:
+            self.capacity = local * (-(-world * C // cfg["alignment"]) * cfg["alignment"])
+        elif cfg["capacity_slack"] is not None:  # room for any routing, plus the slack
             self.capacity = recv_rows_bound(world, cfg["max_tokens"], cfg["max_topk"], local,
                                             cfg["alignment"]) + cfg["capacity_slack"]
         self.ref, self.cuda = group_pair(
@@ -64,7 +67,7 @@ class SoakGroup:
             max_tokens=cfg["max_tokens"], max_topk=cfg["max_topk"], dtype=cfg["dtype"],
             capacity=self.capacity, expert_alignment=cfg["alignment"], num_sms=cfg["num_sms"],
             staging_chunk_tokens=cfg["staging_chunk_tokens"], staging_depth=cfg["staging_depth"],
-            ranks_per_node=cfg["ranks_per_node"])
+            ranks_per_node=cfg["ranks_per_node"], expert_capacity=C)
 
     def describe(self) -> str:
         c = self.cfg
@@ -72,7 +75,7 @@ class SoakGroup:
         return (f"E={c['num_experts']} H={c['hidden']} {str(c['dtype'])[6:]} "
                 f"T<={c['max_tokens']} K<={c['max_topk']} A={c['alignment']} {mode} "
                 f"sms={c['num_sms']} staging={c['staging_chunk_tokens']}x{c['staging_depth']} "
-                f"G={c['ranks_per_node'] or 'all'}")
+                f"G={c['ranks_per_node'] or 'all'} C={c['expert_capacity'] or 'off'}")
 
     def destroy(self) -> None:
         self.cuda.destroy()
@@ -159,6 +162,7 @@ def soak(seed: int, seconds: float) -> dict:
         g.cuda.check_errors()  # a sticky device-side error would fail here, with its message
         stats["iterations"] += 1
         stats["capacity" if g.capacity is not None else "exact"] += 1
+        stats["fixed capacity"] += bool(g.cfg["expert_capacity"])
         stats["routing maps"] += bool(call["routing_map"])
         stats["without probs"] += call["probs_dtype"] is None
         stats["a rank with 0 tokens"] += 0 in call["tokens"]
