@@ -34,7 +34,8 @@ const char* kConfigFields[] = {"magic", "version", "mode", "num_experts", "hidde
                                "max_tokens_per_rank", "max_topk", "token_dtype",
                                "recv_count_mode", "max_recv_tokens_per_rank", "expert_alignment",
                                "num_sms", "timeout_ms", "staging_chunk_tokens", "staging_depth",
-                               "expert_capacity", "nccl_version", "ranks_per_node (as resolved)", "lsa_size"};
+                               "expert_capacity", "nccl_version", "ranks_per_node (as resolved)",
+                               "lsa_size"};
 constexpr int kConfigFieldCount = (int)(sizeof(ConfigRecord) / sizeof(long long));
 static_assert(sizeof(kConfigFields) / sizeof(kConfigFields[0]) == kConfigFieldCount, "fields");
 constexpr int kLsaField = kConfigFieldCount - 1;  // checked with its own message

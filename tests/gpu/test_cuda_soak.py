@@ -55,19 +55,22 @@ class SoakGroup:
     def __init__(self, rng: random.Random, world: int, device):
         self.cfg = cfg = soak_cases.random_group(rng, world, soak_cases.GPU)
         local = cfg["num_experts"] // world
-        C = cfg["expert_capacity"]  # > 0: the fixed-capacity layout, its size fixed by C
+        C = cfg["expert_capacity"]  # > 0: the fixed-capacity layout
+        capacity_mode = cfg["capacity_slack"] is not None
         self.capacity = None
-        if cfg["capacity_slack"] is not None and C:
-            self.capacity = local * (-(-world * C // cfg["alignment"]) * cfg["alignment"])
-        elif cfg["capacity_slack"] is not None:  # room for any routing, plus the slack
+        if capacity_mode and not C:  # room for any routing, plus the slack
             self.capacity = recv_rows_bound(world, cfg["max_tokens"], cfg["max_topk"], local,
                                             cfg["alignment"]) + cfg["capacity_slack"]
+        # With C, capacity mode's size is the layout's own (the Group derives it).
+        fixed = dict(recv_mode="capacity") if capacity_mode and C else {}
         self.ref, self.cuda = group_pair(
             device, experts=cfg["num_experts"], hidden=cfg["hidden"],
             max_tokens=cfg["max_tokens"], max_topk=cfg["max_topk"], dtype=cfg["dtype"],
             capacity=self.capacity, expert_alignment=cfg["alignment"], num_sms=cfg["num_sms"],
             staging_chunk_tokens=cfg["staging_chunk_tokens"], staging_depth=cfg["staging_depth"],
-            ranks_per_node=cfg["ranks_per_node"], expert_capacity=C)
+            ranks_per_node=cfg["ranks_per_node"], expert_capacity=C, **fixed)
+        if fixed:
+            self.capacity = self.cuda.config.max_recv_tokens_per_rank
 
     def describe(self) -> str:
         c = self.cfg
