@@ -228,7 +228,8 @@ __global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
       const int row = slot_row(e, 0, t, lane);  // in flight with the routing load, as there
       has_own = dest_mask(e.own_routing + (size_t)t * e.topk, e.topk, e.expert_base, e.num_local,
                           e.num_ranks, lane) & 1ull;
-      n = has_own ? max(0, compact_rows(e, row, lane, rows_sh[wid], slots_sh[wid])) : 0;
+      n = has_own ? max(0, compact_rows(e, token_rows(e, 0, t), row, lane, rows_sh[wid],
+                                                       slots_sh[wid])) : 0;
       point_at_rows(ws.src, eo, ROWB, rows_sh[wid], n, lane);
     } else if (lane < K) {
       ws.src[lane] = eo + (size_t)rr[t * K + lane] * ROWB;

@@ -9,16 +9,17 @@
  *             a prefix count over each 32 experts give the ascending slots). Also resets the
  *             layout's scratch (error key, histogram, counts, error word): no memset launches.
  *   (barrier) every rank's record is in every window (handle.cc)
- *   validate  one thread per (s, t): expert id in [-1, E), no duplicate expert in a token; the
- *             first error (by rank, then range-before-duplicate, then token, then slot/expert,
- *             matching the reference's choice) is kept as an atomicMin'd 64-bit key; also the
- *             per-expert histogram of all ranks' slots and cnt[s][l] = tokens of s routed to
- *             local expert l (counts: order does not matter), and recv_row[s][t][*] = -1 (the
- *             scatter fills the rows here)
+ *   validate  one thread per slot (s, t, k): expert id in [-1, E), no duplicate expert in a
+ *             token; the first error (by rank, then range-before-duplicate, then token, then
+ *             slot/expert, matching the reference's choice) is kept as an atomicMin'd 64-bit
+ *             key; also the per-expert histogram of all ranks' slots and cnt[s][l] = tokens of
+ *             s routed to local expert l (counts: order does not matter), and recv_row[s][t][*]
+ *             = -1 (the scatter fills the rows here)
  *   bases     one block: error decode (one thread), a scan over local experts for the aligned
  *             expert blocks, tokens_per_expert, off[s][l], N_d, src_of_row = -1 on padding
  *             rows, the capacity check
- *   scatter   one block per (l, s): block scan over tokens -> recv_row[s][t][k], src_of_row[row]
+ *   scatter   one block per (l, s): block scan over tokens (tiles of kTileTokens) ->
+ *             recv_row[s][t][k], src_of_row[row]
  *   drop      expert_capacity only: one block per (expert, node) masks the dropped slots in the
  *             routing the ops follow (kept_routing; over nodes also the rail's sources' records)
  *
@@ -38,6 +39,8 @@
  *    drop pass decide it with the same scan, from the source's record alone, so the destination's
  *    rows and the source's sends agree without any exchange.
  */
+#include <climits>
+
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -47,6 +50,7 @@
 namespace nccl_ep {
 
 constexpr int kLayoutThreads = 256;
+constexpr int kTileTokens = 1024;  // tokens per tile of the scatter's and the drop pass's scans
 
 // This rank's record in window d (or its place in the all-gather buffer).
 __device__ __forceinline__ int* record_in(const PackArgs& a, int d) {
@@ -177,45 +181,45 @@ __device__ __forceinline__ int clamp_topk(const int* rec, int max_topk) {
   return k < 1 ? 1 : (k > max_topk ? max_topk : k);
 }
 
+// One thread per slot (s, t, k), k < max_topk: the slots of a token are checked in parallel
+// (a thread per token left the kernel to a few SMs' serial loops: 13 us of the handle at EP=1).
+// NOTES: the first error is the minimum key over every slot's candidates. A slot reports a
+// duplicate (its expert named at an earlier slot) even when its token also has a range error:
+// for the same rank a range key is smaller than any duplicate key, so the minimum is the
+// reference's choice (range errors first, then the lowest token, then its lowest duplicate).
 __global__ void validate_kernel(LayoutArgs a) {
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (long long)a.num_ranks * a.max_tokens) return;
-  const int s = (int)(i / a.max_tokens), t = (int)(i % a.max_tokens);
+  // 32-bit indices: the group's slots are < 2^31 (config.cc), and 32-bit divisions are cheap.
+  const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+  const unsigned st = i / (unsigned)a.max_topk;
+  if (st >= (unsigned)a.num_ranks * (unsigned)a.max_tokens) return;
+  const int k = (int)(i - st * (unsigned)a.max_topk);
+  const int s = (int)(st / (unsigned)a.max_tokens), t = (int)(st % (unsigned)a.max_tokens);
   const int* rec = a.gathered + (size_t)s * a.rec_ints;
   if (t >= record_tokens(rec, a.max_tokens, a.max_topk)) return;
-  // No row here until the scatter says otherwise (it runs after this kernel).
-  int* rows = a.recv_row + ((size_t)s * a.max_tokens + t) * a.max_topk;
-  for (int k = 0; k < a.max_topk; ++k) rows[k] = -1;
+  a.recv_row[i] = -1;  // no row here until the scatter says otherwise (it runs after this kernel)
   const int ks = clamp_topk(rec, a.max_topk);
+  if (k >= ks) return;
   const int* row = rec + kRecordHeader + (size_t)t * ks;
-  // A routing map's ids are distinct by construction (ascending): no duplicate to look for,
+  const int v = row[k];
+  if (v < -1 || v >= a.num_experts) {
+    atomicMin(a.err_key, error_key(s, 0, t, k));
+    return;
+  }
+  if (v < 0) return;
+  if (a.capacity >= 0) atomicAdd(&a.hist[v], 1);
+  // A routing map's ids are distinct by construction (ascending): no earlier slot to compare,
   // which would cost top-k^2 per token when a map row names every expert.
-  const bool distinct = rec[2] == kRecordRoutingMap;
-  unsigned long long key = ~0ull;
-  const int first_local = a.rank * a.num_local;
-  for (int k = 0; k < ks; ++k) {
-    const int v = row[k];
-    if (v < -1 || v >= a.num_experts) {
-      if (key == ~0ull) key = error_key(s, 0, t, k);
-      continue;
-    }
-    if (v >= 0 && a.capacity >= 0) atomicAdd(&a.hist[v], 1);
-    // cnt[s][l]: tokens of s routed to local expert l, a token once (its first slot naming l).
-    // Only records of the handle's top-k, as the scatter reads them (another top-k is an error).
-    if (rec[1] == a.topk && v >= first_local && v < first_local + a.num_local) {
-      bool first = true;
-      for (int j = 0; j < k && !distinct; ++j) first &= row[j] != v;
-      if (first) atomicAdd(&a.cnt[s * a.num_local + (v - first_local)], 1);
-    }
+  bool first = true;
+  if (rec[2] != kRecordRoutingMap)
+    for (int j = 0; j < k; ++j) first &= row[j] != v;
+  if (!first) {
+    atomicMin(a.err_key, error_key(s, 1, t, v));
+    return;
   }
-  if (key == ~0ull && !distinct) {
-    int dup = 0x7fffffff;
-    for (int k = 0; k < ks; ++k)
-      for (int j = k + 1; j < ks; ++j)
-        if (row[k] >= 0 && row[k] == row[j] && row[k] < dup) dup = row[k];
-    if (dup != 0x7fffffff) key = error_key(s, 1, t, dup);
-  }
-  if (key != ~0ull) atomicMin(a.err_key, key);
+  // cnt[s][l]: tokens of s routed to local expert l, a token once (its first slot naming l).
+  // Only records of the handle's top-k, as the scatter reads them (another top-k is an error).
+  const int l = v - a.rank * a.num_local;
+  if (rec[1] == a.topk && l >= 0 && l < a.num_local) atomicAdd(&a.cnt[s * a.num_local + l], 1);
 }
 
 // The fixed-capacity layout (expert_capacity C): expert l's block is block_rows rows from
@@ -343,37 +347,55 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
 }
 
 // Every token of a record (`tokens` of `topk` ids) that names expert e, in token order, block-
-// wide: visit(t, k, p), k the token's first slot naming e, p its position among those tokens (a
-// block scan over tiles of tokens). The placement of the layout and its capacity drops both come
-// from it, so they agree.
-// NOTES: a routing map's ids ascend, -1 after the last (pack_map), so its scan stops at the first
-// larger id: a map row may name every expert. The capacity drops mask ids in place (-1) in
-// records that later blocks may scan; a -1 is never larger than e, so the early stop holds.
+// wide: visit(t, k, p), k the token's first slot naming e, p its position among those tokens.
+// The placement of the layout and its capacity drops both come from it, so they agree.
+// A tile of kTileTokens tokens at a time: the block reads the tile's ids flat, 16 bytes a load
+// (every load of the tile in flight at once: a thread per token, reading its ids one by one,
+// made the scans a chain of load latencies), notes each token's first slot naming e in shared
+// memory, then scans kTileItems tokens per thread in token order.
+// NOTES: a record is 16-byte aligned (rec_ints is a multiple of 4, records start aligned) and so
+// is a tile (t0 * topk is a multiple of 4, t0 of kTileTokens). The capacity drops mask ids in
+// place (-1) in records that blocks of other experts read meanwhile: a -1 never equals e.
 template <typename Visit>
 __device__ __forceinline__ void for_tokens_naming(const int* rec, int tokens, int topk, int e,
                                                   Visit visit) {
-  const bool ascending = rec[2] == kRecordRoutingMap;
+  constexpr int kTileItems = kTileTokens / kLayoutThreads;
   using Scan = cub::BlockScan<int, kLayoutThreads>;
   __shared__ typename Scan::TempStorage tmp;
+  __shared__ int first_k[kTileTokens];  // INT_MAX: the token does not name e
   int run = 0;
-  for (int t0 = 0; t0 < tokens; t0 += kLayoutThreads) {
-    const int t = t0 + (int)threadIdx.x;
-    int hit_k = -1;
-    if (t < tokens) {
-      const int* row = rec + kRecordHeader + (size_t)t * topk;
-      if (ascending) {  // stop at the first larger id: e cannot follow it
-        for (int k = 0; k < topk && row[k] <= e && hit_k < 0; ++k)
-          if (row[k] == e) hit_k = k;
-      } else {
-        for (int k = topk - 1; k >= 0; --k)
-          if (row[k] == e) hit_k = k;
-      }
+  for (int t0 = 0; t0 < tokens; t0 += kTileTokens) {
+    for (int j = threadIdx.x; j < kTileTokens; j += kLayoutThreads) first_k[j] = INT_MAX;
+    __syncthreads();
+    const int* ids = rec + kRecordHeader + (size_t)t0 * topk;
+    const int n = min(kTileTokens, tokens - t0) * topk;
+    const int4* quads = reinterpret_cast<const int4*>(ids);
+    auto note = [&](int i, int v) {
+      if (v == e) atomicMin(&first_k[i / topk], i % topk);
+    };
+#pragma unroll 4
+    for (int q = threadIdx.x; q < n / 4; q += kLayoutThreads) {
+      const int4 v = quads[q];
+      note(4 * q, v.x);
+      note(4 * q + 1, v.y);
+      note(4 * q + 2, v.z);
+      note(4 * q + 3, v.w);
     }
-    int prefix, aggregate;
-    Scan(tmp).ExclusiveSum(hit_k >= 0 ? 1 : 0, prefix, aggregate);
-    if (hit_k >= 0) visit(t, hit_k, run + prefix);
+    if (threadIdx.x < n % 4) note(n - n % 4 + threadIdx.x, ids[n - n % 4 + threadIdx.x]);
+    __syncthreads();
+    int hit_k[kTileItems], hit[kTileItems], prefix[kTileItems];
+#pragma unroll
+    for (int j = 0; j < kTileItems; ++j) {
+      hit_k[j] = first_k[threadIdx.x * kTileItems + j];  // past the tile's tokens: INT_MAX
+      hit[j] = hit_k[j] != INT_MAX ? 1 : 0;
+    }
+    int aggregate;
+    Scan(tmp).ExclusiveSum(hit, prefix, aggregate);
+#pragma unroll
+    for (int j = 0; j < kTileItems; ++j)
+      if (hit[j]) visit(t0 + (int)threadIdx.x * kTileItems + j, hit_k[j], run + prefix[j]);
     run += aggregate;
-    __syncthreads();  // tmp is reused by the next tile
+    __syncthreads();  // tmp and first_k are reused by the next tile
   }
 }
 
@@ -429,8 +451,9 @@ cudaError_t preload_layout() {
 
 cudaError_t launch_layout(const LayoutArgs& a, cudaStream_t stream) {
   const long long tokens = (long long)a.num_ranks * a.max_tokens;
-  if (tokens > 0) {  // (validate also initializes recv_row and counts: it must run first)
-    validate_kernel<<<(int)((tokens + kLayoutThreads - 1) / kLayoutThreads), kLayoutThreads, 0,
+  const long long slots = tokens * a.max_topk;
+  if (slots > 0) {  // (validate also initializes recv_row and counts: it must run first)
+    validate_kernel<<<(int)((slots + kLayoutThreads - 1) / kLayoutThreads), kLayoutThreads, 0,
                       stream>>>(a);
   }
   const dim3 grid(a.num_local, a.num_ranks);

@@ -110,7 +110,7 @@ struct WindowLayout {
   int channels;          // one per CTA of an op: the SM budget
   int depth;             // ring slots per (channel, peer)
   int chunk;             // tokens per ring slot
-  int rec_ints;          // kRecordHeader + Tmax * Kmax
+  int rec_ints;          // kRecordHeader + Tmax * Kmax, rounded up to a multiple of 4
   int num_ranks, max_topk;
 
   __host__ __device__ size_t ring_items(int b, int q, int slot) const {

@@ -70,7 +70,9 @@ WindowLayout plan_window(const ncclEpGroupConfig_t& c, int nranks /* of the node
   // One rank has no ring: its channel is one round (chunks only pace the peers' transfers).
   w.chunk = nranks == 1 ? std::max(1, (c.max_tokens_per_rank + w.channels - 1) / w.channels)
                         : chunk_tokens(c, w.row_stride, nranks);
-  w.rec_ints = kRecordHeader + c.max_tokens_per_rank * c.max_topk;
+  // A multiple of 4: every record 16-byte aligned (the layout's scans read ids 4 a load).
+  w.rec_ints = (int)align_up(
+      (size_t)kRecordHeader + (size_t)c.max_tokens_per_rank * c.max_topk, 4);
   const size_t ring_items = (size_t)w.channels * (nranks - 1) * w.depth * w.chunk;
   size_t o = 0;
   w.sync_off = o;
@@ -156,7 +158,8 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
   const long long rows = (long long)nranks * c->max_tokens_per_rank *
                              std::min(c->max_topk, c->num_experts / nranks) +
                          (long long)(c->num_experts / nranks) * (c->expert_alignment - 1);
-  EP_CHECK(slots + kRecordHeader * nranks < (1ll << 31) && rows < (1ll << 31),
+  // (+ 3: records round up to a multiple of 4 ints)
+  EP_CHECK(slots + (kRecordHeader + 3) * nranks < (1ll << 31) && rows < (1ll << 31),
            ncclInvalidArgument,
            "ncclEpCreateGroup: group size x max_tokens_per_rank x max_topk (%lld) must stay "
            "below 2^31",

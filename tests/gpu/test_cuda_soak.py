@@ -197,8 +197,9 @@ def test_random_soak_bitwise_equal_to_the_reference(seed, summary_line):
     summary_line(
         f"cuda vs reference soak x{world}: {per_rank[0]['seconds']:.0f} s{note}, "
         f"{s.get('iterations', 0)} calls in {s['groups']} groups (exact {s.get('exact', 0)} / "
-        f"capacity {s.get('capacity', 0)}; routing maps {s.get('routing maps', 0)}; without probs "
-        f"{s.get('without probs', 0)}; a rank with 0 tokens {s.get('a rank with 0 tokens', 0)}; "
+        f"capacity {s.get('capacity', 0)}; fixed capacity {s.get('fixed capacity', 0)}; "
+        f"routing maps {s.get('routing maps', 0)}; without probs {s.get('without probs', 0)}; "
+        f"a rank with 0 tokens {s.get('a rank with 0 tokens', 0)}; "
         f"{dtypes}), mismatching elements per rank "
         f"{[o['stats'].get('mismatches', 0) for o in per_rank]}"
         + "".join(f" | rank {o['rank']} first mismatch: {o['first']}" for o in per_rank
