@@ -17,6 +17,7 @@
 # BENCH_NCU="CombineOp": the same sections plus the source lines with the most warp-stall samples
 # for the first BENCH_NCU_COUNT (2) launches of our kernels matching that regex in a one-rank
 # bench, into ncu.txt, after the bench stage, under BENCH_NCU_TIMEOUT (150 s)).
+# The bench stage also runs benchmarks/handle_timeline.py (handle creation kernel by kernel).
 # BENCH_ARGS adds benchmark flags, e.g. BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48"
 # reruns the kernels section per staging chunk size, BENCH_DEPTHS="3 4" per staging ring depth,
 # BENCH_NODES="1" per emulated node size (ranks per node). BENCH_BASELINE="DIR ...":
@@ -279,6 +280,11 @@ if wants bench; then
     [ $rc -eq 0 ] || STATUS=1
     note "- bench: rc $rc ($((SECONDS - start)) s; 1 = some item failed, 124 = timed out)"
     { echo; bench_table <"$OUT/bench.log"; } >>"$SUMMARY"
+    # Handle creation's kernels one by one (CUPTI), appended to bench.log.
+    start=$SECONDS
+    { echo "==== benchmarks/handle_timeline.py"
+      timeout -k 5 60 "$PY" benchmarks/handle_timeline.py 2>&1; } >>"$OUT/bench.log"
+    note "- handle timeline: rc $? ($((SECONDS - start)) s; in bench.log)"
     # The kernels again per staging chunk size in BENCH_CHUNKS (e.g. "24 48": an A/B of the
     # chunk against the warps that share it, without a rebuild), per ring depth in BENCH_DEPTHS,
     # and per emulated node size in BENCH_NODES (e.g. "1": the rail next to NVLink), appended to

@@ -1,0 +1,83 @@
+"""Where handle creation's time goes on the GPU: every kernel and copy of create_handle + the
+exact-mode count read, one rank (EP=1, the bench shape by default), timed by CUPTI through
+torch.profiler. Prints each activity's median duration and start (from the handle's first
+activity) and the median span, over --handles handles, each started on an idle GPU (the host
+waits for the previous one, as the count read makes it do).
+
+    python benchmarks/handle_timeline.py [--tokens 4096 --hidden 7168 --topk 8 --experts 256]
+
+The gaps between activities are the host's launch latency; they are part of the span.
+"""
+import argparse
+import collections
+import statistics
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from megatron_nccl_ep.api import Group
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--num-sms", type=int, default=24)
+    p.add_argument("--handles", type=int, default=20)
+    args = p.parse_args()
+    device = torch.device("cuda", 0)
+    group = Group(num_experts=args.experts, hidden=args.hidden, max_tokens_per_rank=args.tokens,
+                  max_topk=args.topk, dtype=torch.bfloat16, device=device,
+                  num_sms=args.num_sms, backend="cuda")
+    gen = torch.Generator(device=device)
+    gen.manual_seed(1)
+    routings = [torch.rand(args.tokens, args.experts, generator=gen, device=device)
+                .topk(args.topk, dim=1).indices for _ in range(4)]
+
+    def one_handle(i):
+        torch.cuda.synchronize()
+        handle = group.create_handle(routings[i % len(routings)])
+        handle.num_recv_tokens
+        handle.destroy()
+
+    for i in range(10):  # warm-up: the pool's slots, the kernels' first launches
+        one_handle(i)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(args.handles):
+            one_handle(i)
+        torch.cuda.synchronize()
+    group.destroy()
+
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    # One handle's activities: the host waits for each handle, so a gap longer than any launch
+    # latency (here 30 us) starts the next.
+    handles, current = [], []
+    for e in events:
+        if current and e.time_range.start - current[-1].time_range.end > 30:
+            handles.append(current)
+            current = []
+        current.append(e)
+    if current:
+        handles.append(current)
+    # A host hiccup of more than 30 us inside a handle splits it: keep the handles of the most
+    # common sequence of activities and say how many there were.
+    shape = lambda h: tuple(e.name for e in h)  # noqa: E731
+    common = collections.Counter(shape(h) for h in handles).most_common(1)[0][0]
+    kept = [h for h in handles if shape(h) == common]
+    print(f"handle timeline, EP=1: {args.tokens} tokens x top-{args.topk} of {args.experts} "
+          f"experts, medians (us) of {len(kept)} of {args.handles} handles")
+    handles = kept
+    print(f"{'start':>8} {'duration':>9}  activity")
+    for j, first in enumerate(handles[0]):
+        start = statistics.median(h[j].time_range.start - h[0].time_range.start for h in handles)
+        dur = statistics.median(h[j].time_range.end - h[j].time_range.start for h in handles)
+        print(f"{start:8.1f} {dur:9.1f}  {first.name[:90]}")
+    span = statistics.median(h[-1].time_range.end - h[0].time_range.start for h in handles)
+    print(f"span {span:.1f} us (first activity's start to the last one's end)")
+
+
+if __name__ == "__main__":
+    main()
