@@ -51,6 +51,7 @@ namespace nccl_ep {
 
 constexpr int kLayoutThreads = 256;
 constexpr int kTileTokens = 1024;  // tokens per tile of the scatter's and the drop pass's scans
+constexpr int kFlatTopk = 32;      // longer (routing-map) rows are searched token by token
 
 // This rank's record in window d (or its place in the all-gather buffer).
 __device__ __forceinline__ int* record_in(const PackArgs& a, int d) {
@@ -349,13 +350,16 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
 // Every token of a record (`tokens` of `topk` ids) that names expert e, in token order, block-
 // wide: visit(t, k, p), k the token's first slot naming e, p its position among those tokens.
 // The placement of the layout and its capacity drops both come from it, so they agree.
-// A tile of kTileTokens tokens at a time: the block reads the tile's ids flat, 16 bytes a load
-// (every load of the tile in flight at once: a thread per token, reading its ids one by one,
-// made the scans a chain of load latencies), notes each token's first slot naming e in shared
-// memory, then scans kTileItems tokens per thread in token order.
+// A tile of kTileTokens tokens at a time: first each token's first slot naming e, into shared
+// memory, then a block scan of kTileItems tokens per thread in token order. Rows of up to
+// kFlatTopk ids are read flat, 16 bytes a load, every load of the tile in flight at once (a
+// thread per token reading its ids one by one made the scans a chain of load latencies). Longer
+// rows are a routing map's (max_topk up to E: Megatron's drop-and-pad), whose ids ascend: a
+// thread per token stops at the first id above e, a few ids of the row instead of all.
 // NOTES: a record is 16-byte aligned (rec_ints is a multiple of 4, records start aligned) and so
 // is a tile (t0 * topk is a multiple of 4, t0 of kTileTokens). The capacity drops mask ids in
-// place (-1) in records that blocks of other experts read meanwhile: a -1 never equals e.
+// place (-1) in records that blocks of other experts read meanwhile: a -1 never equals e and is
+// never above it, so neither way of reading sees a change.
 template <typename Visit>
 __device__ __forceinline__ void for_tokens_naming(const int* rec, int tokens, int topk, int e,
                                                   Visit visit) {
@@ -363,25 +367,39 @@ __device__ __forceinline__ void for_tokens_naming(const int* rec, int tokens, in
   using Scan = cub::BlockScan<int, kLayoutThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int first_k[kTileTokens];  // INT_MAX: the token does not name e
+  const bool sorted_rows = rec[2] == kRecordRoutingMap && topk > kFlatTopk;
   int run = 0;
   for (int t0 = 0; t0 < tokens; t0 += kTileTokens) {
     for (int j = threadIdx.x; j < kTileTokens; j += kLayoutThreads) first_k[j] = INT_MAX;
     __syncthreads();
     const int* ids = rec + kRecordHeader + (size_t)t0 * topk;
-    const int n = min(kTileTokens, tokens - t0) * topk;
-    const int4* quads = reinterpret_cast<const int4*>(ids);
-    auto note = [&](int i, int v) {
-      if (v == e) atomicMin(&first_k[i / topk], i % topk);
-    };
+    const int tile = min(kTileTokens, tokens - t0);
+    if (sorted_rows) {
+      for (int j = threadIdx.x; j < tile; j += kLayoutThreads) {
+        const int* row = ids + (size_t)j * topk;
+        for (int k = 0; k < topk && row[k] <= e; ++k) {
+          if (row[k] == e) {
+            first_k[j] = k;
+            break;
+          }
+        }
+      }
+    } else {
+      const int n = tile * topk;
+      const int4* quads = reinterpret_cast<const int4*>(ids);
+      auto note = [&](int i, int v) {  // (duplicates, an error: the first slot keeps the row)
+        if (v == e) atomicMin(&first_k[i / topk], i % topk);
+      };
 #pragma unroll 4
-    for (int q = threadIdx.x; q < n / 4; q += kLayoutThreads) {
-      const int4 v = quads[q];
-      note(4 * q, v.x);
-      note(4 * q + 1, v.y);
-      note(4 * q + 2, v.z);
-      note(4 * q + 3, v.w);
+      for (int q = threadIdx.x; q < n / 4; q += kLayoutThreads) {
+        const int4 v = quads[q];
+        note(4 * q, v.x);
+        note(4 * q + 1, v.y);
+        note(4 * q + 2, v.z);
+        note(4 * q + 3, v.w);
+      }
+      if (threadIdx.x < n % 4) note(n - n % 4 + threadIdx.x, ids[n - n % 4 + threadIdx.x]);
     }
-    if (threadIdx.x < n % 4) note(n - n % 4 + threadIdx.x, ids[n - n % 4 + threadIdx.x]);
     __syncthreads();
     int hit_k[kTileItems], hit[kTileItems], prefix[kTileItems];
 #pragma unroll
