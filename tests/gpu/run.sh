@@ -280,11 +280,17 @@ if wants bench; then
     [ $rc -eq 0 ] || STATUS=1
     note "- bench: rc $rc ($((SECONDS - start)) s; 1 = some item failed, 124 = timed out)"
     { echo; bench_table <"$OUT/bench.log"; } >>"$SUMMARY"
-    # Handle creation's kernels one by one (CUPTI), appended to bench.log.
-    start=$SECONDS
-    { echo "==== benchmarks/handle_timeline.py"
-      timeout -k 5 60 "$PY" benchmarks/handle_timeline.py 2>&1; } >>"$OUT/bench.log"
-    note "- handle timeline: rc $? ($((SECONDS - start)) s; in bench.log)"
+    # Handle creation's kernels one by one (CUPTI), appended to bench.log (also per baseline).
+    #   handle_timeline LABEL TREE
+    handle_timeline() {
+        local start=$SECONDS rc
+        { echo "==== $1: benchmarks/handle_timeline.py"
+          (cd "$2" && PYTHONPATH="$2:$PYTHONPATH" timeout -k 5 60 "$PY" \
+              benchmarks/handle_timeline.py 2>&1); } >>"$OUT/bench.log"
+        rc=$?
+        note "- handle timeline, $1: rc $rc ($((SECONDS - start)) s; in bench.log)"
+    }
+    handle_timeline "this tree" "$PWD"
     # The kernels again per staging chunk size in BENCH_CHUNKS (e.g. "24 48": an A/B of the
     # chunk against the warps that share it, without a rebuild), per ring depth in BENCH_DEPTHS,
     # and per emulated node size in BENCH_NODES (e.g. "1": the rail next to NVLink), appended to
@@ -302,6 +308,7 @@ if wants bench; then
         baseline_ready "$i" || continue
         # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
         bench_kernels "baseline ${BASELINES[$i]}" "/tmp/baseline_$i" $BENCH_ARGS
+        handle_timeline "baseline ${BASELINES[$i]}" "/tmp/baseline_$i"
         if [ -n "${BASELINE_TESTS:-}" ]; then
             # The baseline's own tests (its tests/ import its package), into gpu_tests.log.
             # shellcheck disable=SC2086 # BASELINE_TESTS is a list of pytest arguments
