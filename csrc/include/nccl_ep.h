@@ -104,7 +104,8 @@ typedef struct {
   ncclEpTensorTag_t tag;
 } ncclEpTensor_t;
 
-/* Memory callbacks for internal, non-symmetric device buffers. Return 0 on success. */
+/* Memory callbacks for internal, non-symmetric device buffers. Return 0 on success; the memory
+ * must be 256-byte aligned, as cudaMalloc's is (group creation fails otherwise). */
 typedef int (*ncclEpAllocFn_t)(void** ptr, size_t bytes, void* ctx);
 typedef int (*ncclEpFreeFn_t)(void* ptr, void* ctx);
 

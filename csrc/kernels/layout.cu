@@ -354,15 +354,17 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
 // memory, then a block scan of kTileItems tokens per thread in token order. Rows of up to
 // kFlatTopk ids are read flat, 16 bytes a load, every load of the tile in flight at once (a
 // thread per token reading its ids one by one made the scans a chain of load latencies). Longer
-// rows are a routing map's (max_topk up to E: Megatron's drop-and-pad), whose ids ascend: a
-// thread per token stops at the first id above e, a few ids of the row instead of all.
+// rows are a routing map's (max_topk up to E: Megatron's drop-and-pad), whose ids ascend, then
+// -1 to the row's end: a thread per token stops at the first id above e or, with stop_at_pad, at
+// the first -1 (a few ids instead of all). stop_at_pad = false where the drop pass masks ids to
+// -1 in place in the record being read (over nodes), so that a -1 may sit mid-row.
 // NOTES: a record is 16-byte aligned (rec_ints is a multiple of 4, records start aligned) and so
 // is a tile (t0 * topk is a multiple of 4, t0 of kTileTokens). The capacity drops mask ids in
 // place (-1) in records that blocks of other experts read meanwhile: a -1 never equals e and is
 // never above it, so neither way of reading sees a change.
 template <typename Visit>
 __device__ __forceinline__ void for_tokens_naming(const int* rec, int tokens, int topk, int e,
-                                                  Visit visit) {
+                                                  bool stop_at_pad, Visit visit) {
   constexpr int kTileItems = kTileTokens / kLayoutThreads;
   using Scan = cub::BlockScan<int, kLayoutThreads>;
   __shared__ typename Scan::TempStorage tmp;
@@ -377,11 +379,10 @@ __device__ __forceinline__ void for_tokens_naming(const int* rec, int tokens, in
     if (sorted_rows) {
       for (int j = threadIdx.x; j < tile; j += kLayoutThreads) {
         const int* row = ids + (size_t)j * topk;
-        for (int k = 0; k < topk && row[k] <= e; ++k) {
-          if (row[k] == e) {
-            first_k[j] = k;
-            break;
-          }
+        for (int k = 0; k < topk; ++k) {
+          const int id = row[k];
+          if (id == e) first_k[j] = k;
+          if (id >= e || (stop_at_pad && id < 0)) break;
         }
       }
     } else {
@@ -423,7 +424,7 @@ __global__ void __launch_bounds__(kLayoutThreads) scatter_kernel(LayoutArgs a) {
   // A record of another top-k (an error) gets no rows, as validate counts none of it.
   const int ts = rec[1] == a.topk ? record_tokens(rec, a.max_tokens, a.max_topk) : 0;
   const long long first = a.off[s * a.num_local + l];
-  for_tokens_naming(rec, ts, a.topk, a.rank * a.num_local + l, [&](int t, int k, int p) {
+  for_tokens_naming(rec, ts, a.topk, a.rank * a.num_local + l, true, [&](int t, int k, int p) {
     // Fixed capacity: the slot's position in its run decides; past C it is dropped (no row).
     if (a.expert_capacity > 0 && p >= a.expert_capacity) return;
     const long long r = first + p;
@@ -444,7 +445,8 @@ __global__ void __launch_bounds__(kLayoutThreads) drop_kernel(LayoutArgs a) {
   const int* rec = a.gathered + (size_t)s * a.rec_ints;
   const int ts = rec[1] == a.topk ? record_tokens(rec, a.max_tokens, a.max_topk) : 0;
   int* kept = s == a.rank ? a.kept_routing : a.records_rw + (size_t)s * a.rec_ints + kRecordHeader;
-  for_tokens_naming(rec, ts, a.topk, blockIdx.x, [&](int t, int k, int p) {
+  // Another source's record is the one masked in place (by every expert's block): no stop at -1.
+  for_tokens_naming(rec, ts, a.topk, blockIdx.x, s == a.rank, [&](int t, int k, int p) {
     if (p >= a.expert_capacity) kept[(size_t)t * a.topk + k] = -1;
   });
 }

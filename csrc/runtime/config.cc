@@ -159,11 +159,11 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
                              std::min(c->max_topk, c->num_experts / nranks) +
                          (long long)(c->num_experts / nranks) * (c->expert_alignment - 1);
   // (+ 3: records round up to a multiple of 4 ints)
-  EP_CHECK(slots + (kRecordHeader + 3) * nranks < (1ll << 31) && rows < (1ll << 31),
-           ncclInvalidArgument,
-           "ncclEpCreateGroup: group size x max_tokens_per_rank x max_topk (%lld) must stay "
-           "below 2^31",
-           slots);
+  const long long record_ints = slots + (long long)(kRecordHeader + 3) * nranks;
+  EP_CHECK(record_ints < (1ll << 31) && rows < (1ll << 31), ncclInvalidArgument,
+           "ncclEpCreateGroup: group size x max_tokens_per_rank x max_topk (%lld), plus %d per "
+           "rank for the routing records' headers, must stay below 2^31",
+           slots, kRecordHeader + 3);
   EP_CHECK(c->expert_capacity >= 0, ncclInvalidArgument,
            "ncclEpCreateGroup: expert_capacity must be >= 0 (0 = off), got %d",
            c->expert_capacity);

@@ -8,6 +8,8 @@
  *  - Nothing in a slot needs clearing between handles: the pack and layout kernels reset what
  *    they read (layout.cu).
  */
+#include <cstdint>
+
 #include "internal.h"
 
 namespace nccl_ep {
@@ -48,6 +50,17 @@ ncclResult_t alloc_device(ncclEpGroup* g, void** ptr, size_t bytes) {
   if (g->cfg.alloc_fn != nullptr) {
     EP_CHECK(g->cfg.alloc_fn(ptr, bytes, g->cfg.alloc_ctx) == 0 && *ptr != nullptr,
              ncclSystemError, "alloc_fn failed to allocate %zu bytes", bytes);
+    // The buffers' views start at multiples of 256 bytes from the allocation (pool.cc's plan),
+    // and the kernels read and write them in 16-byte vectors.
+    if (reinterpret_cast<uintptr_t>(*ptr) % 256 != 0) {
+      void* bad = *ptr;
+      *ptr = nullptr;
+      g->cfg.free_fn(bad, g->cfg.alloc_ctx);
+      EP_CHECK(false, ncclInvalidArgument,
+               "alloc_fn returned %p for %zu bytes: it must return 256-byte aligned memory (as "
+               "cudaMalloc does)",
+               bad, bytes);
+    }
     return ncclSuccess;
   }
   EP_CUDA(cudaMalloc(ptr, bytes));
