@@ -66,10 +66,9 @@ def main() -> None:
     # common sequence of activities and say how many there were.
     shape = lambda h: tuple(e.name for e in h)  # noqa: E731
     common = collections.Counter(shape(h) for h in handles).most_common(1)[0][0]
-    kept = [h for h in handles if shape(h) == common]
+    handles = [h for h in handles if shape(h) == common]
     print(f"handle timeline, EP=1: {args.tokens} tokens x top-{args.topk} of {args.experts} "
-          f"experts, medians (us) of {len(kept)} of {args.handles} handles")
-    handles = kept
+          f"experts, medians (us) of {len(handles)} of {args.handles} handles")
     print(f"{'start':>8} {'duration':>9}  activity")
     for j, first in enumerate(handles[0]):
         start = statistics.median(h[j].time_range.start - h[0].time_range.start for h in handles)
