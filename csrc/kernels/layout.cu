@@ -9,7 +9,7 @@
  *             a prefix count over each 32 experts give the ascending slots). Also resets the
  *             layout's scratch (error key, histogram, counts, error word): no memset launches.
  *   (barrier) every rank's record is in every window (handle.cc)
- *   validate  one thread per slot (s, t, k): expert id in [-1, E), no duplicate expert in a
+ *   validate  a thread per slot (s, t, k): expert id in [-1, E), no duplicate expert in a
  *             token; the first error (by rank, then range-before-duplicate, then token, then
  *             slot/expert, matching the reference's choice) is kept as an atomicMin'd 64-bit
  *             key; also the per-expert histogram of all ranks' slots and cnt[s][l] = tokens of
@@ -52,6 +52,7 @@ namespace nccl_ep {
 constexpr int kLayoutThreads = 256;
 constexpr int kTileTokens = 1024;  // tokens per tile of the scatter's and the drop pass's scans
 constexpr int kFlatTopk = 32;      // longer (routing-map) rows are searched token by token
+constexpr int kScanLoads = 8;      // 16-byte loads per thread in flight in a scan (top-k 8: a tile)
 
 // This rank's record in window d (or its place in the all-gather buffer).
 __device__ __forceinline__ int* record_in(const PackArgs& a, int d) {
@@ -182,46 +183,94 @@ __device__ __forceinline__ int clamp_topk(const int* rec, int max_topk) {
   return k < 1 ? 1 : (k > max_topk ? max_topk : k);
 }
 
-// One thread per slot (s, t, k), k < max_topk: the slots of a token are checked in parallel
-// (13.0 us at EP=1 with a thread per token, 9.7 us so; most of what remains is its counters'
-// same-address atomics draining in L2, Nsight Compute: SMs active 3.6k of 23k cycles).
-// NOTES: the first error is the minimum key over every slot's candidates. A slot reports a
-// duplicate (its expert named at an earlier slot) even when its token also has a range error:
-// for the same rank a range key is smaller than any duplicate key, so the minimum is the
-// reference's choice (range errors first, then the lowest token, then its lowest duplicate).
-__global__ void validate_kernel(LayoutArgs a) {
-  // 32-bit indices: the group's slots are < 2^31 (config.cc), and 32-bit divisions are cheap.
-  const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-  const unsigned st = i / (unsigned)a.max_topk;
-  if (st >= (unsigned)a.num_ranks * (unsigned)a.max_tokens) return;
-  const int k = (int)(i - st * (unsigned)a.max_topk);
-  const int s = (int)(st / (unsigned)a.max_tokens), t = (int)(st % (unsigned)a.max_tokens);
+// Slots per validate block (kValidateSlots / kLayoutThreads per thread), and the most counters
+// its shared tables hold (48 KiB); with more, it counts with global atomics, which then spread
+// over as many addresses and hardly collide.
+constexpr int kValidateSlots = 2048;
+constexpr int kMaxTableCounters = 12288;
+
+// Adds 1 to counter c: in the block's table (shared) when it has one, else in global memory.
+__device__ __forceinline__ void count_into(int* table, int* global, int c) {
+  if (table != nullptr) atomicAdd(&table[c], 1);
+  else atomicAdd(&global[c], 1);
+}
+
+// A block per kValidateSlots slots (t, k) of one source s (blockIdx.y), a thread per slot at a
+// time: the slots of a token are checked in parallel.
+// NOTES:
+//  - Counts go through block tables in shared memory (tabled), added to the global counters
+//    once per block: same-address atomics serialize in L2, and one per slot (32768 on 256
+//    counters at EP=1) kept the kernel ~9 us draining them after ~2 us of work (Nsight Compute:
+//    SMs active 3.6k of 23k cycles).
+//  - The first error is the minimum key over every slot's candidates. A slot reports a
+//    duplicate (its expert named at an earlier slot) even when its token also has a range error:
+//    for the same rank a range key is smaller than any duplicate key, so the minimum is the
+//    reference's choice (range errors first, then the lowest token, then its lowest duplicate).
+__global__ void __launch_bounds__(kLayoutThreads) validate_kernel(LayoutArgs a, int tabled) {
+  extern __shared__ int table[];  // cnt of s per local expert [L], then hist per expert [E]
+  const int s = blockIdx.y;
   const int* rec = a.gathered + (size_t)s * a.rec_ints;
-  if (t >= record_tokens(rec, a.max_tokens, a.max_topk)) return;
-  a.recv_row[i] = -1;  // no row here until the scatter says otherwise (it runs after this kernel)
+  // 32-bit indices: the group's slots are < 2^31 (config.cc), and 32-bit divisions are cheap.
+  const unsigned slots = (unsigned)record_tokens(rec, a.max_tokens, a.max_topk) * a.max_topk;
+  const unsigned first = blockIdx.x * (unsigned)kValidateSlots;
+  if (first >= slots) return;  // (block-uniform)
+  const int L = a.num_local;
+  const int experts_counted = a.capacity >= 0 ? a.num_experts : 0;  // hist: capacity mode
+  int* cnt_table = tabled ? table : nullptr;
+  int* hist_table = tabled ? table + L : nullptr;
+  if (tabled) {
+    for (int c = threadIdx.x; c < L + experts_counted; c += blockDim.x) table[c] = 0;
+    __syncthreads();
+  }
   const int ks = clamp_topk(rec, a.max_topk);
-  if (k >= ks) return;
-  const int* row = rec + kRecordHeader + (size_t)t * ks;
-  const int v = row[k];
-  if (v < -1 || v >= a.num_experts) {
-    atomicMin(a.err_key, error_key(s, 0, t, k));
-    return;
+  // Only records of the handle's top-k are counted, as the scatter reads them (another top-k is
+  // an error). A routing map's ids are distinct by construction (ascending): no earlier slot to
+  // compare, which would cost top-k^2 per token when a map row names every expert.
+  const bool counted = rec[1] == a.topk, distinct = rec[2] == kRecordRoutingMap;
+  int* rows = a.recv_row + (size_t)s * a.max_tokens * a.max_topk;  // [t][max_topk]
+  // The thread's ids first, every load in flight at once: the stores and atomics below would
+  // otherwise order each slot's load after the previous slot's work (a chain of latencies).
+  constexpr int kPerThread = kValidateSlots / kLayoutThreads;
+  int ids[kPerThread];
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const unsigned i = first + j * kLayoutThreads + threadIdx.x;
+    const int t = (int)(i / (unsigned)a.max_topk), k = (int)(i - t * (unsigned)a.max_topk);
+    ids[j] = i < slots && k < ks ? rec[kRecordHeader + (size_t)t * ks + k] : -1;
   }
-  if (v < 0) return;
-  if (a.capacity >= 0) atomicAdd(&a.hist[v], 1);
-  // A routing map's ids are distinct by construction (ascending): no earlier slot to compare,
-  // which would cost top-k^2 per token when a map row names every expert.
-  bool first = true;
-  if (rec[2] != kRecordRoutingMap)
-    for (int j = 0; j < k; ++j) first &= row[j] != v;
-  if (!first) {
-    atomicMin(a.err_key, error_key(s, 1, t, v));
-    return;
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const unsigned i = first + j * kLayoutThreads + threadIdx.x;
+    if (i >= slots) break;
+    rows[i] = -1;  // no row here until the scatter says otherwise (it runs after this kernel)
+    const int t = (int)(i / (unsigned)a.max_topk), k = (int)(i - t * (unsigned)a.max_topk);
+    const int v = ids[j];  // (-1 past the record's top-k: nothing to check)
+    if (v < -1 || v >= a.num_experts) {
+      atomicMin(a.err_key, error_key(s, 0, t, k));
+      continue;
+    }
+    if (v < 0) continue;
+    if (experts_counted) count_into(hist_table, a.hist, v);
+    bool first_slot = true;
+    if (!distinct) {
+      const int* row = rec + kRecordHeader + (size_t)t * ks;
+      for (int j2 = 0; j2 < k; ++j2) first_slot &= row[j2] != v;
+    }
+    if (!first_slot) {
+      atomicMin(a.err_key, error_key(s, 1, t, v));
+      continue;
+    }
+    // cnt[s][l]: tokens of s routed to local expert l, a token once (its first slot naming l).
+    const int l = v - a.rank * L;
+    if (counted && l >= 0 && l < L) count_into(cnt_table, a.cnt + (size_t)s * L, l);
   }
-  // cnt[s][l]: tokens of s routed to local expert l, a token once (its first slot naming l).
-  // Only records of the handle's top-k, as the scatter reads them (another top-k is an error).
-  const int l = v - a.rank * a.num_local;
-  if (rec[1] == a.topk && l >= 0 && l < a.num_local) atomicAdd(&a.cnt[s * a.num_local + l], 1);
+  if (tabled) {
+    __syncthreads();
+    for (int c = threadIdx.x; c < L; c += blockDim.x)
+      if (table[c] != 0) atomicAdd(&a.cnt[(size_t)s * L + c], table[c]);
+    for (int c = threadIdx.x; c < experts_counted; c += blockDim.x)
+      if (table[L + c] != 0) atomicAdd(&a.hist[c], table[L + c]);
+  }
 }
 
 // The fixed-capacity layout (expert_capacity C): expert l's block is block_rows rows from
@@ -392,13 +441,24 @@ __device__ __forceinline__ void for_tokens_naming(const int* rec, int tokens, in
       auto note = [&](int i, int v) {  // (duplicates, an error: the first slot keeps the row)
         if (v == e) atomicMin(&first_k[i / topk], i % topk);
       };
-#pragma unroll 4
-      for (int q = threadIdx.x; q < n / 4; q += kLayoutThreads) {
-        const int4 v = quads[q];
-        note(4 * q, v.x);
-        note(4 * q + 1, v.y);
-        note(4 * q + 2, v.z);
-        note(4 * q + 3, v.w);
+      // kScanLoads loads per thread in flight at once, all issued before any is compared (the
+      // shared-memory atomics between them would otherwise order them): the scans are bound by
+      // the bytes in flight per SM.
+      for (int q0 = threadIdx.x; q0 < n / 4; q0 += kScanLoads * kLayoutThreads) {
+        int4 v[kScanLoads];
+#pragma unroll
+        for (int m = 0; m < kScanLoads; ++m) {
+          const int q = q0 + m * kLayoutThreads;
+          v[m] = q < n / 4 ? quads[q] : make_int4(-1, -1, -1, -1);
+        }
+#pragma unroll
+        for (int m = 0; m < kScanLoads; ++m) {
+          const int q = q0 + m * kLayoutThreads;
+          note(4 * q, v[m].x);
+          note(4 * q + 1, v[m].y);
+          note(4 * q + 2, v[m].z);
+          note(4 * q + 3, v[m].w);
+        }
       }
       if (threadIdx.x < n % 4) note(n - n % 4 + threadIdx.x, ids[n - n % 4 + threadIdx.x]);
     }
@@ -471,11 +531,13 @@ cudaError_t preload_layout() {
 }
 
 cudaError_t launch_layout(const LayoutArgs& a, cudaStream_t stream) {
-  const long long tokens = (long long)a.num_ranks * a.max_tokens;
-  const long long slots = tokens * a.max_topk;
-  if (slots > 0) {  // (validate also initializes recv_row and counts: it must run first)
-    validate_kernel<<<(int)((slots + kLayoutThreads - 1) / kLayoutThreads), kLayoutThreads, 0,
-                      stream>>>(a);
+  const long long slots = (long long)a.max_tokens * a.max_topk;  // per source
+  if (slots > 0 && a.num_ranks > 0) {  // (validate also initializes recv_row and counts: first)
+    const int counters = a.num_local + (a.capacity >= 0 ? a.num_experts : 0);
+    const int tabled = counters <= kMaxTableCounters;
+    const dim3 blocks((unsigned)((slots + kValidateSlots - 1) / kValidateSlots), a.num_ranks);
+    validate_kernel<<<blocks, kLayoutThreads, tabled ? counters * sizeof(int) : 0, stream>>>(
+        a, tabled);
   }
   const dim3 grid(a.num_local, a.num_ranks);
   bases_kernel<<<1, kLayoutThreads, 0, stream>>>(a);
