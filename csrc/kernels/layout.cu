@@ -293,6 +293,19 @@ EP_DEVICE void fixed_capacity_bases(const LayoutArgs& a) {
   if (threadIdx.x == 0) a.meta->num_rows = block * a.num_local;
 }
 
+// Exact mode: the meta is final once the bases are set, so this kernel writes it straight into
+// the host's pinned readback (mapped): the count read waits for the bases, not for the scatter
+// and a copy after it (H200: a device-to-host copy began ~4 us after the kernel before it ended).
+EP_DEVICE void publish_meta(const LayoutArgs& a) {
+  if (a.host_meta == nullptr) return;
+  __syncthreads();  // every thread's meta writes, before they are read back
+  const long long* from = reinterpret_cast<const long long*>(a.meta);
+  long long* to = reinterpret_cast<long long*>(a.host_meta);
+  const int words = (int)((offsetof(LayoutMeta, tokens_per_expert) +
+                           sizeof(long long) * (size_t)a.num_local) / sizeof(long long));
+  for (int i = threadIdx.x; i < words; i += blockDim.x) to[i] = from[i];
+}
+
 __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
   LayoutMeta* m = a.meta;
   for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
@@ -346,6 +359,7 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
   }
   if (a.expert_capacity > 0) {
     fixed_capacity_bases(a);
+    publish_meta(a);
     return;
   }
   // Expert blocks: one thread per local expert, an exclusive scan of the aligned block sizes
@@ -379,6 +393,7 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
     __syncthreads();  // tmp is reused by the next tile
   }
   if (threadIdx.x == 0) m->num_rows = carry;
+  publish_meta(a);
   if (a.capacity < 0) return;
   // Capacity: every rank checks every rank's rows (from the all-ranks histogram), so all ranks
   // report an overflow together; the first rank over the bound is named.
@@ -530,7 +545,7 @@ cudaError_t preload_layout() {
   return cudaSuccess;
 }
 
-cudaError_t launch_layout(const LayoutArgs& a, cudaStream_t stream) {
+cudaError_t launch_layout(const LayoutArgs& a, cudaEvent_t published, cudaStream_t stream) {
   const long long slots = (long long)a.max_tokens * a.max_topk;  // per source
   if (slots > 0 && a.num_ranks > 0) {  // (validate also initializes recv_row and counts: first)
     const int counters = a.num_local + (a.capacity >= 0 ? a.num_experts : 0);
@@ -541,6 +556,10 @@ cudaError_t launch_layout(const LayoutArgs& a, cudaStream_t stream) {
   }
   const dim3 grid(a.num_local, a.num_ranks);
   bases_kernel<<<1, kLayoutThreads, 0, stream>>>(a);
+  if (published != nullptr) {
+    const cudaError_t e = cudaEventRecord(published, stream);
+    if (e != cudaSuccess) return e;
+  }
   scatter_kernel<<<grid, kLayoutThreads, 0, stream>>>(a);
   if (a.expert_capacity > 0)  // after the scatter: over nodes it rewrites the records it read
     drop_kernel<<<dim3(a.num_experts, a.num_nodes), kLayoutThreads, 0, stream>>>(a);

@@ -4,9 +4,10 @@
  * Creation (collective, stream-ordered, no host wait): pack this rank's routing (top-k ids or a
  * routing map) into its record in every rank's window -> the group's timed barrier -> layout
  * kernels (layout.cu) on the local copy of all records. A group that spans nodes packs into the
- * handle's record buffer instead and all-gathers it with NCCL over the whole group. Exact mode then copies [error, N_d,
- * tokens_per_expert] to the slot's pinned buffer and records an event: the first call that
- * needs the count waits for it (read_layout), as late as the caller allows. Capacity mode
+ * handle's record buffer instead and all-gathers it with NCCL over the whole group. In exact
+ * mode the layout's bases kernel writes [error, N_d, tokens_per_expert] into the slot's pinned,
+ * mapped buffer, and an event follows it (the scatter runs on behind it): the first call that
+ * needs the count waits for that event (read_layout), as late as the caller allows. Capacity mode
  * reports errors through the group's mapped error word (a rank whose own shape is out of
  * bounds waits for it and raises at once).
  *
@@ -47,7 +48,7 @@ void destroy_handle_state(ncclEpHandle* h) {
   delete h;
 }
 
-// Waits for the layout's copy to the host. Inside a node every wait before it is a device-side
+// Waits for the count (bases_kernel's write into the slot's host_meta). Inside a node every wait before it is a device-side
 // wait with a timeout. Over nodes it sits behind the routing all-gather: once the watchdog
 // stopped that, the wait ends with the group's error timeout_ms after the stop at the latest,
 // whether or not the stream moves again. (Polled: a spin first, as cudaEventSynchronize would,
@@ -208,6 +209,7 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   a.err_key = s->err_key.ptr;
   a.hist = s->hist.ptr;
   a.meta = s->meta.ptr;
+  a.host_meta = g->capacity < 0 ? s->host_meta_dev : nullptr;
   a.err = g->capacity >= 0 ? g->d_err : &s->meta.ptr->err;
   a.expert_capacity = c.expert_capacity;
   a.block_rows = g->block_rows;
@@ -216,7 +218,9 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   a.node_size = G;
   a.node_rank = g->node_rank;
   a.num_nodes = g->num_nodes;
-  EP_CUDA(launch_layout(a, stream));
+  // Exact mode: meta_ready follows bases_kernel, which writes the count into host_meta; the
+  // scatter runs on meanwhile (read_layout waits for the count only).
+  EP_CUDA(launch_layout(a, g->capacity < 0 ? s->meta_ready : nullptr, stream));
 
   if (g->capacity >= 0) {
     h->num_recv = g->capacity;
@@ -228,10 +232,6 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
     EP_RETURN_IF(check_group_errors(g));
     EP_CHECK(false, ncclInternalError, "%s shape out of bounds but no error was recorded", name);
   }
-  // Exact mode: the one device-to-host copy of the handle, waited for by read_layout.
-  EP_CUDA(cudaMemcpyAsync(s->host_meta, s->meta.ptr, layout_meta_bytes(g->num_local),
-                          cudaMemcpyDeviceToHost, stream));
-  EP_CUDA(cudaEventRecord(s->meta_ready, stream));
   h->layout_read = false;
   return ncclSuccess;
 }

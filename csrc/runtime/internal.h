@@ -126,8 +126,9 @@ struct HandleSlot {
   View<LayoutMeta> meta;         // LayoutMeta with its [L] tokens_per_expert tail
   View<int> records;             // groups that span nodes: [R][rec_ints], the all-gathered
                                  // routing records (one node: they sit in the window)
-  LayoutMeta* host_meta = nullptr;  // pinned: the exact-mode readback
-  cudaEvent_t meta_ready = nullptr; // recorded after the readback copy
+  LayoutMeta* host_meta = nullptr;  // pinned, mapped: the exact-mode readback
+  LayoutMeta* host_meta_dev = nullptr;  // its device address (bases_kernel writes it)
+  cudaEvent_t meta_ready = nullptr; // recorded after bases_kernel
 
   // This rank's routing as the ops follow it (its dropped slots masked under expert_capacity).
   int* op_routing() const { return kept_routing.count > 0 ? kept_routing.ptr : own_routing.ptr; }

@@ -93,7 +93,9 @@ ncclResult_t acquire_slot(ncclEpGroup* g, HandleSlot** out) {
   if (res == ncclSuccess) {
     plan_slot(g, s, s->base);
     cudaError_t ce = cudaHostAlloc(reinterpret_cast<void**>(&s->host_meta),
-                                   layout_meta_bytes(g->num_local), cudaHostAllocDefault);
+                                   layout_meta_bytes(g->num_local), cudaHostAllocMapped);
+    if (ce == cudaSuccess)
+      ce = cudaHostGetDevicePointer(reinterpret_cast<void**>(&s->host_meta_dev), s->host_meta, 0);
     if (ce == cudaSuccess) ce = cudaEventCreateWithFlags(&s->meta_ready, cudaEventDisableTiming);
     if (ce != cudaSuccess) {
       set_error("allocating a handle's readback buffer failed: %s", cudaGetErrorString(ce));
