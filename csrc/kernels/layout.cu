@@ -277,20 +277,29 @@ __global__ void __launch_bounds__(kLayoutThreads) validate_kernel(LayoutArgs a, 
 // l * block_rows, source s's run C rows from s * C into it, whatever the routing. Its rows past
 // the run's min(cnt, C) slots, and the block's alignment tail, are rows of no slot (zeros).
 // Nothing can overflow: the output always has L x block_rows rows.
+// NOTES: a warp per run (and per block tail), its lanes over the run's empty rows: one expert
+// per rank with a large C (e.g. 8 experts at EP=8) leaves up to R x C rows to mark.
 EP_DEVICE void fixed_capacity_bases(const LayoutArgs& a) {
   const long long C = a.expert_capacity, block = a.block_rows;
-  for (int l = threadIdx.x; l < a.num_local; l += blockDim.x) {
-    const long long base = (long long)l * block;
-    for (int s = 0; s < a.num_ranks; ++s) {
-      const long long run = base + s * C;
-      a.off[s * a.num_local + l] = (int)run;
-      const long long filled = min((long long)a.cnt[s * a.num_local + l], C);
-      for (long long r = run + filled; r < run + C; ++r) a.src_of_row[r] = -1;
+  const int L = a.num_local, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  for (int l = threadIdx.x; l < L; l += blockDim.x) a.meta->tokens_per_expert[l] = block;
+  // Runs (s, l) at i = s * L + l, then the tails of the L blocks at i = R * L + l.
+  for (int i = warp; i < (a.num_ranks + 1) * L; i += warps) {
+    const int s = i / L, l = i - s * L;
+    long long first, end;
+    if (s < a.num_ranks) {
+      const long long run = l * block + s * C;
+      if (lane == 0) a.off[i] = (int)run;
+      first = run + min((long long)a.cnt[i], C);
+      end = run + C;
+    } else {
+      first = l * block + a.num_ranks * C;
+      end = (l + 1) * block;
     }
-    for (long long r = base + a.num_ranks * C; r < base + block; ++r) a.src_of_row[r] = -1;
-    a.meta->tokens_per_expert[l] = block;
+    for (long long r = first + lane; r < end; r += 32) a.src_of_row[r] = -1;
   }
-  if (threadIdx.x == 0) a.meta->num_rows = block * a.num_local;
+  if (threadIdx.x == 0) a.meta->num_rows = block * L;
 }
 
 // Exact mode: the meta is final once the bases are set, so this kernel writes it straight into
