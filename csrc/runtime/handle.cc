@@ -48,11 +48,11 @@ void destroy_handle_state(ncclEpHandle* h) {
   delete h;
 }
 
-// Waits for the count (bases_kernel's write into the slot's host_meta). Inside a node every wait before it is a device-side
-// wait with a timeout. Over nodes it sits behind the routing all-gather: once the watchdog
-// stopped that, the wait ends with the group's error timeout_ms after the stop at the latest,
-// whether or not the stream moves again. (Polled: a spin first, as cudaEventSynchronize would,
-// then short sleeps.)
+// Waits for the count (bases_kernel's write into the slot's host_meta). Inside a node every
+// wait before it is a device-side wait with a timeout. Over nodes it sits behind the routing
+// all-gather: once the watchdog stopped that, the wait ends with the group's error timeout_ms
+// after the stop at the latest, whether or not the stream moves again. (Polled: a spin first, as
+// cudaEventSynchronize would, then short sleeps.)
 static ncclResult_t wait_layout(ncclEpGroup* g, cudaEvent_t ready) {
   if (g->num_nodes == 1) {
     EP_CUDA(cudaEventSynchronize(ready));
