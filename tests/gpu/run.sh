@@ -24,8 +24,9 @@
 # an A/B against other versions of the package (patches that apply to this tree with patch -p1,
 # e.g. benchmarks/ab/*.patch, or trees with setup.py, csrc/, megatron_nccl_ep/ and tests/, carried
 # as ignored paths, e.g. made with `git archive REF | tar -x -C scratch/baseline`):
-# each built in /tmp/baseline_i alongside the other stages, its kernels section runs after ours in
-# the bench stage and its sm_budget in the micro stage, so every version is timed on the same
+# each built in /tmp/baseline_i alongside the other stages, its kernels section (the sections
+# BASELINE_SECTIONS names, e.g. "kernels,megatron" for a change of the Python path) runs after ours
+# in the bench stage and its sm_budget in the micro stage, so every version is timed on the same
 # machine in the same call; BASELINE_TESTS="tests/gpu/test_cuda_local_team.py -k wrap" also runs
 # those pytest arguments in each baseline tree after its bench (BASELINE_TESTS_TIMEOUT, 120 s
 # each, into gpu_tests.log).
@@ -254,19 +255,20 @@ bench_table() {
     echo '```'; echo "${table:-$(tail -n 30 <<<"$log")}"; echo '```'
 }
 
-# The bench's kernels section once more, from the package tree TREE with FLAGS: its output
-# appended to bench.log under a header line, its table to the summary.
-#   bench_kernels LABEL TREE [FLAGS...]
+# The bench once more (its kernels section, or the sections SECTIONS names), from the package
+# tree TREE with FLAGS: its output appended to bench.log under a header line, its table to the
+# summary.
+#   bench_kernels LABEL TREE SECTIONS [FLAGS...]
 bench_kernels() {
-    local label=$1 tree=$2 start=$SECONDS log rc
-    shift 2
+    local label=$1 tree=$2 sections=$3 start=$SECONDS log rc
+    shift 3
     log=$(cd "$tree" && PYTHONPATH="$tree:$PYTHONPATH" timeout -k 10 "$BENCH_TIMEOUT" \
-        "$PY" -m megatron_nccl_ep.bench "$@" --sections kernels \
+        "$PY" -m megatron_nccl_ep.bench "$@" --sections "$sections" \
         --time-budget $((BENCH_TIMEOUT - 20)) 2>&1)
     rc=$?
     [ $rc -eq 0 ] || STATUS=1
     { echo "==== $label"; echo "$log"; } >>"$OUT/bench.log"
-    note "- bench, $label (kernels): rc $rc ($((SECONDS - start)) s)"
+    note "- bench, $label ($sections): rc $rc ($((SECONDS - start)) s)"
     bench_table <<<"$log" >>"$SUMMARY"
 }
 
@@ -301,13 +303,14 @@ if wants bench; then
     for g in ${BENCH_NODES:-}; do variants+=("nodes of $g rank(s)|--ranks-per-node $g"); done
     for variant in "${variants[@]}"; do
         # shellcheck disable=SC2086 # the variant's flags are a list
-        bench_kernels "${variant%%|*}" "$PWD" ${variant#*|}
+        bench_kernels "${variant%%|*}" "$PWD" kernels ${variant#*|}
     done
     # Each baseline's kernels section (BENCH_BASELINE), appended to bench.log likewise.
     for i in "${!BASELINES[@]}"; do
         baseline_ready "$i" || continue
         # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
-        bench_kernels "baseline ${BASELINES[$i]}" "/tmp/baseline_$i" $BENCH_ARGS
+        bench_kernels "baseline ${BASELINES[$i]}" "/tmp/baseline_$i" \
+            "${BASELINE_SECTIONS:-kernels}" $BENCH_ARGS
         handle_timeline "baseline ${BASELINES[$i]}" "/tmp/baseline_$i"
         if [ -n "${BASELINE_TESTS:-}" ]; then
             # The baseline's own tests (its tests/ import its package), into gpu_tests.log.
