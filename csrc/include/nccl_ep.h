@@ -8,7 +8,7 @@
  *    (thread-local) naming the argument and the expected value. No call aborts the process.
  *  - Every device operation is stream-ordered on the cudaStream_t it is given; none synchronizes
  *    the host except where documented (exact mode: ncclEpHandleGetNumRecvTokens and the first
- *    op of a handle wait for its layout, once).
+ *    op of a handle wait for its receive count, once).
  *  - Collective calls (group/handle create, dispatch, combine, combine of the weights) must be
  *    made by every rank of the group in the same order, like NCCL collectives. Ranks that do not
  *    make the same call fail with an error naming both calls; a rank that stops calling makes its

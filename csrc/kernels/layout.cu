@@ -17,7 +17,8 @@
  *             = -1 (the scatter fills the rows here)
  *   bases     one block: error decode (one thread), a scan over local experts for the aligned
  *             expert blocks, tokens_per_expert, off[s][l], N_d, src_of_row = -1 on padding
- *             rows, the capacity check
+ *             rows, the capacity check; in exact mode it writes the meta (error, N_d, counts)
+ *             into the handle's mapped host buffer, and the count read waits for it only
  *   scatter   one block per (l, s): block scan over tokens (tiles of kTileTokens) ->
  *             recv_row[s][t][k], src_of_row[row]
  *   drop      expert_capacity only: one block per (expert, node) masks the dropped slots in the
@@ -426,8 +427,9 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
 // The placement of the layout and its capacity drops both come from it, so they agree.
 // A tile of kTileTokens tokens at a time: first each token's first slot naming e, into shared
 // memory, then a block scan of kTileItems tokens per thread in token order. Rows of up to
-// kFlatTopk ids are read flat, 16 bytes a load, every load of the tile in flight at once (a
-// thread per token reading its ids one by one made the scans a chain of load latencies). Longer
+// kFlatTopk ids are read flat, 16 bytes a load, kScanLoads loads per thread in flight (a whole
+// tile at top-k <= 8; a thread per token reading its ids one by one made the scans a chain of
+// load latencies). Longer
 // rows are a routing map's (max_topk up to E: Megatron's drop-and-pad), whose ids ascend, then
 // -1 to the row's end: a thread per token stops at the first id above e or, with stop_at_pad, at
 // the first -1 (a few ids instead of all). stop_at_pad = false where the drop pass masks ids to

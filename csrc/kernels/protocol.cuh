@@ -163,7 +163,8 @@ struct ErrorInfo {
 };
 static_assert(sizeof(ErrorInfo) == 48, "ErrorInfo layout");
 
-// Per-handle results of the layout, copied to the host once in exact mode.
+// Per-handle results of the layout; in exact mode bases_kernel also writes them into the
+// handle's mapped host buffer (read once by the host).
 struct LayoutMeta {
   ErrorInfo err;           // exact mode: layout errors land here (capacity: the group's word)
   long long num_rows;      // N_d including alignment padding
