@@ -10,7 +10,6 @@ activity) and the median span, over --handles handles, twice:
 
     python benchmarks/handle_timeline.py [--tokens 4096 --hidden 7168 --topk 8 --experts 256]
 """
-import argparse
 import collections
 import statistics
 
@@ -18,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from megatron_nccl_ep.api import Group
+from timeline_args import shape_parser  # this folder
 
 # A short sleep kernel before each handle marks where it starts in the activity list.
 MARK_CYCLES = 1_000
@@ -25,12 +25,7 @@ QUEUE_CYCLES = 400_000  # ~200 us at H200 clocks: more than the host takes to en
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--num-sms", type=int, default=24)
+    p = shape_parser(__doc__)
     p.add_argument("--handles", type=int, default=20)
     args = p.parse_args()
     device = torch.device("cuda", 0)

@@ -7,7 +7,6 @@ the host calls that take longest inside token_dispatch. --trace also writes the 
 
     python benchmarks/megatron_timeline.py [--tokens 4096 --hidden 7168 --topk 8 --experts 256]
 """
-import argparse
 import collections
 import contextlib
 import os
@@ -16,6 +15,8 @@ import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from timeline_args import shape_parser  # this folder
 
 METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "expert",
            "token_combine", "backward")
@@ -48,12 +49,7 @@ def build_dispatcher(args):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--num-sms", type=int, default=24)
+    p = shape_parser(__doc__)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--trace", help="also write the chrome trace here")
     p.add_argument("--host-steps", type=int, default=0,
