@@ -311,8 +311,7 @@ EP_DEVICE void publish_meta(const LayoutArgs& a) {
   __syncthreads();  // every thread's meta writes, before they are read back
   const long long* from = reinterpret_cast<const long long*>(a.meta);
   long long* to = reinterpret_cast<long long*>(a.host_meta);
-  const int words = (int)((offsetof(LayoutMeta, tokens_per_expert) +
-                           sizeof(long long) * (size_t)a.num_local) / sizeof(long long));
+  const int words = (int)(layout_meta_bytes(a.num_local) / sizeof(long long));
   for (int i = threadIdx.x; i < words; i += blockDim.x) to[i] = from[i];
 }
 
@@ -429,10 +428,9 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
 // memory, then a block scan of kTileItems tokens per thread in token order. Rows of up to
 // kFlatTopk ids are read flat, 16 bytes a load, kScanLoads loads per thread in flight (a whole
 // tile at top-k <= 8; a thread per token reading its ids one by one made the scans a chain of
-// load latencies). Longer
-// rows are a routing map's (max_topk up to E: Megatron's drop-and-pad), whose ids ascend, then
-// -1 to the row's end: a thread per token stops at the first id above e or, with stop_at_pad, at
-// the first -1 (a few ids instead of all). stop_at_pad = false where the drop pass masks ids to
+// load latencies). Longer rows are a routing map's (max_topk up to E: Megatron's drop-and-pad),
+// whose ids ascend, then -1 to the row's end: a thread per token stops at the first id above e
+// or, with stop_at_pad, at the first -1 (a few ids instead of all). stop_at_pad = false where the drop pass masks ids to
 // -1 in place in the record being read (over nodes), so that a -1 may sit mid-row.
 // NOTES: a record is 16-byte aligned (rec_ints is a multiple of 4, records start aligned) and so
 // is a tile (t0 * topk is a multiple of 4, t0 of kTileTokens). The capacity drops mask ids in

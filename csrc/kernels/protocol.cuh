@@ -174,7 +174,7 @@ struct LayoutMeta {
   long long tokens_per_expert[1];  // [L], flexible tail
 };
 
-inline size_t layout_meta_bytes(int num_local_experts) {
+__host__ __device__ inline size_t layout_meta_bytes(int num_local_experts) {
   return offsetof(LayoutMeta, tokens_per_expert) + sizeof(long long) * (size_t)num_local_experts;
 }
 
