@@ -9,6 +9,7 @@ the host calls that take longest inside token_dispatch. --trace also writes the 
 """
 import collections
 import contextlib
+import importlib
 import os
 import statistics
 import time
@@ -22,28 +23,32 @@ METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "exp
            "token_combine", "backward")
 
 
-def build_dispatcher(args):
+def build_dispatcher(args, package=None):
+    """The `nccl_ep` dispatcher of ``package`` (default: megatron_nccl_ep) on one rank; the first
+    call initializes torch.distributed and Megatron's model parallel state."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import megatron_nccl_ep
-    from megatron_nccl_ep.options import NcclEpOptions
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
-    torch.distributed.init_process_group("nccl", rank=0, world_size=1,
-                                         device_id=torch.device("cuda", 0))
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=1)
+    package = package or megatron_nccl_ep
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29531")
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1,
+                                             device_id=torch.device("cuda", 0))
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=1)
+        megatron_nccl_ep.register()
     config = TransformerConfig(
         num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
         ffn_hidden_size=args.hidden, num_moe_experts=args.experts, moe_router_topk=args.topk,
         moe_token_dispatcher_type="nccl_ep", expert_model_parallel_size=1, bf16=True,
         params_dtype=torch.bfloat16, moe_permute_fusion=False, add_bias_linear=False)
-    megatron_nccl_ep.register()
-    config.nccl_ep_options = NcclEpOptions(backend="cuda", num_sms=args.num_sms,
-                                           max_tokens_per_rank=args.tokens)
-    return megatron_nccl_ep.NcclEpTokenDispatcher(
+    options = importlib.import_module(f"{package.__name__}.options")
+    config.nccl_ep_options = options.NcclEpOptions(
+        backend="cuda", num_sms=args.num_sms, max_tokens_per_rank=args.tokens)
+    return package.NcclEpTokenDispatcher(
         args.experts, list(range(args.experts)), config,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 

@@ -21,6 +21,8 @@ Backend protocol (both backends implement it; ``state`` is backend-private):
   ``state.num_recv_tokens`` (int: N_d in exact mode, the capacity in capacity mode),
   ``state.tokens_per_expert`` (int64 ``[L]``: CPU tensor in exact mode, on the group's device in
   capacity mode), both may be properties that read the device the first time (exact mode);
+  ``state.routing_released`` (bool): no queued device work reads ``routing`` any more (the host
+  has seen the handle's layout finish);
 * ``topk_idx(state) -> [T, K]`` int64 on the group's device: the routing as top-k ids;
 * ``dispatch(state, x, probs, dense) -> (recv_x [N, H], recv_probs [N] or None)``: collective;
   ``probs`` is ``[T, K]`` in slot order, or ``[T, E]`` when ``dense``;
@@ -458,6 +460,14 @@ class Handle:
         if self._topk_idx is None:
             self._topk_idx = self.group._backend.topk_idx(self._state)
         return self._topk_idx
+
+    @property
+    def routing_released(self) -> bool:
+        """True when no queued device work still reads the routing tensor this handle was made
+        from: the host has seen the handle's layout finish (exact mode, once the receive count
+        was read, as every dispatch does), so that tensor may be freed on any stream. False: it
+        needs ``record_stream`` on the current stream if another stream may reuse its memory."""
+        return self._state is None or self._state.routing_released
 
     def _check_x(self, name: str, x: torch.Tensor) -> None:
         cfg = self.group.config

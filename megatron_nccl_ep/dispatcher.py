@@ -229,15 +229,18 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         group = _group_for(self.comm_group, self.tp_size * self.num_experts,
                            self.tp_size * topk, hidden_states, self.options(),
                            self.expert_alignment(), self.expert_capacity(hidden_states.shape[0]))
-        self._handle = group.create_handle(routing_map=self.routing_map)
-        if self.routing_map.is_cuda:
-            # Under the 1F1B EP overlap this runs on the communication stream while the routing
-            # map came from the compute stream: keep its memory until the handle's kernels ran.
-            self.routing_map.record_stream(torch.cuda.current_stream())
-        self.routing_map = None
-        # The router's probs are dense [T, E] (said explicitly: with E == K they would be read
-        # in slot order).
-        recv_x, recv_probs = dispatch(self._handle, hidden_states, probs, dense=True)
+        routing_map, self.routing_map = self.routing_map, None
+        self._handle = group.create_handle(routing_map=routing_map)
+        try:
+            # The router's probs are dense [T, E] (said explicitly: with E == K they would be
+            # read in slot order).
+            recv_x, recv_probs = dispatch(self._handle, hidden_states, probs, dense=True)
+        finally:
+            if routing_map.is_cuda and not self._handle.routing_released:
+                # Under the 1F1B EP overlap this runs on the communication stream while the
+                # routing map came from the compute stream: keep its memory until the handle's
+                # kernels ran. (Exact mode's count read has seen them run: no stream to build.)
+                routing_map.record_stream(torch.cuda.current_stream())
         if self.shared_experts is not None:  # overlaps the routed experts' work
             self.shared_experts.linear_fc1_forward_and_act(recv_x)
         return recv_x, recv_probs

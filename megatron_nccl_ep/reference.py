@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import time
-from typing import List, Optional
+from typing import ClassVar, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -112,6 +112,8 @@ class ReferenceHandleState:
     send_tokens: List[torch.Tensor]  # per destination rank: token indices with a slot there, asc.
     recv_counts: List[int]  # per source rank: tokens received (one per token, not per slot)
     recv_rows: torch.Tensor  # [sum(recv_counts), K] int64: output row of each slot here, or -1
+    # Creation read its shapes on the host (.tolist()) after converting the routing.
+    routing_released: ClassVar[bool] = True
 
 
 class ReferenceBackend:

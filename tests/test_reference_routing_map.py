@@ -33,6 +33,7 @@ def check_map_equals_topk(seed: int) -> None:
     probs = torch.rand(T - rank, K, generator=gen) + 0.1
     group = group_for_test(expert_alignment=4)
     from_map = group.create_handle(routing_map=routing_map)
+    assert from_map.routing_released, "the reference reads its shapes on the host at creation"
     want_idx = torch.full((T - rank, K), -1, dtype=torch.int64)
     for t in range(T - rank):
         experts = routing_map[t].nonzero().flatten()

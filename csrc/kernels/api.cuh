@@ -56,6 +56,7 @@ struct PackArgs {
   int* cnt;               // [cnt_len] = 0 (the layout's per (source, local expert) counts)
   int cnt_len;
   ErrorInfo* meta_err;    // = 0
+  unsigned* blocks_done;  // = 0 (validate's finished blocks)
   // Groups that span nodes: the record's `stopped` word from this rank's state (nullptr: 0).
   const DeviceState* state;
   const ErrorInfo* err;   // the group's error word
@@ -76,9 +77,10 @@ struct LayoutArgs {
   unsigned long long* err_key;  // min-key of the first bad routing entry
   int* hist;              // [E] slots per expert over all ranks: every rank checks every rank's
                           // capacity, so all ranks report an overflow together
+  unsigned* blocks_done;  // validate's finished blocks (its last sets the bases)
   LayoutMeta* meta;
-  LayoutMeta* host_meta;  // exact mode: the pinned, mapped readback bases_kernel publishes the
-                          // meta to (nullptr in capacity mode)
+  LayoutMeta* host_meta;  // exact mode: the pinned, mapped readback the bases publish the meta
+                          // to (nullptr in capacity mode)
   ErrorInfo* err;         // where errors are reported (meta->err or the group's mapped word)
   // expert_capacity C > 0 (0: off): every (source, local expert) run is C rows at
   // off = l * block_rows + s * C, and each source's slots past the C-th per expert are dropped.
@@ -206,7 +208,8 @@ cudaError_t launch_latch_error(const ErrorInfo* err, void* const* peers, size_t 
 // Packs this rank's routing into its record (header: the caller's shape; ids as int32) in every
 // window and in the handle, and resets the layout's scratch. A shape out of bounds packs no ids.
 cudaError_t launch_pack(const PackArgs& args, cudaStream_t stream);
-// published (may be null): recorded once bases_kernel has written args.host_meta.
+// published (may be null): recorded once the bases (validate's last block) have written
+// args.host_meta.
 cudaError_t launch_layout(const LayoutArgs& args, cudaEvent_t published, cudaStream_t stream);
 // The ids of a record ([tokens * topk] int32) into a contiguous int32 or int64 tensor.
 cudaError_t launch_copy_topk(const int* ids, long long count, void* out, int out_is_64,

@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(Op::kWarps * 32, 1) exchange_kernel(const type
 }
 
 // Lets the kernel use the op's dynamic shared memory (Op::kStagingBytes may exceed the default
-// 48 KiB). A per-device function attribute: set before every launch (a host-side call, no sync).
+// 48 KiB). A per-device function attribute, set once per group (preload_exchange).
 template <class Op>
 cudaError_t grant_staging() {
   if (Op::kStagingBytes == 0) return cudaSuccess;
@@ -523,8 +523,9 @@ cudaError_t grant_staging() {
                               (int)Op::kStagingBytes);
 }
 
-// Loads the kernel now (under lazy module loading, a first launch may wait for the device,
-// which must not happen while a peer of a local team spins in another op kernel).
+// Loads the kernel and grants its staging on the current device (group creation, init_group):
+// under lazy module loading a first launch may wait for the device, which must not happen while
+// a peer of a local team spins in another op kernel; and launches then need no attribute call.
 template <class Op>
 cudaError_t preload_exchange() {
   cudaFuncAttributes attr;
@@ -532,10 +533,9 @@ cudaError_t preload_exchange() {
   return e == cudaSuccess ? grant_staging<Op>() : e;
 }
 
+// NOTES: the kernel's staging was granted when its group was created (preload_exchange).
 template <class Op>
 cudaError_t launch_exchange(const typename Op::Args& a, cudaStream_t stream) {
-  const cudaError_t e = grant_staging<Op>();
-  if (e != cudaSuccess) return e;
   exchange_kernel<Op><<<Op::ex(a).win.channels, Op::kWarps * 32, Op::kStagingBytes, stream>>>(a);
   return cudaGetLastError();
 }

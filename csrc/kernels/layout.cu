@@ -14,11 +14,11 @@
  *             slot/expert, matching the reference's choice) is kept as an atomicMin'd 64-bit
  *             key; also the per-expert histogram of all ranks' slots and cnt[s][l] = tokens of
  *             s routed to local expert l (counts: order does not matter), and recv_row[s][t][*]
- *             = -1 (the scatter fills the rows here)
- *   bases     one block: error decode (one thread), a scan over local experts for the aligned
- *             expert blocks, tokens_per_expert, off[s][l], N_d, src_of_row = -1 on padding
- *             rows, the capacity check; in exact mode it writes the meta (error, N_d, counts)
- *             into the handle's mapped host buffer, and the count read waits for it only
+ *             = -1 (the scatter fills the rows here). Then its last block to finish sets
+ *   (bases)   error decode (one thread), a scan over local experts for the aligned expert
+ *             blocks, tokens_per_expert, off[s][l], N_d, src_of_row = -1 on padding rows, the
+ *             capacity check; in exact mode it writes the meta (error, N_d, counts) into the
+ *             handle's mapped host buffer, and the count read waits for this kernel only
  *   scatter   one block per (l, s): block scan over tokens (tiles of kTileTokens) ->
  *             recv_row[s][t][k], src_of_row[row]
  *   drop      expert_capacity only: one block per (expert, node) masks the dropped slots in the
@@ -35,11 +35,15 @@
  *    twice or out of bounds.
  *  - tokens_per_expert[l] is the size of expert l's block including its alignment padding, like
  *    the reference backend, so sum(tokens_per_expert) == N_d.
+ *  - The bases run in validate's last block (a counter of finished blocks, reset by pack)
+ *    rather than in a kernel of their own: the layout is host-bound in Megatron's path, where a
+ *    launch costs more host time (~5-10 us) than the bases take on the GPU (~3 us).
  *  - Fixed capacity (expert_capacity C): off[s][l] = l * roundup(R * C, A) + s * C; a slot is kept
  *    iff its position among s's slots for its expert, in token order, is < C. The scatter and the
  *    drop pass decide it with the same scan, from the source's record alone, so the destination's
  *    rows and the source's sends agree without any exchange.
  */
+#include <algorithm>
 #include <climits>
 
 #include <cub/block/block_reduce.cuh>
@@ -86,6 +90,7 @@ __device__ __forceinline__ void pack_header(const PackArgs& a) {
   }
   if (threadIdx.x == 0) {
     *a.err_key = ~0ull;
+    *a.blocks_done = 0;
     memset(a.meta_err, 0, sizeof(ErrorInfo));
   }
   for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) a.hist[e] = 0;
@@ -184,11 +189,22 @@ __device__ __forceinline__ int clamp_topk(const int* rec, int max_topk) {
   return k < 1 ? 1 : (k > max_topk ? max_topk : k);
 }
 
+// The bases' block-wide scan and reduction (in validate's last block).
+using BasesScan = cub::BlockScan<long long, kLayoutThreads>;
+using BasesReduce = cub::BlockReduce<long long, kLayoutThreads>;
+union BasesTemp {
+  typename BasesScan::TempStorage scan;
+  typename BasesReduce::TempStorage reduce;
+};
+
 // Slots per validate block (kValidateSlots / kLayoutThreads per thread), and the most counters
-// its shared tables hold (48 KiB); with more, it counts with global atomics, which then spread
+// its shared tables hold (44 KiB: with the bases' static shared memory, within the 48 KiB a
+// kernel gets without opting in); with more, it counts with global atomics, which then spread
 // over as many addresses and hardly collide.
 constexpr int kValidateSlots = 2048;
-constexpr int kMaxTableCounters = 12288;
+constexpr int kMaxTableCounters = 11264;
+static_assert(kMaxTableCounters * sizeof(int) + sizeof(BasesTemp) + 64 <= 48 * 1024,
+              "validate's tables and the bases' shared memory fit the default 48 KiB");
 
 // Adds 1 to counter c: in the block's table (shared) when it has one, else in global memory.
 __device__ __forceinline__ void count_into(int* table, int* global, int c) {
@@ -196,8 +212,8 @@ __device__ __forceinline__ void count_into(int* table, int* global, int c) {
   else atomicAdd(&global[c], 1);
 }
 
-// A block per kValidateSlots slots (t, k) of one source s (blockIdx.y), a thread per slot at a
-// time: the slots of a token are checked in parallel.
+// validate_kernel's block: kValidateSlots slots (t, k) of one source s (blockIdx.y), a thread
+// per slot at a time: the slots of a token are checked in parallel.
 // NOTES:
 //  - Counts go through block tables in shared memory (tabled), added to the global counters
 //    once per block: same-address atomics serialize in L2, and one per slot (32768 on 256
@@ -207,9 +223,9 @@ __device__ __forceinline__ void count_into(int* table, int* global, int c) {
 //    duplicate (its expert named at an earlier slot) even when its token also has a range error:
 //    for the same rank a range key is smaller than any duplicate key, so the minimum is the
 //    reference's choice (range errors first, then the lowest token, then its lowest duplicate).
-__global__ void __launch_bounds__(kLayoutThreads) validate_kernel(LayoutArgs a, int tabled) {
-  extern __shared__ int table[];  // cnt of s per local expert [L], then hist per expert [E]
+EP_DEVICE void count_slots(const LayoutArgs& a, int* table) {
   const int s = blockIdx.y;
+  const bool tabled = table != nullptr;
   const int* rec = a.gathered + (size_t)s * a.rec_ints;
   // 32-bit indices: the group's slots are < 2^31 (config.cc), and 32-bit divisions are cheap.
   const unsigned slots = (unsigned)record_tokens(rec, a.max_tokens, a.max_topk) * a.max_topk;
@@ -292,7 +308,7 @@ EP_DEVICE void fixed_capacity_bases(const LayoutArgs& a) {
     if (s < a.num_ranks) {
       const long long run = l * block + s * C;
       if (lane == 0) a.off[i] = (int)run;
-      first = run + min((long long)a.cnt[i], C);
+      first = run + min((long long)__ldcg(&a.cnt[i]), C);
       end = run + C;
     } else {
       first = l * block + a.num_ranks * C;
@@ -315,7 +331,10 @@ EP_DEVICE void publish_meta(const LayoutArgs& a) {
   for (int i = threadIdx.x; i < words; i += blockDim.x) to[i] = from[i];
 }
 
-__global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
+// The bases, by validate's last block: every block's counts and error key are in (their
+// atomics came before the finished-block counter), read through L2 (__ldcg): this SM's L1 may
+// hold none of them, but nothing here relies on that.
+EP_DEVICE void set_bases(const LayoutArgs& a) {
   LayoutMeta* m = a.meta;
   for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
     const int* rec = a.gathered + (size_t)s * a.rec_ints;
@@ -338,7 +357,7 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
     int bad_shape = -1;
     for (int s = 0; s < a.num_ranks && bad_shape < 0; ++s)
       if (!shape_ok(a.gathered + (size_t)s * a.rec_ints, a.max_tokens, a.max_topk)) bad_shape = s;
-    const unsigned long long key = *a.err_key;
+    const unsigned long long key = __ldcg(a.err_key);
     if (bad_shape >= 0 && (key == ~0ull || bad_shape < (int)(key >> 48))) {
       const int tokens = m->ts[bad_shape], topk = m->ks[bad_shape];
       const int kind = a.gathered[(size_t)bad_shape * a.rec_ints + 2];
@@ -373,26 +392,21 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
   }
   // Expert blocks: one thread per local expert, an exclusive scan of the aligned block sizes
   // over l (tiles of blockDim, carried), then off[s][l] in source-rank order.
-  using Scan = cub::BlockScan<long long, kLayoutThreads>;
-  using Reduce = cub::BlockReduce<long long, kLayoutThreads>;
-  __shared__ union {
-    typename Scan::TempStorage scan;
-    typename Reduce::TempStorage reduce;
-  } tmp;
+  __shared__ BasesTemp tmp;
   long long carry = 0;
   for (int l0 = 0; l0 < a.num_local; l0 += kLayoutThreads) {
     const int l = l0 + (int)threadIdx.x;
     long long total = 0;
     if (l < a.num_local)
-      for (int s = 0; s < a.num_ranks; ++s) total += a.cnt[s * a.num_local + l];
+      for (int s = 0; s < a.num_ranks; ++s) total += __ldcg(&a.cnt[s * a.num_local + l]);
     const long long block = (total + a.align - 1) / a.align * a.align;
     long long base, tile;
-    Scan(tmp.scan).ExclusiveSum(block, base, tile);
+    BasesScan(tmp.scan).ExclusiveSum(block, base, tile);
     if (l < a.num_local) {
       long long run = carry + base;
       for (int s = 0; s < a.num_ranks; ++s) {
         a.off[s * a.num_local + l] = (int)run;
-        run += a.cnt[s * a.num_local + l];
+        run += __ldcg(&a.cnt[s * a.num_local + l]);
       }
       // The block's alignment padding: rows of no slot (dispatch writes zeros there).
       for (long long r = run; r < carry + base + block && r < a.src_rows; ++r) a.src_of_row[r] = -1;
@@ -409,16 +423,33 @@ __global__ void __launch_bounds__(kLayoutThreads) bases_kernel(LayoutArgs a) {
   for (int d = 0; d < a.num_ranks; ++d) {
     long long rows = 0;
     for (int l = threadIdx.x; l < a.num_local; l += blockDim.x) {
-      const long long n = a.hist[d * a.num_local + l];
+      const long long n = __ldcg(&a.hist[d * a.num_local + l]);
       rows += (n + a.align - 1) / a.align * a.align;
     }
-    rows = Reduce(tmp.reduce).Sum(rows);
+    rows = BasesReduce(tmp.reduce).Sum(rows);
     __syncthreads();  // tmp is reused by the next rank
     if (threadIdx.x == 0) {
       if (d == a.rank && carry > rows) rows = carry;  // (duplicates: already an error)
       if (rows > a.capacity) raise_error(a.err, kErrCapacity, d, -1, -1, rows, a.capacity);
     }
   }
+}
+
+__global__ void __launch_bounds__(kLayoutThreads) validate_kernel(LayoutArgs a, int tabled) {
+  extern __shared__ int table[];  // cnt of s per local expert [L], then hist per expert [E]
+  count_slots(a, tabled ? table : nullptr);
+  // The last block to finish sets the bases (threadFenceReduction's pattern: each block's
+  // atomics, a fence, then its ticket).
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(a.blocks_done, 1u) == gridDim.x * gridDim.y - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  set_bases(a);
 }
 
 // Every token of a record (`tokens` of `topk` ids) that names expert e, in token order, block-
@@ -544,7 +575,6 @@ cudaError_t preload_layout() {
       reinterpret_cast<const void*>(pack_map_kernel),
       reinterpret_cast<const void*>(copy_topk_kernel),
       reinterpret_cast<const void*>(validate_kernel),
-      reinterpret_cast<const void*>(bases_kernel),
       reinterpret_cast<const void*>(scatter_kernel),
       reinterpret_cast<const void*>(drop_kernel)};
   for (const void* k : kernels) {
@@ -556,15 +586,14 @@ cudaError_t preload_layout() {
 
 cudaError_t launch_layout(const LayoutArgs& a, cudaEvent_t published, cudaStream_t stream) {
   const long long slots = (long long)a.max_tokens * a.max_topk;  // per source
-  if (slots > 0 && a.num_ranks > 0) {  // (validate also initializes recv_row and counts: first)
-    const int counters = a.num_local + (a.capacity >= 0 ? a.num_experts : 0);
-    const int tabled = counters <= kMaxTableCounters;
-    const dim3 blocks((unsigned)((slots + kValidateSlots - 1) / kValidateSlots), a.num_ranks);
-    validate_kernel<<<blocks, kLayoutThreads, tabled ? counters * sizeof(int) : 0, stream>>>(
-        a, tabled);
-  }
+  const int counters = a.num_local + (a.capacity >= 0 ? a.num_experts : 0);
+  const int tabled = counters <= kMaxTableCounters;
+  // (At least one block: its last block sets the bases.)
+  const dim3 blocks((unsigned)std::max(1ll, (slots + kValidateSlots - 1) / kValidateSlots),
+                    a.num_ranks);
+  validate_kernel<<<blocks, kLayoutThreads, tabled ? counters * sizeof(int) : 0, stream>>>(
+      a, tabled);
   const dim3 grid(a.num_local, a.num_ranks);
-  bases_kernel<<<1, kLayoutThreads, 0, stream>>>(a);
   if (published != nullptr) {
     const cudaError_t e = cudaEventRecord(published, stream);
     if (e != cudaSuccess) return e;

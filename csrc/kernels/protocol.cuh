@@ -163,7 +163,7 @@ struct ErrorInfo {
 };
 static_assert(sizeof(ErrorInfo) == 48, "ErrorInfo layout");
 
-// Per-handle results of the layout; in exact mode bases_kernel also writes them into the
+// Per-handle results of the layout; in exact mode the bases also write them into the
 // handle's mapped host buffer (read once by the host).
 struct LayoutMeta {
   ErrorInfo err;           // exact mode: layout errors land here (capacity: the group's word)

@@ -129,6 +129,15 @@ ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int n
   EP_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&g->d_err), g->h_err, 0));
   EP_RETURN_IF(alloc_device(g, reinterpret_cast<void**>(&g->d_state), sizeof(DeviceState)));
   EP_CUDA(cudaMemsetAsync(g->d_state, 0, sizeof(DeviceState), stream));
+  // Every kernel loaded and granted its staging on this device now, not at its first launch:
+  // under lazy module loading a first launch may wait for the device (a local team's peer may
+  // be spinning in an op kernel), and the ops' launches then make no attribute calls.
+  cudaError_t ce = preload_layout();
+  if (ce == cudaSuccess) ce = preload_barrier();
+  if (ce == cudaSuccess) ce = preload_dispatch();
+  if (ce == cudaSuccess) ce = preload_combine();
+  EP_CHECK(ce == cudaSuccess, ncclUnhandledCudaError,
+           "ncclEpCreateGroup: loading the kernels failed: %s", cudaGetErrorString(ce));
   return preallocate_slots(g);
 }
 
@@ -390,17 +399,6 @@ extern "C" ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
   if (res == ncclSuccess && cudaStreamSynchronize(stream) != cudaSuccess) {
     set_error("ncclEpCreateLocalTeam: the setup copies failed");
     res = ncclUnhandledCudaError;
-  }
-  if (res == ncclSuccess) {
-    // The ranks' kernels wait for each other inside one process: load them all now.
-    cudaError_t ce = preload_layout();
-    if (ce == cudaSuccess) ce = preload_barrier();
-    if (ce == cudaSuccess) ce = preload_dispatch();
-    if (ce == cudaSuccess) ce = preload_combine();
-    if (ce != cudaSuccess) {
-      set_error("ncclEpCreateLocalTeam: loading the kernels failed: %s", cudaGetErrorString(ce));
-      res = ncclUnhandledCudaError;
-    }
   }
   if (res != ncclSuccess) {
     cudaStreamSynchronize(stream);

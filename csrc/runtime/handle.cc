@@ -5,9 +5,10 @@
  * routing map) into its record in every rank's window -> the group's timed barrier -> layout
  * kernels (layout.cu) on the local copy of all records. A group that spans nodes packs into the
  * handle's record buffer instead and all-gathers it with NCCL over the whole group. In exact
- * mode the layout's bases kernel writes [error, N_d, tokens_per_expert] into the slot's pinned,
- * mapped buffer, and an event follows it (the scatter runs on behind it): the first call that
- * needs the count waits for that event (read_layout), as late as the caller allows. Capacity mode
+ * mode the layout's bases (validate's last block) write [error, N_d, tokens_per_expert] into
+ * the slot's pinned, mapped buffer, and an event follows (the scatter runs on behind it): the
+ * first call that needs the count waits for that event (read_layout), as late as the caller
+ * allows. Capacity mode
  * reports errors through the group's mapped error word (a rank whose own shape is out of
  * bounds waits for it and raises at once).
  *
@@ -48,7 +49,7 @@ void destroy_handle_state(ncclEpHandle* h) {
   delete h;
 }
 
-// Waits for the count (bases_kernel's write into the slot's host_meta). Inside a node every
+// Waits for the count (the bases' write into the slot's host_meta). Inside a node every
 // wait before it is a device-side wait with a timeout. Over nodes it sits behind the routing
 // all-gather: once the watchdog stopped that, the wait ends with the group's error timeout_ms
 // after the stop at the latest, whether or not the stream moves again. (Polled: a spin first, as
@@ -166,6 +167,7 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   p.cnt = s->cnt.ptr;
   p.cnt_len = R * g->num_local;
   p.meta_err = &s->meta.ptr->err;
+  p.blocks_done = s->blocks_done.ptr;
   p.state = one_node ? nullptr : g->d_state;  // one node: its barrier carries errors
   p.err = g->d_err;
   p.rank = g->rank;
@@ -208,6 +210,7 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   a.src_rows = g->src_rows;
   a.err_key = s->err_key.ptr;
   a.hist = s->hist.ptr;
+  a.blocks_done = s->blocks_done.ptr;
   a.meta = s->meta.ptr;
   a.host_meta = g->capacity < 0 ? s->host_meta_dev : nullptr;
   a.err = g->capacity >= 0 ? g->d_err : &s->meta.ptr->err;
@@ -218,7 +221,7 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   a.node_size = G;
   a.node_rank = g->node_rank;
   a.num_nodes = g->num_nodes;
-  // Exact mode: meta_ready follows bases_kernel, which writes the count into host_meta; the
+  // Exact mode: meta_ready follows the bases, which write the count into host_meta; the
   // scatter runs on meanwhile (read_layout waits for the count only).
   EP_CUDA(launch_layout(a, g->capacity < 0 ? s->meta_ready : nullptr, stream));
 

@@ -123,12 +123,13 @@ struct HandleSlot {
   View<int> cnt, off;            // [R * L]
   View<int> hist;                // [E]
   View<unsigned long long> err_key;
+  View<unsigned> blocks_done;     // validate's finished blocks
   View<LayoutMeta> meta;         // LayoutMeta with its [L] tokens_per_expert tail
   View<int> records;             // groups that span nodes: [R][rec_ints], the all-gathered
                                  // routing records (one node: they sit in the window)
   LayoutMeta* host_meta = nullptr;  // pinned, mapped: the exact-mode readback
-  LayoutMeta* host_meta_dev = nullptr;  // its device address (bases_kernel writes it)
-  cudaEvent_t meta_ready = nullptr; // recorded after bases_kernel
+  LayoutMeta* host_meta_dev = nullptr;  // its device address (the bases write it)
+  cudaEvent_t meta_ready = nullptr; // recorded after the bases (validate_kernel)
 
   // This rank's routing as the ops follow it (its dropped slots masked under expert_capacity).
   int* op_routing() const { return kept_routing.count > 0 ? kept_routing.ptr : own_routing.ptr; }

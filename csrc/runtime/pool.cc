@@ -29,6 +29,7 @@ size_t plan_slot(const ncclEpGroup* g, HandleSlot* s, void* base) {
   plan.add(&s->off, (size_t)R * L);
   plan.add(&s->hist, (size_t)g->cfg.num_experts);
   plan.add(&s->err_key, 1);
+  plan.add(&s->blocks_done, 1);
   plan.add_bytes(&s->meta, layout_meta_bytes(L));
   plan.add(&s->records, g->num_nodes > 1 ? (size_t)R * g->win.rec_ints : 0);
   if (base != nullptr) plan.bind(base);

@@ -110,6 +110,38 @@ def test_group_destroy_returns_memory(world_size, seed, summary_line):
     summary_line(dist.run(world_size, check_group_destroy, seed, backend="nccl")[0])
 
 
+def check_routing_released(seed: int) -> str:
+    """Handle.routing_released: exact mode once a count read has seen the layout (every dispatch
+    reads it), never in capacity mode (nothing waits there)."""
+    rank, world = ep_cases.rank_and_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, idx, probs = rank_inputs(CYCLE_CASE, seed, rank, device)
+    seen = []
+    for extra in ({}, dict(recv_mode="capacity", capacity_factor=float(world) + 0.5)):
+        group = cuda_group(CYCLE_CASE, world, device, **extra)
+        for read in ("dispatch", "tokens_per_expert"):
+            h = group.create_handle(idx)
+            before = h.routing_released
+            if read == "dispatch":
+                h.dispatch(x, probs)
+            else:
+                h.tokens_per_expert  # noqa: B018 - the read is the point
+            seen.append((group.config.recv_mode, read, before, h.routing_released))
+            h.destroy()
+        torch.cuda.synchronize()
+        group.destroy()
+    want = [("exact", "dispatch", False, True), ("exact", "tokens_per_expert", False, True),
+            ("capacity", "dispatch", False, False),
+            ("capacity", "tokens_per_expert", False, False)]
+    assert seen == want, f"(mode, read, released before, after): {seen}, expected {want}"
+    return f"x{world}: {seen}"
+
+
+@pytest.mark.parametrize("world_size", world_sizes())
+def test_routing_released_follows_the_count_read(world_size, seed, summary_line):
+    summary_line(dist.run(world_size, check_routing_released, seed, backend="nccl")[0])
+
+
 ERROR_CASE = dict(tokens=64, hidden=256, topk=4, experts=16, dtype=torch.bfloat16,
                   routing="random")
 
