@@ -149,20 +149,29 @@ struct CombineOp {
   }
 };
 
-// One token's row of the probs' gradient, warp-wide: slot k's value (value_of(k, expert): where
-// it is, nullptr: 0) at column k ([T, K]), or in its expert's column with 0 in every other
-// column (dense [T, E]). Lane k takes slots k, k + 32, ... (top-k may exceed 32).
-template <typename ValueOf>
-EP_DEVICE void write_slot_probs(char* row_out, int cols, bool dense, const int* routing, int topk,
-                                int prob_bytes, int lane, ValueOf value_of) {
+// The rows of the probs' gradient of n tokens (m < n: row_out_of(m), routing_of(m)), warp-wide:
+// slot k's value (value_of(m, k, expert): where it is, nullptr: 0) at column k ([T, K]), or in
+// its expert's column with 0 in every other column (dense [T, E]).
+// NOTES: the lanes take the slots of all n tokens flat (lane i: slot i % topk of token i / topk),
+// so that at top-k 8 a pass runs the dependent loads (routing, row, value) of 4 tokens at once
+// rather than of one token on 8 lanes.
+template <typename RowOutOf, typename RoutingOf, typename ValueOf>
+EP_DEVICE void write_slot_probs(int n, RowOutOf row_out_of, int cols, bool dense,
+                                RoutingOf routing_of, int topk, int prob_bytes, int lane,
+                                ValueOf value_of) {
   if (dense) {
-    for (int col = lane; col < cols; col += 32)
-      zero_prob(row_out + (size_t)col * prob_bytes, prob_bytes);
+    for (int m = 0; m < n; ++m) {
+      char* row_out = row_out_of(m);
+      for (int col = lane; col < cols; col += 32)
+        zero_prob(row_out + (size_t)col * prob_bytes, prob_bytes);
+    }
     __syncwarp();  // the routed columns below overwrite these zeros
   }
-  for (int k = lane; k < topk; k += 32) {
-    const int expert = routing[k];
-    const char* from = value_of(k, expert);
+  for (int i = lane; i < n * topk; i += 32) {
+    const int m = i / topk, k = i - m * topk;
+    const int expert = routing_of(m)[k];
+    const char* from = value_of(m, k, expert);
+    char* row_out = row_out_of(m);
     if (dense) {
       if (from != nullptr) copy_prob(row_out + (size_t)expert * prob_bytes, from, prob_bytes);
     } else {
@@ -211,24 +220,28 @@ struct CombineProbsOp {
     void* self = e.peers[e.rank];
     const ChunkRange c = chunk_of(sh.tokens[e.rank], e.win, b, j);
     const int cols = a.grad_dense ? e.num_experts : e.topk;
-    for (int t = c.begin + warp; t < c.end; t += nwarps) {
-      const int* rows = token_rows(e, e.rank, t);
-      write_slot_probs(reinterpret_cast<char*>(a.grad) + (size_t)t * cols * a.prob_bytes, cols,
-                       a.grad_dense, e.own_routing + (size_t)t * e.topk, e.topk, a.prob_bytes,
-                       lane, [&](int k, int expert) -> const char* {
-                         // nullptr: 0 (also for an expert of another node)
-                         const int d = rank_of_expert(expert, e.expert_base, e.num_local,
-                                                      e.num_ranks);
-                         if (d == e.rank) {
-                           const int row = rows[k];
-                           return row >= 0 && row < e.rows ? grad_recv_at(a, row) : nullptr;
-                         }
-                         return d >= 0 ? ring_prob(self, e.win, b,
-                                                   ring_index(d, e.rank, e.num_ranks), j,
-                                                   t - c.begin, k)
-                                       : nullptr;
-                       });
-    }
+    // The warp's tokens of the chunk: c.begin + warp + m * nwarps.
+    const int first = c.begin + warp;
+    const int n = c.end > first ? (c.end - first + nwarps - 1) / nwarps : 0;
+    auto token = [&](int m) { return first + m * nwarps; };
+    write_slot_probs(
+        n,
+        [&](int m) {
+          return reinterpret_cast<char*>(a.grad) + (size_t)token(m) * cols * a.prob_bytes;
+        },
+        cols, a.grad_dense, [&](int m) { return e.own_routing + (size_t)token(m) * e.topk; },
+        e.topk, a.prob_bytes, lane, [&](int m, int k, int expert) -> const char* {
+          // nullptr: 0 (also for an expert of another node)
+          const int t = token(m);
+          const int d = rank_of_expert(expert, e.expert_base, e.num_local, e.num_ranks);
+          if (d == e.rank) {
+            const int row = token_rows(e, e.rank, t)[k];
+            return row >= 0 && row < e.rows ? grad_recv_at(a, row) : nullptr;
+          }
+          return d >= 0 ? ring_prob(self, e.win, b, ring_index(d, e.rank, e.num_ranks), j,
+                                    t - c.begin, k)
+                        : nullptr;
+        });
   }
 };
 
@@ -299,14 +312,15 @@ __global__ void merge_probs_kernel(const MergeProbsArgs a) {
     poison_row(row_out, (size_t)cols * a.prob_bytes, lane);
     return;
   }
-  write_slot_probs(row_out, cols, a.grad_dense, p.own_routing + t * p.topk, p.topk, a.prob_bytes,
-                   lane, [&](int k, int expert) -> const char* {
-                     const int node = rank_of_expert(expert, 0, p.experts_per_node,
-                                                     p.num_nodes);
-                     return node >= 0 ? reinterpret_cast<const char*>(p.parts[node]) +
-                                            ((size_t)t * p.topk + k) * a.prob_bytes
-                                      : nullptr;
-                   });
+  write_slot_probs(
+      1, [&](int) { return row_out; }, cols, a.grad_dense,
+      [&](int) { return p.own_routing + t * p.topk; }, p.topk, a.prob_bytes, lane,
+      [&](int, int k, int expert) -> const char* {
+        const int node = rank_of_expert(expert, 0, p.experts_per_node, p.num_nodes);
+        return node >= 0 ? reinterpret_cast<const char*>(p.parts[node]) +
+                               ((size_t)t * p.topk + k) * a.prob_bytes
+                         : nullptr;
+      });
 }
 
 constexpr int kNodeThreads = 256;  // 8 tokens per block
