@@ -8,9 +8,8 @@
  * mode the layout's bases (validate's last block) write [error, N_d, tokens_per_expert] into
  * the slot's pinned, mapped buffer, and an event follows (the scatter runs on behind it): the
  * first call that needs the count waits for that event (read_layout), as late as the caller
- * allows. Capacity mode
- * reports errors through the group's mapped error word (a rank whose own shape is out of
- * bounds waits for it and raises at once).
+ * allows. Capacity mode reports errors through the group's mapped error word (a rank whose own
+ * shape is out of bounds waits for it and raises at once).
  *
  * NOTES:
  *  - Every rank validates the routing of every rank (it has them all after the exchange), so in

@@ -123,7 +123,7 @@ struct HandleSlot {
   View<int> cnt, off;            // [R * L]
   View<int> hist;                // [E]
   View<unsigned long long> err_key;
-  View<unsigned> blocks_done;     // validate's finished blocks
+  View<unsigned> blocks_done;    // validate's finished blocks
   View<LayoutMeta> meta;         // LayoutMeta with its [L] tokens_per_expert tail
   View<int> records;             // groups that span nodes: [R][rec_ints], the all-gathered
                                  // routing records (one node: they sit in the window)
