@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from megatron_timeline import build_dispatcher  # this folder
+from megatron_timeline import build_dispatcher, step_inputs  # this folder
 from timeline_args import shape_parser
 
 PARTS = ("dispatch", "combine", "fwd_bwd")
@@ -42,22 +42,7 @@ def main() -> None:
     ours = build_dispatcher(args)
     variants = {"this tree": ours,
                 "baseline": build_dispatcher(args, package=load_baseline(args.baseline))}
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(5)
-    sets = []
-    for _ in range(2):
-        topk = torch.rand(args.tokens, args.experts, generator=gen, device="cuda").topk(
-            args.topk, dim=1).indices
-        weights = torch.rand(args.tokens, args.topk, generator=gen, device="cuda").softmax(-1)
-        sets.append({
-            "routing_map": torch.zeros(args.tokens, args.experts, dtype=torch.bool,
-                                       device="cuda").scatter_(1, topk, True),
-            "probs": torch.zeros(args.tokens, args.experts, device="cuda").scatter_(
-                1, topk, weights),
-            "hidden": torch.randn(args.tokens, 1, args.hidden, generator=gen, device="cuda",
-                                  dtype=torch.bfloat16),
-            "grad": torch.randn(args.tokens, 1, args.hidden, generator=gen, device="cuda",
-                                dtype=torch.bfloat16)})
+    sets = step_inputs(args, 2, seed=5)
 
     def timed(fn):
         torch.cuda.synchronize()

@@ -53,19 +53,13 @@ def build_dispatcher(args, package=None):
         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
 
-def main() -> None:
-    p = shape_parser(__doc__)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--trace", help="also write the chrome trace here")
-    p.add_argument("--host-steps", type=int, default=0,
-                   help="then this many steps timed on the host only (no profiler)")
-    args = p.parse_args()
-    torch.cuda.set_device(0)
-    dispatcher = build_dispatcher(args)
+def step_inputs(args, count: int, seed: int) -> list:
+    """``count`` random steps' router outputs (a routing map and dense probs), hidden states
+    [S, 1, H] as MoELayer hands them over, and output gradients."""
     gen = torch.Generator(device="cuda")
-    gen.manual_seed(1)
+    gen.manual_seed(seed)
     steps = []
-    for _ in range(4):
+    for _ in range(count):
         topk = torch.rand(args.tokens, args.experts, generator=gen, device="cuda").topk(
             args.topk, dim=1).indices
         weights = torch.rand(args.tokens, args.topk, generator=gen, device="cuda").softmax(-1)
@@ -78,6 +72,19 @@ def main() -> None:
                                   dtype=torch.bfloat16),
             "grad": torch.randn(args.tokens, 1, args.hidden, generator=gen, device="cuda",
                                 dtype=torch.bfloat16)})
+    return steps
+
+
+def main() -> None:
+    p = shape_parser(__doc__)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--trace", help="also write the chrome trace here")
+    p.add_argument("--host-steps", type=int, default=0,
+                   help="then this many steps timed on the host only (no profiler)")
+    args = p.parse_args()
+    torch.cuda.set_device(0)
+    dispatcher = build_dispatcher(args)
+    steps = step_inputs(args, 4, seed=1)
 
     def step(i, mark):
         st = steps[i % len(steps)]
