@@ -199,8 +199,13 @@ def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact"
         torch.testing.assert_close(got_out, want_out, rtol=0, atol=1e-12)
         torch.testing.assert_close(got_dx, want_dx, rtol=0, atol=1e-12)
         assert got_grads.keys() == want_grads.keys() and "router.weight" in got_grads
+        # Not vacuous: the router and some local expert of this rank took part in the baseline.
+        # (A random routing of these few tokens may leave an expert without any: its zero
+        # gradient is compared like the others.)
+        exercised = {name for name, g in want_grads.items() if g.abs().sum() > 0}
+        assert "router.weight" in exercised and any("local_experts" in n for n in exercised), (
+            f"the baseline's gradients are zero except for {sorted(exercised)}")
         for name in want_grads:
-            assert want_grads[name].abs().sum() > 0, f"{name} got no gradient in the baseline"
             torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0, atol=1e-12,
                                        msg=lambda m: f"{name}: {m}")
 
