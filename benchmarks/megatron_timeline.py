@@ -3,13 +3,18 @@ shape by default), the `nccl_ep` dispatcher driven as MoELayer drives it (dispat
 token_dispatch, dispatch_postprocess, a stand-in expert, combine, backward), timed by
 torch.profiler (CPU ranges and CUPTI kernels on one clock). Prints, as medians over --iters
 steps, each method's host range and every GPU activity, from the step's first host call, and
-the host calls that take longest inside token_dispatch. --trace also writes the chrome trace.
+the host calls that take longest inside token_dispatch. --trace also writes the chrome trace;
+--host-steps times each method on the host without the profiler, --host-calls each library and
+torch call on the path (timers wrapped around them, no profiler).
 
     python benchmarks/megatron_timeline.py [--tokens 4096 --hidden 7168 --topk 8 --experts 256]
+        [--host-steps 2000] [--host-calls 300]
 """
 import collections
 import contextlib
+import functools
 import importlib
+import inspect
 import os
 import statistics
 import time
@@ -81,6 +86,9 @@ def main() -> None:
     p.add_argument("--trace", help="also write the chrome trace here")
     p.add_argument("--host-steps", type=int, default=0,
                    help="then this many steps timed on the host only (no profiler)")
+    p.add_argument("--host-calls", type=int, default=0,
+                   help="then this many steps with the library's calls on the path timed one "
+                        "by one (each call's start and end in the step, medians)")
     args = p.parse_args()
     torch.cuda.set_device(0)
     dispatcher = build_dispatcher(args)
@@ -116,6 +124,8 @@ def main() -> None:
     report(prof, args)
     if args.host_steps:
         host_times(step, args.host_steps)
+    if args.host_calls:
+        host_calls(step, args.host_calls, dispatcher)
 
 
 def host_times(step, n: int) -> None:
@@ -135,6 +145,74 @@ def host_times(step, n: int) -> None:
           "(token_dispatch includes the wait for the count)")
     for name in METHODS:
         print(f"{statistics.median(spent[name]):10.1f}  {name}")
+
+
+def traced_calls(dispatcher) -> list:
+    """(owner, attribute) of the calls on the methods' path that host_calls times."""
+    import megatron_nccl_ep.api as api
+    import megatron_nccl_ep.autograd as autograd
+    import megatron_nccl_ep.cuda_backend as backend
+    import megatron_nccl_ep.dispatcher as dispatcher_module
+
+    calls = [(dispatcher, name) for name in METHODS if hasattr(dispatcher, name)]
+    calls += [(dispatcher_module, "_group_for"), (dispatcher_module, "dispatch"),
+              (dispatcher_module, "combine"), (api.Group, "create_handle"),
+              (api.Handle, "dispatch"), (api.Handle, "combine"),
+              (autograd._Dispatch, "forward"), (autograd._Combine, "forward"),
+              (backend.CudaBackend, "create_handle"), (backend.CudaBackend, "dispatch"),
+              (backend.CudaBackend, "combine"), (torch, "empty"), (torch.Tensor, "record_stream"),
+              (torch.cuda, "current_stream")]
+    calls += [(backend._C, name) for name in ("create_handle", "handle_num_recv_tokens",
+                                               "dispatch", "combine", "combine_topk_weights")]
+    return calls
+
+
+def host_calls(step, n: int, dispatcher) -> None:
+    """Each traced call's start and end from the step's start (medians of n steps, the k-th call
+    of a name as 'name #k'): where the host time of the path goes. The timers cost ~1 us a call;
+    calls inside a step cost several times their hot-loop time (their code runs cold)."""
+    spans = []
+
+    def timed(fn, label):
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spans.append((label, t0, time.perf_counter()))
+        return wrapper
+
+    saved = []  # (owner, name, its own attribute or None: inherited / from the class)
+    for owner, name in traced_calls(dispatcher):
+        raw = inspect.getattr_static(owner, name)
+        label = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
+        wrapper = timed(getattr(owner, name), label)
+        saved.append((owner, name, vars(owner).get(name)))
+        setattr(owner, name, staticmethod(wrapper) if isinstance(raw, staticmethod) else wrapper)
+    starts = collections.defaultdict(list)
+    try:
+        for i in range(n):
+            spans.clear()
+            step(i, lambda _method: contextlib.nullcontext())
+            t0 = min(t for _, t, _ in spans)
+            seen = collections.Counter()
+            for label, a, b in sorted(spans, key=lambda x: x[1]):
+                seen[label] += 1
+                key = label if seen[label] == 1 else f"{label} #{seen[label]}"
+                starts[key].append(((a - t0) * 1e6, (b - t0) * 1e6))
+    finally:
+        for owner, name, own in reversed(saved):
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+    print(f"host calls of a step, median us of {n} steps from the step's first call "
+          "(start, end, duration)")
+    rows = sorted((statistics.median(a for a, _ in v), statistics.median(b for _, b in v), k)
+                  for k, v in starts.items())
+    for a, b, label in rows:
+        print(f"{a:10.1f} {b:8.1f} {b - a:8.1f}  {label}")
 
 
 def report(prof, args) -> None:
