@@ -17,7 +17,8 @@
 # BENCH_NCU="CombineOp": the same sections plus the source lines with the most warp-stall samples
 # for the first BENCH_NCU_COUNT (2) launches of our kernels matching that regex in a one-rank
 # bench, into ncu.txt, after the bench stage, under BENCH_NCU_TIMEOUT (150 s)).
-# The bench stage also runs benchmarks/handle_timeline.py (handle creation kernel by kernel).
+# The bench stage also runs benchmarks/handle_timeline.py (handle creation kernel by kernel),
+# and with BENCH_TEAM="2 4" benchmarks/team_bench.py (EP=2, 4 as local teams on one GPU).
 # BENCH_ARGS adds benchmark flags, e.g. BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48"
 # reruns the kernels section per staging chunk size, BENCH_DEPTHS="3 4" per staging ring depth,
 # BENCH_NODES="1" per emulated node size (ranks per node). BENCH_BASELINE="DIR ...":
@@ -292,7 +293,22 @@ if wants bench; then
         rc=$?
         note "- handle timeline, $1: rc $rc ($((SECONDS - start)) s; in bench.log)"
     }
+    # BENCH_TEAM="2 4": benchmarks/team_bench.py per world size, a local team on one GPU (the
+    # EP >= 2 proxy when one GPU is lent), appended to bench.log (also per baseline).
+    #   team_bench LABEL TREE
+    team_bench() {
+        local start world rc
+        for world in ${BENCH_TEAM:-}; do
+            start=$SECONDS
+            { echo "==== $1: benchmarks/team_bench.py --world $world"
+              (cd "$2" && PYTHONPATH="$2:$PYTHONPATH" timeout -k 5 "${TEAM_BENCH_TIMEOUT:-90}" \
+                  "$PY" benchmarks/team_bench.py --world "$world" 2>&1); } >>"$OUT/bench.log"
+            rc=$?
+            note "- team bench EP=$world, $1: rc $rc ($((SECONDS - start)) s; in bench.log)"
+        done
+    }
     handle_timeline "this tree" "$PWD"
+    team_bench "this tree" "$PWD"
     # The kernels again per staging chunk size in BENCH_CHUNKS (e.g. "24 48": an A/B of the
     # chunk against the warps that share it, without a rebuild), per ring depth in BENCH_DEPTHS,
     # and per emulated node size in BENCH_NODES (e.g. "1": the rail next to NVLink), appended to
@@ -312,6 +328,7 @@ if wants bench; then
         bench_kernels "baseline ${BASELINES[$i]}" "/tmp/baseline_$i" \
             "${BASELINE_SECTIONS:-kernels}" $BENCH_ARGS
         handle_timeline "baseline ${BASELINES[$i]}" "/tmp/baseline_$i"
+        team_bench "baseline ${BASELINES[$i]}" "/tmp/baseline_$i"
         if [ -n "${BASELINE_TESTS:-}" ]; then
             # The baseline's own tests (its tests/ import its package), into gpu_tests.log.
             # shellcheck disable=SC2086 # BASELINE_TESTS is a list of pytest arguments

@@ -1,0 +1,153 @@
+"""EP=2 (or more) on ONE GPU: the kernels of a local team (``Group.local_team``), every rank in
+this process on its own thread and stream with its own SM budget. A proxy for the multi-GPU
+bench when only one GPU is lent, not a substitute: the peers' rings are this GPU's memory (no
+NVLink), and the ranks share one HBM, so the byte traffic of every rank lands on it. What it does
+measure: the engine's structure at EP >= 2 (items of ~K/R rows, round and credit waits, the
+handle's barrier), so an A/B of a protocol change can run without a second GPU.
+
+    python benchmarks/team_bench.py [--world 2] [--tokens 4096 --hidden 7168 --topk 8 ...]
+
+Timing: per iteration every rank's thread meets the others, holds its stream with a sleep kernel
+long enough for all ranks to enqueue, and brackets its op with CUDA events. The iteration's time
+runs from the last rank's start to the last rank's end (the collective from the moment every
+rank is in it); per rank, its own start to its own end is its busy time. Medians over --iters,
+rotating --rotate routings.
+"""
+import statistics
+import threading
+
+import torch
+
+from megatron_nccl_ep.api import Group
+from timeline_args import shape_parser  # this folder
+
+HEAD_START_CYCLES = 1_000_000  # ~500 us at H200 clocks: every rank's host enqueues in that time
+RESERVE_BYTES = 3 << 30  # more than a rank's inputs and outputs at the bench shape
+
+
+def main() -> None:
+    p = shape_parser(__doc__)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rotate", type=int, default=2)
+    args = p.parse_args()
+    device = torch.device("cuda", 0)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if args.world * args.num_sms > sms:
+        raise SystemExit(f"--world {args.world} x --num-sms {args.num_sms} > {sms} SMs: "
+                         "every CTA of every rank must be resident at once")
+    groups = Group.local_team(args.world, num_experts=args.experts, hidden=args.hidden,
+                              max_tokens_per_rank=args.tokens, max_topk=args.topk,
+                              dtype=torch.bfloat16, device=device, num_sms=args.num_sms,
+                              timeout_s=20.0)
+    ranks = [Rank(r, g, args) for r, g in enumerate(groups)]
+    meet = threading.Barrier(args.world)
+    ops = ("handle", "dispatch", "combine")
+    times = {op: [] for op in ops}  # per iteration: [(start, end) event pairs of every rank]
+
+    def body(me: "Rank") -> None:
+        torch.cuda.set_device(device)
+        with torch.cuda.stream(me.stream):
+            me.prepare(meet)
+            for op in ops:
+                for it in range(args.warmup + args.iters):
+                    meet.wait(timeout=60)
+                    pair = me.timed(op, it % args.rotate)
+                    if it >= args.warmup:
+                        me.pairs.setdefault(op, []).append(pair)
+            me.stream.synchronize()
+            for handle in me.handles:
+                handle.destroy()
+
+    run_all(ranks, body)
+    for op in ops:
+        for it in range(args.iters):
+            times[op].append([me.pairs[op][it] for me in ranks])
+    print(f"team bench, 1 GPU ({torch.cuda.get_device_name(device)}), EP={args.world} local "
+          f"team (proxy: rings in this GPU's memory, one HBM for every rank): {args.tokens} "
+          f"tokens/rank x {args.hidden} x top-{args.topk} of {args.experts}, bf16, exact mode, "
+          f"{args.num_sms} SMs per rank; medians of {args.iters} iterations (us)")
+    print(f"{'op':>10} {'collective':>11} {'busy/rank':>10} {'min':>8}")
+    for op in ops:
+        ref = times[op][0][0][0]
+        collective, busy = [], []
+        for pairs in times[op]:
+            starts = [ref.elapsed_time(s) for s, _ in pairs]
+            ends = [ref.elapsed_time(e) for _, e in pairs]
+            collective.append(1e3 * (max(ends) - max(starts)))
+            busy.extend(1e3 * (e - s) for s, e in zip(starts, ends))
+        print(f"{op:>10} {statistics.median(collective):11.1f} {statistics.median(busy):10.1f} "
+              f"{min(collective):8.1f}")
+    for g in groups:
+        g.destroy()
+
+
+class Rank:
+    """One rank's inputs, handles and timings."""
+
+    def __init__(self, rank: int, group: Group, args) -> None:
+        self.rank, self.group, self.args = rank, group, args
+        self.stream = torch.cuda.Stream(group.device)
+        self.pairs: dict = {}
+        self.handles: list = []
+
+    def prepare(self, meet: threading.Barrier) -> None:
+        a, device = self.args, self.group.device
+        # This stream's memory first: an allocation that reaches cudaMalloc inside the timed
+        # ops could wait for the device, whose kernels wait for this rank (the peers' threads).
+        reserve = torch.empty(RESERVE_BYTES, dtype=torch.uint8, device=device)
+        del reserve
+        gen = torch.Generator(device=device)
+        gen.manual_seed(1000 + self.rank)
+        self.routings = [torch.rand(a.tokens, a.experts, generator=gen, device=device)
+                         .topk(a.topk, dim=1).indices for _ in range(a.rotate)]
+        self.x = [torch.randn(a.tokens, a.hidden, generator=gen, device=device)
+                  .to(torch.bfloat16) for _ in range(a.rotate)]
+        meet.wait(timeout=60)
+        self.handles = [self.group.create_handle(r) for r in self.routings]
+        for h in self.handles:
+            h.num_recv_tokens  # the count read waits for every rank's layout
+        self.expert_out = [self.handles[i].dispatch(self.x[i])[0] for i in range(a.rotate)]
+
+    def timed(self, op: str, i: int):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(HEAD_START_CYCLES)
+        start.record()
+        if op == "handle":
+            handle = self.group.create_handle(self.routings[i])
+        elif op == "dispatch":
+            self.handles[i].dispatch(self.x[i])
+        else:
+            self.handles[i].combine(self.expert_out[i])
+        end.record()
+        if op == "handle":
+            handle.num_recv_tokens  # waits for the peers' layouts (each rank its own stream)
+            handle.destroy()
+        self.stream.synchronize()
+        return start, end
+
+
+def run_all(ranks, body) -> None:
+    errors = [None] * len(ranks)
+
+    def guarded(me):
+        try:
+            body(me)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below with its rank
+            errors[me.rank] = exc
+
+    threads = [threading.Thread(target=guarded, args=(me,), daemon=True) for me in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    for me, exc in zip(ranks, errors):
+        if exc is not None:
+            raise RuntimeError(f"rank {me.rank}: {type(exc).__name__}: {exc}") from exc
+    if any(t.is_alive() for t in threads):
+        raise RuntimeError("a rank's thread is still running after 600 s")
+
+
+if __name__ == "__main__":
+    main()
