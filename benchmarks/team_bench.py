@@ -22,7 +22,6 @@ from megatron_nccl_ep.api import Group
 from timeline_args import shape_parser  # this folder
 
 HEAD_START_CYCLES = 1_000_000  # ~500 us at H200 clocks: every rank's host enqueues in that time
-RESERVE_BYTES = 3 << 30  # more than a rank's inputs and outputs at the bench shape
 
 
 def main() -> None:
@@ -96,7 +95,11 @@ class Rank:
         a, device = self.args, self.group.device
         # This stream's memory first: an allocation that reaches cudaMalloc inside the timed
         # ops could wait for the device, whose kernels wait for this rank (the peers' threads).
-        reserve = torch.empty(RESERVE_BYTES, dtype=torch.uint8, device=device)
+        # Its expert rows (~T x K at any EP size, a quarter more for the spread) per routing and
+        # one more, and its tokens.
+        rows_bytes, token_bytes = a.tokens * a.topk * a.hidden * 2, a.tokens * a.hidden * 2
+        reserve = torch.empty(int(1.25 * (a.rotate + 1) * rows_bytes)
+                              + (2 * a.rotate + 2) * token_bytes, dtype=torch.uint8, device=device)
         del reserve
         gen = torch.Generator(device=device)
         gen.manual_seed(1000 + self.rank)

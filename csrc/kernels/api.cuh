@@ -13,7 +13,8 @@
  *    by chunk, with ready / credit flags per (channel, peer) (exchange.cuh): the transfer of one
  *    chunk overlaps the expansion / reduction of the previous ones; nothing waits for a whole op.
  *  - Packed slot id: slot = (s * Tmax + t) * Kmax + k (int32; R * Tmax * Kmax < 2^31 is checked).
- *  - Placement never depends on atomics: rows come from per-(s, l) block scans (layout.cu).
+ *  - Placement never depends on atomics: rows come from per-tile counts and a stable sort per
+ *    tile (layout.cu).
  *  - Groups that span nodes (G ranks per node < R): the engine runs over the node's G ranks, once
  *    per node of sources ("pass" m: node peer p stands for source m * G + p, whose tokens reached
  *    it over the rail), with recv_row / tokens_of offset to that node's sources and expert_base
@@ -53,8 +54,6 @@ struct PackArgs {
   // Per-handle scratch the layout expects reset, reset here (no memset launches):
   unsigned long long* err_key;  // = ~0
   int* hist;              // [num_experts] = 0
-  int* cnt;               // [cnt_len] = 0 (the layout's per (source, local expert) counts)
-  int cnt_len;
   ErrorInfo* meta_err;    // = 0
   unsigned* blocks_done;  // = 0 (validate's finished blocks)
   // Groups that span nodes: the record's `stopped` word from this rank's state (nullptr: 0).
@@ -64,12 +63,23 @@ struct PackArgs {
   int stop_base;          // its node's first rank (the engine numbers the node's ranks)
 };
 
+// The layout's tile: slots (t, k) of one source per validate block and per scatter block, a
+// count of tokens per local expert each (host: the handle slot sizes the counts with it).
+constexpr int kLayoutTileSlots = 2048;
+__host__ __device__ inline int layout_tiles(long long max_tokens, int max_topk) {
+  const long long tiles = (max_tokens * max_topk + kLayoutTileSlots - 1) / kLayoutTileSlots;
+  return tiles > 1 ? (int)tiles : 1;
+}
+
 struct LayoutArgs {
   const int* gathered;    // [R][rec_ints]: every rank's record, in this rank's window
   int rec_ints;
   int num_ranks, rank, num_experts, num_local, max_tokens, max_topk, topk, align;
   long long capacity;     // rows of the dispatch output in capacity mode, -1 in exact mode
-  int* cnt;               // [R * L]
+  int* cnt;               // [R * L] (set by the bases from the tiles' counts)
+  int* tile_cnt;          // [R][tiles][L]: tokens of a tile naming l (validate), then the tile's
+                          // first position among its source's tokens naming l (the bases)
+  int tiles;              // layout_tiles(max_tokens, max_topk) per source
   int* off;               // [R * L] first row of (s, l)
   int* recv_row;          // [R * Tmax * Kmax], -1 = slot not owned here (written by validate)
   int* src_of_row;        // [src_rows], -1 = alignment padding (written by bases)

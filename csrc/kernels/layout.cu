@@ -19,15 +19,16 @@
  *             blocks, tokens_per_expert, off[s][l], N_d, src_of_row = -1 on padding rows, the
  *             capacity check; in exact mode it writes the meta (error, N_d, counts) into the
  *             handle's mapped host buffer, and the count read waits for this kernel only
- *   scatter   one block per (l, s): block scan over tokens (tiles of kTileTokens) ->
- *             recv_row[s][t][k], src_of_row[row]
+ *   scatter   one block per tile of a source: a stable sort of its slots by local expert ->
+ *             recv_row[s][t][k], src_of_row[row] (the tile's first positions from the bases)
  *   drop      expert_capacity only: one block per (expert, node) masks the dropped slots in the
  *             routing the ops follow (kept_routing; over nodes also the rail's sources' records)
  *
  * NOTES:
  *  - Row of slot (s, t, k) with local expert l: off[s][l] + #{t' < t : token t' of s routes to l}.
  *    off[s][l] = base[l] + sum_{s' < s} cnt[s'][l]; base[l] = sum_{l' < l} align(total[l']).
- *    Only scans decide rows; atomics are used for the error key and the counts alone.
+ *    Only scans and stable sorts decide rows; atomics are used for the error key and the
+ *    counts alone.
  *  - Capacity mode: every rank checks the receive count of every rank (from the histogram), so
  *    an overflow anywhere is reported by all ranks, with the first overflowing rank's numbers.
  *  - A token names an expert at most once (validated), so one (s, t) gives at most one row per l;
@@ -46,6 +47,7 @@
 #include <algorithm>
 #include <climits>
 
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -55,7 +57,7 @@
 namespace nccl_ep {
 
 constexpr int kLayoutThreads = 256;
-constexpr int kTileTokens = 1024;  // tokens per tile of the scatter's and the drop pass's scans
+constexpr int kTileTokens = 1024;  // tokens per tile of the drop pass's scans
 constexpr int kFlatTopk = 32;      // longer (routing-map) rows are searched token by token
 constexpr int kScanLoads = 8;      // 16-byte loads per thread in flight in a scan (top-k 8: a tile)
 
@@ -94,7 +96,6 @@ __device__ __forceinline__ void pack_header(const PackArgs& a) {
     memset(a.meta_err, 0, sizeof(ErrorInfo));
   }
   for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) a.hist[e] = 0;
-  for (int i = threadIdx.x; i < a.cnt_len; i += blockDim.x) a.cnt[i] = 0;
 }
 
 template <typename IdxT>
@@ -197,12 +198,11 @@ union BasesTemp {
   typename BasesReduce::TempStorage reduce;
 };
 
-// Slots per validate block (kValidateSlots / kLayoutThreads per thread), and the most counters
-// its shared tables hold (44 KiB: with the bases' static shared memory, within the 48 KiB a
-// kernel gets without opting in); with more, it counts with global atomics, which then spread
-// over as many addresses and hardly collide.
-constexpr int kValidateSlots = 2048;
+// The most counters a validate block's shared tables hold (44 KiB: with the bases' static shared
+// memory, within the 48 KiB a kernel gets without opting in); with more, it counts with global
+// atomics, which then spread over as many addresses and hardly collide.
 constexpr int kMaxTableCounters = 11264;
+constexpr int kSlotsPerThread = kLayoutTileSlots / kLayoutThreads;  // of a tile
 static_assert(kMaxTableCounters * sizeof(int) + sizeof(BasesTemp) + 64 <= 48 * 1024,
               "validate's tables and the bases' shared memory fit the default 48 KiB");
 
@@ -212,13 +212,13 @@ __device__ __forceinline__ void count_into(int* table, int* global, int c) {
   else atomicAdd(&global[c], 1);
 }
 
-// validate_kernel's block: kValidateSlots slots (t, k) of one source s (blockIdx.y), a thread
-// per slot at a time: the slots of a token are checked in parallel.
+// validate_kernel's block: tile blockIdx.x (kLayoutTileSlots slots (t, k)) of one source s
+// (blockIdx.y), a thread per slot at a time: the slots of a token are checked in parallel.
 // NOTES:
-//  - Counts go through block tables in shared memory (tabled), added to the global counters
-//    once per block: same-address atomics serialize in L2, and one per slot (32768 on 256
-//    counters at EP=1) kept the kernel ~9 us draining them after ~2 us of work (Nsight Compute:
-//    SMs active 3.6k of 23k cycles).
+//  - The tile's counts per local expert go to tile_cnt[s][tile] whole (zeros too: no reset).
+//    They go through block tables in shared memory (tabled): same-address atomics serialize in
+//    L2, and one per slot (32768 on 256 counters at EP=1) kept the kernel ~9 us draining them
+//    after ~2 us of work (Nsight Compute: SMs active 3.6k of 23k cycles).
 //  - The first error is the minimum key over every slot's candidates. A slot reports a
 //    duplicate (its expert named at an earlier slot) even when its token also has a range error:
 //    for the same rank a range key is smaller than any duplicate key, so the minimum is the
@@ -229,16 +229,20 @@ EP_DEVICE void count_slots(const LayoutArgs& a, int* table) {
   const int* rec = a.gathered + (size_t)s * a.rec_ints;
   // 32-bit indices: the group's slots are < 2^31 (config.cc), and 32-bit divisions are cheap.
   const unsigned slots = (unsigned)record_tokens(rec, a.max_tokens, a.max_topk) * a.max_topk;
-  const unsigned first = blockIdx.x * (unsigned)kValidateSlots;
-  if (first >= slots) return;  // (block-uniform)
+  const unsigned first = blockIdx.x * (unsigned)kLayoutTileSlots;
   const int L = a.num_local;
+  int* tile_cnt = a.tile_cnt + ((size_t)s * a.tiles + blockIdx.x) * L;
+  if (first >= slots || !tabled) {  // (block-uniform) counted in place: from 0
+    for (int c = threadIdx.x; c < L; c += blockDim.x) tile_cnt[c] = 0;
+    if (first >= slots) return;
+  }
   const int experts_counted = a.capacity >= 0 ? a.num_experts : 0;  // hist: capacity mode
   int* cnt_table = tabled ? table : nullptr;
   int* hist_table = tabled ? table + L : nullptr;
   if (tabled) {
     for (int c = threadIdx.x; c < L + experts_counted; c += blockDim.x) table[c] = 0;
-    __syncthreads();
   }
+  __syncthreads();  // the table's zeros, or the counters' in global memory, before any count
   const int ks = clamp_topk(rec, a.max_topk);
   // Only records of the handle's top-k are counted, as the scatter reads them (another top-k is
   // an error). A routing map's ids are distinct by construction (ascending): no earlier slot to
@@ -247,16 +251,15 @@ EP_DEVICE void count_slots(const LayoutArgs& a, int* table) {
   int* rows = a.recv_row + (size_t)s * a.max_tokens * a.max_topk;  // [t][max_topk]
   // The thread's ids first, every load in flight at once: the stores and atomics below would
   // otherwise order each slot's load after the previous slot's work (a chain of latencies).
-  constexpr int kPerThread = kValidateSlots / kLayoutThreads;
-  int ids[kPerThread];
+  int ids[kSlotsPerThread];
 #pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
+  for (int j = 0; j < kSlotsPerThread; ++j) {
     const unsigned i = first + j * kLayoutThreads + threadIdx.x;
     const int t = (int)(i / (unsigned)a.max_topk), k = (int)(i - t * (unsigned)a.max_topk);
     ids[j] = i < slots && k < ks ? rec[kRecordHeader + (size_t)t * ks + k] : -1;
   }
 #pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
+  for (int j = 0; j < kSlotsPerThread; ++j) {
     const unsigned i = first + j * kLayoutThreads + threadIdx.x;
     if (i >= slots) break;
     rows[i] = -1;  // no row here until the scatter says otherwise (it runs after this kernel)
@@ -277,14 +280,13 @@ EP_DEVICE void count_slots(const LayoutArgs& a, int* table) {
       atomicMin(a.err_key, error_key(s, 1, t, v));
       continue;
     }
-    // cnt[s][l]: tokens of s routed to local expert l, a token once (its first slot naming l).
+    // The tile's tokens routed to local expert l, a token once (its first slot naming l).
     const int l = v - a.rank * L;
-    if (counted && l >= 0 && l < L) count_into(cnt_table, a.cnt + (size_t)s * L, l);
+    if (counted && l >= 0 && l < L) count_into(cnt_table, tile_cnt, l);
   }
   if (tabled) {
     __syncthreads();
-    for (int c = threadIdx.x; c < L; c += blockDim.x)
-      if (table[c] != 0) atomicAdd(&a.cnt[(size_t)s * L + c], table[c]);
+    for (int c = threadIdx.x; c < L; c += blockDim.x) tile_cnt[c] = table[c];
     for (int c = threadIdx.x; c < experts_counted; c += blockDim.x)
       if (table[L + c] != 0) atomicAdd(&a.hist[c], table[L + c]);
   }
@@ -336,6 +338,19 @@ EP_DEVICE void publish_meta(const LayoutArgs& a) {
 // hold none of them, but nothing here relies on that.
 EP_DEVICE void set_bases(const LayoutArgs& a) {
   LayoutMeta* m = a.meta;
+  // cnt[s][l], and in place of each tile's count its first position among s's tokens naming l
+  // (an exclusive sum over the tiles, in token order).
+  for (int i = threadIdx.x; i < a.num_ranks * a.num_local; i += blockDim.x) {
+    const int s = i / a.num_local, l = i - s * a.num_local;
+    int* tile = a.tile_cnt + (size_t)s * a.tiles * a.num_local + l;
+    int run = 0;
+    for (int b = 0; b < a.tiles; ++b) {
+      const int c = __ldcg(tile + (size_t)b * a.num_local);
+      tile[(size_t)b * a.num_local] = run;
+      run += c;
+    }
+    a.cnt[i] = run;
+  }
   for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
     const int* rec = a.gathered + (size_t)s * a.rec_ints;
     m->ks[s] = rec[1];
@@ -454,7 +469,8 @@ __global__ void __launch_bounds__(kLayoutThreads) validate_kernel(LayoutArgs a, 
 
 // Every token of a record (`tokens` of `topk` ids) that names expert e, in token order, block-
 // wide: visit(t, k, p), k the token's first slot naming e, p its position among those tokens.
-// The placement of the layout and its capacity drops both come from it, so they agree.
+// The capacity drops come from it; the scatter places the same positions (a slot's among its
+// source's tokens naming e, in token order) by a sort per tile.
 // A tile of kTileTokens tokens at a time: first each token's first slot naming e, into shared
 // memory, then a block scan of kTileItems tokens per thread in token order. Rows of up to
 // kFlatTopk ids are read flat, 16 bytes a load, kScanLoads loads per thread in flight (a whole
@@ -534,20 +550,70 @@ __device__ __forceinline__ void for_tokens_naming(const int* rec, int tokens, in
   }
 }
 
+// One block per tile of source s (blockIdx.x, blockIdx.y), its slots in token order: each slot
+// that gets a row here (its token's first slot naming local expert l) takes position
+// first[s][tile][l] + (its rank among the tile's such slots of l) among s's tokens naming l, by a
+// stable sort of the tile's slots by l. Reads every id once (a scan per expert read them L times).
 __global__ void __launch_bounds__(kLayoutThreads) scatter_kernel(LayoutArgs a) {
-  const int l = blockIdx.x, s = blockIdx.y;
+  using Sort = cub::BlockRadixSort<unsigned, kLayoutThreads, kSlotsPerThread, int>;
+  using MaxScan = cub::BlockScan<int, kLayoutThreads>;
+  __shared__ union {
+    typename Sort::TempStorage sort;
+    typename MaxScan::TempStorage scan;
+  } tmp;
+  const int s = blockIdx.y, L = a.num_local;
   const int* rec = a.gathered + (size_t)s * a.rec_ints;
   // A record of another top-k (an error) gets no rows, as validate counts none of it.
   const int ts = rec[1] == a.topk ? record_tokens(rec, a.max_tokens, a.max_topk) : 0;
-  const long long first = a.off[s * a.num_local + l];
-  for_tokens_naming(rec, ts, a.topk, a.rank * a.num_local + l, true, [&](int t, int k, int p) {
+  const unsigned slots = (unsigned)ts * a.max_topk;
+  const unsigned first = blockIdx.x * (unsigned)kLayoutTileSlots;
+  if (first >= slots) return;  // (block-uniform)
+  const int ks = clamp_topk(rec, a.max_topk);
+  const bool distinct = rec[2] == kRecordRoutingMap;
+  // Blocked: thread j holds the tile's slots [j * kSlotsPerThread, ...), so the sort's stable
+  // order is token order. Key: the slot's local expert, or L (no row here).
+  unsigned key[kSlotsPerThread];
+  int slot[kSlotsPerThread];
+#pragma unroll
+  for (int j = 0; j < kSlotsPerThread; ++j) {
+    const unsigned i = first + threadIdx.x * kSlotsPerThread + j;
+    const int t = (int)(i / (unsigned)a.max_topk), k = (int)(i - t * (unsigned)a.max_topk);
+    const int* row = rec + kRecordHeader + (size_t)t * ks;
+    const int v = i < slots && k < ks ? row[k] : -1;
+    const int l = v - a.rank * L;
+    bool own = v >= 0 && v < a.num_experts && l >= 0 && l < L;
+    if (own && !distinct)  // a duplicate (an error) gets no row: only the first slot naming l
+      for (int j2 = 0; j2 < k; ++j2) own &= row[j2] != v;
+    key[j] = own ? (unsigned)l : (unsigned)L;
+    slot[j] = (int)i;
+  }
+  Sort(tmp.sort).Sort(key, slot, 0, 32 - __clz(L));
+  __syncthreads();  // tmp is reused by the scan
+  // Each sorted position's run start (the first position of its key): a max-scan of run heads.
+  __shared__ unsigned last_key[kLayoutThreads];
+  last_key[threadIdx.x] = key[kSlotsPerThread - 1];
+  __syncthreads();
+  int head[kSlotsPerThread];
+#pragma unroll
+  for (int j = 0; j < kSlotsPerThread; ++j) {
+    const int pos = (int)threadIdx.x * kSlotsPerThread + j;
+    const unsigned prev = j > 0 ? key[j - 1] : (threadIdx.x > 0 ? last_key[threadIdx.x - 1] : ~0u);
+    head[j] = key[j] != prev ? pos : 0;
+  }
+  MaxScan(tmp.scan).InclusiveScan(head, head, [](int x, int y) { return max(x, y); });
+  const int* tile_first = a.tile_cnt + ((size_t)s * a.tiles + blockIdx.x) * L;
+#pragma unroll
+  for (int j = 0; j < kSlotsPerThread; ++j) {
+    if (key[j] >= (unsigned)L) continue;
+    const int l = (int)key[j];
+    const int p = tile_first[l] + (int)threadIdx.x * kSlotsPerThread + j - head[j];
     // Fixed capacity: the slot's position in its run decides; past C it is dropped (no row).
-    if (a.expert_capacity > 0 && p >= a.expert_capacity) return;
-    const long long r = first + p;
-    const int slot = (s * a.max_tokens + t) * a.max_topk + k;
-    a.recv_row[slot] = (int)r;
-    if (r < a.src_rows) a.src_of_row[r] = slot;
-  });
+    if (a.expert_capacity > 0 && p >= a.expert_capacity) continue;
+    const long long r = (long long)a.off[s * L + l] + p;
+    const int at = s * a.max_tokens * a.max_topk + slot[j];
+    a.recv_row[at] = (int)r;
+    if (r < a.src_rows) a.src_of_row[r] = at;
+  }
 }
 
 // Fixed capacity: one block per (expert e, node m) masks, in the routing the ops follow for
@@ -585,20 +651,16 @@ cudaError_t preload_layout() {
 }
 
 cudaError_t launch_layout(const LayoutArgs& a, cudaEvent_t published, cudaStream_t stream) {
-  const long long slots = (long long)a.max_tokens * a.max_topk;  // per source
   const int counters = a.num_local + (a.capacity >= 0 ? a.num_experts : 0);
   const int tabled = counters <= kMaxTableCounters;
   // (At least one block: its last block sets the bases.)
-  const dim3 blocks((unsigned)std::max(1ll, (slots + kValidateSlots - 1) / kValidateSlots),
-                    a.num_ranks);
-  validate_kernel<<<blocks, kLayoutThreads, tabled ? counters * sizeof(int) : 0, stream>>>(
-      a, tabled);
-  const dim3 grid(a.num_local, a.num_ranks);
+  validate_kernel<<<dim3(a.tiles, a.num_ranks), kLayoutThreads,
+                    tabled ? counters * sizeof(int) : 0, stream>>>(a, tabled);
   if (published != nullptr) {
     const cudaError_t e = cudaEventRecord(published, stream);
     if (e != cudaSuccess) return e;
   }
-  scatter_kernel<<<grid, kLayoutThreads, 0, stream>>>(a);
+  scatter_kernel<<<dim3(a.tiles, a.num_ranks), kLayoutThreads, 0, stream>>>(a);
   if (a.expert_capacity > 0)  // after the scatter: over nodes it rewrites the records it read
     drop_kernel<<<dim3(a.num_experts, a.num_nodes), kLayoutThreads, 0, stream>>>(a);
   return cudaGetLastError();

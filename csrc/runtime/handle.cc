@@ -163,8 +163,6 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   p.kept_routing = s->kept_routing.count > 0 ? s->kept_routing.ptr : nullptr;
   p.err_key = s->err_key.ptr;
   p.hist = s->hist.ptr;
-  p.cnt = s->cnt.ptr;
-  p.cnt_len = R * g->num_local;
   p.meta_err = &s->meta.ptr->err;
   p.blocks_done = s->blocks_done.ptr;
   p.state = one_node ? nullptr : g->d_state;  // one node: its barrier carries errors
@@ -203,6 +201,8 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   a.align = c.expert_alignment;
   a.capacity = g->capacity;
   a.cnt = s->cnt.ptr;
+  a.tile_cnt = s->tile_cnt.ptr;
+  a.tiles = layout_tiles(c.max_tokens_per_rank, c.max_topk);
   a.off = s->off.ptr;
   a.recv_row = s->recv_row.ptr;
   a.src_of_row = s->src_of_row.ptr;

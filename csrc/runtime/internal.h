@@ -121,6 +121,7 @@ struct HandleSlot {
   View<int> recv_row;            // [R * Tmax * Kmax]
   View<int> src_of_row;          // [src_rows]
   View<int> cnt, off;            // [R * L]
+  View<int> tile_cnt;            // [R][layout_tiles][L]
   View<int> hist;                // [E]
   View<unsigned long long> err_key;
   View<unsigned> blocks_done;    // validate's finished blocks

@@ -27,6 +27,7 @@ size_t plan_slot(const ncclEpGroup* g, HandleSlot* s, void* base) {
   plan.add(&s->src_of_row, (size_t)g->src_rows);
   plan.add(&s->cnt, (size_t)R * L);
   plan.add(&s->off, (size_t)R * L);
+  plan.add(&s->tile_cnt, (size_t)R * layout_tiles((long long)Tm, (int)Km) * L);
   plan.add(&s->hist, (size_t)g->cfg.num_experts);
   plan.add(&s->err_key, 1);
   plan.add(&s->blocks_done, 1);
