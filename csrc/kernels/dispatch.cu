@@ -60,7 +60,10 @@ struct DispatchOp {
         const int d = __ffsll((long long)mask) - 1;
         const int q = ring_index(e.rank, d, e.num_ranks);
         char* dst = ring_row(e.peers[d], e.win, b, q, j, t - c.begin);
-        warp_copy_rows<U>(src, units, lane, 1, [&](int) { return dst; });
+        // 8 loads in flight per lane: a sender's copy (one load, one store) is latency-bound
+        // with 4. The receivers keep 4: each load feeds ~K / R row stores (8 there: 542 us
+        // against 521, EP=2 as a local team).
+        warp_copy_rows<U, 8>(src, units, lane, 1, [&](int) { return dst; });
         if (a.probs == nullptr) continue;
         for (int k = lane; k < e.topk; k += 32) {  // every slot's prob (top-k may exceed 32)
           const int expert = routing[k];
