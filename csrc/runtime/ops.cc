@@ -111,10 +111,11 @@ bool aligned16(const void* p) { return ((uintptr_t)p & 15u) == 0; }
 // Warps per CTA that only send: none on one rank, none in the combine (its warps do both).
 // NOTES: the dispatch's senders were its long pole with 4 of 16 warps (EP=2 as a local team on
 // one H200, bench shape, 2026-12-01, EP_TRACE: senders' work 365 us, receivers waiting 115 us for
-// chunks); 6 senders with 8 loads in flight per lane: 486 us against 521 (2 senders: 708 us).
+// chunks). With 8 loads in flight per sender lane, 5 senders: 470 us; 6: 487; 7, 8: 502; 4: 494
+// (4 with 4 loads in flight: 521; 2: 708).
 int send_warps(OpKind op, int num_ranks) {
   if (num_ranks == 1 || op == kOpCombine) return 0;
-  return op == kOpDispatch ? 6 : 4;
+  return op == kOpDispatch ? 5 : 4;
 }
 
 // A group's device-side error is returned before anything is launched, or, over nodes, kept in
