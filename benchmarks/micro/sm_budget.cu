@@ -15,7 +15,10 @@
 // Ceilings: a plain copy from the same number of CTAs, from 2 CTAs per SM, and cudaMemcpy.
 // Measured on 1 x H200 (2026-11-29): at 24 SMs every expand variant ~337 us (~1.57 TB/s, the SM
 // store path: ~65 GB/s per SM; 16 SMs: ~490 us), combine_reg 408 / 300 us (P1 / P2),
-// combine_tma 246 us at 12 warps x 1 KB segments.
+// combine_tma 246 us at 12 warps x 1 KB segments. On 2026-12-01 (ninth session): combine_tma
+// 665-773 us, combine_cta 654-693 us in every shape (7-14 KiB copies, 2-8 stages, 8-28 consumer
+// warps, items of 8 or 4 rows), the library's warp sums 331 us (768-byte copies; split 236 us):
+// few large bulk copies per SM lose to many small ones here.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cstdio>
