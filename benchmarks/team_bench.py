@@ -70,14 +70,10 @@ def main() -> None:
     print(f"{'op':>10} {'collective':>11} {'busy/rank':>10} {'min':>8}")
     for op in ops:
         ref = times[op][0][0][0]
-        collective, busy = [], []
-        for pairs in times[op]:
-            starts = [ref.elapsed_time(s) for s, _ in pairs]
-            ends = [ref.elapsed_time(e) for _, e in pairs]
-            collective.append(1e3 * (max(ends) - max(starts)))
-            busy.extend(1e3 * (e - s) for s, e in zip(starts, ends))
-        print(f"{op:>10} {statistics.median(collective):11.1f} {statistics.median(busy):10.1f} "
-              f"{min(collective):8.1f}")
+        iterations = [[(ref.elapsed_time(s) * 1e3, ref.elapsed_time(e) * 1e3) for s, e in pairs]
+                      for pairs in times[op]]
+        collective, busy, fastest = summarize(iterations)
+        print(f"{op:>10} {collective:11.1f} {busy:10.1f} {fastest:8.1f}")
     for g in groups:
         g.destroy()
 
@@ -129,6 +125,15 @@ class Rank:
             handle.destroy()
         self.stream.synchronize()
         return start, end
+
+
+def summarize(iterations) -> tuple:
+    """Per iteration, every rank's (start, end) in us on one clock -> the medians of the
+    collective time (the last start to the last end) and of each rank's busy time (its own start
+    to its own end), and the fastest collective time."""
+    collective = [max(e for _, e in it) - max(s for s, _ in it) for it in iterations]
+    busy = [e - s for it in iterations for s, e in it]
+    return statistics.median(collective), statistics.median(busy), min(collective)
 
 
 def run_all(ranks, body) -> None:

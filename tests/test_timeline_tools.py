@@ -61,3 +61,14 @@ def test_megatron_ab_loads_a_baseline_package_on_our_extension():
     assert dispatcher_cls.__module__ == "megatron_nccl_ep_baseline.dispatcher"
     assert dispatcher_cls is not __import__("megatron_nccl_ep").NcclEpTokenDispatcher
     assert sys.modules["megatron_nccl_ep_baseline._C"] is cuda_backend._C
+
+
+def test_team_bench_times_an_op_from_the_last_rank_in():
+    import team_bench  # benchmarks/, after the path
+
+    # Rank 1 enqueued 2 us late; rank 0 then waited for it, and both ended within 1 us.
+    iterations = [[(0.0, 10.0), (2.0, 11.0)], [(0.0, 7.0), (0.5, 7.5)], [(1.0, 9.0), (0.0, 8.0)]]
+    collective, busy, fastest = team_bench.summarize(iterations)
+    assert collective == 8.0  # 9.0, 7.0, 8.0: the last start to the last end
+    assert busy == 8.0  # 10, 9, 7, 7, 8, 8
+    assert fastest == 7.0
