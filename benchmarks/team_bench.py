@@ -43,7 +43,6 @@ def main() -> None:
     ranks = [Rank(r, g, args) for r, g in enumerate(groups)]
     meet = threading.Barrier(args.world)
     ops = ("handle", "dispatch", "combine")
-    times = {op: [] for op in ops}  # per iteration: [(start, end) event pairs of every rank]
 
     def body(me: "Rank") -> None:
         torch.cuda.set_device(device)
@@ -60,18 +59,19 @@ def main() -> None:
                 handle.destroy()
 
     run_all(ranks, body)
-    for op in ops:
-        for it in range(args.iters):
-            times[op].append([me.pairs[op][it] for me in ranks])
     print(f"team bench, 1 GPU ({torch.cuda.get_device_name(device)}), EP={args.world} local "
           f"team (proxy: rings in this GPU's memory, one HBM for every rank): {args.tokens} "
           f"tokens/rank x {args.hidden} x top-{args.topk} of {args.experts}, bf16, exact mode, "
           f"{args.num_sms} SMs per rank; medians of {args.iters} iterations (us)")
     print(f"{'op':>10} {'collective':>11} {'busy/rank':>10} {'min':>8}")
     for op in ops:
-        ref = times[op][0][0][0]
-        iterations = [[(ref.elapsed_time(s) * 1e3, ref.elapsed_time(e) * 1e3) for s, e in pairs]
-                      for pairs in times[op]]
+        ref = ranks[0].pairs[op][0][0]  # one clock for every rank: rank 0's first start
+
+        def us(event):
+            return ref.elapsed_time(event) * 1e3
+
+        iterations = [[(us(me.pairs[op][it][0]), us(me.pairs[op][it][1])) for me in ranks]
+                      for it in range(args.iters)]
         collective, busy, fastest = summarize(iterations)
         print(f"{op:>10} {collective:11.1f} {busy:10.1f} {fastest:8.1f}")
     for g in groups:

@@ -18,7 +18,8 @@
 # for the first BENCH_NCU_COUNT (2) launches of our kernels matching that regex in a one-rank
 # bench, into ncu.txt, after the bench stage, under BENCH_NCU_TIMEOUT (150 s)).
 # The bench stage also runs benchmarks/handle_timeline.py (handle creation kernel by kernel),
-# and with BENCH_TEAM="2 4" benchmarks/team_bench.py (EP=2, 4 as local teams on one GPU).
+# and with BENCH_TEAM="2 4" benchmarks/team_bench.py (EP=2, 4 as local teams on one GPU;
+# TEAM_BENCH_TIMEOUT, 90 s each).
 # BENCH_ARGS adds benchmark flags, e.g. BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48"
 # reruns the kernels section per staging chunk size, BENCH_DEPTHS="3 4" per staging ring depth,
 # BENCH_NODES="1" per emulated node size (ranks per node). BENCH_BASELINE="DIR ...":
