@@ -30,6 +30,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rotate", type=int, default=2)
+    p.add_argument("--staging-chunk-tokens", type=int, default=0, help="0: the library's default")
+    p.add_argument("--staging-depth", type=int, default=0, help="0: the library's default")
     args = p.parse_args()
     device = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -39,7 +41,8 @@ def main() -> None:
     groups = Group.local_team(args.world, num_experts=args.experts, hidden=args.hidden,
                               max_tokens_per_rank=args.tokens, max_topk=args.topk,
                               dtype=torch.bfloat16, device=device, num_sms=args.num_sms,
-                              timeout_s=20.0)
+                              staging_chunk_tokens=args.staging_chunk_tokens,
+                              staging_depth=args.staging_depth, timeout_s=20.0)
     ranks = [Rank(r, g, args) for r, g in enumerate(groups)]
     meet = threading.Barrier(args.world)
     ops = ("handle", "dispatch", "combine")
@@ -59,10 +62,13 @@ def main() -> None:
                 handle.destroy()
 
     run_all(ranks, body)
+    info = groups[0].info()
+    chunk, depth = info.get("staging_chunk_tokens"), info.get("staging_depth")
     print(f"team bench, 1 GPU ({torch.cuda.get_device_name(device)}), EP={args.world} local "
           f"team (proxy: rings in this GPU's memory, one HBM for every rank): {args.tokens} "
           f"tokens/rank x {args.hidden} x top-{args.topk} of {args.experts}, bf16, exact mode, "
-          f"{args.num_sms} SMs per rank; medians of {args.iters} iterations (us)")
+          f"{args.num_sms} SMs per rank, staging {chunk} tokens x depth {depth}; medians of "
+          f"{args.iters} iterations (us)")
     print(f"{'op':>10} {'collective':>11} {'busy/rank':>10} {'min':>8}")
     for op in ops:
         ref = ranks[0].pairs[op][0][0]  # one clock for every rank: rank 0's first start
