@@ -19,7 +19,7 @@
 # bench, into ncu.txt, after the bench stage, under BENCH_NCU_TIMEOUT (150 s)).
 # The bench stage also runs benchmarks/handle_timeline.py (handle creation kernel by kernel),
 # and with BENCH_TEAM="2 4" benchmarks/team_bench.py (EP=2, 4 as local teams on one GPU;
-# TEAM_BENCH_TIMEOUT, 90 s each).
+# TEAM_BENCH_TIMEOUT, 90 s each; TEAM_BENCH_ARGS adds its flags, e.g. "--staging-chunk-tokens 128").
 # BENCH_ARGS adds benchmark flags, e.g. BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48"
 # reruns the kernels section per staging chunk size, BENCH_DEPTHS="3 4" per staging ring depth,
 # BENCH_NODES="1" per emulated node size (ranks per node). BENCH_BASELINE="DIR ...":
@@ -301,9 +301,11 @@ if wants bench; then
         local start world rc
         for world in ${BENCH_TEAM:-}; do
             start=$SECONDS
-            { echo "==== $1: benchmarks/team_bench.py --world $world"
+            # shellcheck disable=SC2086 # TEAM_BENCH_ARGS is a list of flags
+            { echo "==== $1: benchmarks/team_bench.py --world $world ${TEAM_BENCH_ARGS:-}"
               (cd "$2" && PYTHONPATH="$2:$PYTHONPATH" timeout -k 5 "${TEAM_BENCH_TIMEOUT:-90}" \
-                  "$PY" benchmarks/team_bench.py --world "$world" 2>&1); } >>"$OUT/bench.log"
+                  "$PY" benchmarks/team_bench.py --world "$world" ${TEAM_BENCH_ARGS:-} 2>&1); } \
+                >>"$OUT/bench.log"
             rc=$?
             note "- team bench EP=$world, $1: rc $rc ($((SECONDS - start)) s; in bench.log)"
         done
