@@ -190,6 +190,16 @@ __device__ __forceinline__ int clamp_topk(const int* rec, int max_topk) {
   return k < 1 ? 1 : (k > max_topk ? max_topk : k);
 }
 
+// Whether slot k of a token's ids `row` is the first naming v (a later one is a duplicate, an
+// error, and gets no row). A routing map's ids are distinct by construction (ascending): no
+// earlier slot to compare, which would cost top-k^2 per token when a map row names every expert.
+__device__ __forceinline__ bool first_naming(const int* row, int k, int v, bool distinct) {
+  bool first = true;
+  if (!distinct)
+    for (int j = 0; j < k; ++j) first &= row[j] != v;
+  return first;
+}
+
 // The bases' block-wide scan and reduction (in validate's last block).
 using BasesScan = cub::BlockScan<long long, kLayoutThreads>;
 using BasesReduce = cub::BlockReduce<long long, kLayoutThreads>;
@@ -245,8 +255,7 @@ EP_DEVICE void count_slots(const LayoutArgs& a, int* table) {
   __syncthreads();  // the table's zeros, or the counters' in global memory, before any count
   const int ks = clamp_topk(rec, a.max_topk);
   // Only records of the handle's top-k are counted, as the scatter reads them (another top-k is
-  // an error). A routing map's ids are distinct by construction (ascending): no earlier slot to
-  // compare, which would cost top-k^2 per token when a map row names every expert.
+  // an error).
   const bool counted = rec[1] == a.topk, distinct = rec[2] == kRecordRoutingMap;
   int* rows = a.recv_row + (size_t)s * a.max_tokens * a.max_topk;  // [t][max_topk]
   // The thread's ids first, every load in flight at once: the stores and atomics below would
@@ -271,12 +280,7 @@ EP_DEVICE void count_slots(const LayoutArgs& a, int* table) {
     }
     if (v < 0) continue;
     if (experts_counted) count_into(hist_table, a.hist, v);
-    bool first_slot = true;
-    if (!distinct) {
-      const int* row = rec + kRecordHeader + (size_t)t * ks;
-      for (int j2 = 0; j2 < k; ++j2) first_slot &= row[j2] != v;
-    }
-    if (!first_slot) {
+    if (!first_naming(rec + kRecordHeader + (size_t)t * ks, k, v, distinct)) {
       atomicMin(a.err_key, error_key(s, 1, t, v));
       continue;
     }
@@ -581,9 +585,8 @@ __global__ void __launch_bounds__(kLayoutThreads) scatter_kernel(LayoutArgs a) {
     const int* row = rec + kRecordHeader + (size_t)t * ks;
     const int v = i < slots && k < ks ? row[k] : -1;
     const int l = v - a.rank * L;
-    bool own = v >= 0 && v < a.num_experts && l >= 0 && l < L;
-    if (own && !distinct)  // a duplicate (an error) gets no row: only the first slot naming l
-      for (int j2 = 0; j2 < k; ++j2) own &= row[j2] != v;
+    const bool own = v >= 0 && v < a.num_experts && l >= 0 && l < L &&
+                     first_naming(row, k, v, distinct);
     key[j] = own ? (unsigned)l : (unsigned)L;
     slot[j] = (int)i;
   }
