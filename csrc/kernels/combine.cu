@@ -93,7 +93,7 @@ struct CombineOp {
     WarpStaging ws = warp_staging();
     ws.timers = &sh.phases;
     const char** src = ws.src;
-    if (jr >= 0 && lane == 0) fence_proxy_async_global();  // acquired partials go to bulk copies
+    if (jr >= 0) fence_proxy_async_global();  // acquired partials go to every lane's bulk copies
     // The peers' partials of chunk jr sit one ring apart: ring q's row i at
     // partials + q * ring_stride + i * row_stride.
     const char* partials = ring_row(e.peers[e.rank], e.win, b, 0, max(jr, 0), 0);
@@ -288,9 +288,7 @@ __global__ void combine_nodes_kernel(const CombineNodesArgs a) {
     for (int q = 0; q < N; ++q) acc[q] = 0.0f;
     for (unsigned long long m = nodes; m; m &= m - 1) {
       const int n = __ffsll((long long)m) - 1;
-      const P v = reinterpret_cast<const P*>(p.parts[n])[t * packs + j];
-#pragma unroll
-      for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(v.v[q]);
+      accumulate(acc, reinterpret_cast<const P*>(p.parts[n])[t * packs + j]);
     }
     P r;
 #pragma unroll

@@ -68,19 +68,23 @@ EP_DEVICE void init_warp_staging(const WarpStaging& ws, int lane) {
 }
 
 // Packs [first, first + count) of every source into buffer `stage`, source i at i * seg packs: by
-// bulk copies (16-byte path; lane 0 issues, the barrier counts the bytes), else by the lanes.
+// bulk copies (16-byte path; lane i issues source i's, the barrier counts the bytes), else by
+// the lanes.
+// NOTES: lane 0 arms the barrier before any copy is issued (__syncwarp); each issuing lane
+// fences its own generic-proxy view (the warp's reads of the buffer's previous segment, ordered
+// to it by the caller's __syncwarp) before its copy.
 template <typename P>
 EP_DEVICE void fill_stage(const TokenSum& s, const WarpStaging& ws, int stage, int first,
                           int count, int seg, bool bulk, int lane) {
   P* buf = reinterpret_cast<P*>(ws.buf + (size_t)stage * kStageBytes);
   const int n = s.sources();
   if (bulk) {
-    if (lane == 0) {
-      fence_proxy_async_shared();  // the lanes' reads of the buffer's previous segment first
-      mbar_expect_bytes(&ws.bar[stage], (unsigned)(n * count * sizeof(P)));
-      for (int i = 0; i < n; ++i)
-        bulk_load(buf + (size_t)i * seg, reinterpret_cast<const P*>(s.src[i]) + first,
-                  (unsigned)(count * sizeof(P)), &ws.bar[stage]);
+    if (lane == 0) mbar_expect_bytes(&ws.bar[stage], (unsigned)(n * count * sizeof(P)));
+    __syncwarp();
+    for (int i = lane; i < n; i += 32) {
+      fence_proxy_async_shared();
+      bulk_load(buf + (size_t)i * seg, reinterpret_cast<const P*>(s.src[i]) + first,
+                (unsigned)(count * sizeof(P)), &ws.bar[stage]);
     }
   } else {
     for (int i = 0; i < n; ++i)
@@ -100,9 +104,7 @@ EP_DEVICE void sum_stage(const TokenSum& s, const Pack<T, N>* buf, int seg, int 
     for (int q = 0; q < N; ++q) own[q] = acc[q] = 0.0f;
 #pragma unroll 4
     for (int i = 0; i < s.n_rows; ++i) {
-      const Pack<T, N> v = buf[(size_t)i * seg + j];
-#pragma unroll
-      for (int q = 0; q < N; ++q) own[q] = own[q] + to_float<T>(v.v[q]);
+      accumulate(own, buf[(size_t)i * seg + j]);
     }
     Pack<T, N> r;
     if (kFinal) {
@@ -112,9 +114,7 @@ EP_DEVICE void sum_stage(const TokenSum& s, const Pack<T, N>* buf, int seg, int 
           for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(from_float<T>(own[q]));
         }
         if (i == s.n_parts) break;
-        const Pack<T, N> v = buf[(size_t)(s.n_rows + i) * seg + j];
-#pragma unroll
-        for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(v.v[q]);
+        accumulate(acc, buf[(size_t)(s.n_rows + i) * seg + j]);
       }
 #pragma unroll
       for (int q = 0; q < N; ++q) r.v[q] = from_float<T>(acc[q]);
