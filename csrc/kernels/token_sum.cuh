@@ -35,7 +35,7 @@ constexpr int kMaxSources = kMaxTopk + kMaxRanks - 1;
 // bulk copies of the next kStages - 1 are in flight. The segment shrinks as sources grow so that
 // one always fits a buffer.
 constexpr int kStages = 2;
-constexpr int kStageBytes = 6144;  // 16 warps x 2 x 6 KiB + the static part fit 227 KiB
+constexpr int kStageBytes = 6656;  // 16 warps x 2 x 6656 B + the static part fit 227 KiB
 constexpr size_t kCombineStagingBytes = (size_t)kCombineWarps * kStages * kStageBytes;
 static_assert(kStageBytes % 16 == 0, "stage buffers hold 16-byte packs");
 

@@ -14,9 +14,9 @@
 # sm_budget (each takes ~40 s); MICRO_NCU="combine_library": Nsight
 # Compute's SpeedOfLight, memory, warp-state, scheduler and occupancy sections of the first
 # MICRO_NCU_COUNT (4) launches of sm_budget's kernels matching that regex, into ncu.txt;
-# BENCH_NCU="CombineOp": the same sections plus the source lines with the most warp-stall samples
-# for the first BENCH_NCU_COUNT (2) launches of our kernels matching that regex in a one-rank
-# bench, into ncu.txt, after the bench stage, under BENCH_NCU_TIMEOUT (150 s)).
+# BENCH_NCU="CombineOp": the same sections plus the source lines and SASS instructions with the
+# most warp-stall samples for the first BENCH_NCU_COUNT (2) launches of our kernels matching that
+# regex in a one-rank bench, into ncu.txt, after the bench stage, under BENCH_NCU_TIMEOUT (150 s)).
 # The bench stage also runs benchmarks/handle_timeline.py (handle creation kernel by kernel),
 # and with BENCH_TEAM="2 4" benchmarks/team_bench.py (EP=2, 4 as local teams on one GPU;
 # TEAM_BENCH_TIMEOUT, 90 s each; TEAM_BENCH_ARGS adds its flags, e.g. "--staging-chunk-tokens 128").
@@ -360,6 +360,9 @@ if wants bench; then
             "$ncu_bin" --import /tmp/bench_ncu.ncu-rep --page details || exit 1
             "$ncu_bin" --import /tmp/bench_ncu.ncu-rep --page source --csv --print-source cuda \
                 >/tmp/bench_ncu_source.csv && "$PY" tests/gpu/ncu_hot_lines.py /tmp/bench_ncu_source.csv
+            echo "== the same, per SASS instruction"
+            "$ncu_bin" --import /tmp/bench_ncu.ncu-rep --page source --csv --print-source sass \
+                >/tmp/bench_ncu_sass.csv && "$PY" tests/gpu/ncu_hot_lines.py /tmp/bench_ncu_sass.csv 60
         ) >>"$OUT/ncu.txt" 2>&1
         note "- ncu on the bench's kernels: rc $? ($((SECONDS - start)) s; ncu.txt)"
     fi
