@@ -35,3 +35,12 @@ def test_without_sampling_the_lines_rank_by_instructions_executed():
         "-- 400 instructions executed; top 1 lines",
         " 75.00%  line     4  x += y;",
     ]
+
+
+def test_a_sass_page_names_instructions_by_address():
+    rows = [["Address", "Source", "Warp Stall Sampling (All Samples)"],
+            ["0x7f00", "UBLKCP.S.G [UR40], [UR38], UR12", "30"], ["0x7f10", "FADD R1, R1, R2", "10"]]
+    assert ncu_hot_lines.hot_lines(rows, top=1) == [
+        "-- 40 warp-stall samples; top 1 lines",
+        " 75.00%  address 0x7f00  UBLKCP.S.G [UR40], [UR38], UR12",
+    ]

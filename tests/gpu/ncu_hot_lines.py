@@ -1,6 +1,7 @@
 """The hottest source lines of an Nsight Compute source page (``ncu --import R --page source
---csv --print-source cuda``): the lines with the most warp-stall samples, with their share, or,
-where the page has no sampling column, the lines that executed the most instructions.
+--csv --print-source cuda``, or ``sass``: instructions by address): the lines with the most
+warp-stall samples, with their share, or, where the page has no sampling column, the lines that
+executed the most instructions.
 
     python tests/gpu/ncu_hot_lines.py source.csv [lines]
 
@@ -40,12 +41,15 @@ def hot_lines(rows: list, top: int) -> list:
         column, what = _ranking(header)
         total = sum(_number(r[column]) for r in block if len(r) > column) or 1.0
         source = next((i for i, name in enumerate(header) if name.strip() == "Source"), -1)
-        line = next((i for i, name in enumerate(header) if name.strip() in ("#", "Line")), 0)
+        # Where a row is: a source line ("#", "Line") or, on a SASS page, an instruction address.
+        line = next((i for i, name in enumerate(header)
+                     if name.strip() in ("#", "Line") or "Address" in name), 0)
+        where = "address" if "Address" in header[line] else "line"
         ranked = sorted((r for r in block if len(r) > column), key=lambda r: -_number(r[column]))
         out.append(f"-- {total:.0f} {what}; top {min(top, len(ranked))} lines")
         for r in ranked[:top]:
             text = r[source].strip() if source >= 0 else ""
-            out.append(f"{100 * _number(r[column]) / total:6.2f}%  line {r[line]:>5}  {text[:110]}")
+            out.append(f"{100 * _number(r[column]) / total:6.2f}%  {where} {r[line]:>5}  {text[:110]}")
 
     for row in rows:
         if _ranking(row) is not None:
