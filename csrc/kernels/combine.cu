@@ -290,10 +290,7 @@ __global__ void combine_nodes_kernel(const CombineNodesArgs a) {
       const int n = __ffsll((long long)m) - 1;
       accumulate(acc, reinterpret_cast<const P*>(p.parts[n])[t * packs + j]);
     }
-    P r;
-#pragma unroll
-    for (int q = 0; q < N; ++q) r.v[q] = from_float<T>(acc[q]);
-    out[j] = r;
+    out[j] = round_pack<T>(acc);
   }
 }
 

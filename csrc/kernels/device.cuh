@@ -225,6 +225,16 @@ EP_DEVICE __half from_float<__half>(float v) { return __float2half_rn(v); }
 template <>
 EP_DEVICE float from_float<float>(float v) { return v; }
 
+// The pack of v's elements, each rounded to nearest even into T (bf16 pairs: one packed
+// conversion each).
+template <typename T, int N>
+EP_DEVICE Pack<T, N> round_pack(const float (&v)[N]) {
+  Pack<T, N> r;
+#pragma unroll
+  for (int q = 0; q < N; ++q) r.v[q] = from_float<T>(v[q]);
+  return r;
+}
+
 // Copies `units` U-sized elements from src to the n destinations dst_of(0 .. n) with one warp:
 // kUnroll loads in flight per lane, each value stored to every destination.
 template <typename U, int kUnroll = 4, typename DstOf>

@@ -106,23 +106,15 @@ EP_DEVICE void sum_stage(const TokenSum& s, const Pack<T, N>* buf, int seg, int 
     for (int i = 0; i < s.n_rows; ++i) {
       accumulate(own, buf[(size_t)i * seg + j]);
     }
-    Pack<T, N> r;
     if (kFinal) {
       for (int i = 0; i <= s.n_parts; ++i) {
-        if (i == s.own_at) {
-#pragma unroll
-          for (int q = 0; q < N; ++q) acc[q] = acc[q] + to_float<T>(from_float<T>(own[q]));
-        }
+        // This rank's partial, rounded as a peer's arrives (a packed round, then the words).
+        if (i == s.own_at) accumulate(acc, round_pack<T>(own));
         if (i == s.n_parts) break;
         accumulate(acc, buf[(size_t)(s.n_rows + i) * seg + j]);
       }
-#pragma unroll
-      for (int q = 0; q < N; ++q) r.v[q] = from_float<T>(acc[q]);
-    } else {
-#pragma unroll
-      for (int q = 0; q < N; ++q) r.v[q] = from_float<T>(own[q]);
     }
-    out[j] = r;
+    out[j] = round_pack<T>(kFinal ? acc : own);
   }
 }
 
