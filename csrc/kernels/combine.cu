@@ -32,28 +32,57 @@ namespace nccl_ep {
 // every peer p (the peers' tokens, whose partials the combine sends), then, with j_own >= 0,
 // c.begin + i of this rank's chunk j_own (its own tokens, summed here). An item's number runs on
 // across the lists, so the sends are claimed first. A chunk index < 0: that part is empty.
-// `claimed` (shared) counts the round's claimed items; the role's leader zeroes it before the
-// round's opening barrier.
+// With `split_tail`, the round's last `split_tail` items are claimed as halves (half 0: the
+// first columns, 1: the rest), so that the round, which ends at a barrier, waits for half an item
+// rather than a whole one. `claimed` (shared) counts the round's claims; the role's leader zeroes
+// it before the round's opening barrier.
 struct RoundTokens {
   const ExchangeArgs& e;
   const ExchangeShared& sh;
   int* claimed;
   int b, j_peers, j_own, lane;
+  int whole = 0, split = 0;  // the round's items claimed whole, then in halves
   int k = -1, p = -1, j = -1, i = 0, first = 0, n = 0;  // list k (peer p, chunk j), item i
+  int half = -1;  // -1: the whole item; else which half
   ChunkRange c{0, 0};
 
   EP_DEVICE RoundTokens(const ExchangeArgs& e_, ExchangeShared& sh_, int b_, int j_peers_,
-                        int j_own_, int lane_)
+                        int j_own_, int lane_, int split_tail = 0)
       : e(e_), sh(sh_), claimed(&sh_.claimed), b(b_), j_peers(j_peers_), j_own(j_own_),
-        lane(lane_) {}
+        lane(lane_) {
+    if (split_tail > 0) {
+      int items = 0;
+      for (int q = 0; q < e.num_ranks; ++q) {
+        const int jq = q == e.rank ? j_own : j_peers;
+        if (jq >= 0) items += chunk_of(sh.tokens[q], e.win, b, jq).size();
+      }
+      split = min(items, split_tail);
+      whole = items - split;
+    }
+  }
 
   EP_DEVICE bool own() const { return p == e.rank; }
 
+  // Columns [*begin, *begin + *count) of `packs` that this claim covers.
+  EP_DEVICE void columns(int packs, int* begin, int* count) const {
+    // Halves end on whole 128-byte lines of 16-byte packs where the row has them.
+    const int mid = packs >= 16 ? (packs / 2) & ~7 : packs / 2;
+    *begin = half == 1 ? mid : 0;
+    *count = half < 0 ? packs : half == 0 ? mid : packs - mid;
+  }
+
   // Claims this warp's next item; false when the round has none left. Warp-wide.
   EP_DEVICE bool next() {
-    int item = 0;
-    if (lane == 0) item = atomicAdd(claimed, 1);
-    item = __shfl_sync(0xffffffffu, item, 0);
+    int ticket = 0;
+    if (lane == 0) ticket = atomicAdd(claimed, 1);
+    ticket = __shfl_sync(0xffffffffu, ticket, 0);
+    int item = ticket;
+    half = -1;
+    if (split > 0 && ticket >= whole) {
+      if (ticket >= whole + 2 * split) return false;
+      item = whole + (ticket - whole) / 2;
+      half = (ticket - whole) & 1;
+    }
     while (item >= first + n) {
       // Next list: the peers in ascending rank, then this rank.
       if (++k >= e.num_ranks) return false;
@@ -86,7 +115,7 @@ struct CombineOp {
   // partials go to the owner's ring), stage 2 for this rank's tokens of chunk jr (every peer's
   // partial of that chunk is in the ring).
   static __device__ void round(const Args& a, ExchangeShared& sh, int b, int js, int jr, int,
-                               int, int lane) {
+                               int nwarps, int lane) {
     const ExchangeArgs& e = a.ex;
     const int w = threadIdx.x >> 5, packs = e.hidden / N;
     const size_t row_bytes = (size_t)e.hidden * sizeof(T);
@@ -99,8 +128,10 @@ struct CombineOp {
     const char* partials = ring_row(e.peers[e.rank], e.win, b, 0, max(jr, 0), 0);
     const size_t ring_stride = (size_t)e.win.depth * e.win.chunk * e.win.row_stride;
     PhaseClock clock(ws.timers, lane);  // an item's setup: its claim until its sums start
-    for (RoundTokens items(e, sh, b, js, jr, lane); items.next();) {
+    for (RoundTokens items(e, sh, b, js, jr, lane, nwarps); items.next();) {
       const int t = items.c.begin + items.i;
+      int col, cols;  // this claim's packs of the token
+      items.columns(packs, &col, &cols);
       if (!items.own()) {
         const int p = items.p;
         const int n = collect_rows(e, p, t, lane, sh.rows_sh[w], sh.slots_sh[w]);
@@ -111,7 +142,7 @@ struct CombineOp {
               ring_row(e.peers[p], e.win, b, ring_index(e.rank, p, e.num_ranks), js, items.i));
           clock.lap(kPhaseSetup);
           clock.count_item();
-          sum_token<T, N, false>({src, n, 0, 0}, ws, dst, packs, e.vec, lane);
+          sum_token<T, N, false>({src, n, 0, 0}, ws, dst, col, cols, e.vec, lane);
           clock.restart();
         }
         __syncwarp();  // rows_sh and the sources are rewritten by the next item
@@ -142,7 +173,8 @@ struct CombineOp {
       clock.lap(kPhaseSetup);
       clock.count_item();
       sum_token<T, N, true>({src, n_own, __popcll(others), own_at}, ws,
-                            reinterpret_cast<P*>(a.y) + (size_t)t * packs, packs, e.vec, lane);
+                            reinterpret_cast<P*>(a.y) + (size_t)t * packs, col, cols, e.vec,
+                            lane);
       clock.restart();
       __syncwarp();  // rows_sh and the sources are rewritten by the next item
     }

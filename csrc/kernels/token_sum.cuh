@@ -118,11 +118,13 @@ EP_DEVICE void sum_stage(const TokenSum& s, const Pack<T, N>* buf, int seg, int 
   }
 }
 
-// dst[0, packs) = the token's sum, through the warp's staging buffers.
+// dst[begin, begin + packs) = the token's sum over those packs of its sources, through the
+// warp's staging buffers.
 template <typename T, int N, bool kFinal>
-EP_DEVICE void sum_token(const TokenSum& s, const WarpStaging& ws, Pack<T, N>* dst, int packs,
-                         bool bulk, int lane) {
+EP_DEVICE void sum_token(const TokenSum& s, const WarpStaging& ws, Pack<T, N>* dst, int begin,
+                         int packs, bool bulk, int lane) {
   using P = Pack<T, N>;
+  if (packs <= 0) return;  // a half of a one-pack row
   const int n = s.sources();
   // Segments of whole 128-byte lines where they fit (a bulk copy that starts mid-line costs a
   // line more); a zero-source token still writes its (zero) sum, from an untouched buffer.
@@ -132,7 +134,8 @@ EP_DEVICE void sum_token(const TokenSum& s, const WarpStaging& ws, Pack<T, N>* d
   const int segs = (packs + seg - 1) / seg;
   auto fill = [&](int g) {
     if (n > 0 && g < segs)
-      fill_stage<P>(s, ws, g % kStages, g * seg, min(seg, packs - g * seg), seg, bulk, lane);
+      fill_stage<P>(s, ws, g % kStages, begin + g * seg, min(seg, packs - g * seg), seg, bulk,
+                    lane);
   };
   PhaseClock clock(ws.timers, lane);
   for (int g = 0; g < kStages - 1; ++g) fill(g);
@@ -147,7 +150,7 @@ EP_DEVICE void sum_token(const TokenSum& s, const WarpStaging& ws, Pack<T, N>* d
     }
     clock.lap(kPhaseWait);
     sum_stage<T, N, kFinal>(s, reinterpret_cast<const P*>(ws.buf + (size_t)stage * kStageBytes),
-                            seg, min(seg, packs - g * seg), dst + (size_t)g * seg, lane);
+                            seg, min(seg, packs - g * seg), dst + begin + (size_t)g * seg, lane);
     __syncwarp();  // the buffer is refilled next
     clock.lap(kPhaseWork);
     clock.count_segment();
