@@ -118,6 +118,25 @@ EP_DEVICE void sum_stage(const TokenSum& s, const Pack<T, N>* buf, int seg, int 
   }
 }
 
+// A segment's cost in issue slots, as measured (tenth session, 1 x H200: 512-byte segments at 8
+// sources lost 7% against 768-byte ones): filling a stage ~35 + 36 per source (barrier, one bulk
+// copy per source), a warp pass over 32 packs ~40 + 19 per source.
+constexpr int kFillCost = 35, kFillCostPerSource = 36, kPassCost = 40, kPassCostPerSource = 19;
+
+// The segment length (packs) for n sources: the longest that fits a stage (`fit`), or the
+// longest run of whole warp passes below it when the fewer passes (the last one of each segment
+// no longer part-empty) outweigh the more fills.
+EP_DEVICE int segment_packs(int fit, int packs, int n) {
+  const int whole = fit & ~31;
+  if (whole == 0 || whole == fit) return fit;
+  auto cost = [&](int seg) {
+    const int full = packs / seg, rest = packs - full * seg;
+    const int segs = full + (rest > 0), passes = full * ((seg + 31) / 32) + (rest + 31) / 32;
+    return segs * (kFillCost + kFillCostPerSource * n) + passes * (kPassCost + kPassCostPerSource * n);
+  };
+  return cost(whole) < cost(fit) ? whole : fit;
+}
+
 // dst[begin, begin + packs) = the token's sum over those packs of its sources, through the
 // warp's staging buffers.
 template <typename T, int N, bool kFinal>
@@ -130,7 +149,7 @@ EP_DEVICE void sum_token(const TokenSum& s, const WarpStaging& ws, Pack<T, N>* d
   // line more); a zero-source token still writes its (zero) sum, from an untouched buffer.
   int seg_bytes = n == 0 ? packs * (int)sizeof(P) : kStageBytes / n;
   seg_bytes &= seg_bytes >= 128 ? ~127 : ~15;
-  const int seg = min(packs, max(1, seg_bytes / (int)sizeof(P)));
+  const int seg = segment_packs(min(packs, max(1, seg_bytes / (int)sizeof(P))), packs, n);
   const int segs = (packs + seg - 1) / seg;
   auto fill = [&](int g) {
     if (n > 0 && g < segs)
