@@ -94,17 +94,22 @@ EP_DEVICE void fill_stage(const TokenSum& s, const WarpStaging& ws, int stage, i
   }
 }
 
-// out[j] for the packs j < count of one buffer (source i's pack j at buf[i * seg + j]).
-template <typename T, int N, bool kFinal>
-EP_DEVICE void sum_stage(const TokenSum& s, const Pack<T, N>* buf, int seg, int count,
-                         Pack<T, N>* out, int lane) {
+// out[j] for the packs j < count of one buffer (source i's pack j at buf[i * seg + j]); kRows:
+// the rows' count when known at compile time (its chain unrolled whole: no loop or remainder
+// per pass), else -1.
+template <typename T, int N, bool kFinal, int kRows>
+EP_DEVICE void sum_stage_rows(const TokenSum& s, const Pack<T, N>* buf, int seg, int count,
+                              Pack<T, N>* out, int lane) {
   for (int j = lane; j < count; j += 32) {
     float own[N], acc[N];  // acc: stage 2 only
 #pragma unroll
     for (int q = 0; q < N; ++q) own[q] = acc[q] = 0.0f;
+    if constexpr (kRows >= 0) {
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) accumulate(own, buf[(size_t)i * seg + j]);
+    } else {
 #pragma unroll 4
-    for (int i = 0; i < s.n_rows; ++i) {
-      accumulate(own, buf[(size_t)i * seg + j]);
+      for (int i = 0; i < s.n_rows; ++i) accumulate(own, buf[(size_t)i * seg + j]);
     }
     if (kFinal) {
       for (int i = 0; i <= s.n_parts; ++i) {
@@ -115,6 +120,20 @@ EP_DEVICE void sum_stage(const TokenSum& s, const Pack<T, N>* buf, int seg, int 
       }
     }
     out[j] = round_pack<T>(kFinal ? acc : own);
+  }
+}
+
+// sum_stage_rows with the row count of a token's share on one rank at top-8 (1-8) unrolled.
+template <typename T, int N, bool kFinal>
+EP_DEVICE void sum_stage(const TokenSum& s, const Pack<T, N>* buf, int seg, int count,
+                         Pack<T, N>* out, int lane) {
+  switch (s.n_rows) {
+#define EP_SUM_ROWS(R) \
+  case R: return sum_stage_rows<T, N, kFinal, R>(s, buf, seg, count, out, lane);
+    EP_SUM_ROWS(1) EP_SUM_ROWS(2) EP_SUM_ROWS(3) EP_SUM_ROWS(4)
+    EP_SUM_ROWS(5) EP_SUM_ROWS(6) EP_SUM_ROWS(7) EP_SUM_ROWS(8)
+#undef EP_SUM_ROWS
+    default: return sum_stage_rows<T, N, kFinal, -1>(s, buf, seg, count, out, lane);
   }
 }
 
