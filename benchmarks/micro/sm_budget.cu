@@ -241,8 +241,8 @@ __global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
     }
     __syncwarp();
     sum_token<__nv_bfloat16, 8, FINAL>({ws.src, n, 0, has_own ? 0 : -1}, ws,
-                                       reinterpret_cast<P*>(y + (size_t)t * ROWB), 0, ROWB / 16, true,
-                                       lane);
+                                       reinterpret_cast<P*>(y + (size_t)t * ROWB), 0, ROWB / 16,
+                                       true, lane);
     __syncwarp();
   }
 }
@@ -265,8 +265,8 @@ __global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
     if (lane < kSplitRows) ws.src[lane] = eo + (size_t)rr[t * K + h * kSplitRows + lane] * ROWB;
     __syncwarp();
     sum_token<__nv_bfloat16, 8, false>({ws.src, kSplitRows, 0, 0}, ws,
-                                       reinterpret_cast<P*>(y + (size_t)i * ROWB), 0, ROWB / 16, true,
-                                       lane);
+                                       reinterpret_cast<P*>(y + (size_t)i * ROWB), 0, ROWB / 16,
+                                       true, lane);
     __syncwarp();
   }
 }

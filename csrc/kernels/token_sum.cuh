@@ -151,7 +151,8 @@ EP_DEVICE int segment_packs(int fit, int packs, int n) {
   auto cost = [&](int seg) {
     const int full = packs / seg, rest = packs - full * seg;
     const int segs = full + (rest > 0), passes = full * ((seg + 31) / 32) + (rest + 31) / 32;
-    return segs * (kFillCost + kFillCostPerSource * n) + passes * (kPassCost + kPassCostPerSource * n);
+    return segs * (kFillCost + kFillCostPerSource * n) +
+           passes * (kPassCost + kPassCostPerSource * n);
   };
   return cost(whole) < cost(fit) ? whole : fit;
 }
