@@ -16,9 +16,10 @@
 // Measured on 1 x H200 (2026-11-29): at 24 SMs every expand variant ~337 us (~1.57 TB/s, the SM
 // store path: ~65 GB/s per SM; 16 SMs: ~490 us), combine_reg 408 / 300 us (P1 / P2),
 // combine_tma 246 us at 12 warps x 1 KB segments. On 2026-12-01 (ninth session): combine_tma
-// 665-773 us, combine_cta 654-693 us in every shape (7-14 KiB copies, 2-8 stages, 8-28 consumer
-// warps, items of 8 or 4 rows), the library's warp sums 331 us (768-byte copies; split 236 us):
-// few large bulk copies per SM lose to many small ones here. Tenth session: the library's sums
+// 665-773 us, a CTA-wide combine (a producer warp, one bulk copy of 7-14 KiB per source, 8-28
+// consumer warps, 2-8 stages, items of 8 or 4 rows; removed since) 654-693 us in every shape, the
+// library's warp sums 331 us (768-byte copies; split 236 us): few large bulk copies per SM lose
+// to many small ones here. Tenth session: the library's sums
 // with packs added as 32-bit words and each source's copy issued by its own lane, 276 us (split
 // 220 us).
 #include <cuda_runtime.h>
@@ -284,73 +285,6 @@ __global__ void combine_split_ref(const uint4* eo, uint4* y, const int* rr) {
   }
 }
 
-// CTA-wide items (a candidate for the engine's combine): a producer warp streams every source's
-// segment of an item (R rows of token t, columns [off, off + SEG)) into one of STAGES shared
-// buffers, one bulk copy per source (SEG bytes, not a warp's 768), and CW consumer warps sum the
-// buffer's packs (thread c: packs c, c + 32 CW, ...) and store them; a buffer goes back to the
-// producer when every consumer warp has arrived on its `empty` barrier. Item i: rows
-// [h R, (h + 1) R) of token t = i / (K / R) (h = i % (K / R)) into y[i]: R = K is the plain
-// combine, R = K / 2 the split's items. CTA b takes items [I b / C, I (b+1) / C).
-__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
-  uint64_t st; asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1];" : "=l"(st) : "r"(sa(b)) : "memory"); (void)st; }
-template <int CW, int SEG, int STAGES, int R>
-__global__ void __launch_bounds__((CW + 1) * 32, 1) combine_cta(const char* eo, char* y, const int* rr) {
-  extern __shared__ __align__(128) char smem[];
-  constexpr int STAGE = R * SEG, NSEG = (ROWB + SEG - 1) / SEG, ITEMS = T * K / R;
-  static_assert(32 % R == 0, "a producer pass loads the rows of 32 / R items");
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + (size_t)STAGES * STAGE);
-  uint64_t* empty = full + STAGES;
-  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], CW); }
-    fence_mbar_init();
-  }
-  __syncthreads();
-  const int i0 = (int)((long long)ITEMS * blockIdx.x / gridDim.x);
-  const int i1 = (int)((long long)ITEMS * (blockIdx.x + 1) / gridDim.x);
-  const int steps = (i1 - i0) * NSEG;
-  if (wid == CW) {  // the producer: lane m holds row m % R of item i0 + 32/R * pass + m / R
-    constexpr int PER_PASS = 32 / R;
-    int row = -1;
-    for (int st = 0; st < steps; ++st) {
-      const int item = i0 + st / NSEG, seg = st % NSEG;
-      const int slot = (item - i0) % PER_PASS;
-      if (seg == 0 && slot == 0) {
-        const int mi = item + lane / R;
-        row = mi < i1 ? rr[(size_t)mi * R + lane % R] : -1;  // items are R consecutive ids of rr
-      }
-      const int s = st % STAGES;
-      const int off = seg * SEG, bytes = min(SEG, ROWB - off);
-      int rows_k[R];
-#pragma unroll
-      for (int k = 0; k < R; ++k) rows_k[k] = __shfl_sync(0xffffffffu, row, slot * R + k);
-      if (lane == 0) {
-        if (st >= STAGES) mbar_wait(&empty[s], ((st / STAGES) - 1) & 1);
-        mbar_expect_tx(&full[s], (uint32_t)bytes * R);
-#pragma unroll
-        for (int k = 0; k < R; ++k)
-          tma_load(smem + (size_t)s * STAGE + (size_t)k * SEG, eo + (size_t)rows_k[k] * ROWB + off, bytes, &full[s]);
-      }
-      __syncwarp();
-    }
-    return;
-  }
-  for (int st = 0; st < steps; ++st) {
-    const int s = st % STAGES;
-    const int item = i0 + st / NSEG, off = (st % NSEG) * SEG, packs = min(SEG, ROWB - off) / 16;
-    mbar_wait(&full[s], (st / STAGES) & 1);
-    const uint4* buf = reinterpret_cast<const uint4*>(smem + (size_t)s * STAGE);
-    for (int j = threadIdx.x; j < packs; j += CW * 32) {
-      float acc[8] = {};
-#pragma unroll
-      for (int k = 0; k < R; ++k) add_pack(acc, buf[k * (SEG / 16) + j]);
-      reinterpret_cast<uint4*>(y + (size_t)item * ROWB + off)[j] = round_pack(acc);
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[s]);
-  }
-}
-
 // ---- ceilings ----
 __global__ void __launch_bounds__(512) copy_reg(const uint4* s, uint4* d, size_t n) {
   for (size_t i = blockIdx.x * 512 + threadIdx.x; i < n; i += (size_t)gridDim.x * 512 * 4) {
@@ -448,19 +382,6 @@ int main(int argc, char** argv) {
     CK(cudaMemset(ys, 0x55, bytes));
     report("combine_library split 2x4 rows", time_it([&] { combine_library_split<<<sms, nccl_ep::kCombineWarps * 32, smem>>>(eo, ys, d_rr); }), comb_bytes);
     cmp(ys_ref, ys, bytes, "combine split");
-    CK(cudaFree(ys)); CK(cudaFree(ys_ref)); }
-#define COMB_CTA(CW, S, ST, R, OUT, REF, BYTES) { auto k = combine_cta<CW, S, ST, R>; const int smem = ST * R * S + 2 * ST * 8; \
-    CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); CK(cudaMemset(OUT, 0x55, BYTES)); \
-    report("combine_cta " #CW "+1w seg" #S " st" #ST " rows" #R, time_it([&] { k<<<sms, (CW + 1) * 32, smem>>>(eo, OUT, d_rr); }), comb_bytes); \
-    cmp(REF, OUT, BYTES, "combine_cta"); }
-  COMB_CTA(16, 7168, 4, 8, y2, y, (size_t)T * ROWB) COMB_CTA(14, 7168, 4, 8, y2, y, (size_t)T * ROWB)
-  COMB_CTA(28, 14336, 2, 8, y2, y, (size_t)T * ROWB) COMB_CTA(8, 4096, 6, 8, y2, y, (size_t)T * ROWB)
-  COMB_CTA(16, 8192, 3, 8, y2, y, (size_t)T * ROWB) COMB_CTA(16, 3584, 8, 8, y2, y, (size_t)T * ROWB)
-  { char *ys, *ys_ref; const size_t bytes = (size_t)T * kSplit * ROWB;
-    CK(cudaMalloc(&ys, bytes)); CK(cudaMalloc(&ys_ref, bytes));
-    combine_split_ref<<<1024, 256>>>((const uint4*)eo, (uint4*)ys_ref, d_rr); CK(cudaGetLastError());
-    COMB_CTA(14, 14336, 4, 4, ys, ys_ref, bytes) COMB_CTA(28, 14336, 4, 4, ys, ys_ref, bytes)
-    COMB_CTA(14, 7168, 8, 4, ys, ys_ref, bytes)
     CK(cudaFree(ys)); CK(cudaFree(ys_ref)); }
   COMB_LIB(true, false, "combine_library (token_sum.cuh)")
   COMB_LIB(false, true, "combine, engine's per-token code") COMB_LIB(true, true, "combine, engine's per-token code")
