@@ -212,22 +212,23 @@ __global__ void __launch_bounds__(WARPS * 32) combine_tma(const char* eo, char* 
 }
 
 // The engine's sum_token on the same work: per token a source list of its K rows, then the
-// library's staging (token_sum.cuh: 2 x 6 KiB per warp). CTA b takes the engine's contiguous
+// library's staging (token_sum.cuh: Shape, the narrow one of EP >= 2 or the wide one that one
+// rank at top-8 uses). CTA b takes the engine's contiguous
 // token range; FINAL: the receivers' stage-2 path (own partial rounded, then the chain). ENGINE:
 // the token's rows found as the engine's combine finds them at EP=1 (combine.cu: the row map's
 // and the routing's loads, the destination mask, compact_rows: ballots, shared memory) instead
 // of a plain read of rr; against ENGINE = false, what that per-token code costs in the engine.
-template <bool FINAL, bool ENGINE>
-__global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
+template <bool FINAL, bool ENGINE, typename Shape>
+__global__ void __launch_bounds__(Shape::kWarps * 32, 1)
     combine_library(const char* eo, char* y, const int* rr, const nccl_ep::ExchangeArgs e) {
   using namespace nccl_ep;
   using P = Pack<__nv_bfloat16, 8>;
-  __shared__ int rows_sh[kCombineWarps][kMaxTopk], slots_sh[kCombineWarps][kMaxTopk];
+  __shared__ int rows_sh[Shape::kWarps][kMaxTopk], slots_sh[Shape::kWarps][kMaxTopk];
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-  const WarpStaging ws = warp_staging();
+  const WarpStaging ws = warp_staging<Shape>();
   init_warp_staging(ws, lane);
   const int t1 = (int)((long long)T * (blockIdx.x + 1) / gridDim.x);
-  for (int t = (int)((long long)T * blockIdx.x / gridDim.x) + wid; t < t1; t += kCombineWarps) {
+  for (int t = (int)((long long)T * blockIdx.x / gridDim.x) + wid; t < t1; t += Shape::kWarps) {
     int n = K;
     bool has_own = true;
     if (ENGINE) {
@@ -252,16 +253,18 @@ __global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
 // rows (item (t, h): rows [h K/2, (h+1) K/2) of token t, into y[2t + h]), as at EP=2 where each
 // rank sums ~K/2 of a token's rows. Against K rows per item: whether the sums cost per item.
 constexpr int kSplit = 2, kSplitRows = K / kSplit;
-__global__ void __launch_bounds__(nccl_ep::kCombineWarps * 32, 1)
+using SplitStaging = nccl_ep::NarrowStaging;  // K/2 sources per item, as at EP=2
+__global__ void __launch_bounds__(SplitStaging::kWarps * 32, 1)
     combine_library_split(const char* eo, char* y, const int* rr) {
   using namespace nccl_ep;
   using P = Pack<__nv_bfloat16, 8>;
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-  const WarpStaging ws = warp_staging();
+  const WarpStaging ws = warp_staging<SplitStaging>();
   init_warp_staging(ws, lane);
   constexpr int items = T * kSplit;
   const int i1 = (int)((long long)items * (blockIdx.x + 1) / gridDim.x);
-  for (int i = (int)((long long)items * blockIdx.x / gridDim.x) + wid; i < i1; i += kCombineWarps) {
+  for (int i = (int)((long long)items * blockIdx.x / gridDim.x) + wid; i < i1;
+       i += SplitStaging::kWarps) {
     const int t = i / kSplit, h = i % kSplit;
     if (lane < kSplitRows) ws.src[lane] = eo + (size_t)rr[t * K + h * kSplitRows + lane] * ROWB;
     __syncwarp();
@@ -369,22 +372,24 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(d_topk, topk.data(), sizeof(int) * T * K, cudaMemcpyHostToDevice));
   ex.own_routing = d_topk; ex.recv_row = d_rr; ex.topk = K; ex.max_topk = K; ex.max_tokens = T;
   ex.num_local = E; ex.num_ranks = 1; ex.rank = 0; ex.expert_base = 0; ex.rows = N;
-#define COMB_LIB(F, ENG, NAME) { auto k = combine_library<F, ENG>; const int smem = (int)nccl_ep::kCombineStagingBytes; CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
+#define COMB_LIB(F, ENG, SHAPE, NAME) { using Shape = nccl_ep::SHAPE; auto k = combine_library<F, ENG, Shape>; const int smem = (int)Shape::kBytes; CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
     CK(cudaMemset(y2, 0x55, (size_t)T * ROWB)); \
-    report(NAME " final=" #F, time_it([&] { k<<<sms, nccl_ep::kCombineWarps * 32, smem>>>(eo, y2, d_rr, ex); }), comb_bytes); cmp(y, y2, (size_t)T * ROWB, "combine"); }
-  COMB_LIB(false, false, "combine_library (token_sum.cuh)")
+    report(NAME ", " #SHAPE " final=" #F, time_it([&] { k<<<sms, Shape::kWarps * 32, smem>>>(eo, y2, d_rr, ex); }), comb_bytes); cmp(y, y2, (size_t)T * ROWB, "combine"); }
+  COMB_LIB(false, false, NarrowStaging, "combine_library (token_sum.cuh)")
+  COMB_LIB(false, false, WideStaging, "combine_library (token_sum.cuh)")
   // Split (K/2 rows per item, 2x the items, same bytes), right after its K-row counterpart.
   { char *ys, *ys_ref; const size_t bytes = (size_t)T * kSplit * ROWB;
     CK(cudaMalloc(&ys, bytes)); CK(cudaMalloc(&ys_ref, bytes));
     combine_split_ref<<<1024, 256>>>((const uint4*)eo, (uint4*)ys_ref, d_rr); CK(cudaGetLastError());
-    const int smem = (int)nccl_ep::kCombineStagingBytes;
+    const int smem = (int)SplitStaging::kBytes;
     CK(cudaFuncSetAttribute(combine_library_split, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     CK(cudaMemset(ys, 0x55, bytes));
-    report("combine_library split 2x4 rows", time_it([&] { combine_library_split<<<sms, nccl_ep::kCombineWarps * 32, smem>>>(eo, ys, d_rr); }), comb_bytes);
+    report("combine_library split 2x4 rows", time_it([&] { combine_library_split<<<sms, SplitStaging::kWarps * 32, smem>>>(eo, ys, d_rr); }), comb_bytes);
     cmp(ys_ref, ys, bytes, "combine split");
     CK(cudaFree(ys)); CK(cudaFree(ys_ref)); }
-  COMB_LIB(true, false, "combine_library (token_sum.cuh)")
-  COMB_LIB(false, true, "combine, engine's per-token code") COMB_LIB(true, true, "combine, engine's per-token code")
+  COMB_LIB(true, false, WideStaging, "combine_library (token_sum.cuh)")
+  COMB_LIB(false, true, WideStaging, "combine, engine's per-token code")
+  COMB_LIB(true, true, WideStaging, "combine, engine's per-token code")
   // The copy engines in the expansion (issue 7, item 2): the rows of tokens [0, n) as one batch of
   // row copies (cudaMemcpyBatchAsync, preferring to overlap compute) on a second stream, while
   // expand_v0 on the SM budget writes the other tokens' rows; n = 0: the SMs alone, n = T: the

@@ -97,19 +97,19 @@ struct RoundTokens {
   }
 };
 
-template <typename T, int N>
+// Shape: the CTA's warps and staging (token_sum.cuh), by the sources an item has.
+template <typename T, int N, typename Shape>
 struct CombineOp {
   using Args = CombineArgs;
   using P = Pack<T, N>;
   static constexpr bool kSendsOwnTokens = false;
   static constexpr bool kInterleaved = true;
-  static constexpr int kWarps = kCombineWarps;
-  static constexpr size_t kStagingBytes = kCombineStagingBytes;
-  static_assert(kWarps <= kCombineWarps, "warp_staging() sizes its arrays by kCombineWarps");
+  static constexpr int kWarps = Shape::kWarps;
+  static constexpr size_t kStagingBytes = Shape::kBytes;
   // Host and device: the launch reads the channel count through it.
   static __host__ __device__ const ExchangeArgs& ex(const Args& a) { return a.ex; }
 
-  static __device__ void warp_setup(int lane) { init_warp_staging(warp_staging(), lane); }
+  static __device__ void warp_setup(int lane) { init_warp_staging(warp_staging<Shape>(), lane); }
 
   // Round r of the combine on every warp: stage 1 for the peers' tokens of chunk js (their
   // partials go to the owner's ring), stage 2 for this rank's tokens of chunk jr (every peer's
@@ -119,7 +119,7 @@ struct CombineOp {
     const ExchangeArgs& e = a.ex;
     const int w = threadIdx.x >> 5, packs = e.hidden / N;
     const size_t row_bytes = (size_t)e.hidden * sizeof(T);
-    WarpStaging ws = warp_staging();
+    WarpStaging ws = warp_staging<Shape>();
     ws.timers = &sh.phases;
     const char** src = ws.src;
     if (jr >= 0) fence_proxy_async_global();  // acquired partials go to every lane's bulk copies
@@ -372,8 +372,20 @@ cudaError_t launch_merge_probs(const MergeProbsArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The wide staging where every one of a token's top-k (>= 8) slots is a row here (one rank):
+// items of 8 or more sources, which make 768-byte copies from the narrow staging. Bulk copies
+// (the 16-byte path) only.
+static bool wide_staging(const ExchangeArgs& e) {
+  return e.vec && e.num_ranks == 1 && e.num_local == e.num_experts && e.topk >= 8;
+}
+
 cudaError_t launch_combine(const CombineArgs& a, cudaStream_t stream) {
-  EP_LAUNCH_BY_DTYPE(a.ex.vec, a.dtype, T, N, return launch_exchange<CombineOp<T, N>>(a, stream));
+  EP_LAUNCH_BY_DTYPE(a.ex.vec, a.dtype, T, N, {
+    if constexpr (N > 1) {
+      if (wide_staging(a.ex)) return launch_exchange<CombineOp<T, N, WideStaging>>(a, stream);
+    }
+    return launch_exchange<CombineOp<T, N, NarrowStaging>>(a, stream);
+  });
 }
 
 cudaError_t launch_combine_probs(const CombineProbsArgs& a, cudaStream_t stream) {
@@ -384,7 +396,12 @@ cudaError_t preload_combine() {
   for (int vec = 0; vec < 2; ++vec) {
     for (int dtype : {(int)ncclBfloat16, (int)ncclFloat16, (int)ncclFloat32}) {
       cudaError_t e;
-      EP_LAUNCH_BY_DTYPE(vec, dtype, T, N, e = preload_exchange<CombineOp<T, N>>());
+      EP_LAUNCH_BY_DTYPE(vec, dtype, T, N, {
+        e = preload_exchange<CombineOp<T, N, NarrowStaging>>();
+        if constexpr (N > 1) {
+          if (e == cudaSuccess) e = preload_exchange<CombineOp<T, N, WideStaging>>();
+        }
+      });
       if (e != cudaSuccess) return e;
     }
   }

@@ -30,32 +30,48 @@ struct TokenSum {
 // Sources per warp: a token's rows here plus one partial per peer.
 constexpr int kMaxSources = kMaxTopk + kMaxRanks - 1;
 
-// Staging per warp: kStages buffers of kStageBytes. A token's rows are summed segment by segment:
-// the segment (every source's same columns) fills a buffer; while the warp sums segment g, the
-// bulk copies of the next kStages - 1 are in flight. The segment shrinks as sources grow so that
-// one always fits a buffer.
+// Staging per warp: kStages buffers of Shape::kStageBytes. A token's rows are summed segment by
+// segment: the segment (every source's same columns) fills a buffer; while the warp sums segment
+// g, the bulk copies of the next kStages - 1 are in flight. The segment shrinks as sources grow so
+// that one always fits a buffer.
 constexpr int kStages = 2;
-constexpr int kStageBytes = 6656;  // 16 warps x 2 x 6656 B + the static part fit 227 KiB
-constexpr size_t kCombineStagingBytes = (size_t)kCombineWarps * kStages * kStageBytes;
-static_assert(kStageBytes % 16 == 0, "stage buffers hold 16-byte packs");
 
-// The warp's staging: its source list, buffers and their barriers (phase: bit i = the parity the
-// next wait on buffer i waits for); timers: where EP_TRACE builds charge the phases (or none).
+// A combine CTA's staging: kWarps warps of kStages buffers of kStageBytes each.
+template <int kWarps_, int kStageBytes_>
+struct StagingShape {
+  static constexpr int kWarps = kWarps_, kStageBytes = kStageBytes_;
+  static constexpr size_t kBytes = (size_t)kWarps * kStages * kStageBytes;
+  static_assert(kWarps <= kCombineWarps, "warp_staging() sizes its arrays by kCombineWarps");
+  static_assert(kStageBytes % 16 == 0, "stage buffers hold 16-byte packs");
+};
+// Items of 2-5 sources (EP=2 at top-8): 16 warps x 2 x 6656 B (with the static part, 227 KiB).
+using NarrowStaging = StagingShape<16, 6656>;
+// Items of 8 sources (one rank at top-8): 12 warps x 2 x 8 KiB, so that a segment's bulk copies
+// are 1 KiB, not 768 B. Measured at the bench shape on one H200: the combine of one rank 383 ->
+// 346 us with it, a local team's at EP=2 455 -> 476 us (fewer warps for 2-5 sources).
+using WideStaging = StagingShape<12, 8192>;
+
+// The warp's staging: its source list, buffers (stage_bytes each) and their barriers (phase: bit
+// i = the parity the next wait on buffer i waits for); timers: where EP_TRACE builds charge the
+// phases (or none).
 struct WarpStaging {
   const char** src;
   char* buf;
+  int stage_bytes;
   unsigned long long* bar;
   unsigned* phase;
   ItemTimers* timers;
 };
 
+template <typename Shape>
 EP_DEVICE WarpStaging warp_staging() {
   __shared__ const char* sources[kCombineWarps][kMaxSources];
   __shared__ unsigned long long bars[kCombineWarps][kStages];
   __shared__ unsigned phases[kCombineWarps];
   extern __shared__ __align__(128) char staging[];
   const int w = threadIdx.x >> 5;
-  return {sources[w], staging + (size_t)w * kStages * kStageBytes, bars[w], &phases[w], nullptr};
+  return {sources[w], staging + (size_t)w * kStages * Shape::kStageBytes, Shape::kStageBytes,
+          bars[w], &phases[w], nullptr};
 }
 
 // Once per warp before its first token sum (lane 0 initializes, the warp waits).
@@ -76,7 +92,7 @@ EP_DEVICE void init_warp_staging(const WarpStaging& ws, int lane) {
 template <typename P>
 EP_DEVICE void fill_stage(const TokenSum& s, const WarpStaging& ws, int stage, int first,
                           int count, int seg, bool bulk, int lane) {
-  P* buf = reinterpret_cast<P*>(ws.buf + (size_t)stage * kStageBytes);
+  P* buf = reinterpret_cast<P*>(ws.buf + (size_t)stage * ws.stage_bytes);
   const int n = s.sources();
   if (bulk) {
     if (lane == 0) mbar_expect_bytes(&ws.bar[stage], (unsigned)(n * count * sizeof(P)));
@@ -167,7 +183,7 @@ EP_DEVICE void sum_token(const TokenSum& s, const WarpStaging& ws, Pack<T, N>* d
   const int n = s.sources();
   // Segments of whole 128-byte lines where they fit (a bulk copy that starts mid-line costs a
   // line more); a zero-source token still writes its (zero) sum, from an untouched buffer.
-  int seg_bytes = n == 0 ? packs * (int)sizeof(P) : kStageBytes / n;
+  int seg_bytes = n == 0 ? packs * (int)sizeof(P) : ws.stage_bytes / n;
   seg_bytes &= seg_bytes >= 128 ? ~127 : ~15;
   const int seg = segment_packs(min(packs, max(1, seg_bytes / (int)sizeof(P))), packs, n);
   const int segs = (packs + seg - 1) / seg;
@@ -188,7 +204,7 @@ EP_DEVICE void sum_token(const TokenSum& s, const WarpStaging& ws, Pack<T, N>* d
       if (lane == 0) *ws.phase ^= 1u << stage;
     }
     clock.lap(kPhaseWait);
-    sum_stage<T, N, kFinal>(s, reinterpret_cast<const P*>(ws.buf + (size_t)stage * kStageBytes),
+    sum_stage<T, N, kFinal>(s, reinterpret_cast<const P*>(ws.buf + (size_t)stage * ws.stage_bytes),
                             seg, min(seg, packs - g * seg), dst + begin + (size_t)g * seg, lane);
     __syncwarp();  // the buffer is refilled next
     clock.lap(kPhaseWork);

@@ -56,6 +56,9 @@ CASES = {
                                               alignment=16),
     "no_probs_fp16_top8_e64": dict(tokens=17, hidden=2048, topk=8, experts=64, dtype=FP16,
                                    routing="random", probs_dtype=None),
+    # fp32 at top-8: on one rank, the combine's wide staging with 4-float packs.
+    "t300_fp32_top8_e16_h2048": dict(tokens=300, hidden=2048, topk=8, experts=16, dtype=FP32,
+                                     routing="random"),
     # 200-byte rows are not a multiple of 16: the kernels' element path (no 16-byte packs).
     "h100_rows_not_16_byte_multiple": dict(tokens=300, hidden=100, topk=4, experts=8,
                                            dtype=BF16, routing="masked", alignment=16),
