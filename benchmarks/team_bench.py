@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from megatron_nccl_ep.api import Group
+from megatron_nccl_ep.api import Group, run_local_team
 from timeline_args import shape_parser  # this folder
 
 HEAD_START_CYCLES = 1_000_000  # ~500 us at H200 clocks: every rank's host enqueues in that time
@@ -47,21 +47,21 @@ def main() -> None:
     meet = threading.Barrier(args.world)
     ops = ("handle", "dispatch", "combine")
 
-    def body(me: "Rank") -> None:
-        torch.cuda.set_device(device)
-        with torch.cuda.stream(me.stream):
-            me.prepare(meet)
-            for op in ops:
-                for it in range(args.warmup + args.iters):
-                    meet.wait(timeout=60)
-                    pair = me.timed(op, it % args.rotate)
-                    if it >= args.warmup:
-                        me.pairs.setdefault(op, []).append(pair)
-            me.stream.synchronize()
-            for handle in me.handles:
-                handle.destroy()
+    def body(rank: int, group: Group) -> None:
+        me = ranks[rank]
+        me.start()
+        for op in ops:
+            for it in range(args.warmup + args.iters):
+                meet.wait(timeout=60)
+                pair = me.timed(op, it % args.rotate)
+                if it >= args.warmup:
+                    me.pairs.setdefault(op, []).append(pair)
+        torch.cuda.current_stream().synchronize()
+        for handle in me.handles:
+            handle.destroy()
 
-    run_all(ranks, body)
+    run_local_team(groups, body, prepare=lambda rank, group: ranks[rank].prepare(),
+                   timeout_s=600.0)
     info = groups[0].info()
     chunk, depth = info.get("staging_chunk_tokens"), info.get("staging_depth")
     print(f"team bench, 1 GPU ({torch.cuda.get_device_name(device)}), EP={args.world} local "
@@ -85,18 +85,18 @@ def main() -> None:
 
 
 class Rank:
-    """One rank's inputs, handles and timings."""
+    """One rank's inputs, handles and timings (on the stream run_local_team gives the rank)."""
 
     def __init__(self, rank: int, group: Group, args) -> None:
         self.rank, self.group, self.args = rank, group, args
-        self.stream = torch.cuda.Stream(group.device)
         self.pairs: dict = {}
         self.handles: list = []
 
-    def prepare(self, meet: threading.Barrier) -> None:
+    def prepare(self) -> None:
+        """Before the ranks meet: this stream's memory and the inputs. An allocation that
+        reaches cudaMalloc inside the timed ops could wait for the device, whose kernels wait
+        for this rank (the peers' threads)."""
         a, device = self.args, self.group.device
-        # This stream's memory first: an allocation that reaches cudaMalloc inside the timed
-        # ops could wait for the device, whose kernels wait for this rank (the peers' threads).
         # Its expert rows (~T x K at any EP size, a quarter more for the spread) per routing and
         # one more, and its tokens.
         rows_bytes, token_bytes = a.tokens * a.topk * a.hidden * 2, a.tokens * a.hidden * 2
@@ -109,7 +109,10 @@ class Rank:
                          .topk(a.topk, dim=1).indices for _ in range(a.rotate)]
         self.x = [torch.randn(a.tokens, a.hidden, generator=gen, device=device)
                   .to(torch.bfloat16) for _ in range(a.rotate)]
-        meet.wait(timeout=60)
+
+    def start(self) -> None:
+        """The ranks' first calls: a handle per routing and the rows to combine."""
+        a = self.args
         self.handles = [self.group.create_handle(r) for r in self.routings]
         for h in self.handles:
             h.num_recv_tokens  # the count read waits for every rank's layout
@@ -129,7 +132,7 @@ class Rank:
         if op == "handle":
             handle.num_recv_tokens  # waits for the peers' layouts (each rank its own stream)
             handle.destroy()
-        self.stream.synchronize()
+        torch.cuda.current_stream().synchronize()
         return start, end
 
 
@@ -140,27 +143,6 @@ def summarize(iterations) -> tuple:
     collective = [max(e for _, e in it) - max(s for s, _ in it) for it in iterations]
     busy = [e - s for it in iterations for s, e in it]
     return statistics.median(collective), statistics.median(busy), min(collective)
-
-
-def run_all(ranks, body) -> None:
-    errors = [None] * len(ranks)
-
-    def guarded(me):
-        try:
-            body(me)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below with its rank
-            errors[me.rank] = exc
-
-    threads = [threading.Thread(target=guarded, args=(me,), daemon=True) for me in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    for me, exc in zip(ranks, errors):
-        if exc is not None:
-            raise RuntimeError(f"rank {me.rank}: {type(exc).__name__}: {exc}") from exc
-    if any(t.is_alive() for t in threads):
-        raise RuntimeError("a rank's thread is still running after 600 s")
 
 
 if __name__ == "__main__":

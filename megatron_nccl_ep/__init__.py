@@ -1,15 +1,16 @@
 """megatron_nccl_ep: deterministic expert-parallel dispatch/combine for Megatron-Core MoE training.
 
-``Group``/``Handle`` (api), differentiable ``dispatch``/``combine`` (autograd), the Megatron
-dispatcher ``NcclEpTokenDispatcher`` and ``register()``. Every name is imported on first use, so
-that tools which need neither torch nor Megatron (``python -m megatron_nccl_ep.launch --help``)
-start at once.
+``Group``/``Handle``/``run_local_team`` (api), differentiable ``dispatch``/``combine``
+(autograd), the Megatron dispatcher ``NcclEpTokenDispatcher`` and ``register()``. Every name
+is imported on first use, so that tools which need neither torch nor Megatron
+(``python -m megatron_nccl_ep.launch --help``) start at once.
 """
 
 import importlib
 
 # name -> the submodule that defines it
-_WHERE = {"Group": "api", "GroupConfig": "api", "Handle": "api", "NcclEpError": "errors",
+_WHERE = {"Group": "api", "GroupConfig": "api", "Handle": "api", "run_local_team": "api",
+          "NcclEpError": "errors",
           "dispatch": "autograd", "combine": "autograd",
           "NcclEpTokenDispatcher": "dispatcher", "register": "megatron"}
 

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
+import time
 from sys import is_finalizing as _is_finalizing  # bound now: late in shutdown sys may be gone
 from typing import Optional
 
@@ -315,7 +317,7 @@ class Group:
         backend and no NCCL (the C library's ``ncclEpCreateLocalTeam``): element ``r`` is rank
         ``r``. Every device code path of a multi-rank group runs, so one GPU can develop and test
         it. Use each rank from its own thread with its own CUDA stream (exact-mode calls wait
-        for the peers), and keep ``world_size * num_sms`` within the GPU's SM count (every CTA
+        for the peers): ``run_local_team`` does that. Keep ``world_size * num_sms`` within the GPU's SM count (every CTA
         of every rank must be resident at once). Destroy every member."""
         from . import cuda_backend
 
@@ -551,3 +553,49 @@ class Handle:
             self.destroy()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def run_local_team(groups: "list[Group]", fn, *, prepare=None, timeout_s: float = 300.0) -> list:
+    """Runs ``fn(rank, group)`` for every member of a ``Group.local_team`` at once, each rank on
+    its own thread and CUDA stream, and returns the results by rank.
+
+    The ranks' kernels wait for each other inside this process, so nothing may wait for the whole
+    device while a rank is inside a call, and an allocation that reaches ``cudaMalloc`` can.
+    ``prepare(rank, group)`` runs on the rank's stream before the ranks meet for their first
+    call: take the stream's memory there (the caching allocator keeps freed blocks per stream,
+    so later tensors of that stream come from its cache). Raises RuntimeError naming the ranks
+    still running after ``timeout_s``, else the lowest failing rank (its exception chained)."""
+    device = groups[0].device
+    results, errors = [None] * len(groups), [None] * len(groups)
+    meet = threading.Barrier(len(groups))
+
+    def body(rank: int) -> None:
+        torch.cuda.set_device(device)
+        stream = torch.cuda.Stream(device)
+        try:
+            with torch.cuda.stream(stream):
+                if prepare is not None:
+                    prepare(rank, groups[rank])
+                meet.wait(timeout=timeout_s)
+                results[rank] = fn(rank, groups[rank])
+            stream.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, with its rank
+            errors[rank] = exc
+            meet.abort()  # the others stop waiting for this rank's first call
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(len(groups))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    if hung:
+        raise RuntimeError(f"local team: ranks {hung} still running after {timeout_s} s")
+    failed = [r for r, exc in enumerate(errors) if exc is not None]
+    if failed:
+        # A rank's own error before the others' broken meeting (they stopped waiting for it).
+        rank = min(failed, key=lambda r: (isinstance(errors[r], threading.BrokenBarrierError), r))
+        exc = errors[rank]
+        raise RuntimeError(f"local team rank {rank}: {type(exc).__name__}: {exc}") from exc
+    return results

@@ -43,43 +43,10 @@ def poison_stream(device, large_bytes: int = 1 << 30, small_blocks: int = 16) ->
     torch.cuda.current_stream(device).synchronize()
 
 
-def run_ranks(groups, fn, timeout_s: float = 300.0, poison: bool = True):
-    """Runs ``fn(rank, group)`` for every rank at once, each in its own thread on its own stream;
-    returns the results, raises the first rank's exception (by rank).
-
-    NOTES: the ranks' kernels wait for each other inside this one process, so nothing may wait
-    for the whole device while a rank is inside a collective call: each thread first takes its
-    stream's memory (``poison``: NaN-filled, so outputs start as NaN; later outputs come from
-    that cache, not from a device allocation), then all threads meet before the first call."""
-    device = groups[0].device
-    results, errors = [None] * len(groups), [None] * len(groups)
-    ready = threading.Barrier(len(groups))
-
-    def body(rank):
-        torch.cuda.set_device(device)
-        stream = torch.cuda.Stream(device)
-        try:
-            with torch.cuda.stream(stream):
-                if poison:
-                    poison_stream(device)
-                ready.wait(timeout=120)
-                results[rank] = fn(rank, groups[rank])
-            stream.synchronize()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, with its rank
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(len(groups))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, t in enumerate(threads) if t.is_alive()]
-    assert not hung, f"ranks {hung} still running after {timeout_s} s"
-    for rank, exc in enumerate(errors):
-        if exc is not None:
-            raise AssertionError(f"rank {rank}: {type(exc).__name__}: {exc}") from exc
-    return results
+def run_ranks(groups, fn):
+    """``fn(rank, group)`` on every rank at once (``ep.run_local_team``: a thread and stream per
+    rank), each rank's stream memory NaN-filled first, so that its outputs start as NaN."""
+    return ep.run_local_team(groups, fn, prepare=lambda rank, group: poison_stream(group.device))
 
 
 def make_team(world, case, **extra):
@@ -431,6 +398,30 @@ def test_local_team_rank_that_never_calls_times_out(seed):
         with pytest.raises(ep.NcclEpError, match="rank 0 stopped this group"):
             handles[1].dispatch(problem.x[1].to(device))
             groups[1].check_errors()
+    destroy_team(groups)
+
+
+def test_run_local_team_names_the_failing_rank():
+    """A rank's exception comes back naming that rank, also when the others were waiting for it
+    (its prepare failed before the ranks met), and the results of a clean run come by rank."""
+    case = dict(resolve("ep2_no_probs_top1"), tokens=64, max_tokens=64)
+    groups = make_team(2, case)
+
+    def fail_on_1(rank, group):
+        if rank == 1:
+            raise ValueError("rank 1's own error")
+        return rank
+
+    with pytest.raises(RuntimeError, match=r"local team rank 1: ValueError: rank 1's own error"):
+        ep.run_local_team(groups, fail_on_1)
+
+    def prepare_fails_on_0(rank, group):
+        if rank == 0:
+            raise KeyError("no memory for rank 0")
+
+    with pytest.raises(RuntimeError, match=r"local team rank 0: KeyError"):
+        ep.run_local_team(groups, lambda rank, group: rank, prepare=prepare_fails_on_0)
+    assert ep.run_local_team(groups, lambda rank, group: (rank, group.rank)) == [(0, 0), (1, 1)]
     destroy_team(groups)
 
 
