@@ -47,8 +47,8 @@ struct StagingShape {
 // Items of 2-5 sources (EP=2 at top-8): 16 warps x 2 x 6656 B (with the static part, 227 KiB).
 using NarrowStaging = StagingShape<16, 6656>;
 // Items of 8 sources (one rank at top-8): 12 warps x 2 x 8 KiB, so that a segment's bulk copies
-// are 1 KiB, not 768 B. Measured at the bench shape on one H200: the combine of one rank 383 ->
-// 346 us with it, a local team's at EP=2 455 -> 476 us (fewer warps for 2-5 sources).
+// are 1 KiB, not 768 B. Measured at the bench shape on one H200: the combine of one rank 382 ->
+// 338 us with it, a local team's at EP=2 465 -> 493 us (fewer warps for 2-5 sources).
 using WideStaging = StagingShape<12, 8192>;
 
 // The warp's staging: its source list, buffers (stage_bytes each) and their barriers (phase: bit
