@@ -733,6 +733,9 @@ def _worker(rank: int, world: int, section: str, args_dict: dict, port: int, mes
                 pass
         messages.close()
         messages.join_thread()
+        # Past the cleanup: interpreter and CUDA teardown may outlast the timer (the Megatron
+        # section's did: a dump of "<no Python frame>"), and a stack of it says nothing.
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _device_info(me: _Rank) -> dict:
