@@ -372,11 +372,11 @@ cudaError_t launch_merge_probs(const MergeProbsArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The wide staging where every one of a token's top-k (>= 8) slots is a row here (one rank):
-// items of 8 or more sources, which make 768-byte copies from the narrow staging. Bulk copies
-// (the 16-byte path) only.
+// The wide staging where every one of a token's top-k (>= 8) slots is a row here (every expert
+// local: a group of one rank): items of 8 or more sources, which make 768-byte copies from the
+// narrow staging. Bulk copies (the 16-byte path) only.
 static bool wide_staging(const ExchangeArgs& e) {
-  return e.vec && e.num_ranks == 1 && e.num_local == e.num_experts && e.topk >= 8;
+  return e.vec && e.num_local == e.num_experts && e.topk >= 8;
 }
 
 cudaError_t launch_combine(const CombineArgs& a, cudaStream_t stream) {
