@@ -11,7 +11,8 @@
 # MEGATRON_TESTS_TIMEOUT (150 s, Megatron's EP overlap and drop-and-pad on GPUs) and
 # TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s), MICRO_TIMEOUT (90 s per
 # microbenchmark; MICRO_SMS: sm_budget's SM count, 24; MICRO_BASELINES=0: not the baselines'
-# sm_budget (each takes ~40 s); MICRO_NCU="combine_library": Nsight
+# sm_budget (each takes ~40 s); MICRO_HBM="16384 24 66 132": also hbm_patterns at those tokens
+# and CTA counts (~25 s per count at 16384 tokens); MICRO_NCU="combine_library": Nsight
 # Compute's SpeedOfLight, memory, warp-state, scheduler and occupancy sections of the first
 # MICRO_NCU_COUNT (4) launches of sm_budget's kernels matching that regex, into ncu.txt;
 # BENCH_NCU="CombineOp": the same sections plus the source lines and SASS instructions with the
@@ -383,7 +384,7 @@ if wants micro; then
         # the nvidia-nccl wheel next to torch (as setup.py finds them), or NCCL_INCLUDE_DIR.
         nccl_inc=${NCCL_INCLUDE_DIR:-$("$PY" -c 'import glob, nvidia
 print(([d for p in nvidia.__path__ for d in glob.glob(p + "/nccl/include")] + [""])[0])' 2>/dev/null)}
-        for bench in peer_ceilings sm_budget; do
+        for bench in peer_ceilings sm_budget hbm_patterns; do
             echo "== benchmarks/micro/$bench.cu"
             nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a ${nccl_inc:+-I "$nccl_inc"} \
                 -o "/tmp/$bench" "benchmarks/micro/$bench.cu" || exit 1
@@ -395,6 +396,10 @@ print(([d for p in nvidia.__path__ for d in glob.glob(p + "/nccl/include")] + ["
             echo "peer_ceilings: skipped, one GPU on this machine (it times copies between two)"
         fi
         timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/sm_budget "${MICRO_SMS:-24}" || exit 1
+        if [ -n "${MICRO_HBM:-}" ]; then  # tokens, then CTA counts, e.g. "16384 24 66 132"
+            # shellcheck disable=SC2086 # MICRO_HBM is a list of arguments
+            timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/hbm_patterns $MICRO_HBM || exit 1
+        fi
         if [ -n "${MICRO_NCU:-}" ]; then  # Nsight Compute on the micro's kernels of that name
             ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
             echo "== ncu ($ncu_bin) on kernels matching '$MICRO_NCU': ncu.txt"
