@@ -27,6 +27,12 @@ Bandwidth is reported two ways (docs/design.md §8): **physical** = bytes that c
 unique (token, destination rank != source rank) pairs x hidden x element size, per rank;
 **logical** (DeepEP's convention) = unique (token, rank) pairs received including the rank's own
 x hidden x element size, per rank. Routing probabilities are left out of both (under 0.1%).
+
+Each dispatch/combine row (and sweep point) also gets its **floor**, from the ceilings of the same
+run: the larger of the HBM floor (this rank's tokens once plus its expert-major rows once, i.e.
+what the op must read and write at the least, / the HBM copy's read+write rate) and the link floor
+(physical bytes / the peer copy's rate, both GPUs copying where measured); "floor %" is floor /
+time. Without the ceilings section there is no floor.
 """
 
 from __future__ import annotations
@@ -312,7 +318,8 @@ def _collect(records: list[dict]) -> tuple[dict, list, dict, dict]:
             else:
                 summary[key] = {str(r): v for r, v in per_rank.items()}
         seconds = summary["median_ms"] * 1e-3
-        for key, label in (("phys_bytes", "phys_GBps"), ("logical_bytes", "logical_GBps")):
+        for key, label in (("phys_bytes", "phys_GBps"), ("logical_bytes", "logical_GBps"),
+                           ("hbm_bytes", "hbm_GBps")):
             if isinstance(summary.get(key), float) and seconds > 0:
                 summary[label] = summary[key] / seconds / 1e9
         out[name] = summary
@@ -348,6 +355,34 @@ def _fmt(value, spec: str) -> str:
     return "-".rjust(int(spec.split(".")[0]))
 
 
+# The ceilings that the floors divide by (module doc), first found first.
+FLOOR_CEILINGS = {
+    "hbm": ("HBM copy, read+write (per GPU)",),
+    "link": ("peer copy, all GPUs at once (per GPU)", "peer copy GPU0->GPU1 (copy engine)"),
+}
+
+
+def add_floors(result: dict) -> None:
+    """Sets ``floor_us`` and ``floor_pct`` on every kernels item (main section and sweep points)
+    that carries ``hbm_bytes``, from the run's ceilings (module doc)."""
+    ceilings = result.get("ceilings") or {}
+    rates = {}
+    for kind, names in FLOOR_CEILINGS.items():
+        found = [ceilings[n]["phys_GBps"] for n in names if ceilings.get(n, {}).get("phys_GBps")]
+        rates[kind] = found[0] if found else None
+    if rates["hbm"] is None:
+        return
+    items = [result.get("kernels") or {}] + [point["items"] for point in result["sweeps"]]
+    for row in (row for group in items for row in group.values()):
+        if not isinstance(row.get("hbm_bytes"), float) or not row.get("median_ms"):
+            continue
+        floor_us = row["hbm_bytes"] / rates["hbm"] / 1e3
+        if rates["link"] and isinstance(row.get("phys_bytes"), float):
+            floor_us = max(floor_us, row["phys_bytes"] / rates["link"] / 1e3)
+        row["floor_us"] = floor_us
+        row["floor_pct"] = 100.0 * floor_us / (row["median_ms"] * 1e3)
+
+
 def format_table(result: dict) -> str:
     """The short table printed last (the device reply carries only the tail)."""
     meta, shape = result["meta"], result["shape"]
@@ -376,11 +411,12 @@ def format_table(result: dict) -> str:
     kern = result.get("kernels", {})
     if kern:
         lines.append(f"{'ours (' + shape['backend'] + ')':38s} {'time_us':>9s} {'phys GB/s':>9s} "
-                     f"{'logic GB/s':>10s}")
+                     f"{'logic GB/s':>10s} {'floor_us':>9s} {'floor %':>7s}")
         for name, row in kern.items():
             lines.append(f"{name:38s} {_fmt(row['median_ms'] * 1e3, '9.1f')} "
                          f"{_fmt(row.get('phys_GBps'), '9.1f')} "
-                         f"{_fmt(row.get('logical_GBps'), '10.1f')}")
+                         f"{_fmt(row.get('logical_GBps'), '10.1f')} "
+                         f"{_fmt(row.get('floor_us'), '9.1f')} {_fmt(row.get('floor_pct'), '7.0f')}")
     for name, per_rank in result.get("checks", {}).items():
         values = ", ".join(f"r{rank} {value}" for rank, value in sorted(per_rank.items()))
         lines.append(f"check {name}: {values}")
@@ -396,14 +432,15 @@ def format_table(result: dict) -> str:
                          f"{cell('combine', 1e3, '12.0f')} {cell('fwd_bwd', 1.0, '12.2f')}")
     if result.get("sweeps"):
         lines.append(f"{'sweep, kernel mode: tokens':>26s} {'SMs':>4s} {'dispatch_us':>11s} "
-                     f"{'phys GB/s':>9s} {'logic GB/s':>10s} {'combine_us':>11s} "
-                     f"{'phys GB/s':>9s} {'logic GB/s':>10s}")
+                     f"{'phys GB/s':>9s} {'logic GB/s':>10s} {'floor %':>7s} {'combine_us':>11s} "
+                     f"{'phys GB/s':>9s} {'logic GB/s':>10s} {'floor %':>7s}")
     for point in result.get("sweeps", []):
         cells = []
         for op in ("dispatch", "combine"):
             row = point["items"].get(f"{op} (kernel)", {})
             cells += [_fmt(row["median_ms"] * 1e3 if row else None, "11.1f"),
-                      _fmt(row.get("phys_GBps"), "9.1f"), _fmt(row.get("logical_GBps"), "10.1f")]
+                      _fmt(row.get("phys_GBps"), "9.1f"), _fmt(row.get("logical_GBps"), "10.1f"),
+                      _fmt(row.get("floor_pct"), "7.0f")]
         # The sanity checks of every point are in the JSON; a failed one is flagged here.
         bad = any("MISMATCH" in str(value) for per_rank in point["checks"].values()
                   for value in per_rank.values())
@@ -486,8 +523,9 @@ def sweep_series(result: dict) -> "list[tuple[str, list]]":
 
 
 def write_plot(result: dict, path: str) -> str:
-    """PNG of the sweeps: kernel-mode time and physical bandwidth of dispatch and combine
-    against tokens per rank and/or SMs, with the ceilings of the same run as horizontal lines.
+    """PNG of the sweeps: kernel-mode time and the physical and HBM bandwidth of dispatch and
+    combine against tokens per rank and/or SMs, with the ceilings of the same run as horizontal
+    lines.
     Returns a line saying what was written, or why nothing was."""
     try:
         import matplotlib
@@ -510,13 +548,17 @@ def write_plot(result: dict, path: str) -> str:
                           if f"{op} (kernel)" in items)
             time_ax.plot([x for x, _ in rows], [row["median_ms"] * 1e3 for _, row in rows],
                          marker="o", label=op)
-            bw_ax.plot([x for x, _ in rows], [row.get("phys_GBps", math.nan) for _, row in rows],
-                       marker="o", label=op)
+            line, = bw_ax.plot([x for x, _ in rows],
+                               [row.get("phys_GBps") or math.nan for _, row in rows],
+                               marker="o", label=f"{op}, physical")
+            bw_ax.plot([x for x, _ in rows], [row.get("hbm_GBps", math.nan) for _, row in rows],
+                       marker="s", linestyle=":", color=line.get_color(),
+                       label=f"{op}, HBM (tokens + rows once)")
         for i, (name, gbps) in enumerate(ceilings.items()):
             bw_ax.axhline(gbps, color=f"C{2 + i}", linestyle="--", linewidth=1,
                           label=f"{name}: {gbps:.0f}")
         time_ax.set_ylabel("kernel time (us)")
-        bw_ax.set_ylabel("physical GB/s per rank")
+        bw_ax.set_ylabel("GB/s per rank")
         # The ceilings span HBM (TB/s) to one link (tens of GB/s).
         bw_ax.set_yscale("log")
         for ax in (time_ax, bw_ax):
@@ -580,6 +622,7 @@ def main(argv=None) -> int:
                                   point, budget_end)
         result["sweeps"].append({"tokens": tokens, "num_sms": num_sms, "items": items,
                                  "checks": checks})
+    add_floors(result)
     table = format_table(result)
     result["table"] = table
     if args.json:
@@ -877,14 +920,16 @@ def _pair_counts(me: _Rank, topk: "torch.Tensor") -> list[list[int]]:
     return everyone
 
 
-def _traffic_bytes(me: _Rank, counts: list[list[int]]) -> dict:
-    """Per-rank bytes of one dispatch/combine under both conventions (module doc)."""
+def _traffic_bytes(me: _Rank, counts: list[list[int]], rows: int) -> dict:
+    """Per-rank bytes of one dispatch/combine under both conventions, and what HBM must move at
+    the least: this rank's tokens once and its ``rows`` expert-major rows once (module doc)."""
     row = me.args.hidden * me.elt
     r = me.rank
     return {
         "dispatch_phys": sum(counts[r][d] for d in range(me.world) if d != r) * row,
         "combine_phys": sum(counts[s][r] for s in range(me.world) if s != r) * row,
         "logical": sum(counts[s][r] for s in range(me.world)) * row,
+        "hbm": (me.args.tokens + rows) * row,
     }
 
 
@@ -908,10 +953,13 @@ def _section_kernels(me: _Rank) -> None:
         probs = torch.rand(args.tokens, args.topk, generator=gen, device=me.device).softmax(-1)
         x = _random_tokens(me, args.tokens, seed=100 + 10 * s + me.rank)
         sets.append({"topk": topk, "probs": probs, "x": x,
-                     "bytes": _traffic_bytes(me, _pair_counts(me, topk))})
+                     "bytes": _traffic_bytes(me, _pair_counts(me, topk),
+                                             _expected_rows(me, topk))})
     mean = lambda key: sum(st["bytes"][key] for st in sets) / len(sets)  # noqa: E731
     dispatch_bytes = {"phys_bytes": mean("dispatch_phys"), "logical_bytes": mean("logical")}
     combine_bytes = {"phys_bytes": mean("combine_phys"), "logical_bytes": mean("logical")}
+    # The expert-major ops' floors (module doc); the rank-major lower bound moves fewer rows.
+    floor_bytes = {"hbm_bytes": mean("hbm")}
     pick = lambda i: sets[i % len(sets)]  # noqa: E731
 
     def handles_and_outputs():
@@ -959,12 +1007,12 @@ def _section_kernels(me: _Rank) -> None:
         me.attempt(f"dispatch.{mode}", lambda: me.measure(
             f"dispatch ({mode})",
             lambda i: pick(i)["handle"].dispatch(pick(i)["x"], pick(i)["probs"]),
-            mode=mode, extra=dispatch_bytes))
+            mode=mode, extra={**dispatch_bytes, **floor_bytes}))
     for mode in ("kernel", "e2e"):
         me.attempt(f"combine.{mode}", lambda: me.measure(
             f"combine ({mode})",
             lambda i: pick(i)["handle"].combine(pick(i)["expert_out"]),
-            mode=mode, extra=combine_bytes))
+            mode=mode, extra={**combine_bytes, **floor_bytes}))
 
     def rank_major():
         # DeepEP's layout, as our own lower bound: the same tokens and link bytes, but one row

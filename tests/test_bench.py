@@ -90,7 +90,35 @@ def test_sweep_has_one_entry_per_point(cpu_run):
         assert all(value.startswith("ok ") for value in rows_check.values()), rows_check
         row = next(line.split() for line in stdout.splitlines()
                    if line.split()[:2] == [str(point["tokens"]), str(point["num_sms"])])
-        assert len(row) == 8, row  # tokens, SMs, then time and two bandwidths per op
+        # tokens, SMs, then per op time, two bandwidths and floor % ("-": no ceilings on CPU)
+        assert len(row) == 10, row
+
+
+def test_floors_take_the_larger_of_hbm_and_link():
+    # HBM 4000 GB/s; the link: both GPUs copying (200 GB/s) before one direction alone (400).
+    ceilings = {"HBM copy, read+write (per GPU)": {"phys_GBps": 4000.0},
+                "peer copy GPU0->GPU1 (copy engine)": {"phys_GBps": 400.0},
+                "peer copy, all GPUs at once (per GPU)": {"phys_GBps": 200.0}}
+    result = {"ceilings": ceilings, "kernels": {
+        "dispatch (kernel)": {"median_ms": 1.0, "hbm_bytes": 2e9, "phys_bytes": 5e7},
+        "combine (kernel)": {"median_ms": 1.25, "hbm_bytes": 2e9, "phys_bytes": 2e8},
+        "dispatch, rank-major (kernel)": {"median_ms": 0.5, "phys_bytes": 5e7}},
+        "sweeps": [{"items": {"dispatch (kernel)": {"median_ms": 2.0, "hbm_bytes": 4e9,
+                                                    "phys_bytes": 0.0}}}]}
+    bench.add_floors(result)
+    kernels = result["kernels"]
+    # HBM floor 500 us beats the link's 250 us; the link's 1000 us beats HBM's 500 us.
+    assert (kernels["dispatch (kernel)"]["floor_us"], kernels["dispatch (kernel)"]["floor_pct"]) \
+        == pytest.approx((500.0, 50.0))
+    assert (kernels["combine (kernel)"]["floor_us"], kernels["combine (kernel)"]["floor_pct"]) \
+        == pytest.approx((1000.0, 80.0))
+    assert "floor_us" not in kernels["dispatch, rank-major (kernel)"]  # no hbm_bytes: no floor
+    sweep_row = result["sweeps"][0]["items"]["dispatch (kernel)"]
+    assert (sweep_row["floor_us"], sweep_row["floor_pct"]) == pytest.approx((1000.0, 50.0))
+    # Without the HBM ceiling (no ceilings section) nothing gets a floor.
+    bare = {"kernels": {"dispatch (kernel)": {"median_ms": 1.0, "hbm_bytes": 2e9}}, "sweeps": []}
+    bench.add_floors(bare)
+    assert "floor_us" not in bare["kernels"]["dispatch (kernel)"]
 
 
 def test_plot_series_include_the_kernels_section_point(cpu_run):
