@@ -56,13 +56,17 @@ __global__ void __launch_bounds__(512, 1) copy_seq(const uint4* s, uint4* d, siz
 // kPipe: the next group of packs (of this token or the warp's next one) is loaded before this
 // group's stores, so a warp always has a load in flight.
 // kProbs: also each row's prob, from dense probs [T, E] (fp32) by the token's experts, as the
-// library's dispatch writes it.
+// library's dispatch writes it. kBatch > 0: no range per CTA, warps draw tokens kBatch at a time
+// from one counter of the grid (`next`, zero at launch), so a CTA whose SM writes slower takes
+// fewer.
 struct Probs { const int* topk; const float* dense; float* rows; };
 
-template <bool kLoad, int UU = U, bool kPipe = false, bool kProbs = false>
+template <bool kLoad, int UU = U, bool kPipe = false, bool kProbs = false, int kBatch = 0>
 __global__ void __launch_bounds__(WARPS * 32, 1) expand_tokens(const uint4* x, uint4* out, const int* rr, int T,
                                                                  Probs probs = {},
-                                                                 unsigned long long* cta_ns = nullptr) {
+                                                                 unsigned long long* cta_ns = nullptr,
+                                                                 int* next = nullptr) {
+  static_assert(!(kPipe && kBatch > 0), "the pipelined loop walks the CTA's range");
   constexpr int kGroups = (UNITS + 32 * UU - 1) / (32 * UU);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int begin = (int)((long long)T * blockIdx.x / gridDim.x), end = (int)((long long)T * (blockIdx.x + 1) / gridDim.x);
@@ -92,7 +96,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) expand_tokens(const uint4* x, u
   if constexpr (!kPipe) {
     unsigned long long t_start = 0;
     if (cta_ns != nullptr && threadIdx.x == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_start));
-    for (int t = begin + warp; t < end; t += WARPS) {
+    auto expand = [&](int t) {
       int rows[K];
       rows_of(rows, t);
       for (int g = 0; g < kGroups; ++g) {
@@ -102,6 +106,17 @@ __global__ void __launch_bounds__(WARPS * 32, 1) expand_tokens(const uint4* x, u
       }
       if (kProbs && lane < K)
         probs.rows[rr[(size_t)t * K + lane]] = probs.dense[(size_t)t * E + probs.topk[(size_t)t * K + lane]];
+    };
+    if constexpr (kBatch == 0) {
+      for (int t = begin + warp; t < end; t += WARPS) expand(t);
+    } else {
+      for (;;) {
+        int t0 = 0;
+        if (lane == 0) t0 = atomicAdd(next, kBatch);
+        t0 = __shfl_sync(0xffffffffu, t0, 0);
+        if (t0 >= T) break;
+        for (int t = t0; t < min(T, t0 + kBatch); ++t) expand(t);
+      }
     }
     if (cta_ns != nullptr) {  // this CTA's start and end on the global clock
       __syncthreads();
@@ -137,37 +152,6 @@ __global__ void __launch_bounds__(WARPS * 32, 1) expand_tokens(const uint4* x, u
       for (int u = 0; u < UU; ++u) cur[u] = nxt[u];
       t = tn;
       g = gn;
-    }
-  }
-}
-
-// Tokens claimed by warps from one counter of the whole grid, kBatch at a time (no fixed range
-// per CTA: a CTA whose SM writes slower takes fewer).
-template <int kBatch>
-__global__ void __launch_bounds__(WARPS * 32, 1) expand_claimed(const uint4* x, uint4* out, const int* rr, int T,
-                                                                  int* next) {
-  const int lane = threadIdx.x & 31;
-  for (;;) {
-    int t0 = 0;
-    if (lane == 0) t0 = atomicAdd(next, kBatch);
-    t0 = __shfl_sync(0xffffffffu, t0, 0);
-    if (t0 >= T) return;
-    for (int t = t0; t < min(T, t0 + kBatch); ++t) {
-      int rows[K];
-#pragma unroll
-      for (int k = 0; k < K; ++k) rows[k] = rr[(size_t)t * K + k];
-      const uint4* src = x + (size_t)t * UNITS;
-      for (int j0 = lane; j0 < UNITS; j0 += 32 * U) {
-        uint4 v[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) if (j0 + 32 * u < UNITS) v[u] = src[j0 + 32 * u];
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-          uint4* d = out + (size_t)rows[k] * UNITS;
-#pragma unroll
-          for (int u = 0; u < U; ++u) if (j0 + 32 * u < UNITS) d[j0 + 32 * u] = v[u];
-        }
-      }
     }
   }
 }
@@ -309,10 +293,10 @@ int main(int argc, char** argv) {
     int* d_next;
     CK(cudaMalloc(&d_next, sizeof(int)));
     CK(cudaMemset(out, 0x5a, out_bytes));
-    report("tokens, claimed 1 by 1", sms, time_it([&] { CK(cudaMemsetAsync(d_next, 0, sizeof(int))); expand_claimed<1><<<sms, WARPS * 32>>>((const uint4*)x, (uint4*)out, d_rr, T, d_next); }), expand_bytes);
+    report("tokens, claimed 1 by 1", sms, time_it([&] { CK(cudaMemsetAsync(d_next, 0, sizeof(int))); expand_tokens<true, U, false, false, 1><<<sms, WARPS * 32>>>((const uint4*)x, (uint4*)out, d_rr, T, {}, nullptr, d_next); }), expand_bytes);
     same("tokens claimed 1");
     CK(cudaMemset(out, 0x5a, out_bytes));
-    report("tokens, claimed 4 at a time", sms, time_it([&] { CK(cudaMemsetAsync(d_next, 0, sizeof(int))); expand_claimed<4><<<sms, WARPS * 32>>>((const uint4*)x, (uint4*)out, d_rr, T, d_next); }), expand_bytes);
+    report("tokens, claimed 4 at a time", sms, time_it([&] { CK(cudaMemsetAsync(d_next, 0, sizeof(int))); expand_tokens<true, U, false, false, 4><<<sms, WARPS * 32>>>((const uint4*)x, (uint4*)out, d_rr, T, {}, nullptr, d_next); }), expand_bytes);
     same("tokens claimed 4");
     CK(cudaFree(d_next));
     {  // one more run of the library's order, each CTA's span on the global clock
