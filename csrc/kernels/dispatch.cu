@@ -6,9 +6,10 @@
  *           written once into the ring of every other rank it has a slot on, with its K probs.
  *           A token crosses NVLink once per destination rank, never once per expert.
  *   recv    (tokens of chunk j of every source, one warp per token (s, t)): the token is read
- *           once (from x when s is this rank, before any wait; else from the ring) and written
- *           to each of its rows here (recv_row[s][t][k]) with its prob. Rows of no slot
- *           (alignment padding, the capacity tail) get zeros (prob 0), spread over all CTAs.
+ *           once (from x when s is this rank, before any wait, drawn from one pool of the grid;
+ *           else from the ring) and written to each of its rows here (recv_row[s][t][k]) with
+ *           its prob. Rows of no slot (alignment padding, the capacity tail) get zeros (prob 0),
+ *           spread over all CTAs.
  *
  * NOTES:
  *  - Rows come from recv_row / src_of_row (layout.cu); nothing here decides placement.
@@ -115,16 +116,30 @@ struct DispatchOp {
     __syncwarp();  // rows_sh / slots_sh are rewritten by the next item
   }
 
-  // This rank's tokens of chunk j: straight from x, no peer involved.
-  static __device__ void recv_local(const Args& a, ExchangeShared& sh, int b, int j, int warp,
-                                    int nwarps, int lane) {
+  // This rank's own tokens, straight from x (no peer involved), claimed one at a time by each
+  // warp from one pool of the whole grid. Round j stops claiming past the tokens that j + 1
+  // chunks of every channel hold (the pace at which the peers' chunks come in; a warp finishes
+  // the token it drew past that mark); the CTA's last round drains the pool.
+  // NOTES: a pool, not this channel's range, because CTAs write at different speeds: 1 x H200,
+  // 16384 tokens, 66 CTAs, equal ranges: the CTAs on SMs 124-131 took 720 us, the median one
+  // 559 us; pooled: 584 us in all (benchmarks/micro/hbm_patterns.cu). The counter is
+  // DeviceState::own_claimed, reset by the op's last CTA.
+  static __device__ void recv_local(const Args& a, ExchangeShared& sh, int, int j, int,
+                                    int, int lane) {
     const ExchangeArgs& e = a.ex;
-    const ChunkRange c = chunk_of(sh.tokens[e.rank], e.win, b, j);
+    const int tokens = sh.tokens[e.rank];
+    const long long paced = (long long)(j + 1) * e.win.chunk * e.win.channels;
+    const long long stop = j + 1 >= sh.recv_rounds ? tokens : min((long long)tokens, paced);
     const int row_bytes = row_units(a) * (int)sizeof(U);
-    for (int t = c.begin + warp; t < c.end; t += nwarps) {
-      const int* routing = e.own_routing + (size_t)t * e.topk;
-      expand(a, sh, e.rank, t, reinterpret_cast<const char*>(a.x) + (size_t)t * row_bytes,
-             [&](int k) { return own_prob(a, t, k, routing[k]); }, lane);
+    for (;;) {
+      unsigned long long drawn = 0;
+      if (lane == 0) drawn = atomicAdd(&e.state->own_claimed, 1ull);
+      const long long t = (long long)__shfl_sync(0xffffffffu, drawn, 0);
+      if (t >= tokens) return;
+      const int* routing = e.own_routing + t * e.topk;
+      expand(a, sh, e.rank, (int)t, reinterpret_cast<const char*>(a.x) + t * row_bytes,
+             [&](int k) { return own_prob(a, (int)t, k, routing[k]); }, lane);
+      if (t + 1 >= stop) return;
     }
   }
 

@@ -503,6 +503,7 @@ __device__ void run_exchange(const typename Op::Args& a) {
     __threadfence();
     if (atomicAdd(&e.state->done_ctas, 1u) == gridDim.x - 1) {
       e.state->done_ctas = 0;
+      e.state->own_claimed = 0;
       e.state->op_epoch = sh.epoch + 1;
       __threadfence();
     }

@@ -120,6 +120,8 @@ struct WindowLayout {
 
 // Device-side state of a group, in its local device memory (never in the window).
 struct DeviceState {
+  unsigned long long own_claimed;    // the dispatch's own tokens claimed so far by this rank's
+                                     // receivers (a pool of the whole grid; the last CTA resets it)
   unsigned long long barrier_epoch;  // handle-creation barriers run so far
   unsigned long long op_epoch;       // dispatch/combine/combine_probs calls run so far
   unsigned long long failed;         // set (origin rank + 1) once the group holds an error

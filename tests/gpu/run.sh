@@ -9,7 +9,7 @@
 # (choose stages and limits so that a call stays inside 10 minutes): BUILD_TIMEOUT (150 s),
 # TESTS_TIMEOUT (180 s), NODES_TESTS_TIMEOUT (180 s, groups that span nodes, emulated),
 # MEGATRON_TESTS_TIMEOUT (150 s, Megatron's EP overlap and drop-and-pad on GPUs) and
-# TEAM_TIMEOUT (150 s, the local-team tests), BENCH_TIMEOUT (180 s), MICRO_TIMEOUT (90 s per
+# TEAM_TIMEOUT (210 s, the local-team tests), BENCH_TIMEOUT (180 s), MICRO_TIMEOUT (90 s per
 # microbenchmark; MICRO_SMS: sm_budget's SM count, 24; MICRO_BASELINES=0: not the baselines'
 # sm_budget (each takes ~40 s); MICRO_HBM="16384 24 66 132": also hbm_patterns at those tokens
 # and CTA counts (~25 s per count at 16384 tokens); MICRO_NCU="combine_library": Nsight
@@ -57,7 +57,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}  # the image's python3 (the one that holds torch)
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-150}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
-TEAM_TIMEOUT=${TEAM_TIMEOUT:-150}
+TEAM_TIMEOUT=${TEAM_TIMEOUT:-210}
 MEGATRON_TESTS_TIMEOUT=${MEGATRON_TESTS_TIMEOUT:-150}
 NODES_TESTS_TIMEOUT=${NODES_TESTS_TIMEOUT:-180}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-180}
