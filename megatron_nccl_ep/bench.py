@@ -423,13 +423,14 @@ def format_table(result: dict) -> str:
     meg = result.get("megatron", {})
     if meg:
         lines.append(f"{'megatron dispatcher':24s} {'dispatch_us':>12s} {'combine_us':>12s} "
-                     f"{'fwd+bwd_ms':>12s}")
+                     f"{'fwd+bwd_ms':>12s} {'expert_ms':>10s}")
         for disp in sorted({name.split(".")[0] for name in meg}):
             def cell(op, scale, spec):
                 row = meg.get(f"{disp}.{op}")
                 return _fmt(row["median_ms"] * scale, spec) if row else "-"
             lines.append(f"{disp:24s} {cell('dispatch', 1e3, '12.0f')} "
-                         f"{cell('combine', 1e3, '12.0f')} {cell('fwd_bwd', 1.0, '12.2f')}")
+                         f"{cell('combine', 1e3, '12.0f')} {cell('fwd_bwd', 1.0, '12.2f')} "
+                         f"{cell('expert_fwd_bwd', 1.0, '10.2f')}")
     if result.get("sweeps"):
         lines.append(f"{'sweep, kernel mode: tokens':>26s} {'SMs':>4s} {'dispatch_us':>11s} "
                      f"{'phys GB/s':>9s} {'logic GB/s':>10s} {'floor %':>7s} {'combine_us':>11s} "
@@ -1176,6 +1177,21 @@ def _section_megatron(me: _Rank) -> None:
             setup=dispatched_rows))
         me.attempt(f"{name}.fwd_bwd", lambda: me.measure(
             f"{name}.fwd_bwd", fwd_bwd, mode="e2e", setup=leaf_inputs))
+
+        # The stand-in expert alone, forward and backward on this dispatcher's rows: the share
+        # of fwd+bwd that is torch's work on the rows, the same whichever dispatcher moved them.
+        def expert_leaves(i):
+            leaf_inputs(i)
+            rows, rows_probs = dispatch(i)
+            state["rows"] = rows.detach().requires_grad_(True)
+            state["rows_probs"] = rows_probs.detach().requires_grad_(True)
+            state["grad_rows"] = torch.randn_like(rows)
+
+        def expert_fwd_bwd(i):
+            expert_stand_in(state["rows"], state["rows_probs"]).backward(state["grad_rows"])
+
+        me.attempt(f"{name}.expert_fwd_bwd", lambda: me.measure(
+            f"{name}.expert_fwd_bwd", expert_fwd_bwd, mode="e2e", setup=expert_leaves))
         state.clear()
         dispatcher = None  # noqa: F841 - drop it (and its handles) before the next one
     if "nccl_ep" in args.megatron_dispatchers:
