@@ -51,9 +51,14 @@ def unavailable_reason() -> str:
             "`pip install --no-build-isolation -e .` on a machine with nvcc")
 
 
+_DTYPE_CODES: dict = {}  # torch.dtype -> the library's code (_C.DTYPES), filled on first use
+
+
 def _dtype_code(dtype: torch.dtype) -> int:
-    name = str(dtype).replace("torch.", "")
-    return _C.DTYPES[name]
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:  # once per dtype; later calls are one dict lookup (a per-op host path)
+        code = _DTYPE_CODES[dtype] = _C.DTYPES[str(dtype).replace("torch.", "")]
+    return code
 
 
 def _call(fn, *args):

@@ -210,7 +210,8 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
     def _over_tp(self, per_expert: torch.Tensor) -> torch.Tensor:
         """[..., E] -> [T, tp_size * E]: each expert's column repeated for the ranks of its TP
         group, in the order of the TP x EP group (a view's copy; autograd sums the repeats)."""
-        per_expert = per_expert.reshape(-1, self.num_experts)
+        if per_expert.dim() != 2:  # the router's [T, E] is taken as it is (a reshape costs us)
+            per_expert = per_expert.reshape(-1, self.num_experts)
         if self.tp_size == 1:
             return per_expert
         tokens = per_expert.shape[0]
