@@ -35,26 +35,44 @@ def set_options(options: Optional[NcclEpOptions] = None, **fields) -> NcclEpOpti
     return _options
 
 
+_DEFAULT_OPTIONS = NcclEpOptions()
+# The options of the last training arguments read: every forward of every layer asks (a per-layer
+# host path), and Megatron parses its arguments once.
+_args_options: tuple = (None, _DEFAULT_OPTIONS)
+
+
 def get_options() -> NcclEpOptions:
     """``set_options()``'s, else the ``--nccl-ep-*`` flags of Megatron's parsed training
-    arguments, else the defaults."""
+    arguments (read once per arguments object), else the defaults."""
+    global _args_options
     if _options is not None:
         return _options
     args = _training_args()
-    return NcclEpOptions() if args is None else options_from_args(args)
+    if args is None:
+        return _DEFAULT_OPTIONS
+    if _args_options[0] is not args:
+        _args_options = (args, options_from_args(args))
+    return _args_options[1]
 
 
 # One Group per EP process group and shape class, shared by every layer of that class.
 _groups: dict = {}
+_get_args = None  # megatron.training's get_args once imported; False: not importable
 
 
 def _training_args():
     """Megatron's parsed training arguments, or None outside Megatron training."""
+    global _get_args
+    if _get_args is None:
+        try:
+            from megatron.training.global_vars import get_args as _get_args
+        except ImportError:
+            _get_args = False
+    if _get_args is False:
+        return None
     try:
-        from megatron.training.global_vars import get_args
-
-        return get_args()
-    except (ImportError, AssertionError):
+        return _get_args()
+    except AssertionError:  # not parsed yet
         return None
 
 
