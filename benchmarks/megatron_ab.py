@@ -5,7 +5,7 @@ process to process (~10% on the GPU machine) than the changes themselves. The ba
 only its Python differs. One rank (EP=1), the bench shape; each step timed as the bench's e2e
 mode (idle GPU, CUDA events), the variants alternating first.
 
-    python benchmarks/megatron_ab.py --baseline /tmp/baseline_0 [--iters 200]
+    python benchmarks/megatron_ab.py --baseline /tmp/baseline_0 [--iters 200] [--options-from-flags]
 """
 import importlib.util
 import os
@@ -37,6 +37,9 @@ def main() -> None:
     p = shape_parser(__doc__)
     p.add_argument("--baseline", required=True, help="a tree holding megatron_nccl_ep/")
     p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--options-from-flags", action="store_true",
+                   help="the options as Megatron training passes them (parsed --nccl-ep-* "
+                        "flags), not on the config")
     args = p.parse_args()
     torch.cuda.set_device(0)
     ours = build_dispatcher(args)

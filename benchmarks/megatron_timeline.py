@@ -50,9 +50,19 @@ def build_dispatcher(args, package=None):
         ffn_hidden_size=args.hidden, num_moe_experts=args.experts, moe_router_topk=args.topk,
         moe_token_dispatcher_type="nccl_ep", expert_model_parallel_size=1, bf16=True,
         params_dtype=torch.bfloat16, moe_permute_fusion=False, add_bias_linear=False)
-    options = importlib.import_module(f"{package.__name__}.options")
-    config.nccl_ep_options = options.NcclEpOptions(
-        backend="cuda", num_sms=args.num_sms, max_tokens_per_rank=args.tokens)
+    if getattr(args, "options_from_flags", False):
+        # As in Megatron training: the --nccl-ep-* flags of the parsed arguments, read by the
+        # dispatcher at each forward (no options on the config).
+        import argparse
+
+        from megatron.training.global_vars import set_args
+
+        set_args(argparse.Namespace(nccl_ep_backend="cuda", nccl_ep_num_sms=args.num_sms,
+                                    nccl_ep_max_tokens_per_rank=args.tokens))
+    else:
+        options = importlib.import_module(f"{package.__name__}.options")
+        config.nccl_ep_options = options.NcclEpOptions(
+            backend="cuda", num_sms=args.num_sms, max_tokens_per_rank=args.tokens)
     return package.NcclEpTokenDispatcher(
         args.experts, list(range(args.experts)), config,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
