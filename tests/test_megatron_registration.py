@@ -154,3 +154,26 @@ def test_moe_layer_without_a_dispatcher_chain_is_refused(monkeypatch):
                                            r"config.moe_token_dispatcher_type == \"allgather\"`"):
         registration._patch_moe_layer()
     assert moe_layer.MoELayer.__init__ is init
+
+
+def test_options_follow_each_new_training_arguments_object(monkeypatch):
+    # get_options() reads the flags once per arguments object (every forward of every layer asks):
+    # the same object gives the same options, a new one (Megatron parsing again) its own.
+    import argparse
+
+    from megatron.training.global_vars import set_args
+
+    from megatron_nccl_ep import dispatcher
+    from megatron_nccl_ep.options import NcclEpOptions
+
+    monkeypatch.setattr(dispatcher, "_options", None)  # no set_options() in force
+    try:
+        set_args(argparse.Namespace(nccl_ep_num_sms=16))
+        first = dispatcher.get_options()
+        assert first.num_sms == 16 and dispatcher.get_options() is first
+        set_args(argparse.Namespace(nccl_ep_num_sms=32, nccl_ep_recv_mode="capacity"))
+        second = dispatcher.get_options()
+        assert (second.num_sms, second.recv_mode) == (32, "capacity"), second
+    finally:
+        set_args(None)
+    assert dispatcher.get_options() == NcclEpOptions()  # arguments gone: the defaults
