@@ -32,17 +32,25 @@ def main() -> None:
     p.add_argument("--rotate", type=int, default=2)
     p.add_argument("--staging-chunk-tokens", type=int, default=0, help="0: the library's default")
     p.add_argument("--staging-depth", type=int, default=0, help="0: the library's default")
+    p.add_argument("--max-topk", type=int, default=0,
+                   help="the group's max_topk, above --topk (e.g. the experts, as Megatron's "
+                        "drop-and-pad groups have); 0: --topk")
+    p.add_argument("--expert-capacity", type=int, default=0,
+                   help="C > 0: the drop-and-pad layout (each local expert keeps C rows per "
+                        "source rank); 0: off")
     args = p.parse_args()
+    args.max_topk = args.max_topk or args.topk
     device = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if args.world * args.num_sms > sms:
         raise SystemExit(f"--world {args.world} x --num-sms {args.num_sms} > {sms} SMs: "
                          "every CTA of every rank must be resident at once")
     groups = Group.local_team(args.world, num_experts=args.experts, hidden=args.hidden,
-                              max_tokens_per_rank=args.tokens, max_topk=args.topk,
+                              max_tokens_per_rank=args.tokens, max_topk=args.max_topk,
                               dtype=torch.bfloat16, device=device, num_sms=args.num_sms,
                               staging_chunk_tokens=args.staging_chunk_tokens,
-                              staging_depth=args.staging_depth, timeout_s=20.0)
+                              staging_depth=args.staging_depth,
+                              expert_capacity=args.expert_capacity, timeout_s=20.0)
     ranks = [Rank(r, g, args) for r, g in enumerate(groups)]
     meet = threading.Barrier(args.world)
     ops = ("handle", "dispatch", "combine")
@@ -66,7 +74,8 @@ def main() -> None:
     chunk, depth = info.get("staging_chunk_tokens"), info.get("staging_depth")
     print(f"team bench, 1 GPU ({torch.cuda.get_device_name(device)}), EP={args.world} local "
           f"team (proxy: rings in this GPU's memory, one HBM for every rank): {args.tokens} "
-          f"tokens/rank x {args.hidden} x top-{args.topk} of {args.experts}, bf16, exact mode, "
+          f"tokens/rank x {args.hidden} x top-{args.topk} of {args.experts} (max_topk "
+          f"{args.max_topk}, expert capacity {args.expert_capacity or 'off'}), bf16, exact mode, "
           f"{args.num_sms} SMs per rank, staging {chunk} tokens x depth {depth}; medians of "
           f"{args.iters} iterations (us)")
     print(f"{'op':>10} {'collective':>11} {'busy/rank':>10} {'min':>8}")

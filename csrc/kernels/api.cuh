@@ -212,8 +212,8 @@ cudaError_t launch_resolve_peers(void* window /* ncclWindow_t */, int num_ranks,
                                  cudaStream_t stream);
 int lsa_team_size(void* comm /* ncclComm_t */);
 cudaError_t launch_barrier(const BarrierArgs& args, cudaStream_t stream);
-// Stops the group on the device when the error word holds an error (ranks of the node).
-cudaError_t launch_latch_error(const ErrorInfo* err, void* const* peers, size_t sync_off,
+// Stops the group on the device when the watchdog's stop word holds an error (ranks of the node).
+cudaError_t launch_latch_error(const ErrorInfo* stop, void* const* peers, size_t sync_off,
                                int num_ranks, int rank, DeviceState* state, cudaStream_t stream);
 
 // layout.cu

@@ -103,19 +103,19 @@ cudaError_t preload_barrier() {
   return cudaFuncGetAttributes(&attr, barrier_kernel);
 }
 
-// Groups that span nodes, after each rail step: a stop the host's watchdog recorded in the
-// error word (a timeout or an NCCL error; it ended the step's NCCL kernels) stops the group on
+// Groups that span nodes, after each rail step: a stop the host's watchdog recorded in its stop
+// word (a timeout or an NCCL error; it ended the step's NCCL kernels) stops the group on
 // the device too, so that the kernels after the rail, which read only `failed`, poison their
 // outputs, and the node's peers stop as for a device-side error.
-__global__ void latch_error_kernel(const ErrorInfo* err, void* const* peers, size_t sync_off,
+__global__ void latch_error_kernel(const ErrorInfo* stop, void* const* peers, size_t sync_off,
                                    int num_ranks, int rank, DeviceState* state) {
-  if (ld_volatile_int(&err->code) != kErrNone)
+  if (ld_volatile_int(&stop->code) != kErrNone)
     stop_group(peers, sync_off, num_ranks, &state->failed, (unsigned long long)rank + 1);
 }
 
-cudaError_t launch_latch_error(const ErrorInfo* err, void* const* peers, size_t sync_off,
+cudaError_t launch_latch_error(const ErrorInfo* stop, void* const* peers, size_t sync_off,
                                int num_ranks, int rank, DeviceState* state, cudaStream_t stream) {
-  latch_error_kernel<<<1, 1, 0, stream>>>(err, peers, sync_off, num_ranks, rank, state);
+  latch_error_kernel<<<1, 1, 0, stream>>>(stop, peers, sync_off, num_ranks, rank, state);
   return cudaGetLastError();
 }
 

@@ -144,7 +144,7 @@ enum ErrorCode : int {
                            // extra = the peer's (flags carry them)
   kErrRemoteAbort = 9,     // groups that span nodes: rank (this one), token = the group rank whose
                            // error stopped a node, value = the rank whose record said so
-  kErrNcclTimeout = 10,    // groups that span nodes, written by the host's watchdog: rank (this
+  kErrNcclTimeout = 10,    // groups that span nodes, in the host watchdog's own word: rank (this
                            // one), slot = OpKind, aux = NcclStep, value = the timeout in ms
   kErrNcclFailed = 11,     // the same, when NCCL reported an asynchronous error (a peer's
                            // process gone, its sockets closed) first: value = the ncclResult_t

@@ -53,7 +53,8 @@ void destroy_group_state(ncclEpGroup* g) {
     free_slots(g);
   }
   close_window(g);
-  const bool failed = g->h_err != nullptr && __atomic_load_n(&g->h_err->code, __ATOMIC_ACQUIRE);
+  const bool failed = g->h_err != nullptr && (__atomic_load_n(&g->h_err->code, __ATOMIC_ACQUIRE) ||
+                                              __atomic_load_n(&g->h_stop->code, __ATOMIC_ACQUIRE));
   if (g->node_comm != g->comm) release_comm(g->node_comm, "node_comm", g->rank, failed);
   release_comm(g->rail_comm, "rail_comm", g->rank, failed);  // null once the watchdog aborted
   release_comm(g->op_comm, "op_comm", g->rank, failed);
@@ -123,10 +124,12 @@ ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int n
   }
   g->win = plan_window(c, node_size);
   EP_CUDA(cudaGetDevice(&g->device));
-  EP_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&g->h_err), sizeof(ErrorInfo),
+  EP_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&g->h_err), 2 * sizeof(ErrorInfo),
                         cudaHostAllocMapped));
-  memset(g->h_err, 0, sizeof(ErrorInfo));
+  memset(g->h_err, 0, 2 * sizeof(ErrorInfo));
   EP_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&g->d_err), g->h_err, 0));
+  g->h_stop = g->h_err + 1;
+  g->d_stop = g->d_err + 1;
   EP_RETURN_IF(alloc_device(g, reinterpret_cast<void**>(&g->d_state), sizeof(DeviceState)));
   EP_CUDA(cudaMemsetAsync(g->d_state, 0, sizeof(DeviceState), stream));
   // Every kernel loaded and granted its staging on this device now, not at its first launch:
@@ -300,12 +303,18 @@ ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGrou
 // NOTES: a device-side error is sticky. After it, ranks may have run different numbers of
 // waits (some returned early, some waited), so the epochs no longer agree and the group can
 // never synchronize correctly again: it must be destroyed and created anew.
+// Two words (internal.h): the kernels' first, it names the token or peer, unless it only echoes
+// the watchdog's stop (the latch kernel stops the group with this rank as origin, so the next
+// kernels record a peer abort naming this rank itself).
 ncclResult_t check_group_errors(ncclEpGroup* g) {
-  volatile ErrorInfo* w = g->h_err;
-  if (w->code == 0) return ncclSuccess;
-  ErrorInfo copy;
-  memcpy(&copy, const_cast<ErrorInfo*>(g->h_err), sizeof(copy));
-  return report_error(g, copy, nullptr);
+  const bool device = __atomic_load_n(&g->h_err->code, __ATOMIC_ACQUIRE) != kErrNone;
+  const bool host = __atomic_load_n(&g->h_stop->code, __ATOMIC_ACQUIRE) != kErrNone;
+  if (!device && !host) return ncclSuccess;
+  ErrorInfo word;
+  memcpy(&word, device ? g->h_err : g->h_stop, sizeof(word));
+  if (device && host && word.code == kErrPeerAbort && word.token == g->node_rank)
+    memcpy(&word, g->h_stop, sizeof(word));
+  return report_error(g, word, nullptr);
 }
 
 ncclResult_t barrier(ncclEpGroup* g, unsigned call, cudaStream_t stream) {

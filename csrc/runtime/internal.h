@@ -236,8 +236,13 @@ struct ncclEpGroup {
   void** d_peers = nullptr;      // device [R]
   std::vector<void*> peers;      // host copy
   nccl_ep::DeviceState* d_state = nullptr;
-  nccl_ep::ErrorInfo* h_err = nullptr;  // host-mapped pinned error word
-  nccl_ep::ErrorInfo* d_err = nullptr;  // its device alias
+  // Two host-mapped pinned error words of one allocation: h_err the kernels' (device atomics
+  // claim it), h_stop the watchdog's (host only). Host and device atomics on mapped memory are
+  // not atomic with each other, so no word has writers on both sides.
+  nccl_ep::ErrorInfo* h_err = nullptr;
+  nccl_ep::ErrorInfo* d_err = nullptr;   // h_err's device alias
+  nccl_ep::ErrorInfo* h_stop = nullptr;  // h_err + 1
+  nccl_ep::ErrorInfo* d_stop = nullptr;  // its device alias (read by the latch kernel)
   // handle pool
   size_t slot_bytes = 0;
   std::vector<nccl_ep::HandleSlot*> free_slots;

@@ -58,7 +58,7 @@ ncclResult_t watched_rail(ncclEpGroup* g, OpKind op, const std::vector<RailMessa
                           cudaStream_t stream) {
   EP_RETURN_IF(g->watchdog->run(op, kStepRail, stream,
                                 [&] { return rail_exchange(g, messages, stream); }));
-  EP_CUDA(launch_latch_error(g->d_err, g->d_peers, g->win.sync_off, g->node_size, g->node_rank,
+  EP_CUDA(launch_latch_error(g->d_stop, g->d_peers, g->win.sync_off, g->node_size, g->node_rank,
                              g->d_state, stream));
   return ncclSuccess;
 }

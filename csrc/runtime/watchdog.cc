@@ -5,15 +5,15 @@
  * streams waiting in NCCL forever. Every such step runs between two events; a thread of the group
  * stops the group's own communicators (op_comm, rail_comm) when a step has not finished
  * timeout_ms after it started on the GPU, or when NCCL reports an asynchronous error on the
- * step's communicator first, records the error in the group's error word, and every later call
+ * step's communicator first, records the error in the group's stop word, and every later call
  * of the group returns it. The NCCL kernels end when stopped, so the stream moves on
- * (the next kernels see the error word, stop and poison their outputs).
+ * (a latch kernel reads the stop word; the kernels after it stop and poison their outputs).
  *
  * NOTES:
  *  - Stopping is ncclCommAbort: it ends the stuck kernel and frees the communicators whatever
  *    the peers do. (ncclCommRevoke, tried first until 2026-12-01, left the survivor's stream or
  *    its destroy waiting when the peer was gone: measured with two emulated nodes on one H200.)
- *    The error word is written before, so that a latch kernel queued after each rail step
+ *    The stop word is written before, so that a latch kernel queued after each rail step
  *    (ops.cc) stops the group's later kernels on the device. The stuck step's communicator is
  *    aborted first: freeing the other one's memory waits for the device, that is for the stuck
  *    kernel (measured: a routing gather stuck on op_comm, rail_comm aborted first, never
@@ -198,10 +198,10 @@ ncclResult_t comm_async_error(ncclComm_t comm) {
 void NcclWatchdog::stop_communicators(std::unique_lock<std::mutex>& lock, ErrorCode code,
                                       long long value) {
   stopped_at_ = std::chrono::steady_clock::now();
-  ErrorInfo* e = g_->h_err;
-  // The device claims the word with an atomic on `claim`; the host does the same, then
-  // publishes `code` last, as raise_error does. (Host and device atomics on mapped memory are
-  // not atomic with each other: a device error at the very same moment may tear the report.)
+  // The stop word is the host's alone (internal.h): a device error at the same moment lands in
+  // the kernels' word, and neither report tears. One stop per group (stopped() after it); the
+  // claim keeps the word written once all the same, `code` published last as raise_error does.
+  ErrorInfo* e = g_->h_stop;
   if (__atomic_exchange_n(&e->claim, 1, __ATOMIC_ACQ_REL) == 0) {
     e->rank = g_->rank;
     e->token = -1;
