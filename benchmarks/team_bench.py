@@ -38,6 +38,9 @@ def main() -> None:
     p.add_argument("--expert-capacity", type=int, default=0,
                    help="C > 0: the drop-and-pad layout (each local expert keeps C rows per "
                         "source rank); 0: off")
+    p.add_argument("--routing-map", action="store_true",
+                   help="handles from a [T, E] bool routing map, as Megatron's dispatcher makes "
+                        "them (a map record has max_topk slots per token), not from topk_idx")
     args = p.parse_args()
     args.max_topk = args.max_topk or args.topk
     device = torch.device("cuda", 0)
@@ -75,7 +78,8 @@ def main() -> None:
     print(f"team bench, 1 GPU ({torch.cuda.get_device_name(device)}), EP={args.world} local "
           f"team (proxy: rings in this GPU's memory, one HBM for every rank): {args.tokens} "
           f"tokens/rank x {args.hidden} x top-{args.topk} of {args.experts} (max_topk "
-          f"{args.max_topk}, expert capacity {args.expert_capacity or 'off'}), bf16, exact mode, "
+          f"{args.max_topk}, expert capacity {args.expert_capacity or 'off'}"
+          f"{', routing map' if args.routing_map else ''}), bf16, exact mode, "
           f"{args.num_sms} SMs per rank, staging {chunk} tokens x depth {depth}; medians of "
           f"{args.iters} iterations (us)")
     print(f"{'op':>10} {'collective':>11} {'busy/rank':>10} {'min':>8}")
@@ -116,23 +120,31 @@ class Rank:
         gen.manual_seed(1000 + self.rank)
         self.routings = [torch.rand(a.tokens, a.experts, generator=gen, device=device)
                          .topk(a.topk, dim=1).indices for _ in range(a.rotate)]
+        if a.routing_map:
+            self.routings = [torch.zeros(a.tokens, a.experts, dtype=torch.bool, device=device)
+                             .scatter_(1, r, True) for r in self.routings]
         self.x = [torch.randn(a.tokens, a.hidden, generator=gen, device=device)
                   .to(torch.bfloat16) for _ in range(a.rotate)]
 
     def start(self) -> None:
         """The ranks' first calls: a handle per routing and the rows to combine."""
         a = self.args
-        self.handles = [self.group.create_handle(r) for r in self.routings]
+        self.handles = [self.handle(r) for r in self.routings]
         for h in self.handles:
             h.num_recv_tokens  # the count read waits for every rank's layout
         self.expert_out = [self.handles[i].dispatch(self.x[i])[0] for i in range(a.rotate)]
+
+    def handle(self, routing: torch.Tensor):
+        if self.args.routing_map:
+            return self.group.create_handle(routing_map=routing)
+        return self.group.create_handle(routing)
 
     def timed(self, op: str, i: int):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(HEAD_START_CYCLES)
         start.record()
         if op == "handle":
-            handle = self.group.create_handle(self.routings[i])
+            handle = self.handle(self.routings[i])
         elif op == "dispatch":
             self.handles[i].dispatch(self.x[i])
         else:
