@@ -9,7 +9,7 @@ is imported on first use, so that tools which need neither torch nor Megatron
 import importlib
 
 # name -> the submodule that defines it
-_WHERE = {"Group": "api", "GroupConfig": "api", "Handle": "api", "run_local_team": "api",
+_WHERE = {"Group": "api", "GroupConfig": "config", "Handle": "api", "run_local_team": "api",
           "NcclEpError": "errors",
           "dispatch": "autograd", "combine": "autograd",
           "NcclEpTokenDispatcher": "dispatcher", "register": "megatron"}

@@ -1,42 +1,21 @@
 """Pythonic front of the library: ``Group`` (one per EP process group and shape class) and
-``Handle`` (one forward pass's routing). Backends implement the arithmetic of docs/design.md
-§3/§4:
+``Handle`` (one forward pass's routing). Backends (``backend.py`` states their interface)
+implement the arithmetic of docs/design.md §3/§4:
 
 * ``torch``: the reference (``reference.py``), over any torch.distributed backend;
 * ``cuda``: our CUDA kernels behind the C API (``cuda_backend.py``);
 * ``auto``: ``cuda`` when the tensors live on a GPU and the extension is built, else ``torch``.
 
-This module owns what both backends share: configuration, its cross-rank agreement (a timed
-rendezvous, ``rendezvous.py``), and the argument checks on shapes, dtypes and devices. Checks on
-routing *values* (expert out of range, duplicate expert, capacity overflow) belong to the
-backends: the CUDA one does them on the device so that capacity mode never synchronizes the host.
-
-Backend protocol (both backends implement it; ``state`` is backend-private):
-
-* ``Backend.check(config, world_size, device)``: the backend's local checks of a
-  configuration, no communication (run by every rank before group creation's rendezvous);
-* ``Backend(config: GroupConfig, process_group, device)``: collective;
-* ``create_handle(routing, from_map) -> state``: collective; ``routing`` is ``topk_idx [T, K]``
-  or, with ``from_map``, a ``routing_map [T, E]`` (see ``Group.create_handle``);
-  ``state.num_recv_tokens`` (int: N_d in exact mode, the capacity in capacity mode),
-  ``state.tokens_per_expert`` (int64 ``[L]``: CPU tensor in exact mode, on the group's device in
-  capacity mode), both may be properties that read the device the first time (exact mode);
-  ``state.routing_released`` (bool): no queued device work reads ``routing`` any more (the host
-  has seen the handle's layout finish);
-* ``topk_idx(state) -> [T, K]`` int64 on the group's device: the routing as top-k ids;
-* ``dispatch(state, x, probs, dense) -> (recv_x [N, H], recv_probs [N] or None)``: collective;
-  ``probs`` is ``[T, K]`` in slot order, or ``[T, E]`` when ``dense``;
-* ``combine(state, expert_out [N, H]) -> y [T, H]``: collective;
-* ``combine_probs(state, grad_recv_probs [N], dense) -> grad_probs [T, K]`` (``[T, E]`` when
-  ``dense``, zero where unrouted): collective;
-* ``check_errors()``: raises a pending device-side error (synchronizing the stream first);
-* ``destroy_handle(state)``, ``destroy()``.
+This module owns what every backend's caller needs: the configuration's cross-rank agreement (a
+timed rendezvous, ``rendezvous.py``) and the argument checks on shapes, dtypes and devices.
+Checks on routing *values* (expert out of range, duplicate expert, capacity overflow) belong to
+the backends: the CUDA one does them on the device so that capacity mode never synchronizes the
+host.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import time
 from sys import is_finalizing as _is_finalizing  # bound now: late in shutdown sys may be gone
@@ -46,125 +25,9 @@ import torch
 import torch.distributed as dist
 
 from . import rendezvous
+from .backend import Backend
+from .config import INDEX_DTYPES, PROB_DTYPES, GroupConfig
 from .errors import NcclEpError  # noqa: F401  (re-exported: megatron_nccl_ep.NcclEpError)
-
-TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-INDEX_DTYPES = (torch.int64, torch.int32)
-PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupConfig:
-    """Everything a group fixes for all its layers. Identical on every rank (checked)."""
-
-    num_experts: int
-    hidden: int
-    max_tokens_per_rank: int
-    max_topk: int
-    dtype: torch.dtype = torch.bfloat16
-    recv_mode: str = "exact"  # "exact" | "capacity"
-    max_recv_tokens_per_rank: Optional[int] = None  # capacity mode: rows of each dispatch output
-    expert_alignment: int = 1  # pad each expert block to a multiple of this many rows
-    num_sms: int = 24  # SM budget per CUDA operation
-    timeout_s: float = 100.0  # device-side and rendezvous waits: NcclEpError after this
-    # CUDA staging ring per (channel, peer): slots of this many tokens (0 = library default)
-    staging_chunk_tokens: int = 0
-    staging_depth: int = 0  # ring slots (0 = library default)
-    # Ranks per node G (docs/design.md §4, groups that span nodes): consecutive ranks, node
-    # n = rank // G; 0 = one node for the torch backend, NCCL's LSA team for the cuda backend.
-    ranks_per_node: int = 0
-    # Drop-and-pad (docs/design.md §3, fixed capacity): C rows per (local expert, source rank)
-    # block; a source's slots past the C-th for an expert (in token order) are dropped, unused
-    # rows are zero (prob 0). 0 = off (the exact layout).
-    expert_capacity: int = 0
-
-    def node_size(self, world_size: int) -> int:
-        """Ranks per node as the torch backend uses it: G, or world_size for 0 (the cuda backend
-        resolves 0 to NCCL's LSA team: ``Group.info()["ranks_per_node"]``)."""
-        return self.ranks_per_node or world_size
-
-    def expert_block_rows(self, world_size: int) -> Optional[int]:
-        """With ``expert_capacity`` C: the rows of each local expert's block, R * C rounded up
-        to the alignment (the same for every expert and every handle); None without."""
-        if not self.expert_capacity:
-            return None
-        rows = world_size * self.expert_capacity
-        return -(-rows // self.expert_alignment) * self.expert_alignment
-
-    def static_recv_rows(self, world_size: int) -> Optional[int]:
-        """With ``expert_capacity``: the rows of every dispatch output, L blocks of
-        ``expert_block_rows``; None without."""
-        block = self.expert_block_rows(world_size)
-        return None if block is None else (self.num_experts // world_size) * block
-
-    def validate(self, world_size: int) -> None:
-        def need(ok: bool, what: str) -> None:
-            if not ok:
-                raise ValueError(f"GroupConfig: {what}")
-
-        need(self.num_experts > 0, f"num_experts must be > 0, got {self.num_experts}")
-        need(self.num_experts % world_size == 0,
-             f"num_experts ({self.num_experts}) must be a multiple of the group size ({world_size})")
-        need(self.hidden > 0, f"hidden must be > 0, got {self.hidden}")
-        need(self.max_tokens_per_rank >= 1,
-             f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
-        need(1 <= self.max_topk <= self.num_experts,
-             f"max_topk must be in [1, num_experts={self.num_experts}], got {self.max_topk}")
-        need(self.dtype in TOKEN_DTYPES, f"dtype must be one of {TOKEN_DTYPES}, got {self.dtype}")
-        need(self.recv_mode in ("exact", "capacity"),
-             f"recv_mode must be 'exact' or 'capacity', got {self.recv_mode!r}")
-        if self.recv_mode == "capacity":
-            need(self.max_recv_tokens_per_rank is not None and self.max_recv_tokens_per_rank >= 0,
-                 "capacity mode needs max_recv_tokens_per_rank >= 0 "
-                 f"(or a capacity_factor), got {self.max_recv_tokens_per_rank}")
-        need(self.expert_alignment >= 1,
-             f"expert_alignment must be >= 1, got {self.expert_alignment}")
-        need(self.num_sms >= 1, f"num_sms must be >= 1, got {self.num_sms}")
-        need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
-        need(self.staging_chunk_tokens >= 0 and (self.staging_depth == 0
-                                                 or self.staging_depth >= 2),
-             "staging_chunk_tokens must be >= 0 and staging_depth 0 or >= 2 (0 = default; the "
-             "combine sends chunk j while it sums chunk j - 1), got "
-             f"{self.staging_chunk_tokens} and {self.staging_depth}")
-        need(self.ranks_per_node == 0 or (1 <= self.ranks_per_node <= world_size
-                                          and world_size % self.ranks_per_node == 0),
-             f"ranks_per_node must be 0 (one node) or a divisor of the group size ({world_size}) "
-             f"from 1 to {world_size}, got {self.ranks_per_node}")
-        need(self.expert_capacity >= 0,
-             f"expert_capacity must be >= 0 (0 = off), got {self.expert_capacity}")
-        static = self.static_recv_rows(world_size)
-        if static is not None and self.recv_mode == "capacity":
-            need(self.max_recv_tokens_per_rank == static,
-                 f"expert_capacity={self.expert_capacity} fixes every dispatch output at "
-                 f"{static} rows (L={self.num_experts // world_size} experts x R={world_size} "
-                 f"ranks x C, aligned to {self.expert_alignment}); capacity mode's "
-                 f"max_recv_tokens_per_rank must be that or None, got "
-                 f"{self.max_recv_tokens_per_rank}")
-
-
-def capacity_from_factor(capacity_factor: float, max_tokens_per_rank: int, max_topk: int,
-                         num_local_experts: int, expert_alignment: int) -> int:
-    """Rows for capacity mode: capacity_factor times the balanced share of rows per rank
-    (T * K), plus the worst-case alignment padding of every local expert, rounded up to a
-    multiple of the alignment (so the unused tail, counted by Megatron's dispatcher as the last
-    expert's rows, keeps that expert's count aligned)."""
-    rows = math.ceil(capacity_factor * max_tokens_per_rank * max_topk)
-    rows += num_local_experts * (expert_alignment - 1)
-    return -(-rows // expert_alignment) * expert_alignment
-
-
-def shape_error(topk_idx: torch.Tensor, config: GroupConfig,
-                name: str = "topk_idx") -> Optional[str]:
-    """The problem with one rank's routing shape (``topk_idx [T, K]``, or the ``[T, max_topk]``
-    top-k form of a routing map, ``name``) against the group's bounds, or None."""
-    tokens, topk = topk_idx.shape
-    if tokens > config.max_tokens_per_rank:
-        return (f"{name} has {tokens} token{'s' if tokens != 1 else ''}, more than "
-                f"max_tokens_per_rank={config.max_tokens_per_rank} of this group")
-    if not 1 <= topk <= config.max_topk:
-        return f"topk_idx has top-k {topk}, expected 1 <= top-k <= max_topk={config.max_topk}"
-    return None
-
 
 def _resolve_device(device) -> torch.device:
     """``None``: the current CUDA device when there is one, else the CPU; ``"cuda"`` without an
@@ -176,24 +39,6 @@ def _resolve_device(device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _make_config(world_size: int, capacity_factor: Optional[float], **fields) -> GroupConfig:
-    """The validated GroupConfig of ``fields``; capacity mode without max_recv_tokens_per_rank
-    takes it from ``expert_capacity`` (the drop-and-pad layout's fixed size), else from
-    ``capacity_factor``."""
-    if (fields["recv_mode"] == "capacity" and fields["max_recv_tokens_per_rank"] is None
-            and fields["expert_capacity"] > 0 and fields["expert_alignment"] >= 1):
-        # (A bad alignment is left to validate() to report.)
-        fields["max_recv_tokens_per_rank"] = GroupConfig(**fields).static_recv_rows(world_size)
-    if (fields["recv_mode"] == "capacity" and fields["max_recv_tokens_per_rank"] is None
-            and capacity_factor):
-        fields["max_recv_tokens_per_rank"] = capacity_from_factor(
-            capacity_factor, fields["max_tokens_per_rank"], fields["max_topk"],
-            fields["num_experts"] // world_size, fields["expert_alignment"])
-    config = GroupConfig(**fields)
-    config.validate(world_size)
-    return config
 
 
 def _agree_on_config(config: Optional[GroupConfig], error: Optional[Exception], process_group,
@@ -222,7 +67,7 @@ def _agree_on_config(config: Optional[GroupConfig], error: Optional[Exception], 
                     "its Group with the same configuration")
 
 
-def _resolve_backend(name: str, device: torch.device):
+def _resolve_backend(name: str, device: torch.device) -> "type[Backend]":
     if name == "torch":
         from .reference import ReferenceBackend
 
@@ -243,6 +88,20 @@ def _resolve_backend(name: str, device: torch.device):
 
         return ReferenceBackend
     raise ValueError(f"backend must be 'auto', 'torch' or 'cuda', got {name!r}")
+
+
+def _group_config(world_size: int, config: Optional[GroupConfig],
+                  capacity_factor: Optional[float], fields: dict) -> GroupConfig:
+    """``config`` checked for a group of ``world_size``, or one built from ``fields``."""
+    if config is None:
+        return GroupConfig.build(world_size, capacity_factor=capacity_factor, **fields)
+    if not isinstance(config, GroupConfig):
+        raise TypeError(f"config must be a GroupConfig, got {type(config).__name__}")
+    if fields or capacity_factor is not None:
+        raise TypeError("give a GroupConfig or its fields (and capacity_factor), not both; got "
+                        f"config and {sorted(fields) + (['capacity_factor'] if capacity_factor is not None else [])}")
+    config.validate(world_size)
+    return config
 
 
 class Group:
@@ -268,13 +127,13 @@ class Group:
     ``min(max_topk, num_experts // world_size) <= 32``).
     """
 
-    def __init__(self, process_group=None, *, num_experts: int, hidden: int,
-                 max_tokens_per_rank: int, max_topk: int, dtype: torch.dtype = torch.bfloat16,
-                 backend: str = "auto", device=None, recv_mode: str = "exact",
-                 max_recv_tokens_per_rank: Optional[int] = None,
-                 capacity_factor: Optional[float] = None, expert_alignment: int = 1,
-                 num_sms: int = 24, timeout_s: float = 100.0, staging_chunk_tokens: int = 0,
-                 staging_depth: int = 0, ranks_per_node: int = 0, expert_capacity: int = 0):
+    def __init__(self, process_group=None, config: Optional[GroupConfig] = None, *,
+                 backend: str = "auto", device=None, capacity_factor: Optional[float] = None,
+                 **fields):
+        """``config``, or its fields as keywords (``num_experts``, ``hidden``,
+        ``max_tokens_per_rank``, ``max_topk`` and the optional ones of ``GroupConfig``);
+        ``capacity_factor`` sizes capacity mode's buffers when ``max_recv_tokens_per_rank`` is
+        not given (``config.capacity_from_factor``)."""
         if dist.is_available() and dist.is_initialized():
             self.process_group = process_group if process_group is not None else dist.group.WORLD
             self.rank = dist.get_rank(self.process_group)
@@ -285,70 +144,56 @@ class Group:
             self.process_group, self.rank, self.world_size = None, 0, 1
         # Local checks first, collectives after the rendezvous: a rank that fails its checks is
         # named by its peers at once instead of leaving them in a collective it never joins.
-        config, error = None, None
+        built, error = None, None
         try:
             self.device = _resolve_device(device)
-            config = _make_config(
-                self.world_size, capacity_factor, num_experts=num_experts, hidden=hidden,
-                max_tokens_per_rank=max_tokens_per_rank, max_topk=max_topk, dtype=dtype,
-                recv_mode=recv_mode, max_recv_tokens_per_rank=max_recv_tokens_per_rank,
-                expert_alignment=expert_alignment, num_sms=num_sms, timeout_s=timeout_s,
-                staging_chunk_tokens=staging_chunk_tokens, staging_depth=staging_depth,
-                ranks_per_node=ranks_per_node, expert_capacity=expert_capacity)
+            built = _group_config(self.world_size, config, capacity_factor, fields)
             backend_cls = _resolve_backend(backend, self.device)
-            backend_cls.check(config, self.world_size, self.device)
+            backend_cls.check(built, self.world_size, self.device)
         except (ValueError, TypeError, RuntimeError) as exc:
             error = exc
-        _agree_on_config(config, error, self.process_group, self.world_size, timeout_s)
-        self.config = config
-        self.num_local_experts = num_experts // self.world_size
-        self._backend = backend_cls(config, self.process_group, self.device)
+        # The rendezvous waits as long as this rank's configuration asks, even a failed one.
+        timeout_s = (built.timeout_s if built is not None
+                     else fields.get("timeout_s", getattr(config, "timeout_s", None)))
+        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            timeout_s = GroupConfig.timeout_s
+        _agree_on_config(built, error, self.process_group, self.world_size, timeout_s)
+        self.config: GroupConfig = built
+        self.num_local_experts = self.config.num_experts // self.world_size
+        self._backend: Optional[Backend] = backend_cls(self.config, self.process_group,
+                                                       self.device)
         self.backend_name = self._backend.name
 
     @classmethod
-    def local_team(cls, world_size: int, *, num_experts: int, hidden: int,
-                   max_tokens_per_rank: int, max_topk: int, dtype: torch.dtype = torch.bfloat16,
-                   device=None, recv_mode: str = "exact",
-                   max_recv_tokens_per_rank: Optional[int] = None,
-                   capacity_factor: Optional[float] = None, expert_alignment: int = 1,
-                   num_sms: int = 24, timeout_s: float = 100.0, staging_chunk_tokens: int = 0,
-                   staging_depth: int = 0, expert_capacity: int = 0) -> "list[Group]":
+    def local_team(cls, world_size: int, config: Optional[GroupConfig] = None, *, device=None,
+                   capacity_factor: Optional[float] = None, **fields) -> "list[Group]":
         """``world_size`` ranks of one EP group inside this process, on one GPU, with the cuda
         backend and no NCCL (the C library's ``ncclEpCreateLocalTeam``): element ``r`` is rank
-        ``r``. Every device code path of a multi-rank group runs, so one GPU can develop and test
-        it. Use each rank from its own thread with its own CUDA stream (exact-mode calls wait
-        for the peers): ``run_local_team`` does that. Keep ``world_size * num_sms`` within the
-        GPU's SM count (every CTA of every rank must be resident at once). Destroy every
-        member."""
-        from . import cuda_backend
-
+        ``r``; the configuration as for ``Group`` (one node: ``ranks_per_node`` 0). Every device
+        code path of a multi-rank group runs, so one GPU can develop and test it. Use each rank
+        from its own thread with its own CUDA stream (exact-mode calls wait for the peers):
+        ``run_local_team`` does that. Keep ``world_size * num_sms`` within the GPU's SM count
+        (every CTA of every rank must be resident at once). Destroy every member."""
         device = _resolve_device(device)
-        if device.type != "cuda" or not cuda_backend.available():
-            raise RuntimeError("Group.local_team needs a CUDA device and the built extension: "
-                               f"{cuda_backend.unavailable_reason() or device}")
-        config = _make_config(
-            world_size, capacity_factor, num_experts=num_experts, hidden=hidden,
-            max_tokens_per_rank=max_tokens_per_rank, max_topk=max_topk, dtype=dtype,
-            recv_mode=recv_mode, max_recv_tokens_per_rank=max_recv_tokens_per_rank,
-            expert_alignment=expert_alignment, num_sms=num_sms, timeout_s=timeout_s,
-            staging_chunk_tokens=staging_chunk_tokens, staging_depth=staging_depth,
-            expert_capacity=expert_capacity)
+        if device.type != "cuda":
+            raise RuntimeError(f"Group.local_team needs a CUDA device, got {device}")
+        config = _group_config(world_size, config, capacity_factor, fields)
+        backend_cls = _resolve_backend("cuda", device)
         groups = []
-        for rank, backend in enumerate(cuda_backend.CudaBackend.local_team(config, world_size,
-                                                                           device)):
+        for rank, backend in enumerate(backend_cls.local_team(config, world_size, device)):
             group = cls.__new__(cls)
             group.process_group, group.rank, group.world_size = None, rank, world_size
             group.device, group.config = device, config
-            group.num_local_experts = num_experts // world_size
+            group.num_local_experts = config.num_experts // world_size
             group._backend, group.backend_name = backend, backend.name
             groups.append(group)
         return groups
 
     def info(self) -> dict:
-        """What the cuda backend allocated and chose (staging bytes, channels, chunk, depth);
-        an empty dict for the reference backend."""
+        """What the backend allocated and chose (the cuda backend: staging bytes, channels,
+        chunk, depth, ranks per node); an empty dict for the reference backend."""
         self._require_alive()
-        return self._backend.info() if hasattr(self._backend, "info") else {}
+        return self._backend.info()
 
     # -- argument checks shared by every backend -------------------------------------------------
     def _check_tensor(self, name: str, t, ndim: int, dtypes, shape=None) -> None:

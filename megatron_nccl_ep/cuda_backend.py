@@ -1,5 +1,5 @@
 """The ``cuda`` backend: our CUDA kernels behind the C API (csrc/include/nccl_ep.h), through the
-pybind11 module ``megatron_nccl_ep._C``. Implements the backend protocol of ``api.py``.
+pybind11 module ``megatron_nccl_ep._C``. Implements ``backend.Backend``.
 
 The library runs on its own NCCL communicator (same ranks as the torch process group): rank 0
 creates the unique id, the process group broadcasts it, every rank calls ``ncclCommInitRank``.
@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .api import GroupConfig
+from .config import GroupConfig
 from .errors import NcclEpError
 
 try:

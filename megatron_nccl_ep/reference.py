@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import rendezvous
-from .api import GroupConfig, shape_error
+from .config import GroupConfig, shape_error
 from .errors import NcclEpError
 
 
@@ -117,6 +117,8 @@ class ReferenceHandleState:
 
 
 class ReferenceBackend:
+    """``backend.Backend`` in plain PyTorch."""
+
     name = "torch"
 
     @staticmethod
@@ -136,6 +138,15 @@ class ReferenceBackend:
             prefix, seq = rendezvous.next_scope(process_group, "progress")
             self._progress = f"{prefix}/{seq}"
             self._host_wait = dist.get_backend(process_group) == "gloo"
+
+    @classmethod
+    def local_team(cls, config: GroupConfig, world_size: int, device=None) -> list:
+        raise RuntimeError("the reference backend has no local team: its ranks are processes of "
+                           "a torch.distributed group (Group.local_team runs the cuda backend)")
+
+    def info(self) -> dict:
+        """Nothing allocated or chosen beyond the configuration."""
+        return {}
 
     # -- collectives (identity with a single rank) -------------------------------------------------
     def _collective(self, op: str, launch) -> None:

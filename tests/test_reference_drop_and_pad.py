@@ -15,7 +15,7 @@ import dense
 import dist
 import ep_cases
 import megatron_nccl_ep as ep
-from megatron_nccl_ep.api import GroupConfig
+from megatron_nccl_ep.config import GroupConfig
 
 # name -> make_problem arguments, plus C (expert_capacity), alignment, recv mode, and what the
 # case is built to exercise on any number of ranks ("drops": some slots are dropped; "empty":

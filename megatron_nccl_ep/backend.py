@@ -1,0 +1,90 @@
+"""The interface every backend implements (``reference.ReferenceBackend``, the ``torch``
+reference, and ``cuda_backend.CudaBackend``, our kernels), as typing Protocols.
+
+The front end (``api.Group`` / ``api.Handle``) checks shapes, dtypes and devices and then calls
+these methods; the backends check routing *values* (expert out of range, duplicate expert,
+capacity overflow) themselves, the CUDA one on the device so that capacity mode never
+synchronizes the host. ``state`` is a backend's own handle object (``HandleState``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+
+from .config import GroupConfig
+
+
+class HandleState(Protocol):
+    """One handle's backend state: the routing of one forward pass (one layer, one micro-batch)."""
+
+    #: Rows of this rank's dispatch output: N_d in exact mode (the cuda backend reads it from
+    #: the device at first use), the capacity in capacity mode.
+    num_recv_tokens: int
+    #: int64 ``[L]``: a CPU tensor in exact mode, on the group's device in capacity mode.
+    tokens_per_expert: torch.Tensor
+    #: No queued device work reads the routing tensor any more (the host has seen the handle's
+    #: layout finish), so it may be freed on any stream.
+    routing_released: bool
+
+
+class Backend(Protocol):
+    """One rank's share of one EP group."""
+
+    #: ``"torch"`` or ``"cuda"``: ``Group.backend_name``.
+    name: str
+
+    @staticmethod
+    def check(config: GroupConfig, world_size: int, device: Optional[torch.device]) -> None:
+        """The backend's local checks of a configuration, no communication; every rank runs
+        them before group creation's rendezvous, so that a rank that fails is named by its
+        peers instead of leaving them in a collective. Raises ValueError / RuntimeError."""
+
+    def __init__(self, config: GroupConfig, process_group, device: Optional[torch.device]):
+        """Collective over ``process_group`` (None: one rank); every rank passed ``check``."""
+
+    @classmethod
+    def local_team(cls, config: GroupConfig, world_size: int,
+                   device: Optional[torch.device]) -> "list[Backend]":
+        """``world_size`` ranks of one group inside this process (element r is rank r), or
+        RuntimeError where the backend has none (the reference backend)."""
+
+    def info(self) -> dict:
+        """What the backend allocated and chose (the cuda backend: staging bytes, channels,
+        chunk, depth, ranks per node); empty where there is nothing to say."""
+
+    def agree_on_arguments(self, op: str, error: Optional[Exception]) -> None:
+        """Settles one call's argument check (``error``: this rank's, or None) with the peers
+        before ``op`` communicates; raises where this rank (or, for the reference backend, any
+        rank) failed."""
+
+    def create_handle(self, routing: torch.Tensor, from_map: bool) -> HandleState:
+        """Collective. ``routing`` is ``topk_idx [T, K]`` or, with ``from_map``, a routing map
+        ``[T, E]`` (bool) whose routed experts fill ``max_topk`` slots in ascending order."""
+
+    def topk_idx(self, state: HandleState) -> torch.Tensor:
+        """``[T, K]`` int64 on the group's device: the routing as top-k ids (-1 = masked)."""
+
+    def dispatch(self, state: HandleState, x: torch.Tensor, probs: Optional[torch.Tensor],
+                 dense: bool) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
+        """Collective: ``x [T, H]``, ``probs`` ``[T, K]`` in slot order (``[T, E]`` when
+        ``dense``) or None -> ``(recv_x [N, H], recv_probs [N] or None)`` in the expert-major
+        layout (docs/design.md §3)."""
+
+    def combine(self, state: HandleState, expert_out: torch.Tensor) -> torch.Tensor:
+        """Collective: ``expert_out [N, H]`` -> ``y [T, H]``, each token's ordered sum
+        (docs/design.md §4)."""
+
+    def combine_probs(self, state: HandleState, grad_recv_probs: torch.Tensor,
+                      dense: bool) -> torch.Tensor:
+        """Collective: ``[N]`` -> ``[T, K]`` (``[T, E]`` when ``dense``), zero where unrouted."""
+
+    def check_errors(self) -> None:
+        """Raises a pending device-side error, synchronizing the current stream first."""
+
+    def destroy_handle(self, state: HandleState) -> None:
+        """Frees one handle (its device buffers return to the group's pool)."""
+
+    def destroy(self) -> None:
+        """Frees the group's resources, live handles included."""

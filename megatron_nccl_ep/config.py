@@ -1,0 +1,164 @@
+"""What a group fixes for all its layers, and the checks every backend shares.
+
+``GroupConfig`` is the one place a group's parameters are written: ``Group`` and
+``Group.local_team`` take one or build one from the same keyword fields (``GroupConfig.build``).
+This module sits below the front end (``api.py``) and both backends (``reference.py``,
+``cuda_backend.py``), which all import it and none of which it imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+
+TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int64, torch.int32)
+PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupConfig:
+    """Everything a group fixes for all its layers. Identical on every rank (checked at group
+    creation)."""
+
+    num_experts: int
+    hidden: int
+    max_tokens_per_rank: int
+    max_topk: int
+    dtype: torch.dtype = torch.bfloat16
+    recv_mode: str = "exact"  # "exact" | "capacity"
+    max_recv_tokens_per_rank: Optional[int] = None  # capacity mode: rows of each dispatch output
+    expert_alignment: int = 1  # pad each expert block to a multiple of this many rows
+    num_sms: int = 24  # SM budget per CUDA operation
+    timeout_s: float = 100.0  # device-side and rendezvous waits: NcclEpError after this
+    # CUDA staging ring per (channel, peer): slots of this many tokens (0 = library default)
+    staging_chunk_tokens: int = 0
+    staging_depth: int = 0  # ring slots (0 = library default)
+    # Ranks per node G (docs/design.md §4, groups that span nodes): consecutive ranks, node
+    # n = rank // G; 0 = one node for the torch backend, NCCL's LSA team for the cuda backend.
+    ranks_per_node: int = 0
+    # Drop-and-pad (docs/design.md §3, fixed capacity): C rows per (local expert, source rank)
+    # block; a source's slots past the C-th for an expert (in token order) are dropped, unused
+    # rows are zero (prob 0). 0 = off (the exact layout).
+    expert_capacity: int = 0
+
+    @classmethod
+    def build(cls, world_size: int, *, capacity_factor: Optional[float] = None,
+              **fields) -> "GroupConfig":
+        """The validated configuration of a group of ``world_size`` ranks from its keyword
+        fields. In capacity mode without ``max_recv_tokens_per_rank`` the rows come from
+        ``expert_capacity`` (the drop-and-pad layout's fixed size), else from
+        ``capacity_factor`` (``capacity_from_factor``)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise TypeError(f"unexpected group parameter(s) {unknown}; GroupConfig's fields are "
+                            f"{sorted(known)} (and capacity_factor)")
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in fields]
+        if missing:
+            raise TypeError(f"missing group parameter(s) {missing}")
+        config = cls(**fields)
+        if config.recv_mode == "capacity" and config.max_recv_tokens_per_rank is None:
+            rows = None
+            if config.expert_capacity > 0 and config.expert_alignment >= 1:
+                # (A bad alignment is left to validate() to report.)
+                rows = config.static_recv_rows(world_size)
+            elif capacity_factor:
+                rows = capacity_from_factor(capacity_factor, config.max_tokens_per_rank,
+                                            config.max_topk, config.num_experts // world_size,
+                                            config.expert_alignment)
+            if rows is not None:
+                config = dataclasses.replace(config, max_recv_tokens_per_rank=rows)
+        config.validate(world_size)
+        return config
+
+    def node_size(self, world_size: int) -> int:
+        """Ranks per node as the torch backend uses it: G, or world_size for 0 (the cuda backend
+        resolves 0 to NCCL's LSA team: ``Group.info()["ranks_per_node"]``)."""
+        return self.ranks_per_node or world_size
+
+    def expert_block_rows(self, world_size: int) -> Optional[int]:
+        """With ``expert_capacity`` C: the rows of each local expert's block, R * C rounded up
+        to the alignment (the same for every expert and every handle); None without."""
+        if not self.expert_capacity:
+            return None
+        rows = world_size * self.expert_capacity
+        return -(-rows // self.expert_alignment) * self.expert_alignment
+
+    def static_recv_rows(self, world_size: int) -> Optional[int]:
+        """With ``expert_capacity``: the rows of every dispatch output, L blocks of
+        ``expert_block_rows``; None without."""
+        block = self.expert_block_rows(world_size)
+        return None if block is None else (self.num_experts // world_size) * block
+
+    def validate(self, world_size: int) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(f"GroupConfig: {what}")
+
+        need(self.num_experts > 0, f"num_experts must be > 0, got {self.num_experts}")
+        need(self.num_experts % world_size == 0,
+             f"num_experts ({self.num_experts}) must be a multiple of the group size ({world_size})")
+        need(self.hidden > 0, f"hidden must be > 0, got {self.hidden}")
+        need(self.max_tokens_per_rank >= 1,
+             f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
+        need(1 <= self.max_topk <= self.num_experts,
+             f"max_topk must be in [1, num_experts={self.num_experts}], got {self.max_topk}")
+        need(self.dtype in TOKEN_DTYPES, f"dtype must be one of {TOKEN_DTYPES}, got {self.dtype}")
+        need(self.recv_mode in ("exact", "capacity"),
+             f"recv_mode must be 'exact' or 'capacity', got {self.recv_mode!r}")
+        if self.recv_mode == "capacity":
+            need(self.max_recv_tokens_per_rank is not None and self.max_recv_tokens_per_rank >= 0,
+                 "capacity mode needs max_recv_tokens_per_rank >= 0 "
+                 f"(or a capacity_factor), got {self.max_recv_tokens_per_rank}")
+        need(self.expert_alignment >= 1,
+             f"expert_alignment must be >= 1, got {self.expert_alignment}")
+        need(self.num_sms >= 1, f"num_sms must be >= 1, got {self.num_sms}")
+        need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        need(self.staging_chunk_tokens >= 0 and (self.staging_depth == 0
+                                                 or self.staging_depth >= 2),
+             "staging_chunk_tokens must be >= 0 and staging_depth 0 or >= 2 (0 = default; the "
+             "combine sends chunk j while it sums chunk j - 1), got "
+             f"{self.staging_chunk_tokens} and {self.staging_depth}")
+        need(self.ranks_per_node == 0 or (1 <= self.ranks_per_node <= world_size
+                                          and world_size % self.ranks_per_node == 0),
+             f"ranks_per_node must be 0 (one node) or a divisor of the group size ({world_size}) "
+             f"from 1 to {world_size}, got {self.ranks_per_node}")
+        need(self.expert_capacity >= 0,
+             f"expert_capacity must be >= 0 (0 = off), got {self.expert_capacity}")
+        static = self.static_recv_rows(world_size)
+        if static is not None and self.recv_mode == "capacity":
+            need(self.max_recv_tokens_per_rank == static,
+                 f"expert_capacity={self.expert_capacity} fixes every dispatch output at "
+                 f"{static} rows (L={self.num_experts // world_size} experts x R={world_size} "
+                 f"ranks x C, aligned to {self.expert_alignment}); capacity mode's "
+                 f"max_recv_tokens_per_rank must be that or None, got "
+                 f"{self.max_recv_tokens_per_rank}")
+
+
+def capacity_from_factor(capacity_factor: float, max_tokens_per_rank: int, max_topk: int,
+                         num_local_experts: int, expert_alignment: int) -> int:
+    """Rows for capacity mode: capacity_factor times the balanced share of rows per rank
+    (T * K), plus the worst-case alignment padding of every local expert, rounded up to a
+    multiple of the alignment (so the unused tail, counted by Megatron's dispatcher as the last
+    expert's rows, keeps that expert's count aligned)."""
+    rows = math.ceil(capacity_factor * max_tokens_per_rank * max_topk)
+    rows += num_local_experts * (expert_alignment - 1)
+    return -(-rows // expert_alignment) * expert_alignment
+
+
+def shape_error(topk_idx: torch.Tensor, config: GroupConfig,
+                name: str = "topk_idx") -> Optional[str]:
+    """The problem with one rank's routing shape (``topk_idx [T, K]``, or the ``[T, max_topk]``
+    top-k form of a routing map, ``name``) against the group's bounds, or None."""
+    tokens, topk = topk_idx.shape
+    if tokens > config.max_tokens_per_rank:
+        return (f"{name} has {tokens} token{'s' if tokens != 1 else ''}, more than "
+                f"max_tokens_per_rank={config.max_tokens_per_rank} of this group")
+    if not 1 <= topk <= config.max_topk:
+        return f"topk_idx has top-k {topk}, expected 1 <= top-k <= max_topk={config.max_topk}"
+    return None
