@@ -7,16 +7,21 @@
  *  - Every call returns ncclResult_t. On failure, ncclEpGetLastError() returns a readable reason
  *    (thread-local) naming the argument and the expected value. No call aborts the process.
  *  - Every device operation is stream-ordered on the cudaStream_t it is given; none synchronizes
- *    the host except where documented (exact mode: ncclEpHandleGetNumRecvTokens and the first
- *    op of a handle wait for its receive count, once).
+ *    the host except where documented: group creation and destroy; exact mode: the first call
+ *    that needs a handle's receive count (ncclEpHandleGetNumRecvTokens, tokens per expert into
+ *    host memory, or the handle's first op) waits for it, once; see also Nodes below.
  *  - Collective calls (group/handle create, dispatch, combine, combine of the weights) must be
  *    made by every rank of the group in the same order, like NCCL collectives. Ranks that do not
  *    make the same call fail with an error naming both calls; a rank that stops calling makes its
  *    peers fail after config.timeout_ms; never a hang.
- *  - Config structs are versioned: set .size = sizeof(struct) and .version = NCCL_EP_API_VERSION
- *    (the *_INITIALIZER macros do), so a newer library can accept an older caller.
+ *  - Config and info structs are versioned: set .size = sizeof(struct) and .version =
+ *    NCCL_EP_API_VERSION (the *_INITIALIZER macros do). A call refuses a struct whose version is
+ *    not this library's or whose size is smaller (ncclInvalidArgument), so a caller built against
+ *    another header fails with a clear error instead of a misread struct.
  *  - The library never allocates user-visible output memory: outputs are caller tensors. Internal
- *    buffers come from alloc_fn/free_fn when given (symmetric buffers always come from NCCL).
+ *    device buffers come from alloc_fn/free_fn when given, else cudaMalloc; except the symmetric
+ *    window of a node of several NCCL ranks (ncclMemAlloc) and group creation's temporary
+ *    all-gather buffers (cudaMalloc). Error words and count readbacks are pinned host memory.
  *  - Threads: calls on one group may come from several threads; the group's host state is
  *    locked. The stream rule still holds (one stream per group, or order the streams yourself),
  *    and a handle must not be destroyed while an op that uses it is being called.
@@ -35,11 +40,12 @@
  *    resources with its splits (splitShare = 0, NCCL_COMM_SPLIT_SHARE_RESOURCES unset): the
  *    group's communicators are split from it, and a shared abort flag would stop `comm` too.
  *    One such NCCL step is in flight per group: a call waits on the host for the previous one;
- *    these calls refuse a capturing stream. A
- *    device-side error stops the node's ranks only; the other nodes learn it at the next handle
- *    creation.
+ *    these calls refuse a capturing stream. A device-side error stops the node's ranks only; they
+ *    still make their NCCL calls (outputs poisoned) and return the error after them; the other
+ *    nodes learn it at the next handle creation.
  *  - Limits of this implementation (HT): group size <= 64, every node's ranks load/store
- *    accessible (its LSA team covers the node, else ncclInvalidUsage), max_topk <= 32, num_experts <= 65535, tokens bf16/fp16/fp32, group size x
+ *    accessible (its LSA team covers the node, else ncclInvalidUsage), min(max_topk, local
+ *    experts) <= 32, num_experts <= 65535, tokens bf16/fp16/fp32, group size x
  *    max_tokens_per_rank x max_topk < 2^31. The library must run on the NCCL major.minor it was
  *    compiled against (checked at group creation).
  *  - Handle buffers come from a per-group pool reused in stream order.
@@ -72,11 +78,14 @@ typedef struct ncclEpHandle* ncclEpHandle_t;
 
 typedef enum {
   ncclEpModeHighThroughput = 0, /* HT: 2D expert-major layout, [total_recv_tokens, hidden] */
-  ncclEpModeLowLatency = 1      /* LL: 3D layout; reserved, returns ncclInvalidUsage today */
+  ncclEpModeLowLatency = 1      /* LL: 3D layout; reserved: group creation returns
+                                   ncclInvalidUsage */
 } ncclEpMode_t;
 
 typedef enum {
-  ncclEpRecvCountExact = 0,    /* N_d read to the host once, at handle creation */
+  ncclEpRecvCountExact = 0,    /* N_d read to the host once, by the first call that needs it
+                                  (ncclEpHandleGetNumRecvTokens, tokens per expert into host
+                                  memory, or the handle's first op); creation does not wait */
   ncclEpRecvCountCapacity = 1  /* outputs sized by max_recv_tokens_per_rank; no host sync */
 } ncclEpRecvCountMode_t;
 
@@ -115,14 +124,16 @@ typedef struct {
   ncclEpMode_t mode;
   int num_experts;          /* E, multiple of the group size */
   int hidden;               /* H */
-  int max_tokens_per_rank;  /* upper bound on T per call; buffers are chunked to this */
+  int max_tokens_per_rank;  /* upper bound on T per handle; routing records and handle buffers
+                               are sized by it (staging is not) */
   int max_topk;             /* upper bound on K; min(K, num_experts / ranks) <= 32 */
   ncclDataType_t token_dtype;     /* ncclBfloat16, ncclFloat16, ncclFloat32 */
   ncclEpRecvCountMode_t recv_count_mode;
   int64_t max_recv_tokens_per_rank; /* capacity mode: rows of every dispatch output */
   int expert_alignment;     /* A >= 1: pad each expert block to a multiple of A rows */
   int num_sms;              /* SM budget per operation (0 = library default) */
-  int64_t timeout_ms;       /* device-side waits fail with ncclSystemError after this */
+  int64_t timeout_ms;       /* device-side waits (and, over nodes, the watchdog's NCCL steps)
+                               fail with ncclSystemError after this */
   ncclEpAllocFn_t alloc_fn; /* NULL = cudaMalloc */
   ncclEpFreeFn_t free_fn;   /* NULL = cudaFree */
   void* alloc_ctx;
@@ -133,8 +144,9 @@ typedef struct {
   int staging_chunk_tokens;
   int staging_depth;
   /* G: ranks per node, consecutive ranks (node = rank / G), a divisor of the group size. 0 = NCCL's
-   * LSA team size (one node when every rank reaches every other over NVLink). Set smaller to
-   * emulate nodes (G = 1: every transfer goes over the rail). */
+   * LSA team size (one node when every rank reaches every other over NVLink; an LSA team that
+   * does not divide the group is refused). Set smaller to emulate nodes (G = 1: every transfer
+   * goes over the rail). A local team is one node: 0 or its size. */
   int ranks_per_node;
   /* C > 0: the fixed-capacity ("drop-and-pad") layout. Each local expert's block holds R runs of
    * C rows, one per source rank in rank order (then padded to expert_alignment): a source's slots
@@ -161,7 +173,9 @@ typedef struct {
   int staging_depth;         /* ring slots per (channel, peer) */
   size_t window_bytes;       /* the symmetric buffer of this rank, all of it */
   size_t staging_bytes;      /* its token and prob rings (independent of max_tokens_per_rank) */
-  size_t routing_bytes;      /* its routing records (2 x group size x max_tokens x max_topk) */
+  size_t routing_bytes;      /* its routing records: 2 x ranks per node records of a 4-int
+                                header and max_tokens_per_rank x max_topk int32 ids (rounded
+                                up) */
   size_t handle_bytes;       /* device memory of one handle (pooled, reused) */
   int ranks_per_node;        /* G as resolved (the group size: one node) */
   size_t rail_bytes;         /* G < group size: the buffers of the rail transfers */
@@ -202,39 +216,45 @@ typedef struct {
 
 /* Reason for the last failed call on this thread ("" if none). */
 const char* ncclEpGetLastError(void);
-/* Library version, NCCL_EP_API_VERSION at build time. */
+/* The API version the library was built with (its NCCL_EP_API_VERSION). */
 ncclResult_t ncclEpGetVersion(int* version);
 
 /* Collective over comm: checks the config is identical on every rank, allocates the symmetric
- * buffers, maps the NVLink peers. comm stays owned by the caller and must outlive the group.
- * Its NCCL collectives are not timed (as ncclCommInitRank is not): a rank that never calls it
- * holds the others. Callers that need a deadline agree first (the Python Group does, through
+ * buffers, maps the NVLink peers; a group that spans nodes also splits its node, rail and op
+ * communicators from comm. comm stays owned by the caller and must outlive the group.
+ * Its NCCL collectives are not timed (as ncclCommInitRank is not; over nodes the last one, which
+ * connects the rail and the routing all-gather, runs under the watchdog): a rank that never calls
+ * it holds the others. Callers that need a deadline agree first (the Python Group does, through
  * the process group's store). */
 ncclResult_t ncclEpCreateGroup(ncclEpGroup_t* group, ncclComm_t comm,
                                const ncclEpGroupConfig_t* config, cudaStream_t stream);
 /* A whole group of nranks ranks inside this process, on the current device, without NCCL:
  * groups[r] is rank r, and the ranks reach each other's windows through plain device memory.
- * For development and tests on one GPU (every device code path of a multi-rank group runs).
- * Each rank needs its own non-blocking stream and, since exact-mode calls wait for the peers,
- * its own host thread; nranks x the SM budget must fit on the GPU (every CTA must be resident at
- * once), and the streams must reach the GPU on separate hardware queues: set
- * CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts (at least 2 x nranks is checked). While one rank is inside a collective call, no thread may do what waits for the whole
- * device (a blocking-stream or legacy-stream copy, cudaDeviceSynchronize, cudaFree, a device or
- * pinned allocation may): allocate first. Destroy every member; the windows are freed with the
- * last one. */
+ * For development and tests on one GPU (every device code path of a one-node multi-rank group
+ * runs). Each rank needs its own non-blocking stream and, since exact-mode calls wait for the
+ * peers, its own host thread; nranks x the SM budget must fit on the GPU (every CTA must be
+ * resident at once), and the streams must reach the GPU on separate hardware queues: set
+ * CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts (at least 2 x nranks is checked). While one
+ * rank is inside a collective call, no thread may do what waits for the whole device (a
+ * blocking-stream or legacy-stream copy, cudaDeviceSynchronize, cudaFree, a device or pinned
+ * allocation may): allocate first. Destroy every member; the windows are freed with the last
+ * one. */
 ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
                                    const ncclEpGroupConfig_t* config, cudaStream_t stream);
 /* What the group allocated and chose (staging sizes, channels). Not collective. */
 ncclResult_t ncclEpGroupGetInfo(ncclEpGroup_t group, ncclEpGroupInfo_t* info);
 /* Frees everything the group and its live handles hold (synchronizes the device first). Not
  * collective on one node (NCCL's window deregistration is local); a group that spans nodes also
- * destroys the node and rail communicators it split, which NCCL may not finish before the
- * peers destroy theirs. Call it after the group's last op and before destroying comm. */
+ * destroys the node, rail and op communicators it split (aborts them after an error), which NCCL
+ * may not finish before the peers destroy theirs. Call it after the group's last op and before
+ * destroying comm. */
 ncclResult_t ncclEpGroupDestroy(ncclEpGroup_t group);
 
 /* Collective: exchanges the routing of one forward pass and builds the row maps (layout:
- * docs/design.md §3/§4), all on the stream: the routing records travel through the symmetric
- * window under the group's timed barrier, no NCCL collective and no host wait.
+ * docs/design.md §3/§4), all on the stream, with no host wait: on one node the routing records
+ * travel through the symmetric window under the group's timed barrier, no NCCL collective; a
+ * group that spans nodes all-gathers them with NCCL over its op communicator, under the
+ * watchdog.
  * routing, by its tag: TOPK_IDX [T, K] (int32/int64, -1 = masked slot), K <= max_topk; or
  * ROUTING_MAP [T, E] (a router's dense boolean map): each token's routed experts, in ascending
  * order, fill K = max_topk slots (-1 after the last), as ncclEpHandleGetTopkIdx returns them; a
@@ -243,7 +263,9 @@ ncclResult_t ncclEpGroupDestroy(ncclEpGroup_t group);
  * (ncclEpHandleGetNumRecvTokens, tokens per expert on the host, or the handle's first op), which
  * also returns bad routing (expert out of range, duplicate expert in a token, too many experts
  * in a routing-map row) as ncclInvalidArgument on every rank; in capacity mode those are
- * reported by the next call that synchronizes (ncclEpGroupCheckErrors) and stop the group. */
+ * reported by the next call that synchronizes (ncclEpGroupCheckErrors) and stop the group. A
+ * routing shape out of bounds (T > max_tokens_per_rank, K outside [1, max_topk]) is an error on
+ * every rank the same way; in capacity mode the rank that gave it waits for it and returns it. */
 ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t group,
                                 const ncclEpTensor_t* routing, const ncclEpOpConfig_t* config,
                                 cudaStream_t stream);
@@ -251,11 +273,14 @@ ncclResult_t ncclEpHandleDestroy(ncclEpHandle_t handle);
 
 /* Rows of this rank's dispatch output: exact mode N_d (the first call waits for the handle's
  * layout, later ones return at once); capacity mode max_recv_tokens_per_rank. Returns the
- * handle's routing error or a pending device-side error of the group, if any. */
+ * handle's routing error or (on one node) a pending device-side error of the group, if any; over
+ * nodes that comes with the next op, after its NCCL calls. */
 ncclResult_t ncclEpHandleGetNumRecvTokens(ncclEpHandle_t handle, int64_t* num_recv_tokens);
-/* Copies tokens_per_expert [L] int64 into out (RECV_EXPERT_COUNTER_DEVICE or _HOST), stream-ordered
- * for the device tag. Each count is the expert's block including its alignment padding rows, so
- * sum == N_d (docs/design.md §3). The host tag in capacity mode synchronizes the stream. */
+/* Copies tokens_per_expert [L] int64 into out (RECV_EXPERT_COUNTER_DEVICE or TOKENS_PER_EXPERT:
+ * device memory, stream-ordered; RECV_EXPERT_COUNTER_HOST: host memory). Each count is the
+ * expert's block including its alignment padding rows, so sum == N_d (docs/design.md §3). The
+ * host tag reads the exact-mode readback (waiting for it once, as the receive count does); in
+ * capacity mode it synchronizes the stream. */
 ncclResult_t ncclEpHandleGetTokensPerExpert(ncclEpHandle_t handle, ncclEpTensor_t* out,
                                             cudaStream_t stream);
 
@@ -282,8 +307,9 @@ ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
 ncclResult_t ncclEpComplete(ncclEpHandle_t handle, cudaStream_t stream);
 
 /* Returns the group's device-side error (timeout, a peer's error, capacity overflow, bad
- * routing), with its reason; it stays (the group must be destroyed). Non-blocking: it reads the
- * host-mapped error word, so synchronize the stream first for a complete check. */
+ * routing) or the watchdog's stop of an NCCL step between nodes, with its reason; it stays (the
+ * group must be destroyed). Non-blocking: it reads the host-mapped error words, so synchronize
+ * the stream first for a complete check. */
 ncclResult_t ncclEpGroupCheckErrors(ncclEpGroup_t group);
 
 #if defined(__GNUC__)

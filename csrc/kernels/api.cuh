@@ -18,7 +18,8 @@
  *  - Groups that span nodes (G ranks per node < R): the engine runs over the node's G ranks, once
  *    per node of sources ("pass" m: node peer p stands for source m * G + p, whose tokens reached
  *    it over the rail), with recv_row / tokens_of offset to that node's sources and expert_base
- *    = this node's first expert; combine_nodes and merge_probs finish at the source (ops.cc).
+ *    = this node's first expert; combine_nodes and merge_probs finish at the source
+ *    (runtime/nodes.cc).
  */
 #pragma once
 
@@ -31,10 +32,9 @@
 namespace nccl_ep {
 
 // Warps per CTA of each op kernel (one CTA per channel, one CTA per SM). The combine's rows load
-// by bulk copies into shared memory, not registers, so it too runs up to 16 warps: its staging
-// shape (token_sum.cuh) trades warps for larger copies only where items have 8 sources (EP=2
-// bench shape, 2 x 6.5 KiB of staging per warp: 16 warps 497 us, 14 warps x 7 KiB 514, 12 x 8
-// KiB 532, as a local team on one H200, 2026-12-01).
+// by bulk copies into shared memory, not registers, so it too runs up to 16 warps: more warps in
+// flight hide more copy latency than larger stages per warp save, so its staging shape
+// (token_sum.cuh) trades warps for larger copies only where items have 8 sources.
 constexpr int kMaxWarps = 16;
 constexpr int kDispatchWarps = 16;
 constexpr int kCombineWarps = 16;

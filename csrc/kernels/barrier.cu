@@ -27,7 +27,7 @@ __global__ void resolve_peers_kernel(ncclWindow_t window, int num_ranks, void** 
   int p = threadIdx.x + blockIdx.x * blockDim.x;
   // ncclGetPeerPointer maps a world rank to its LSA index (lsaRank + peer - worldRank); valid
   // because the host checked that the LSA team is the whole communicator of the window (the
-  // group's, or its node's: config.cc, group.cc).
+  // group's, or its node's: runtime/config.cc, runtime/nodes.cc).
   if (p < num_ranks) out[p] = ncclGetPeerPointer(window, 0, p);
 }
 

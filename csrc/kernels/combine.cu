@@ -9,7 +9,7 @@
  *           ... over the ranks d ascending that token t has a slot on; this rank's partial is
  *           computed right here from its rows, the same arithmetic); a zero row when none.
  * combine_nodes (groups that span nodes, step 2b at the source), merge_probs (their probs'
- *   backward): plain kernels after the node passes and the rail transfer (ops.cc).
+ *   backward): plain kernels after the node passes and the rail transfer (runtime/nodes.cc).
  * combine_probs
  *   send    grad[t, k] = grad_recv[row(s, t, k)] of the peer tokens, into s's ring prob slots;
  *   recv    the own tokens' values (local rows read directly), 0 at masked slots; with a dense
@@ -28,14 +28,14 @@
 namespace nccl_ep {
 
 // The tokens of a round, claimed one at a time by whichever warp is free (items differ in size:
-// a fixed share per warp left the round to its slowest warp): c.begin + i of chunk `j_peers` of
-// every peer p (the peers' tokens, whose partials the combine sends), then, with j_own >= 0,
-// c.begin + i of this rank's chunk j_own (its own tokens, summed here). An item's number runs on
-// across the lists, so the sends are claimed first. A chunk index < 0: that part is empty.
-// With `split_tail`, the round's last `split_tail` items are claimed as halves (half 0: the
-// first columns, 1: the rest), so that the round, which ends at a barrier, waits for half an item
-// rather than a whole one. `claimed` (shared) counts the round's claims; the role's leader zeroes
-// it before the round's opening barrier.
+// a fixed share per warp would leave the round to its slowest warp): c.begin + i of chunk
+// `j_peers` of every peer p (the peers' tokens, whose partials the combine sends), then, with
+// j_own >= 0, c.begin + i of this rank's chunk j_own (its own tokens, summed here). An item's
+// number runs on across the lists, so the sends are claimed first. A chunk index < 0: that part
+// is empty. With `split_tail`, the round's last `split_tail` items are claimed as halves (half 0:
+// the first columns, 1: the rest), so that the round, which ends at a barrier, waits for half an
+// item rather than a whole one. `claimed` (shared) counts the round's claims; the role's leader
+// zeroes it before the round's opening barrier.
 struct RoundTokens {
   const ExchangeArgs& e;
   const ExchangeShared& sh;
@@ -279,10 +279,10 @@ struct CombineProbsOp {
 
 // True when the group stopped (a device-side error here, or a peer's of this node): the outputs
 // of the op are poisoned, as the engine's are. Lane 0 reads, the warp agrees (warp-wide).
-// NOTES: only the device-memory flag. The error word is host-mapped: read by every warp it cost a
-// PCIe round trip per token (the combine across nodes took ~4.5 ms more than its work). Every
-// error reaches `failed` before these kernels run: the node passes run first on the stream, an
-// error pending at a pass's start stops the group there, and one raised during a pass does too.
+// NOTES: only the device-memory flag. The error word is host-mapped: read by every warp it would
+// cost a PCIe round trip per token. Every error reaches `failed` before these kernels run: the
+// node passes run first on the stream, an error pending at a pass's start stops the group there,
+// and one raised during a pass does too.
 __device__ __forceinline__ bool group_stopped(const DeviceState* state, int lane) {
   int stopped = 0;
   if (lane == 0) stopped = ld_volatile_u64(&state->failed) != 0;

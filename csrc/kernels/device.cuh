@@ -199,7 +199,7 @@ EP_DEVICE float to_float<float>(float v) { return v; }
 // acc[q] = acc[q] + float(v[q]) for every element of a pack: one add per element, as the chain
 // of the design's section 4 needs. bf16 pairs are read as 32-bit words: the low element shifted
 // up, the high one masked in place, one instruction each (exact; element by element the compiler
-// extracted each half first: ~27 instead of ~19 instructions per pack summed).
+// extracts each half first, which costs more instructions per pack summed).
 template <typename T, int N>
 EP_DEVICE void accumulate(float (&acc)[N], const Pack<T, N>& v) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value && N % 2 == 0) {

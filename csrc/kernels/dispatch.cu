@@ -62,8 +62,8 @@ struct DispatchOp {
         const int q = ring_index(e.rank, d, e.num_ranks);
         char* dst = ring_row(e.peers[d], e.win, b, q, j, t - c.begin);
         // 8 loads in flight per lane: a sender's copy (one load, one store) is latency-bound
-        // with 4. The receivers keep 4: each load feeds ~K / R row stores (8 there: 542 us
-        // against 521, EP=2 as a local team).
+        // with 4. The receivers keep 4: each load feeds ~K / R row stores, which keep the
+        // memory busy between loads.
         warp_copy_rows<U, 8>(src, units, lane, 1, [&](int) { return dst; });
         if (a.probs == nullptr) continue;
         for (int k = lane; k < e.topk; k += 32) {  // every slot's prob (top-k may exceed 32)
@@ -120,10 +120,10 @@ struct DispatchOp {
   // warp from one pool of the whole grid. Round j stops claiming past the tokens that j + 1
   // chunks of every channel hold (the pace at which the peers' chunks come in; a warp finishes
   // the token it drew past that mark); the CTA's last round drains the pool.
-  // NOTES: a pool, not this channel's range, because CTAs write at different speeds: 1 x H200,
-  // 16384 tokens, 66 CTAs, equal ranges: the CTAs on SMs 124-131 took 720 us, the median one
-  // 559 us; pooled: 584 us in all (benchmarks/micro/hbm_patterns.cu). The counter is
-  // DeviceState::own_claimed, reset by the op's last CTA.
+  // NOTES: a pool, not this channel's range, because CTAs write at different speeds (some SMs
+  // reach memory slower than others): with equal ranges the op waits for its slowest CTA, with a
+  // pool the faster ones take over the rest. The counter is DeviceState::own_claimed, reset by
+  // the op's last CTA.
   static __device__ void recv_local(const Args& a, ExchangeShared& sh, int, int j, int,
                                     int, int lane) {
     const ExchangeArgs& e = a.ex;

@@ -38,7 +38,7 @@
  *    the reference backend, so sum(tokens_per_expert) == N_d.
  *  - The bases run in validate's last block (a counter of finished blocks, reset by pack)
  *    rather than in a kernel of their own: the layout is host-bound in Megatron's path, where a
- *    launch costs more host time (~5-10 us) than the bases take on the GPU (~3 us).
+ *    launch costs more host time than the bases take on the GPU.
  *  - Fixed capacity (expert_capacity C): off[s][l] = l * roundup(R * C, A) + s * C; a slot is kept
  *    iff its position among s's slots for its expert, in token order, is < C. The scatter and the
  *    drop pass decide it with the same scan, from the source's record alone, so the destination's
@@ -227,8 +227,8 @@ __device__ __forceinline__ void count_into(int* table, int* global, int c) {
 // NOTES:
 //  - The tile's counts per local expert go to tile_cnt[s][tile] whole (zeros too: no reset).
 //    They go through block tables in shared memory (tabled): same-address atomics serialize in
-//    L2, and one per slot (32768 on 256 counters at EP=1) kept the kernel ~9 us draining them
-//    after ~2 us of work (Nsight Compute: SMs active 3.6k of 23k cycles).
+//    L2, so one global atomic per slot on a few hundred counters would leave the kernel draining
+//    them long after its work is done.
 //  - The first error is the minimum key over every slot's candidates. A slot reports a
 //    duplicate (its expert named at an earlier slot) even when its token also has a range error:
 //    for the same rank a range key is smaller than any duplicate key, so the minimum is the
@@ -327,7 +327,7 @@ EP_DEVICE void fixed_capacity_bases(const LayoutArgs& a) {
 
 // Exact mode: the meta is final once the bases are set, so this kernel writes it straight into
 // the host's pinned readback (mapped): the count read waits for the bases, not for the scatter
-// and a copy after it (H200: a device-to-host copy began ~4 us after the kernel before it ended).
+// and a device-to-host copy queued after it.
 EP_DEVICE void publish_meta(const LayoutArgs& a) {
   if (a.host_meta == nullptr) return;
   __syncthreads();  // every thread's meta writes, before they are read back
@@ -478,11 +478,12 @@ __global__ void __launch_bounds__(kLayoutThreads) validate_kernel(LayoutArgs a, 
 // A tile of kTileTokens tokens at a time: first each token's first slot naming e, into shared
 // memory, then a block scan of kTileItems tokens per thread in token order. Rows of up to
 // kFlatTopk ids are read flat, 16 bytes a load, kScanLoads loads per thread in flight (a whole
-// tile at top-k <= 8; a thread per token reading its ids one by one made the scans a chain of
-// load latencies). Longer rows are a routing map's (max_topk up to E: Megatron's drop-and-pad),
-// whose ids ascend, then -1 to the row's end: a thread per token stops at the first id above e
-// or, with stop_at_pad, at the first -1 (a few ids instead of all). stop_at_pad = false where the drop pass masks ids to
-// -1 in place in the record being read (over nodes), so that a -1 may sit mid-row.
+// tile at top-k <= 8; a thread per token reading its ids one by one would make the scans a chain
+// of load latencies). Longer rows are a routing map's (max_topk up to E: Megatron's
+// drop-and-pad), whose ids ascend, then -1 to the row's end: a thread per token stops at the
+// first id above e or, with stop_at_pad, at the first -1 (a few ids instead of all).
+// stop_at_pad = false where the drop pass masks ids to -1 in place in the record being read
+// (over nodes), so that a -1 may sit mid-row.
 // NOTES: a record is 16-byte aligned (rec_ints is a multiple of 4, records start aligned) and so
 // is a tile (t0 * topk is a multiple of 4, t0 of kTileTokens). The capacity drops mask ids in
 // place (-1) in records that blocks of other experts read meanwhile: a -1 never equals e and is

@@ -1,7 +1,6 @@
 /*
  * token_sum.cuh: the combine's per-token sums (the design's section 4 arithmetic), staged through
- * shared memory by bulk copies. Used by combine.cu, and by benchmarks/micro/sm_budget.cu to time
- * the same code outside the exchange engine.
+ * shared memory by bulk copies. Used by combine.cu.
  *
  * NOTES:
  *  - acc = float32; round = the token dtype's round-to-nearest-even. Every sum starts from +0.0f
@@ -47,8 +46,9 @@ struct StagingShape {
 // Items of 2-5 sources (EP=2 at top-8): 16 warps x 2 x 6656 B (with the static part, 227 KiB).
 using NarrowStaging = StagingShape<16, 6656>;
 // Items of 8 sources (one rank at top-8): 12 warps x 2 x 8 KiB, so that a segment's bulk copies
-// are 1 KiB, not 768 B. Measured at the bench shape on one H200: the combine of one rank 382 ->
-// 338 us with it, a local team's at EP=2 465 -> 493 us (fewer warps for 2-5 sources).
+// are 1 KiB, not 768 B: at 8 sources a stage is split 8 ways, and the per-copy cost of smaller
+// copies outweighs 4 more warps. Items of 2-5 sources have large copies in any stage, so there
+// the warps count (NarrowStaging).
 using WideStaging = StagingShape<12, 8192>;
 
 // The warp's staging: its source list, buffers (stage_bytes each) and their barriers (phase: bit
@@ -153,9 +153,11 @@ EP_DEVICE void sum_stage(const TokenSum& s, const Pack<T, N>* buf, int seg, int 
   }
 }
 
-// A segment's cost in issue slots, as measured (tenth session, 1 x H200: 512-byte segments at 8
-// sources lost 7% against 768-byte ones): filling a stage ~35 + 36 per source (barrier, one bulk
-// copy per source), a warp pass over 32 packs ~40 + 19 per source.
+// A segment's cost in issue slots: filling a stage kFillCost + kFillCostPerSource per source
+// (arming the barrier, one bulk copy per source), a warp pass over 32 packs kPassCost +
+// kPassCostPerSource per source (a load and an add per source). The model only ranks two
+// candidate lengths (segment_packs): shorter segments pay a fill each, so cutting a segment to
+// whole warp passes pays off only when the passes it saves cost more.
 constexpr int kFillCost = 35, kFillCostPerSource = 36, kPassCost = 40, kPassCostPerSource = 19;
 
 // The segment length (packs) for n sources: the longest that fits a stage (`fit`), or the

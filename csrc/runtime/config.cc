@@ -6,9 +6,9 @@
  *  - The window's shape (channels, ring depth and chunk, routing records) follows from the config
  *    alone, so ranks that agree on the config agree on every offset.
  *  - Default chunk: the power of two of tokens whose rows, once per rank of the node, fill
- *    ~2 MiB (at least 8, at most 256 tokens). A combine round is R x chunk tokens over a CTA's 12
- *    warps: enough items to keep every warp busy between the round's barriers (2 x H200, hidden
- *    7168 bf16, EP=2: combine 838 / 738 / 674 us at chunks 8 / 32 / 64), while the ring stays
+ *    ~2 MiB (at least 8, at most 256 tokens). A combine round is R x chunk tokens over a CTA's
+ *    warps: the chunk must give enough items to keep every warp busy between the round's
+ *    barriers (small chunks leave warps idle at each barrier), while the ring stays
  *    ~channels x 2 x 2 MiB per group whatever R. Default depth 2 (double buffering).
  */
 #include <string.h>
@@ -48,8 +48,6 @@ int chunk_tokens(const ncclEpGroupConfig_t& c, size_t row_stride, int nranks) {
 }
 
 }  // namespace
-
-size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 long long expert_block_rows(const ncclEpGroupConfig_t& c, int nranks) {
   return (long long)align_up((size_t)nranks * c.expert_capacity, c.expert_alignment);

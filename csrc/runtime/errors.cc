@@ -4,6 +4,7 @@
  * Op kinds and wait kinds come from the protocol's enums (kernels/protocol.cuh). Also the
  * NCCL_EP_DEBUG lines.
  */
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +14,7 @@
 #include <string>
 
 #include "internal.h"
+#include "watchdog.h"  // the NCCL steps a watchdog stop names
 
 namespace nccl_ep {
 

@@ -6,10 +6,11 @@
  * NOTES:
  *  - Creation order over NCCL: (1) the config checks and the all-gathered agreement on it (plus
  *    LSA team size, the resolved ranks per node and NCCL version), so every rank fails the same
- *    way before anything else collective happens; (2) groups that span nodes: the node and rail
- *    communicators (ncclCommSplit) and the rail buffers; (3) the window over the node
- *    (window.cc); (4) groups that span nodes: the rail and op_comm connected, the watchdog
- *    started (watchdog.cc). The error word and device state come with the config checks.
+ *    way before anything else collective happens; (2) groups that span nodes: the node, rail and
+ *    op communicators (ncclCommSplit) and the rail buffers (nodes.cc, split_nodes); (3) the
+ *    window over the node (window.cc); (4) groups that span nodes: the watchdog started, the rail
+ *    and op_comm connected (nodes.cc, connect_nodes). The error word and device state come with
+ *    the config checks.
  *  - A local team runs the same kernels over windows that are plain device allocations of this
  *    process; no NCCL call is made.
  *  - The device code reads NCCL's ncclWindow_vidmem layout through the headers it was compiled
@@ -19,33 +20,22 @@
 #include <string.h>
 
 #include <algorithm>
-#include <string>
 #include <vector>
 
 #include "internal.h"
+#include "nodes.h"
+#include "pool.h"
+#include "watchdog.h"  // a group owns its watchdog: creating and deleting one needs it whole
 
 namespace nccl_ep {
 
 namespace {
 
-// Frees a communicator of the group. One with an asynchronous error (a peer's process gone, its
-// sockets closed), or any of a group that holds an error (`failed`: a peer may be gone before
-// NCCL noticed), is aborted: ncclCommDestroy would wait for that peer.
-void release_comm(ncclComm_t c, const char* name, int rank, bool failed) {
-  if (c == nullptr) return;
-  const bool abort = failed || comm_async_error(c) != ncclSuccess;
-  debug_log("rank %d: group destroy: %s %s", rank, abort ? "aborting" : "destroying", name);
-  if (abort) ncclCommAbort(c);
-  else ncclCommDestroy(c);
-  debug_log("rank %d: group destroy: %s released", rank, name);
-}
-
 void destroy_group_state(ncclEpGroup* g) {
   if (g == nullptr) return;
   // The watchdog's thread first: it may abort (and free) the communicators below.
   debug_log("rank %d: group destroy: stopping the watchdog", g->rank);
-  if (g->watchdog != nullptr) g->watchdog->shutdown();
-  g->watchdog.reset();
+  stop_watchdog(g);
   {
     std::lock_guard<std::mutex> lock(g->mu);
     for (ncclEpHandle* h : g->live) delete h;
@@ -55,10 +45,7 @@ void destroy_group_state(ncclEpGroup* g) {
   close_window(g);
   const bool failed = g->h_err != nullptr && (__atomic_load_n(&g->h_err->code, __ATOMIC_ACQUIRE) ||
                                               __atomic_load_n(&g->h_stop->code, __ATOMIC_ACQUIRE));
-  if (g->node_comm != g->comm) release_comm(g->node_comm, "node_comm", g->rank, failed);
-  release_comm(g->rail_comm, "rail_comm", g->rank, failed);  // null once the watchdog aborted
-  release_comm(g->op_comm, "op_comm", g->rank, failed);
-  free_device(g, g->rail.base);
+  release_nodes(g, failed);
   if (g->d_state != nullptr) free_device(g, g->d_state);
   if (g->h_err != nullptr) cudaFreeHost(g->h_err);
   delete g;
@@ -144,26 +131,6 @@ ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int n
   return preallocate_slots(g);
 }
 
-// Groups that span nodes: one buffer per remote node for what the rail brings in (tokens and
-// probs, or node partials and probs' gradients), the partials it takes out, and this rank's own.
-ncclResult_t alloc_rail(ncclEpGroup* g) {
-  RailBuffers& b = g->rail;
-  const size_t T = (size_t)g->cfg.max_tokens_per_rank, remote = (size_t)g->num_nodes - 1;
-  b.row_bytes = g->row_bytes;
-  b.prob_row_bytes = 8 * (size_t)std::max(g->cfg.num_experts, g->cfg.max_topk);
-  b.grad_row_bytes = 8 * (size_t)g->cfg.max_topk;
-  BufferPlan plan;
-  plan.add(&b.rows_in, remote * T * b.row_bytes);
-  plan.add(&b.rows_out, remote * T * b.row_bytes);
-  plan.add(&b.rows_own, T * b.row_bytes);
-  plan.add(&b.probs_in, remote * T * b.prob_row_bytes);
-  plan.add(&b.probs_out, remote * T * b.grad_row_bytes);
-  plan.add(&b.probs_own, T * b.prob_row_bytes);
-  EP_RETURN_IF(alloc_device(g, &b.base, plan.bytes()));
-  plan.bind(b.base);
-  return ncclSuccess;
-}
-
 // The window of a node of one rank: a plain device buffer (no peer to map; no NCCL symmetric
 // registration, which some NCCL versions skip or refuse on a single-rank communicator).
 ncclResult_t open_single_window(ncclEpGroup* g, cudaStream_t stream) {
@@ -183,59 +150,10 @@ ncclResult_t open_single_window(ncclEpGroup* g, cudaStream_t stream) {
   return ncclSuccess;
 }
 
-// Groups that span nodes: a step that may fail on some ranks only (a node's window, an
-// allocation) is followed by this, so that every rank of the group fails together, never one
-// node waiting in a collective for another that gave up.
-ncclResult_t fail_together(ncclEpGroup* g, ncclResult_t mine, const char* step,
-                           cudaStream_t stream) {
-  const std::string reason = mine != ncclSuccess ? ncclEpGetLastError() : "";
-  std::vector<int> all(g->nranks);
-  const int code = (int)mine;
-  EP_RETURN_IF(host_all_gather(g->comm, g->nranks, g->rank, &code, sizeof(code), all.data(),
-                               stream));
-  if (mine != ncclSuccess) {
-    set_error("%s", reason.c_str());
-    return mine;
-  }
-  for (int r = 0; r < g->nranks; ++r) {
-    EP_CHECK(all[r] == (int)ncclSuccess, (ncclResult_t)all[r],
-             "ncclEpCreateGroup: rank %d failed at %s (its error says why); every rank of the "
-             "group fails with it",
-             r, step);
-  }
-  return ncclSuccess;
-}
-
-// Groups that span nodes: the watchdog, then one exchange over the rail and one routing
-// all-gather over op_comm of the very size the handles gather (NCCL connects an all-gather's
-// algorithm when it is first chosen, which depends on the size), so that no op's enqueue waits on
-// the host for a peer later. Followed by the watchdog like any step; no allocation that could
-// fail on one rank only (a preallocated slot's records, the rail buffers).
-ncclResult_t connect_nodes(ncclEpGroup* g, cudaStream_t stream) {
-  try {
-    g->watchdog = std::make_unique<NcclWatchdog>(g);
-  } catch (const std::exception& e) {
-    EP_CHECK(false, ncclSystemError, "ncclEpCreateGroup: starting the watchdog failed: %s",
-             e.what());
-  }
-  int* records = g->free_slots.front()->records.ptr;  // [R][rec_ints]
-  const size_t rec_ints = (size_t)g->win.rec_ints;
-  std::vector<RailMessage> msgs;
-  for (int m = 0; m < g->num_nodes; ++m) {
-    if (m == g->node) continue;
-    msgs.push_back({m, g->rail.rows_own.ptr, 1, g->rail.rows_in.ptr + remote_node_index(g, m) *
-                                                   (size_t)g->cfg.max_tokens_per_rank *
-                                                   g->rail.row_bytes, 1});
-  }
-  EP_RETURN_IF(g->watchdog->run(kOpCreateHandle, kStepConnect, stream, [&]() -> ncclResult_t {
-    EP_RETURN_IF(rail_exchange(g, msgs, stream));
-    EP_NCCL(ncclAllGather(records + (size_t)g->rank * rec_ints, records, rec_ints, ncclInt32,
-                          g->op_comm, stream));
-    return ncclSuccess;
-  }));
-  EP_CUDA(cudaStreamSynchronize(stream));
-  if (g->watchdog->aborted()) return check_group_errors(g);
-  return ncclSuccess;
+// The window over this rank's node: a plain device buffer for a node of one rank, else NCCL's
+// symmetric window over node_comm.
+ncclResult_t open_node_window(ncclEpGroup* g, cudaStream_t stream) {
+  return g->node_size == 1 ? open_single_window(g, stream) : open_nccl_window(g, stream);
 }
 
 ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGroupConfig_t* config,
@@ -260,38 +178,10 @@ ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGrou
   EP_RETURN_IF(agree_config(g, lsa, runtime_version, stream));
   g->node_comm = comm;
   if (g->num_nodes == 1) {
-    EP_RETURN_IF(g->node_size == 1 ? open_single_window(g, stream) : open_nccl_window(g, stream));
+    EP_RETURN_IF(open_node_window(g, stream));
   } else {
-    // Collective over comm, in the same order on every rank (all agreed on the node size).
-    if (g->node_size > 1) EP_NCCL(ncclCommSplit(comm, g->node, rank, &g->node_comm, nullptr));
-    // The watchdog's communicators must share nothing with the user's: a shared abort flag
-    // would stop the user's collectives with them. NCCL shares a split's resources (and abort
-    // flag) when the parent was made to share them, whatever the split's own config says; the
-    // parent's config cannot be read back, its environment default can.
-    const char* share = getenv("NCCL_COMM_SPLIT_SHARE_RESOURCES");
-    EP_CHECK(share == nullptr || atoi(share) == 0, ncclInvalidUsage,
-             "ncclEpCreateGroup: NCCL_COMM_SPLIT_SHARE_RESOURCES=%s makes NCCL share a split's "
-             "abort flag with its parent, so stopping this group between nodes would also stop "
-             "the caller's communicator; unset it (and create comm with splitShare = 0)",
-             share);
-    ncclConfig_t own = NCCL_CONFIG_INITIALIZER;
-    own.splitShare = 0;
-    EP_NCCL(ncclCommSplit(comm, g->node_rank, rank, &g->rail_comm, &own));
-    EP_NCCL(ncclCommSplit(comm, 0, rank, &g->op_comm, &own));
-    ncclResult_t res = alloc_rail(g);
-    if (res == ncclSuccess && g->node_size > 1) {
-      const int node_lsa = lsa_team_size(g->node_comm);
-      if (node_lsa != g->node_size) {
-        set_error("ncclEpCreateGroup: the node of rank %d (ranks %d..%d) is not one NVLink (LSA) "
-                  "team: NCCL gives it a team of %d ranks; set ranks_per_node to a divisor of "
-                  "the LSA team size",
-                  rank, g->node * g->node_size, (g->node + 1) * g->node_size - 1, node_lsa);
-        res = ncclInvalidUsage;
-      }
-    }
-    EP_RETURN_IF(fail_together(g, res, "the node communicators or the rail buffers", stream));
-    res = g->node_size == 1 ? open_single_window(g, stream) : open_nccl_window(g, stream);
-    EP_RETURN_IF(fail_together(g, res, "its node's window", stream));
+    EP_RETURN_IF(split_nodes(g, stream));
+    EP_RETURN_IF(fail_together(g, open_node_window(g, stream), "its node's window", stream));
     EP_RETURN_IF(connect_nodes(g, stream));
   }
   EP_CUDA(cudaStreamSynchronize(stream));
@@ -453,8 +343,6 @@ extern "C" ncclResult_t ncclEpGroupGetInfo(ncclEpGroup_t group, ncclEpGroupInfo_
   info->routing_bytes = w.ring_off - w.routing_off;
   info->handle_bytes = slot_device_bytes(group);
   info->ranks_per_node = group->node_size;
-  info->rail_bytes = group->rail.rows_in.bytes() + group->rail.rows_out.bytes() +
-                     group->rail.rows_own.bytes() + group->rail.probs_in.bytes() +
-                     group->rail.probs_out.bytes() + group->rail.probs_own.bytes();
+  info->rail_bytes = rail_buffer_bytes(group);
   return ncclSuccess;
 }

@@ -4,7 +4,8 @@
  * Creation (collective, stream-ordered, no host wait): pack this rank's routing (top-k ids or a
  * routing map) into its record in every rank's window -> the group's timed barrier -> layout
  * kernels (layout.cu) on the local copy of all records. A group that spans nodes packs into the
- * handle's record buffer instead and all-gathers it with NCCL over the whole group. In exact
+ * handle's record buffer instead and all-gathers it with NCCL over the whole group (nodes.cc,
+ * gather_routing). In exact
  * mode the layout's bases (validate's last block) write [error, N_d, tokens_per_expert] into
  * the slot's pinned, mapped buffer, and an event follows (the scatter runs on behind it): the
  * first call that needs the count waits for that event (read_layout), as late as the caller
@@ -22,6 +23,8 @@
 #include <string.h>
 
 #include "internal.h"
+#include "nodes.h"
+#include "pool.h"
 
 namespace nccl_ep {
 
@@ -36,7 +39,8 @@ ncclResult_t check_op_config(const ncclEpOpConfig_t* config, const char* fn) {
   return ncclSuccess;
 }
 
-void destroy_handle_state(ncclEpHandle* h) {
+// Caller holds g->mu.
+static void destroy_handle_state(ncclEpHandle* h) {
   ncclEpGroup* g = h->group;
   for (size_t i = 0; i < g->live.size(); ++i) {
     if (g->live[i] == h) {
@@ -48,33 +52,15 @@ void destroy_handle_state(ncclEpHandle* h) {
   delete h;
 }
 
-// Waits for the count (the bases' write into the slot's host_meta). Inside a node every
-// wait before it is a device-side wait with a timeout. Over nodes it sits behind the routing
-// all-gather: once the watchdog stopped that, the wait ends with the group's error timeout_ms
-// after the stop at the latest, whether or not the stream moves again. (Polled: a spin first, as
-// cudaEventSynchronize would, then short sleeps.)
+// Waits for the count (the bases' write into the slot's host_meta). Inside a node every wait
+// before it is a device-side wait with a timeout. Over nodes it sits behind the routing
+// all-gather, whose stop by the watchdog ends the wait (nodes.cc).
 static ncclResult_t wait_layout(ncclEpGroup* g, cudaEvent_t ready) {
   if (g->num_nodes == 1) {
     EP_CUDA(cudaEventSynchronize(ready));
     return ncclSuccess;
   }
-  using Clock = std::chrono::steady_clock;
-  const auto spin_until = Clock::now() + std::chrono::milliseconds(1);
-  for (;;) {
-    const cudaError_t q = cudaEventQuery(ready);
-    if (q == cudaSuccess) return ncclSuccess;
-    EP_CHECK(q == cudaErrorNotReady, ncclUnhandledCudaError, "CUDA error: %s",
-             cudaGetErrorString(q));
-    const auto now = Clock::now();
-    if (now < spin_until) continue;
-    const auto stopped = g->watchdog->stopped_at();
-    if (stopped != Clock::time_point{} &&
-        now - stopped > std::chrono::milliseconds(g->cfg.timeout_ms)) {
-      EP_RETURN_IF(check_group_errors(g));
-      EP_CHECK(false, ncclSystemError, "the layout never arrived after the group's stop");
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
+  return wait_behind_gather(g, ready);
 }
 
 ncclResult_t read_layout(ncclEpHandle* h) {
@@ -83,9 +69,9 @@ ncclResult_t read_layout(ncclEpHandle* h) {
   if (!h->layout_read) {
     EP_RETURN_IF(wait_layout(g, h->slot->meta_ready));
     // A group error (a failed barrier: the records may be stale) explains any layout error. (A
-    // group that spans nodes has no barrier here, and its ops defer group errors: ops.cc; but
-    // an aborted all-gather left the records unwritten.)
-    if (g->num_nodes == 1 || g->watchdog->aborted()) EP_RETURN_IF(check_group_errors(g));
+    // group that spans nodes has no barrier here, and its ops defer group errors: DeferredError;
+    // but an aborted all-gather left the records unwritten.)
+    if (g->num_nodes == 1 || nodes_stopped(g)) EP_RETURN_IF(check_group_errors(g));
     const LayoutMeta* m = h->slot->host_meta;
     if (m->err.code != kErrNone) {
       h->layout_result = report_error(g, m->err, m);
@@ -176,16 +162,7 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
     gathered = reinterpret_cast<const int*>(
         reinterpret_cast<const char*>(g->peers[g->node_rank]) + area);
   } else {
-    // NOTES: an NCCL collective, followed by the group's watchdog (watchdog.cc) in place of
-    // the device-side timeout; a rank whose shape is out of bounds still joins it (its record's
-    // header names the error).
-    EP_RETURN_IF(g->watchdog->run(kOpCreateHandle, kStepRoutingGather, stream,
-                                  [&]() -> ncclResult_t {
-                                    EP_NCCL(ncclAllGather(own_record, s->records.ptr,
-                                                          (size_t)g->win.rec_ints, ncclInt32,
-                                                          g->op_comm, stream));
-                                    return ncclSuccess;
-                                  }));
+    EP_RETURN_IF(gather_routing(g, own_record, s->records.ptr, stream));
   }
 
   LayoutArgs a;
@@ -250,8 +227,8 @@ extern "C" ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t
   EP_CHECK(group != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: group is NULL");
   EP_CHECK(routing != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: routing is NULL");
   EP_RETURN_IF(check_op_config(config, "ncclEpCreateHandle"));
-  // A group that spans nodes makes its NCCL calls also after a device-side error (see ops.cc)
-  // and returns the error after them.
+  // A group that spans nodes makes its NCCL calls also after a device-side error
+  // (DeferredError) and returns the error after them.
   DeferredError sticky;
   if (group->num_nodes == 1) {
     EP_RETURN_IF(check_group_errors(group));
@@ -287,7 +264,7 @@ extern "C" ncclResult_t ncclEpHandleGetNumRecvTokens(ncclEpHandle_t handle,
   EP_CHECK(handle != nullptr && num_recv_tokens != nullptr, ncclInvalidArgument,
            "ncclEpHandleGetNumRecvTokens: handle or num_recv_tokens is NULL");
   EP_RETURN_IF(read_layout(handle));
-  // Over nodes a device-side error comes with the next op, after its NCCL calls (ops.cc).
+  // Over nodes a device-side error comes with the next op, after its NCCL calls.
   if (handle->group->num_nodes == 1) EP_RETURN_IF(check_group_errors(handle->group));
   *num_recv_tokens = handle->num_recv;
   return ncclSuccess;

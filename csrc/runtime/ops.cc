@@ -2,66 +2,26 @@
  * ops.cc: ncclEpDispatch, ncclEpCombine, ncclEpCombineTopkWeights: argument checks, then one
  * kernel on the exchange engine (kernels/exchange.cuh), filled by one driver (exchange_args):
  * no host synchronization (exact mode: the handle's first op waits for its layout, once).
+ * Groups that span nodes run the engine once per node of sources, with the rail around it
+ * (nodes.cc).
  *
  * NOTES:
  *  - The op's call signature (op, handle, size of the probs it moves) travels in its ready flags,
  *    so ranks that are not making the same call fail with a clear error instead of exchanging
  *    garbage.
- *  - Warps that push, per op: dispatch pushes each row once per peer while its receivers write
- *    each row ~K/R times, so a quarter of the warps; combine reads rows on both sides (senders
- *    the peers' rows, receivers their own plus the partials), split by the peers' share of rows;
- *    combine_probs moves a few bytes per token.
- *  - Groups that span nodes (G < R ranks per node), docs/design.md section 4:
- *      dispatch  rail: this rank's tokens (and probs) to the rank of its index in every other
- *                node, theirs here; then one engine pass per node m of sources, ascending: node
- *                peer p sends the tokens of source m * G + p (its own, or what its rail brought).
- *      combine   one engine pass per node m: the node partials (step 2a) of source m * G +
- *                node_rank's tokens, here; rail: each to its source; combine_nodes (step 2b).
- *      probs     passes as combine's, [T, K] per node; rail; merge_probs.
- *    Rail messages have sizes every rank knows: exact mode the all-gathered token counts (read
- *    with the layout), capacity mode max_tokens_per_rank rows (sent from a staging copy), so no
- *    rank can wait for bytes that never come; probs travel as max(E, max_topk) x 8 bytes per
- *    token whatever their dtype. They are NCCL send/receive calls on the op's stream, followed
- *    by the group's watchdog (watchdog.cc): a rail peer that never sends makes every rank raise
- *    within the group's timeout.
+ *  - Warps that push, per op (send_warps): dispatch pushes each row once per peer while its
+ *    receivers write each row ~K/R times, so a minority of the warps; the combine's warps do both
+ *    roles in interleaved rounds (exchange.cuh); combine_probs moves a few bytes per token.
  */
 #include <stdint.h>
 
-#include <algorithm>
-#include <vector>
-
 #include "internal.h"
+#include "nodes.h"
+#include "pool.h"
 
 namespace nccl_ep {
 
-ncclResult_t rail_exchange(const ncclEpGroup* g, const std::vector<RailMessage>& messages,
-                           cudaStream_t stream) {
-  EP_NCCL(ncclGroupStart());
-  ncclResult_t res = ncclSuccess;
-  for (size_t k = 0; k < messages.size() && res == ncclSuccess; ++k) {
-    const RailMessage& msg = messages[k];
-    res = ncclSend(msg.send, msg.send_bytes, ncclInt8, msg.node, g->rail_comm, stream);
-    if (res == ncclSuccess)
-      res = ncclRecv(msg.recv, msg.recv_bytes, ncclInt8, msg.node, g->rail_comm, stream);
-  }
-  const ncclResult_t end = ncclGroupEnd();
-  EP_NCCL(res);
-  EP_NCCL(end);
-  return ncclSuccess;
-}
-
 namespace {
-
-// The rail's messages of one op, followed by the group's watchdog, then the latch of its error
-// (a stopped step's kernels end without their data: what runs after must poison).
-ncclResult_t watched_rail(ncclEpGroup* g, OpKind op, const std::vector<RailMessage>& messages,
-                          cudaStream_t stream) {
-  EP_RETURN_IF(g->watchdog->run(op, kStepRail, stream,
-                                [&] { return rail_exchange(g, messages, stream); }));
-  EP_CUDA(launch_latch_error(g->d_stop, g->d_peers, g->win.sync_off, g->node_size, g->node_rank,
-                             g->d_state, stream));
-  return ncclSuccess;
-}
 
 bool is_float_dtype(ncclDataType_t d) {
   return d == ncclFloat16 || d == ncclBfloat16 || d == ncclFloat32 || d == ncclFloat64;
@@ -109,10 +69,8 @@ ncclResult_t check_weights(const ncclEpTensor_t& t, const char* name, const nccl
 bool aligned16(const void* p) { return ((uintptr_t)p & 15u) == 0; }
 
 // Warps per CTA that only send: none on one rank, none in the combine (its warps do both).
-// NOTES: the dispatch's senders were its long pole with 4 of 16 warps (EP=2 as a local team on
-// one H200, bench shape, 2026-12-01, EP_TRACE: senders' work 365 us, receivers waiting 115 us for
-// chunks). With 8 loads in flight per sender lane, 5 senders: 470 us; 6: 487; 7, 8: 502; 4: 494
-// (4 with 4 loads in flight: 521; 2: 708).
+// NOTES: the dispatch's 5 of 16: with fewer, its senders are the op's long pole (the receivers
+// wait for chunks); with more, the receivers are.
 int send_warps(OpKind op, int num_ranks) {
   if (num_ranks == 1 || op == kOpCombine) return 0;
   return op == kOpDispatch ? 5 : 4;
@@ -133,10 +91,12 @@ ncclResult_t check_entry(ncclEpHandle_t handle, const ncclEpOpConfig_t* config, 
   return read_layout(handle);  // exact mode: N_d (and the handle's routing errors)
 }
 
+}  // namespace
+
 // The engine's arguments for one op of handle h over this rank's node (everything but the op's
 // tensors), for the sources of node `pass` (groups that span nodes; 0 on one node).
 ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, int prob_bytes, bool vec,
-                           int pass = 0) {
+                           int pass) {
   const ncclEpGroup* g = h->group;
   const HandleSlot* s = h->slot;
   const size_t first = (size_t)pass * g->node_size;  // the first source of that node
@@ -172,168 +132,6 @@ ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, int prob_bytes, boo
   for (OutputSpan& o : e.outputs) o = OutputSpan{nullptr, 0};
   return e;
 }
-
-// Tokens of source s as the rail moves them: exact mode the all-gathered count (the layout was
-// read), capacity mode max_tokens_per_rank (no host read; the tail is never used).
-long long rail_tokens(const ncclEpHandle* h, int s) {
-  const ncclEpGroup* g = h->group;
-  return g->capacity >= 0 ? g->cfg.max_tokens_per_rank : h->slot->host_meta->tokens[s];
-}
-
-// Dispatch over nodes: the rail, then the engine once per node of sources.
-ncclResult_t dispatch_nodes(ncclEpHandle* h, DispatchArgs a, bool with_probs, int probs_cols,
-                            cudaStream_t stream) {
-  ncclEpGroup* g = h->group;
-  const RailBuffers& r = g->rail;
-  const size_t Tm = (size_t)g->cfg.max_tokens_per_rank, T = (size_t)h->num_tokens;
-  const size_t prob_bytes = (size_t)probs_cols * a.prob_bytes;  // of one token's probs
-  const long long mine = rail_tokens(h, g->rank);
-  const void* x = a.x != nullptr ? a.x : r.rows_own.ptr;  // (no tokens: a valid, empty send)
-  const void* probs = a.probs;
-  if (g->capacity >= 0) {  // fixed-size messages: from staging copies
-    if (T > 0)
-      EP_CUDA(cudaMemcpyAsync(r.rows_own.ptr, x, T * g->row_bytes, cudaMemcpyDeviceToDevice,
-                              stream));
-    x = r.rows_own.ptr;
-  }
-  if (with_probs && T > 0) {  // always staged: the message has the fixed size max(E, Kmax) x 8
-    EP_CUDA(cudaMemcpyAsync(r.probs_own.ptr, probs, T * prob_bytes, cudaMemcpyDeviceToDevice,
-                            stream));
-  }
-  std::vector<RailMessage> msgs;
-  for (int m = 0; m < g->num_nodes; ++m) {
-    if (m == g->node) continue;
-    const long long theirs = rail_tokens(h, m * g->node_size + g->node_rank);
-    const size_t i = remote_node_index(g, m);
-    msgs.push_back({m, x, mine * g->row_bytes, r.rows_in.ptr + i * Tm * r.row_bytes,
-                    theirs * g->row_bytes});
-    if (with_probs)
-      msgs.push_back({m, r.probs_own.ptr, mine * r.prob_row_bytes,
-                      r.probs_in.ptr + i * Tm * r.prob_row_bytes, theirs * r.prob_row_bytes});
-  }
-  EP_RETURN_IF(watched_rail(g, kOpDispatch, msgs, stream));
-  for (int m = 0; m < g->num_nodes; ++m) {
-    DispatchArgs pass = a;
-    if (m != g->node) {
-      const size_t i = remote_node_index(g, m);
-      pass.x = r.rows_in.ptr + i * Tm * r.row_bytes;
-      if (with_probs) pass.probs = r.probs_in.ptr + i * Tm * r.prob_row_bytes;
-    }
-    pass.ex = exchange_args(h, kOpDispatch, with_probs ? a.prob_bytes : 0, a.ex.vec != 0, m);
-    pass.ex.outputs[0] = a.ex.outputs[0];
-    pass.ex.outputs[1] = a.ex.outputs[1];
-    EP_CUDA(launch_dispatch(pass, stream));
-  }
-  return ncclSuccess;
-}
-
-// What the kernels that finish an op at the source read of handle h (groups that span nodes).
-NodeParts node_parts(const ncclEpHandle* h) {
-  const ncclEpGroup* g = h->group;
-  NodeParts p;
-  p.own_routing = h->slot->op_routing();
-  p.tokens = h->num_tokens;
-  p.topk = h->topk;
-  p.experts_per_node = g->node_size * g->num_local;
-  p.num_nodes = g->num_nodes;
-  p.state = g->d_state;
-  return p;
-}
-
-// Where an op that sends values back to their sources keeps them: this node's values for this
-// rank's tokens (own), per remote node the values computed here for its source (out) and those
-// it computed for this rank (in), `token_bytes` of message per token.
-struct ReturnBuffers {
-  char* own;
-  char* out;
-  size_t out_stride;  // bytes per remote node
-  char* in;
-  size_t in_stride;
-  size_t token_bytes;
-};
-
-// The ops whose values go back to the sources (combine, the probs' backward): run_pass(m, dst)
-// computes node m's sources' values here (the source m * G + node_rank's, into dst); the rail
-// takes each to its source and brings this rank's from every node; parts[n] = node n's values
-// for this rank's tokens.
-template <typename RunPass>
-ncclResult_t return_to_sources(ncclEpHandle* h, OpKind op, const ReturnBuffers& b,
-                               RunPass run_pass, NodeParts* parts, cudaStream_t stream) {
-  ncclEpGroup* g = h->group;
-  std::vector<RailMessage> msgs;
-  for (int m = 0; m < g->num_nodes; ++m) {
-    const size_t i = remote_node_index(g, m);
-    char* dst = m == g->node ? b.own : b.out + i * b.out_stride;
-    EP_RETURN_IF(run_pass(m, dst));
-    parts->parts[m] = dst;
-    if (m == g->node) continue;
-    char* in = b.in + i * b.in_stride;
-    msgs.push_back({m, dst, rail_tokens(h, m * g->node_size + g->node_rank) * b.token_bytes, in,
-                    rail_tokens(h, g->rank) * b.token_bytes});
-    parts->parts[m] = in;
-  }
-  return watched_rail(g, op, msgs, stream);
-}
-
-// Combine over nodes: the node partials (2a) of every node's sources, the rail, then 2b here.
-ncclResult_t combine_nodes(ncclEpHandle* h, const CombineArgs& a, cudaStream_t stream) {
-  ncclEpGroup* g = h->group;
-  const RailBuffers& r = g->rail;
-  const size_t node_bytes = (size_t)g->cfg.max_tokens_per_rank * r.row_bytes;
-  CombineNodesArgs fin;
-  fin.nodes = node_parts(h);
-  fin.dtype = a.dtype;
-  fin.vec = a.ex.vec;
-  fin.hidden = g->cfg.hidden;
-  fin.y = a.y;
-  const ReturnBuffers b{r.rows_own.ptr, r.rows_out.ptr, node_bytes, r.rows_in.ptr, node_bytes,
-                        r.row_bytes};
-  EP_RETURN_IF(return_to_sources(
-      h, kOpCombine, b,
-      [&](int m, char* dst) -> ncclResult_t {
-        CombineArgs pass = a;
-        pass.y = dst;
-        pass.ex = exchange_args(h, kOpCombine, 0, a.ex.vec != 0, m);
-        pass.ex.outputs[0] = OutputSpan{dst, (long long)node_bytes};
-        EP_CUDA(launch_combine(pass, stream));
-        return ncclSuccess;
-      },
-      &fin.nodes, stream));
-  EP_CUDA(launch_combine_nodes(fin, stream));
-  return ncclSuccess;
-}
-
-// The probs' backward over nodes: every node's values in slot order, the rail, the merge here.
-ncclResult_t combine_probs_nodes(ncclEpHandle* h, const CombineProbsArgs& a,
-                                 cudaStream_t stream) {
-  ncclEpGroup* g = h->group;
-  const RailBuffers& r = g->rail;
-  const size_t Tm = (size_t)g->cfg.max_tokens_per_rank;
-  MergeProbsArgs fin;
-  fin.nodes = node_parts(h);
-  fin.prob_bytes = a.prob_bytes;
-  fin.grad_dense = a.grad_dense;
-  fin.num_experts = g->cfg.num_experts;
-  fin.grad = a.grad;
-  const ReturnBuffers b{r.probs_own.ptr, r.probs_out.ptr, Tm * r.grad_row_bytes, r.probs_in.ptr,
-                        Tm * r.prob_row_bytes, r.grad_row_bytes};
-  EP_RETURN_IF(return_to_sources(
-      h, kOpCombineProbs, b,
-      [&](int m, char* dst) -> ncclResult_t {
-        CombineProbsArgs pass = a;
-        pass.grad = dst;
-        pass.grad_dense = 0;  // [T, K] per node; merged into the caller's layout at the end
-        pass.ex = exchange_args(h, kOpCombineProbs, a.prob_bytes, false, m);
-        pass.ex.outputs[0] = OutputSpan{dst, (long long)(Tm * r.grad_row_bytes)};
-        EP_CUDA(launch_combine_probs(pass, stream));
-        return ncclSuccess;
-      },
-      &fin.nodes, stream));
-  EP_CUDA(launch_merge_probs(fin, stream));
-  return ncclSuccess;
-}
-
-}  // namespace
 
 }  // namespace nccl_ep
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "internal.h"
+#include "pool.h"
 
 namespace nccl_ep {
 
@@ -52,7 +53,7 @@ ncclResult_t alloc_device(ncclEpGroup* g, void** ptr, size_t bytes) {
   if (g->cfg.alloc_fn != nullptr) {
     EP_CHECK(g->cfg.alloc_fn(ptr, bytes, g->cfg.alloc_ctx) == 0 && *ptr != nullptr,
              ncclSystemError, "alloc_fn failed to allocate %zu bytes", bytes);
-    // The buffers' views start at multiples of 256 bytes from the allocation (pool.cc's plan),
+    // The buffers' views start at multiples of 256 bytes from the allocation (BufferPlan),
     // and the kernels read and write them in 16-byte vectors.
     if (reinterpret_cast<uintptr_t>(*ptr) % 256 != 0) {
       void* bad = *ptr;

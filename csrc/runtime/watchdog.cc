@@ -11,13 +11,11 @@
  *
  * NOTES:
  *  - Stopping is ncclCommAbort: it ends the stuck kernel and frees the communicators whatever
- *    the peers do. (ncclCommRevoke, tried first until 2026-12-01, left the survivor's stream or
- *    its destroy waiting when the peer was gone: measured with two emulated nodes on one H200.)
- *    The stop word is written before, so that a latch kernel queued after each rail step
- *    (ops.cc) stops the group's later kernels on the device. The stuck step's communicator is
- *    aborted first: freeing the other one's memory waits for the device, that is for the stuck
- *    kernel (measured: a routing gather stuck on op_comm, rail_comm aborted first, never
- *    returned).
+ *    the peers do (ncclCommRevoke does not: the survivor's stream or its destroy can still wait
+ *    for a peer that is gone). The stop word is written before, so that a latch kernel queued
+ *    after each rail step (nodes.cc) stops the group's later kernels on the device. The stuck
+ *    step's communicator is aborted first: freeing the other one's memory waits for the device,
+ *    that is for the stuck kernel, which only its own communicator's abort ends.
  *  - The clock starts when the step's start event has completed, not at enqueue: a stream with
  *    long work queued before the step is not a peer that stopped.
  *  - An asynchronous error of the running step's communicator (ncclCommGetAsyncError: a peer's
@@ -42,6 +40,7 @@
  *    when the parent shares resources with its splits: group creation refuses that case.)
  */
 #include "internal.h"
+#include "watchdog.h"
 
 namespace nccl_ep {
 

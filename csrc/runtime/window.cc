@@ -17,6 +17,7 @@
  *    group on one node.
  */
 #include "internal.h"
+#include "pool.h"
 
 namespace nccl_ep {
 

@@ -1,0 +1,59 @@
+/*
+ * pool.h: device memory through the user's callbacks, and the per-group pool of handle slots
+ * (pool.cc).
+ *
+ * NOTES:
+ *  - Handle buffers come from a per-group pool of equal-sized slots (allocated once through
+ *    alloc_fn/cudaMalloc, reused by later handles, freed at group destroy), so creating and
+ *    destroying handles never calls cudaMalloc/cudaFree in steady state. A slot returned by
+ *    ncclEpHandleDestroy is reused by the next handle in stream order: handles of one group must
+ *    be used on one stream (or the caller orders the streams).
+ *  - The pool's functions that take or return slots run under the group's mutex (g->mu).
+ */
+#pragma once
+
+#include <stddef.h>
+
+#include "../include/nccl_ep.h"
+#include "../kernels/api.cuh"
+#include "buffer_plan.h"
+
+struct ncclEpGroup;
+
+namespace nccl_ep {
+
+// One handle's device buffers (a pool slot) and its host readback.
+struct HandleSlot {
+  void* base = nullptr;          // one device allocation for every view below
+  View<int> own_routing;         // [Tmax * Kmax] this rank's expert ids (the caller's)
+  View<int> kept_routing;        // expert_capacity: the same with dropped slots -1, what the
+                                 // ops follow ([Tmax * Kmax]; empty without expert_capacity)
+  View<int> recv_row;            // [R * Tmax * Kmax]
+  View<int> src_of_row;          // [src_rows]
+  View<int> cnt, off;            // [R * L]
+  View<int> tile_cnt;            // [R][layout_tiles][L]
+  View<int> hist;                // [E]
+  View<unsigned long long> err_key;
+  View<unsigned> blocks_done;    // validate's finished blocks
+  View<LayoutMeta> meta;         // LayoutMeta with its [L] tokens_per_expert tail
+  View<int> records;             // groups that span nodes: [R][rec_ints], the all-gathered
+                                 // routing records (one node: they sit in the window)
+  LayoutMeta* host_meta = nullptr;  // pinned, mapped: the exact-mode readback
+  LayoutMeta* host_meta_dev = nullptr;  // its device address (the bases write it)
+  cudaEvent_t meta_ready = nullptr; // recorded after the bases (validate_kernel)
+
+  // This rank's routing as the ops follow it (its dropped slots masked under expert_capacity).
+  int* op_routing() const { return kept_routing.count > 0 ? kept_routing.ptr : own_routing.ptr; }
+};
+
+// Device memory of the group: alloc_fn/free_fn when given (alloc_fn's must be 256-byte
+// aligned: checked), else cudaMalloc/cudaFree. 0 bytes allocate 16.
+ncclResult_t alloc_device(ncclEpGroup* g, void** ptr, size_t bytes);
+void free_device(ncclEpGroup* g, void* ptr);
+// A free slot of the pool, or a new one.
+ncclResult_t acquire_slot(ncclEpGroup* g, HandleSlot** out);
+void release_slot(ncclEpGroup* g, HandleSlot* slot);
+void free_slots(ncclEpGroup* g);  // every slot of the group (group destroy)
+size_t slot_device_bytes(const ncclEpGroup* g);
+
+}  // namespace nccl_ep
