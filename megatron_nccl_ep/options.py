@@ -56,26 +56,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     defaults = NcclEpOptions()
     group = parser.add_argument_group(title="nccl_ep token dispatcher")
     group.add_argument("--nccl-ep-backend", choices=BACKENDS, default=defaults.backend,
-                       help="auto: CUDA kernels on GPUs when built, else the torch reference.")
+                       help="cuda: our kernels; torch: the reference; auto: cuda on GPUs where the "
+                            "library is built, else torch (default: %(default)s).")
     group.add_argument("--nccl-ep-recv-mode", choices=RECV_MODES, default=defaults.recv_mode,
                        help="exact: receive counts read once per layer (one host sync); "
-                            "capacity: fixed-size outputs, no host sync.")
+                            "capacity: fixed-size outputs, no host sync (default: %(default)s).")
     group.add_argument("--nccl-ep-capacity-factor", type=float, default=defaults.capacity_factor,
-                       help="capacity mode: received rows per rank = factor x tokens x top-k.")
+                       help="capacity mode: received rows per rank = factor x tokens x top-k "
+                            "(default: %(default)s).")
     group.add_argument("--nccl-ep-num-sms", type=int, default=defaults.num_sms,
-                       help="SM budget of each dispatch/combine kernel.")
+                       help="SM budget of each dispatch/combine kernel (default: %(default)s).")
     group.add_argument("--nccl-ep-max-tokens-per-rank", type=int,
                        default=defaults.max_tokens_per_rank,
-                       help="tokens per rank the groups are sized for (default: the next power "
-                            "of two of each batch's token count, which must then be equal on "
-                            "the ranks of an EP group).")
+                       help="tokens per rank the groups are sized for; a batch above it raises on "
+                            "every rank (default: seq length x micro batch size, divided by the "
+                            "tensor-parallel size under sequence parallelism; outside Megatron "
+                            "training, the next power of two of each batch's token count, which "
+                            "must then be equal on the ranks of an EP group).")
     group.add_argument("--nccl-ep-ranks-per-node", type=int, default=defaults.ranks_per_node,
                        help="ranks per node of the dispatcher's group: tokens cross between "
                             "nodes once per node and the combine sums node by node (0: the "
-                            "NVLink domain (cuda backend) / one node (torch backend)).")
+                            "NVLink domain (cuda backend) / one node (torch backend); default: "
+                            "%(default)s).")
     group.add_argument("--nccl-ep-timeout-s", type=float, default=defaults.timeout_s,
                        help="seconds a rank waits for its peers (group creation, device-side "
-                            "waits) before raising an error that names the ranks not heard from.")
+                            "waits) before raising an error that names the ranks not heard from "
+                            "(default: %(default)s).")
     return parser
 
 

@@ -177,3 +177,30 @@ def test_options_follow_each_new_training_arguments_object(monkeypatch):
     finally:
         set_args(None)
     assert dispatcher.get_options() == NcclEpOptions()  # arguments gone: the defaults
+
+
+def test_documented_flags_and_defaults_are_the_launchers():
+    """docs/megatron.md's options table lists every --nccl-ep-* flag with the default that
+    `python -m megatron_nccl_ep.launch --help` shows (NcclEpOptions')."""
+    import argparse
+    import re
+
+    from megatron_nccl_ep.options import add_arguments
+
+    parser = add_arguments(argparse.ArgumentParser())
+    defaults = {a.option_strings[0]: a.default for a in parser._actions
+                if a.option_strings and a.option_strings[0].startswith("--nccl-ep-")}
+    with open(os.path.join(REPO_ROOT, "docs", "megatron.md")) as f:
+        rows = re.findall(r"^\| `(--nccl-ep-[a-z-]+)` \| ([^|]+) \|", f.read(), re.MULTILINE)
+    documented = dict(rows)
+    assert set(documented) == set(defaults)
+    for flag, default in defaults.items():
+        shown = re.match(r"`([^`]+)`", documented[flag].strip())
+        if default is None:  # derived from the training arguments: documented in words
+            assert shown is None, flag
+        else:
+            assert shown is not None and shown.group(1) == str(default), (flag, documented[flag])
+    help_text = parser.format_help()
+    for flag, default in defaults.items():
+        if default is not None:
+            assert f"default: {default}" in " ".join(help_text.split()), flag

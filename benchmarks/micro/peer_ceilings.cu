@@ -6,15 +6,6 @@
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/peer_ceilings \
 //       benchmarks/micro/peer_ceilings.cu && /tmp/peer_ceilings
-//
-// Measured on 2 x H200 (NV18), 2026-11-30, GB/s written per GPU (per SM):
-//   local copy        24 SMs: 957 (40) regs x4, 1034 (43) regs x8, 1105 (46) TMA; 132 SMs: ~1.9 TB/s
-//   local write-only  24 SMs: ~1.36-1.38 TB/s (57 per SM) with every method; 132 SMs: ~3.8 TB/s
-//   NVLink write      8 SMs already 330-348; 24..132 SMs: 340-363, every method (the link's rate
-//                     with both directions busy; the copy engine does 370-395)
-//   NVLink read       8 SMs: 194 regs x4, 327 TMA; 24..132 SMs: 329-333, every method
-// So: a few SMs saturate NVLink; what bounds the ops under an SM budget is the local HBM traffic
-// per SM (~57 GB/s of writes, ~45 GB/s of copy per SM at 24 SMs), whatever instruction moves it.
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdlib>

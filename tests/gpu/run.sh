@@ -1,82 +1,68 @@
 #!/usr/bin/env bash
 # The GPU script: on a bare GPU machine, from the repository root,
-#   bash tests/gpu/run.sh [build] [tests] [bench] [micro] [example] [faults] [pretrain]
-#                                                        (no argument: build tests bench)
-# builds the extension, runs the GPU tests, runs the benchmark, and leaves under $OUT:
-#   env.txt  build.log  gpu_tests.log (the three test runs)  bench.log  bench.json  example.log
-#   faults.log  summary.md  (pretrain: pretrain.log in place of example.log; MICRO_NCU: ncu.txt)
-# (keep it to 8 files: what a remote runner may copy back). Each stage has its own time limit
-# (choose stages and limits so that a call stays inside 10 minutes): BUILD_TIMEOUT (150 s),
-# TESTS_TIMEOUT (180 s), NODES_TESTS_TIMEOUT (180 s, groups that span nodes, emulated),
-# MEGATRON_TESTS_TIMEOUT (150 s, Megatron's EP overlap and drop-and-pad on GPUs) and
-# TEAM_TIMEOUT (210 s, the local-team tests), BENCH_TIMEOUT (180 s), MICRO_TIMEOUT (90 s per
-# microbenchmark; MICRO_SMS: sm_budget's SM count, 24; MICRO_BASELINES=0: not the baselines'
-# sm_budget (each takes ~40 s); MICRO_HBM="16384 24 66 132": also hbm_patterns at those tokens
-# and CTA counts (~25 s per count at 16384 tokens); MICRO_NCU="combine_library": Nsight
-# Compute's SpeedOfLight, memory, warp-state, scheduler and occupancy sections of the first
-# MICRO_NCU_COUNT (4) launches of sm_budget's kernels matching that regex, into ncu.txt;
-# BENCH_NCU="CombineOp": the same sections plus the source lines and SASS instructions with the
-# most warp-stall samples for the first BENCH_NCU_COUNT (2) launches of our kernels matching that
-# regex in a one-rank bench, into ncu.txt, after the bench stage, under BENCH_NCU_TIMEOUT (150 s)).
-# The bench stage also runs benchmarks/handle_timeline.py (handle creation kernel by kernel),
-# and with BENCH_TEAM="2 4" benchmarks/team_bench.py (EP=2, 4 as local teams on one GPU;
-# TEAM_BENCH_TIMEOUT, 90 s each; TEAM_BENCH_ARGS adds its flags, e.g. "--staging-chunk-tokens 128").
-# BENCH_ARGS adds benchmark flags, e.g. BENCH_ARGS="--sections kernels"; BENCH_CHUNKS="24 48"
-# reruns the kernels section per staging chunk size, BENCH_DEPTHS="3 4" per staging ring depth,
-# BENCH_NODES="1" per emulated node size (ranks per node). BENCH_BASELINE="DIR ...":
-# an A/B against other versions of the package (patches that apply to this tree with patch -p1,
-# e.g. benchmarks/ab/*.patch, or trees with setup.py, csrc/, megatron_nccl_ep/ and tests/, carried
-# as ignored paths, e.g. made with `git archive REF | tar -x -C scratch/baseline`):
-# each built in /tmp/baseline_i alongside the other stages, its kernels section (the sections
-# BASELINE_SECTIONS names, e.g. "kernels,megatron" for a change of the Python path) runs after ours
-# in the bench stage and its sm_budget in the micro stage, so every version is timed on the same
-# machine in the same call; BASELINE_TESTS="tests/gpu/test_cuda_local_team.py -k wrap" also runs
-# those pytest arguments in each baseline tree after its bench (BASELINE_TESTS_TIMEOUT, 120 s
-# each, into gpu_tests.log).
-# faults (issue 8; not in the default stages; `build faults` fits one 10-minute call): ranks
-# that never call or are killed mid-op, a handle-destroying thread, live handles used out of order,
-# 10,000 handle cycles with memory before/after, all tokens to one expert at 16384 tokens, then the
-# random soak bitwise against the reference (tests/gpu/test_cuda_{faults,stress,soak}.py) into
-# faults.log, under FAULTS_TIMEOUT (480 s); the soak runs SOAK_SECONDS (300), shortened if needed
-# so that the stage ends inside its limit (SOAK_DEADLINE). FAULTS_SELECT adds pytest arguments,
-# shell-quoted, e.g. FAULTS_SELECT='-k "node_per_rank or soak"'.
-# pretrain (issue 10; not in the default stages): examples/check_training.py, runs of Megatron's
-# pretrain() through examples/pretrain_gpt_moe.py on every GPU for the checks PRETRAIN_CHECKS
-# (abcde: determinism, alltoall, save/resume, shared-expert overlap, router CUDA graphs; 8 runs of
-# ~50 s), PRETRAIN_RUN_TIMEOUT (150 s) per run, every run's log into pretrain.log.
+#   bash tests/gpu/run.sh [build] [tests] [bench] [example] [faults] [pretrain] [micro]
+#                                                   (no argument: build tests bench)
+# builds the library, runs the GPU tests bitwise against the reference, runs the benchmark, and
+# leaves under $OUT (at most 8 files: what a remote runner copies back):
+#   env.txt  build.log  gpu_tests.log  bench.log  results.json  RESULTS.md  results.png
+#   summary.md   (example / faults / pretrain / micro: their log in place of results.png)
+#
+# Stages, each under its own time limit (seconds), all of them inside RUN_BUDGET (580 s: one
+# 10-minute call of the device tool) counted from the start: a stage gets what is left when it
+# starts, and the bench stops its own sections in time to write its results.
+#   build     setup.py build_ext --inplace (BUILD_TIMEOUT 120)
+#   tests     four pytest runs: one rank per GPU and the C example (TESTS_TIMEOUT 120), groups
+#             that span nodes, emulated (NODES_TESTS_TIMEOUT 90), Megatron on GPUs
+#             (MEGATRON_TESTS_TIMEOUT 80), local teams EP 2/4/8 on one GPU (TEAM_TIMEOUT 200)
+#   bench     python -m megatron_nccl_ep.bench --json --markdown --plot (BENCH_TIMEOUT 170;
+#             BENCH_ARGS adds flags, e.g. "--sections kernels --sweep-sms 24,66,132").
+#             BENCH_BASELINE="DIR ..." also builds each carried tree (setup.py, csrc/,
+#             megatron_nccl_ep/; e.g. `git archive BRANCH | tar -x -C scratch/base`) and runs its
+#             kernels section (BASELINE_SECTIONS) after ours, into bench.log: an A/B on one
+#             machine in one call.
+#   example   examples/train_moe.py twice on every GPU (cuda backend): the final-loss bits must
+#             match (EXAMPLE_TIMEOUT 120 per run)
+#   faults    ranks that never call or die mid-op, handle-destroying threads, 10,000 handle
+#             cycles, the random soak bitwise against the reference (FAULTS_TIMEOUT 480; the soak
+#             runs SOAK_SECONDS, 300, shortened to end inside the stage; FAULTS_SELECT adds
+#             pytest arguments, shell-quoted, e.g. FAULTS_SELECT='-k "node_per_rank or soak"')
+#   pretrain  examples/check_training.py: Megatron's pretrain() on every GPU for the checks
+#             PRETRAIN_CHECKS (abcde), PRETRAIN_RUN_TIMEOUT (150) per run
+#   micro     benchmarks/micro/peer_ceilings.cu (two GPUs: what N SMs move over NVLink)
 # Carried wheels in .whl/ (megatron-core, which the image lacks) are installed first.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
+STARTED=$SECONDS
 
-# NVLink multicast stays off in every process started from here (shared GPU hosts).
+# NVLink multicast stays off in every process started from here: on shared GPU hosts a program
+# that uses it can take the host's GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}  # the image's python3 (the one that holds torch)
-BUILD_TIMEOUT=${BUILD_TIMEOUT:-150}
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
-TEAM_TIMEOUT=${TEAM_TIMEOUT:-210}
-MEGATRON_TESTS_TIMEOUT=${MEGATRON_TESTS_TIMEOUT:-150}
-NODES_TESTS_TIMEOUT=${NODES_TESTS_TIMEOUT:-180}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-180}
+RUN_BUDGET=${RUN_BUDGET:-580}
 BENCH_ARGS=${BENCH_ARGS:-}
-FAULTS_TIMEOUT=${FAULTS_TIMEOUT:-480}
-SOAK_SECONDS=${SOAK_SECONDS:-300}
 JOBS=$(nproc)
 
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(build tests bench)
 for stage in "${STAGES[@]}"; do
     case "$stage" in
-        build|tests|bench|micro|example|faults|pretrain) ;;
-        *) echo "unknown stage '$stage' (choose from: build tests bench micro example faults" \
-               "pretrain)" >&2
+        build|tests|bench|example|faults|pretrain|micro) ;;
+        *) echo "unknown stage '$stage' (choose from: build tests bench example faults pretrain" \
+               "micro)" >&2
            exit 2 ;;
     esac
 done
 wants() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
+# A stage's limit: its own, or what is left of RUN_BUDGET if that is less (at least 10 s).
+limit() {
+    local left=$((RUN_BUDGET - (SECONDS - STARTED)))
+    [ "$left" -lt 10 ] && left=10
+    echo $(($1 < left ? $1 : left))
+}
 
 SUMMARY="$OUT/summary.md"
 {
@@ -117,17 +103,23 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         note "- wheels: pip install FAILED"
     fi
 else
-    note "- wheels: none carried (.whl/ absent): the Megatron section of the bench will be skipped"
+    note "- wheels: none carried (.whl/ absent): the Megatron tests skip and the bench's megatron section fails"
 fi
 
 # -- stages ----------------------------------------------------------------------------------------
 STATUS=0
 
+# Builds the package tree DIR in place (NCCL_EP_BUILD_EXT=1: also where no GPU device node is
+# visible to the build), its log into LOG.
+#   build_tree DIR LOG LIMIT
+build_tree() {
+    (cd "$1" && NCCL_EP_BUILD_EXT=1 MAX_JOBS=$JOBS timeout -k 10 "$3" \
+        "$PY" setup.py build_ext --inplace -j "$JOBS") >"$2" 2>&1
+}
+
 if wants build; then
     start=$SECONDS
-    # NCCL_EP_BUILD_EXT=1: compile even where no GPU device node is visible (the default skips).
-    NCCL_EP_BUILD_EXT=1 MAX_JOBS=$JOBS timeout -k 10 "$BUILD_TIMEOUT" \
-        "$PY" setup.py build_ext --inplace -j "$JOBS" >"$OUT/build.log" 2>&1
+    build_tree "$PWD" "$OUT/build.log" "$(limit "${BUILD_TIMEOUT:-120}")"
     rc=$?
     if [ $rc -eq 0 ] && "$PY" -c 'import megatron_nccl_ep._C' >>"$OUT/build.log" 2>&1; then
         note "- build: ok ($((SECONDS - start)) s)"
@@ -144,71 +136,39 @@ if wants build; then
     fi
 fi
 
-# Applies a patch (-p1) to the current directory, with patch(1) or, where the image lacks it, git.
-apply_patch() {
-    if command -v patch >/dev/null; then patch -p1 -s <"$1"
-    elif command -v git >/dev/null; then git apply "$1"
-    else echo "neither patch nor git on this machine: cannot apply $1"; return 1
-    fi
-}
-
-# The A/B baselines (BENCH_BASELINE, one or more trees) build in the background while the other
-# stages run, baseline i in /tmp/baseline_i.
+# The baselines (BENCH_BASELINE) build in the background while the tests run, tree i in
+# /tmp/baseline_i.
 read -r -a BASELINES <<<"${BENCH_BASELINE:-}"
 BASELINE_PIDS=()
-if [ ${#BASELINES[@]} -gt 0 ] && (wants bench || wants micro); then
+if wants bench; then
     for i in "${!BASELINES[@]}"; do
-        src=${BASELINES[$i]} dir=/tmp/baseline_$i tree=${BASELINES[$i]}
-        BASELINE_PIDS[$i]=
-        # A patch (benchmarks/ab/*.patch) is applied to a copy of this tree.
-        case "$src" in *.patch) tree=$PWD src=$(realpath "$src") ;; esac
+        tree=${BASELINES[$i]} dir=/tmp/baseline_$i
         if [ -f "$tree/setup.py" ]; then
             rm -rf "$dir" && mkdir -p "$dir" &&
-                cp -r "$tree/setup.py" "$tree/csrc" "$tree/megatron_nccl_ep" "$tree/benchmarks" \
-                    "$tree/tests" "$tree/pytest.ini" "$dir/"
-            (cd "$dir" && case "$src" in *.patch) apply_patch "$src" || exit 1 ;; esac &&
-                NCCL_EP_BUILD_EXT=1 MAX_JOBS=$JOBS timeout -k 10 "$BUILD_TIMEOUT" \
-                "$PY" setup.py build_ext --inplace -j "$JOBS") >"$dir/build.log" 2>&1 &
+                cp -r "$tree/setup.py" "$tree/csrc" "$tree/megatron_nccl_ep" "$dir/"
+            build_tree "$dir" "$dir/build.log" "${BUILD_TIMEOUT:-120}" &
             BASELINE_PIDS[$i]=$!
         else
             STATUS=1
-            note "- baseline: $src (BENCH_BASELINE) holds no setup.py (carry it)"
+            note "- baseline: $tree (BENCH_BASELINE) holds no setup.py (carry it)"
         fi
     done
 fi
-# Waits for baseline i's build: 0 when it is usable.
-baseline_ready() {
-    local i=$1 dir=/tmp/baseline_$1
-    [ -n "${BASELINE_PIDS[$i]:-}" ] || return 1
-    if [ "${BASELINE_PIDS[$i]}" != done ]; then
-        wait "${BASELINE_PIDS[$i]}"
-        local rc=$?
-        BASELINE_PIDS[$i]=done
-        if [ $rc -ne 0 ]; then
-            STATUS=1
-            note "- baseline ${BASELINES[$i]} build: FAILED (rc $rc); the tail of its log:"
-            { echo '```'; tail -n 12 "$dir/build.log"; echo '```'; } | tee -a "$SUMMARY"
-            rm -rf "$dir/megatron_nccl_ep"
-        fi
-    fi
-    [ -d "$dir/megatron_nccl_ep" ]
-}
 
-# One pytest run under a time limit, appended to LOG after a header line (a stage truncates its
-# log first), its summary into the summary file.
+# One pytest run under a time limit, appended to LOG after a header line, its counts into the
+# summary (and its failures with the tail of its output).
 #   run_pytest LABEL LIMIT_S LOG [pytest args...]
 run_pytest() {
-    local label=$1 limit=$2 log=$3 start=$SECONDS per_test=() first section
+    local label=$1 limit=$2 log=$3 start=$SECONDS per_test=() first section counts
     shift 3
     # pytest-timeout (in the image) turns a hung test into a traceback instead of a silent kill.
     "$PY" -c 'import pytest_timeout' 2>/dev/null &&
-        per_test=(--timeout="${PER_TEST_TIMEOUT:-$((limit - 20))}")
+        per_test=(--timeout="${PER_TEST_TIMEOUT:-$((limit > 40 ? limit - 20 : limit))}")
     echo "==== $label ====" >>"$log"
     first=$(($(wc -l <"$log") + 1))
     timeout -k 10 "$limit" "$PY" -m pytest -q --tb=short -rfEP "${per_test[@]}" "$@" >>"$log" 2>&1
     local rc=$?
     section=$(tail -n "+$first" "$log")
-    local counts
     counts=$(grep -E '[0-9]+ (passed|failed|error|errors|skipped|xfailed|xpassed)' <<<"$section" |
         tail -n 1)
     [ $rc -eq 0 ] || STATUS=1
@@ -234,20 +194,20 @@ if wants tests; then
     # Local teams (the C example's, the team tests') put every rank's stream in one process:
     # each needs its own hardware queue (nccl_ep.h, ncclEpCreateLocalTeam).
     CUDA_DEVICE_MAX_CONNECTIONS=32 run_pytest "tests (one rank per GPU, C example)" \
-        "$TESTS_TIMEOUT" "$OUT/gpu_tests.log" tests/gpu --ignore=tests/gpu/test_cuda_local_team.py \
-        "${FAULT_TESTS[@]/#/--ignore=}" "${MEGATRON_TESTS[@]/#/--ignore=}" \
-        "${NODES_TESTS[@]/#/--ignore=}"
+        "$(limit "${TESTS_TIMEOUT:-120}")" "$OUT/gpu_tests.log" tests/gpu \
+        --ignore=tests/gpu/test_cuda_local_team.py "${FAULT_TESTS[@]/#/--ignore=}" \
+        "${MEGATRON_TESTS[@]/#/--ignore=}" "${NODES_TESTS[@]/#/--ignore=}"
     run_pytest "tests (groups that span nodes: emulated nodes, the rail)" \
-        "$NODES_TESTS_TIMEOUT" "$OUT/gpu_tests.log" "${NODES_TESTS[@]}"
+        "$(limit "${NODES_TESTS_TIMEOUT:-90}")" "$OUT/gpu_tests.log" "${NODES_TESTS[@]}"
     # Megatron asks the 1F1B EP overlap for more than one hardware queue, as the runs above have.
-    CUDA_DEVICE_MAX_CONNECTIONS=32 PER_TEST_TIMEOUT=130 \
+    CUDA_DEVICE_MAX_CONNECTIONS=32 PER_TEST_TIMEOUT=70 \
         run_pytest "tests (Megatron on GPUs: 1F1B EP overlap, drop-and-pad)" \
-        "$MEGATRON_TESTS_TIMEOUT" "$OUT/gpu_tests.log" "${MEGATRON_TESTS[@]}"
+        "$(limit "${MEGATRON_TESTS_TIMEOUT:-80}")" "$OUT/gpu_tests.log" "${MEGATRON_TESTS[@]}"
     # Local teams run every rank's kernels in one process, where they wait for each other: no
     # kernel may be loaded lazily while another spins (a lazy load may wait for the device).
     CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PER_TEST_TIMEOUT=90 \
         run_pytest "tests (local teams: EP 2/4/8 on one GPU)" \
-        "$TEAM_TIMEOUT" "$OUT/gpu_tests.log" tests/gpu/test_cuda_local_team.py
+        "$(limit "${TEAM_TIMEOUT:-200}")" "$OUT/gpu_tests.log" tests/gpu/test_cuda_local_team.py
 fi
 
 # A bench output's table (from its marker line on; else its last 30 lines) as a code block.
@@ -258,168 +218,39 @@ bench_table() {
     echo '```'; echo "${table:-$(tail -n 30 <<<"$log")}"; echo '```'
 }
 
-# The bench once more (its kernels section, or the sections SECTIONS names), from the package
-# tree TREE with FLAGS: its output appended to bench.log under a header line, its table to the
-# summary.
-#   bench_kernels LABEL TREE SECTIONS [FLAGS...]
-bench_kernels() {
-    local label=$1 tree=$2 sections=$3 start=$SECONDS log rc
-    shift 3
-    log=$(cd "$tree" && PYTHONPATH="$tree:$PYTHONPATH" timeout -k 10 "$BENCH_TIMEOUT" \
-        "$PY" -m megatron_nccl_ep.bench "$@" --sections "$sections" \
-        --time-budget $((BENCH_TIMEOUT - 20)) 2>&1)
-    rc=$?
-    [ $rc -eq 0 ] || STATUS=1
-    { echo "==== $label"; echo "$log"; } >>"$OUT/bench.log"
-    note "- bench, $label ($sections): rc $rc ($((SECONDS - start)) s)"
-    bench_table <<<"$log" >>"$SUMMARY"
-}
-
 if wants bench; then
     start=$SECONDS
-    # The bench stops its own sections before the stage limit so that it still writes its JSON.
+    budget=$(limit "${BENCH_TIMEOUT:-170}")
+    # Local teams (the team section) need a hardware queue per rank, as in the tests.
     # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
-    timeout -k 10 "$BENCH_TIMEOUT" "$PY" -m megatron_nccl_ep.bench --json "$OUT/bench.json" \
-        --time-budget $((BENCH_TIMEOUT - 20)) $BENCH_ARGS >"$OUT/bench.log" 2>&1
+    CUDA_DEVICE_MAX_CONNECTIONS=32 timeout -k 10 "$budget" "$PY" -m megatron_nccl_ep.bench \
+        --json "$OUT/results.json" --markdown "$OUT/RESULTS.md" --plot "$OUT/results.png" \
+        --time-budget $((budget - 15)) $BENCH_ARGS >"$OUT/bench.log" 2>&1
     rc=$?
     [ $rc -eq 0 ] || STATUS=1
     note "- bench: rc $rc ($((SECONDS - start)) s; 1 = some item failed, 124 = timed out)"
     { echo; bench_table <"$OUT/bench.log"; } >>"$SUMMARY"
-    # Handle creation's kernels one by one (CUPTI), appended to bench.log (also per baseline).
-    #   handle_timeline LABEL TREE
-    handle_timeline() {
-        local start=$SECONDS rc
-        { echo "==== $1: benchmarks/handle_timeline.py"
-          (cd "$2" && PYTHONPATH="$2:$PYTHONPATH" timeout -k 5 60 "$PY" \
-              benchmarks/handle_timeline.py 2>&1); } >>"$OUT/bench.log"
-        rc=$?
-        note "- handle timeline, $1: rc $rc ($((SECONDS - start)) s; in bench.log)"
-    }
-    # BENCH_TEAM="2 4": benchmarks/team_bench.py per world size, a local team on one GPU (the
-    # EP >= 2 proxy when one GPU is lent), appended to bench.log (also per baseline).
-    #   team_bench LABEL TREE
-    team_bench() {
-        local start world rc
-        for world in ${BENCH_TEAM:-}; do
-            start=$SECONDS
-            # shellcheck disable=SC2086 # TEAM_BENCH_ARGS is a list of flags
-            { echo "==== $1: benchmarks/team_bench.py --world $world ${TEAM_BENCH_ARGS:-}"
-              (cd "$2" && PYTHONPATH="$2:$PYTHONPATH" timeout -k 5 "${TEAM_BENCH_TIMEOUT:-90}" \
-                  "$PY" benchmarks/team_bench.py --world "$world" ${TEAM_BENCH_ARGS:-} 2>&1); } \
-                >>"$OUT/bench.log"
-            rc=$?
-            note "- team bench EP=$world, $1: rc $rc ($((SECONDS - start)) s; in bench.log)"
-        done
-    }
-    handle_timeline "this tree" "$PWD"
-    team_bench "this tree" "$PWD"
-    # The kernels again per staging chunk size in BENCH_CHUNKS (e.g. "24 48": an A/B of the
-    # chunk against the warps that share it, without a rebuild), per ring depth in BENCH_DEPTHS,
-    # and per emulated node size in BENCH_NODES (e.g. "1": the rail next to NVLink), appended to
-    # bench.log.
-    variants=()
-    for chunk in ${BENCH_CHUNKS:-}; do variants+=("staging chunks of $chunk tokens|--staging-chunk-tokens $chunk"); done
-    for depth in ${BENCH_DEPTHS:-}; do variants+=("staging depth $depth|--staging-depth $depth"); done
-    for g in ${BENCH_NODES:-}; do variants+=("nodes of $g rank(s)|--ranks-per-node $g"); done
-    for variant in "${variants[@]}"; do
-        # shellcheck disable=SC2086 # the variant's flags are a list
-        bench_kernels "${variant%%|*}" "$PWD" kernels ${variant#*|}
-    done
-    # Each baseline's kernels section (BENCH_BASELINE), appended to bench.log likewise.
     for i in "${!BASELINES[@]}"; do
-        baseline_ready "$i" || continue
-        # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
-        bench_kernels "baseline ${BASELINES[$i]}" "/tmp/baseline_$i" \
-            "${BASELINE_SECTIONS:-kernels}" $BENCH_ARGS
-        handle_timeline "baseline ${BASELINES[$i]}" "/tmp/baseline_$i"
-        team_bench "baseline ${BASELINES[$i]}" "/tmp/baseline_$i"
-        if [ -n "${BASELINE_TESTS:-}" ]; then
-            # The baseline's own tests (its tests/ import its package), into gpu_tests.log.
-            # shellcheck disable=SC2086 # BASELINE_TESTS is a list of pytest arguments
-            (cd "/tmp/baseline_$i" && CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER \
-                run_pytest "baseline ${BASELINES[$i]} tests" "${BASELINE_TESTS_TIMEOUT:-120}" \
-                "$OUT/gpu_tests.log" $BASELINE_TESTS) || STATUS=1
+        [ -n "${BASELINE_PIDS[$i]:-}" ] || continue
+        dir=/tmp/baseline_$i
+        if ! wait "${BASELINE_PIDS[$i]}"; then
+            STATUS=1
+            note "- baseline ${BASELINES[$i]} build: FAILED; the tail of its log:"
+            { echo '```'; tail -n 12 "$dir/build.log"; echo '```'; } | tee -a "$SUMMARY"
+            continue
         fi
-    done
-    if [ -n "${BENCH_NCU:-}" ]; then
-        # Nsight Compute on our kernels whose demangled names match BENCH_NCU, in a one-rank
-        # bench (a kernel replayed alone has no peer to wait for): sections, then the source
-        # lines with the most warp-stall samples (the build has -lineinfo), into ncu.txt.
         start=$SECONDS
-        ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-        (
-            echo "== ncu ($ncu_bin), one-rank bench, kernels matching '$BENCH_NCU'"
-            [ -n "$ncu_bin" ] || { echo "no ncu on this machine"; exit 1; }
-            timeout -k 5 "${BENCH_NCU_TIMEOUT:-150}" "$ncu_bin" --clock-control none \
-                --target-processes all --kernel-name-base demangled -k "regex:$BENCH_NCU" \
-                --launch-count "${BENCH_NCU_COUNT:-2}" --import-source yes \
-                --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-                --section SchedulerStats --section Occupancy --section SourceCounters \
-                -f -o /tmp/bench_ncu "$PY" -m megatron_nccl_ep.bench --nproc 1 --sections kernels \
-                --warmup 1 --iters 1 --rotate 1 >/tmp/bench_ncu.log 2>&1 || {
-                tail -n 20 /tmp/bench_ncu.log; exit 1; }
-            "$ncu_bin" --import /tmp/bench_ncu.ncu-rep --page details || exit 1
-            "$ncu_bin" --import /tmp/bench_ncu.ncu-rep --page source --csv --print-source cuda \
-                >/tmp/bench_ncu_source.csv && "$PY" tests/gpu/ncu_hot_lines.py /tmp/bench_ncu_source.csv
-            echo "== the same, per SASS instruction"
-            "$ncu_bin" --import /tmp/bench_ncu.ncu-rep --page source --csv --print-source sass \
-                >/tmp/bench_ncu_sass.csv && "$PY" tests/gpu/ncu_hot_lines.py /tmp/bench_ncu_sass.csv 60
-        ) >>"$OUT/ncu.txt" 2>&1
-        note "- ncu on the bench's kernels: rc $? ($((SECONDS - start)) s; ncu.txt)"
-    fi
-fi
-
-if wants micro; then
-    # The standalone hardware ceilings (benchmarks/micro), appended to bench.log:
-    # what N SMs move locally and over NVLink, and the expansion / summation under an SM budget
-    # (sm_budget also times the library's own per-token sum, csrc/kernels/token_sum.cuh).
-    start=$SECONDS
-    rc=0
-    ready=()
-    if [ "${MICRO_BASELINES:-1}" = 1 ]; then
-        for i in "${!BASELINES[@]}"; do baseline_ready "$i" && ready+=("$i"); done
-    fi
-    (  # a subshell: a failing step ends this stage, not the script
-        # sm_budget includes the library's kernel headers, which include nccl.h: the headers of
-        # the nvidia-nccl wheel next to torch (as setup.py finds them), or NCCL_INCLUDE_DIR.
-        nccl_inc=${NCCL_INCLUDE_DIR:-$("$PY" -c 'import glob, nvidia
-print(([d for p in nvidia.__path__ for d in glob.glob(p + "/nccl/include")] + [""])[0])' 2>/dev/null)}
-        for bench in peer_ceilings sm_budget hbm_patterns; do
-            echo "== benchmarks/micro/$bench.cu"
-            nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a ${nccl_inc:+-I "$nccl_inc"} \
-                -o "/tmp/$bench" "benchmarks/micro/$bench.cu" || exit 1
-        done
-        # peer_ceilings needs two GPUs (their NVLink); sm_budget runs on one.
-        if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-            timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/peer_ceilings || exit 1
-        else
-            echo "peer_ceilings: skipped, one GPU on this machine (it times copies between two)"
-        fi
-        timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/sm_budget "${MICRO_SMS:-24}" || exit 1
-        if [ -n "${MICRO_HBM:-}" ]; then  # tokens, then CTA counts, e.g. "16384 24 66 132"
-            # shellcheck disable=SC2086 # MICRO_HBM is a list of arguments
-            timeout -k 5 "${MICRO_TIMEOUT:-90}" /tmp/hbm_patterns $MICRO_HBM || exit 1
-        fi
-        if [ -n "${MICRO_NCU:-}" ]; then  # Nsight Compute on the micro's kernels of that name
-            ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-            echo "== ncu ($ncu_bin) on kernels matching '$MICRO_NCU': ncu.txt"
-            timeout -k 5 "${MICRO_TIMEOUT:-90}" "$ncu_bin" --clock-control none \
-                -k "regex:$MICRO_NCU" --launch-count "${MICRO_NCU_COUNT:-4}" \
-                --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-                --section SchedulerStats --section Occupancy \
-                /tmp/sm_budget "${MICRO_SMS:-24}" >"$OUT/ncu.txt" 2>&1 || exit 1
-        fi
-        for i in "${ready[@]}"; do  # each baseline's library code, same microbenchmark
-            echo "== baseline (${BASELINES[$i]}): benchmarks/micro/sm_budget.cu"
-            nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a ${nccl_inc:+-I "$nccl_inc"} \
-                -o "/tmp/sm_budget_baseline_$i" "/tmp/baseline_$i/benchmarks/micro/sm_budget.cu" ||
-                exit 1
-            timeout -k 5 "${MICRO_TIMEOUT:-90}" "/tmp/sm_budget_baseline_$i" "${MICRO_SMS:-24}" ||
-                exit 1
-        done
-    ) >>"$OUT/bench.log" 2>&1 || rc=$?
-    [ $rc -eq 0 ] || STATUS=1
-    note "- micro: rc $rc ($((SECONDS - start)) s; output at the end of bench.log)"
+        budget=$(limit "${BENCH_TIMEOUT:-170}")
+        # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
+        log=$(cd "$dir" && PYTHONPATH="$dir:$PYTHONPATH" CUDA_DEVICE_MAX_CONNECTIONS=32 \
+            timeout -k 10 "$budget" "$PY" -m megatron_nccl_ep.bench $BENCH_ARGS \
+            --sections "${BASELINE_SECTIONS:-kernels}" --time-budget $((budget - 15)) 2>&1)
+        rc=$?
+        [ $rc -eq 0 ] || STATUS=1
+        { echo "==== baseline ${BASELINES[$i]}"; echo "$log"; } >>"$OUT/bench.log"
+        note "- bench, baseline ${BASELINES[$i]}: rc $rc ($((SECONDS - start)) s)"
+        bench_table <<<"$log" >>"$SUMMARY"
+    done
 fi
 
 if wants example; then
@@ -429,8 +260,8 @@ if wants example; then
     gpus=$(nvidia-smi -L | wc -l)
     : >"$OUT/example.log"
     for run in 1 2; do
-        timeout -k 10 "${EXAMPLE_TIMEOUT:-120}" "$PY" -m torch.distributed.run --standalone \
-            --nproc-per-node "$gpus" examples/train_moe.py --backend cuda --steps 30 \
+        timeout -k 10 "$(limit "${EXAMPLE_TIMEOUT:-120}")" "$PY" -m torch.distributed.run \
+            --standalone --nproc-per-node "$gpus" examples/train_moe.py --backend cuda --steps 30 \
             >>"$OUT/example.log" 2>&1 || { STATUS=1; note "- example run $run: FAILED"; }
     done
     bits=$(grep -o 'final loss.*' "$OUT/example.log" | sort -u)
@@ -438,16 +269,17 @@ if wants example; then
 fi
 
 if wants faults; then
-    # Faults and stress (issue 8), every GPU one rank: the summary lines ("[test] ...") in
-    # faults.log hold each fault's per-rank outcome and time to error, the memory of the 10,000
-    # cycles, the soak's calls and mismatches. The soak (last) ends 20 s before SOAK_DEADLINE at
-    # the latest, so that slow earlier tests shorten it instead of the stage being killed.
+    # Every GPU one rank: the summary lines ("[test] ...") in faults.log hold each fault's
+    # per-rank outcome and time to error, the memory of the 10,000 cycles, the soak's calls and
+    # mismatches. The soak (last) ends 20 s before SOAK_DEADLINE at the latest, so that slow
+    # earlier tests shorten it instead of the stage being killed.
     : >"$OUT/faults.log"
+    faults_limit=$(limit "${FAULTS_TIMEOUT:-480}")
     # FAULTS_SELECT is a list of pytest arguments, shell-quoted (-k "a or b").
     eval "faults_select=(${FAULTS_SELECT:-})"
-    SOAK_DEADLINE=$(($(date +%s) + FAULTS_TIMEOUT - 20)) SOAK_SECONDS=$SOAK_SECONDS \
-        run_pytest "faults (fault injection, stress, soak of ${SOAK_SECONDS} s)" \
-        "$FAULTS_TIMEOUT" "$OUT/faults.log" -rfEPxX "${faults_select[@]}" "${FAULT_TESTS[@]}"
+    SOAK_DEADLINE=$(($(date +%s) + faults_limit - 20)) SOAK_SECONDS=${SOAK_SECONDS:-300} \
+        run_pytest "faults (fault injection, stress, soak of ${SOAK_SECONDS:-300} s)" \
+        "$faults_limit" "$OUT/faults.log" -rfEPxX "${faults_select[@]}" "${FAULT_TESTS[@]}"
 fi
 
 if wants pretrain; then
@@ -465,7 +297,24 @@ if wants pretrain; then
     grep -E '^(PASS|FAIL|SPEED) ' "$workdir/checks.txt" | sed 's/^/  - /' | tee -a "$SUMMARY"
 fi
 
+if wants micro; then
+    start=$SECONDS
+    {
+        echo "== benchmarks/micro/peer_ceilings.cu"
+        if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
+            echo "skipped: one GPU on this machine (it times copies between two)"
+        else
+            nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/peer_ceilings \
+                benchmarks/micro/peer_ceilings.cu &&
+                timeout -k 5 "$(limit "${MICRO_TIMEOUT:-90}")" /tmp/peer_ceilings
+        fi
+    } >"$OUT/micro.log" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || STATUS=1
+    note "- micro: rc $rc ($((SECONDS - start)) s; micro.log)"
+fi
+
 echo
-echo "================ summary ($OUT/summary.md) ================"
+echo "================ summary ($OUT/summary.md, $((SECONDS - STARTED)) s) ================"
 cat "$SUMMARY"
 exit $STATUS

@@ -1,0 +1,213 @@
+"""The bench's flags, their per-device defaults and the checks on them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+SECTIONS = ("ceilings", "kernels", "megatron", "team")
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+# Flags left out take their device's value. On CPU the reference backend runs over gloo, so the
+# shape is one that takes seconds there, and what measures GPU hardware is left out. The team
+# section joins the GPU defaults where exactly one GPU is visible (parse_args).
+DEVICE_DEFAULTS = {
+    "cuda": {"tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "warmup": 5,
+             "iters": 40, "rotate": 4, "copy_mib": 1024, "num_sms": 24,
+             "sections": "ceilings,kernels,megatron", "megatron_dispatchers": "nccl_ep,alltoall",
+             "team_sizes": [2, 4]},
+    "cpu": {"tokens": 256, "hidden": 256, "topk": 2, "experts": 16, "warmup": 2, "iters": 10,
+            "rotate": 2, "copy_mib": 64, "num_sms": None, "sections": "kernels,megatron",
+            "megatron_dispatchers": "nccl_ep", "team_sizes": []},
+}
+
+
+def _by_device(key: str) -> str:
+    return (f"default {DEVICE_DEFAULTS['cuda'][key]} on GPUs, "
+            f"{DEVICE_DEFAULTS['cpu'][key]} on cpu")
+
+
+def _int_list(minimum: int, allow_all: bool):
+    """An argparse type: '16,24,all' -> [16, 24, 'all'], every number >= ``minimum``."""
+    def parse(text: str) -> list:
+        words = [word for word in text.split(",") if word]
+        ok = words and all((allow_all and w == "all") or (w.isdigit() and int(w) >= minimum)
+                           for w in words)
+        if not ok:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated integers >= {minimum}"
+                + (" or 'all'" if allow_all else "") + f": {text!r}")
+        return [w if w == "all" else int(w) for w in words]
+    return parse
+
+
+def extension_problem() -> str:
+    """Why the cuda backend cannot run here ('' when its extension is built and loads)."""
+    try:
+        from .. import cuda_backend
+    except Exception as exc:  # noqa: BLE001 - any import failure means no cuda backend
+        return f"megatron_nccl_ep.cuda_backend does not import: {exc}"
+    return cuda_backend.unavailable_reason()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_nccl_ep.bench",
+        description="Benchmark of megatron_nccl_ep: link and memory ceilings, our dispatch and "
+                    "combine, Megatron's dispatcher interface, EP>1 as a local team on one GPU, "
+                    "and sweeps over tokens per rank and SM budget. One process per GPU, each "
+                    "section in its own processes; without a GPU, the reference backend over "
+                    "gloo at a small shape (a check that the code runs, not a measurement).")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes (one per GPU); default: all GPUs, or 2 with --device cpu")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="default: cuda when a GPU is visible; cpu runs the reference backend over "
+                        "gloo at a small shape and times it by host wall clock")
+    p.add_argument("--tokens", type=int, help=f"tokens per rank; {_by_device('tokens')}")
+    p.add_argument("--hidden", type=int, help=_by_device("hidden"))
+    p.add_argument("--topk", type=int, help=_by_device("topk"))
+    p.add_argument("--experts", type=int, help=_by_device("experts"))
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    p.add_argument("--num-sms", type=int, default=None,
+                   help="SM budget of our kernels, per rank; default 24 (GPUs only: the "
+                        "reference backend has none)")
+    p.add_argument("--staging-chunk-tokens", type=int, default=0,
+                   help="tokens per staging-ring chunk of our kernels (0: the library's choice)")
+    p.add_argument("--staging-depth", type=int, default=0,
+                   help="ring slots per (channel, peer) of our kernels (0: the library's choice)")
+    p.add_argument("--ranks-per-node", type=int, default=0,
+                   help="ranks per node of our groups (0: one NVLink domain; smaller: emulated "
+                        "nodes, tokens between them over NCCL send/receive)")
+    p.add_argument("--backend", choices=("cuda", "torch", "auto"), default=None,
+                   help="our Group's backend; default: cuda on GPUs, torch on cpu")
+    p.add_argument("--recv-mode", choices=("exact", "capacity"), default="exact")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="capacity mode: rows = factor x tokens x top-k (default 1.5)")
+    p.add_argument("--warmup", type=int, help=_by_device("warmup"))
+    p.add_argument("--iters", type=int, help=_by_device("iters"))
+    p.add_argument("--rotate", type=int, help=f"input sets rotated through; {_by_device('rotate')}")
+    p.add_argument("--copy-mib", type=int,
+                   help=f"size of the ceiling copies; {_by_device('copy_mib')}")
+    p.add_argument("--sections",
+                   help=f"comma-separated subset of {','.join(SECTIONS)}; default "
+                        f"{DEVICE_DEFAULTS['cuda']['sections']} on GPUs (and team where exactly "
+                        f"one GPU is visible), {DEVICE_DEFAULTS['cpu']['sections']} on cpu")
+    p.add_argument("--megatron-dispatchers",
+                   help="Megatron dispatchers to drive: nccl_ep, alltoall, allgather; "
+                        + _by_device("megatron_dispatchers"))
+    p.add_argument("--team-sizes", type=_int_list(2, allow_all=False), default=None,
+                   metavar="2,4,8",
+                   help="world sizes of the team section, one point each: EP=N as a local team "
+                        "on GPU 0, every rank a thread with its own stream and SM budget (a "
+                        "proxy: no NVLink, one HBM for every rank); default 2,4")
+    p.add_argument("--sweep-sms", type=_int_list(1, allow_all=True), default=[],
+                   metavar="16,24,...,all",
+                   help="after the sections, the kernels section once per SM budget (at --tokens;"
+                        " all: the GPU's SM count; GPUs only)")
+    p.add_argument("--sweep-tokens", type=_int_list(1, allow_all=False), default=[],
+                   metavar="1024,2048,...",
+                   help="after the sections, the kernels section once per tokens-per-rank value "
+                        "(at --num-sms)")
+    p.add_argument("--device-timeout", type=float, default=20.0,
+                   help="timeout_s of our Group: a device-side wait fails after this long")
+    p.add_argument("--section-timeout", type=float, default=75.0,
+                   help="seconds one section (or sweep or team point) may take before its "
+                        "processes are killed")
+    p.add_argument("--time-budget", type=float, default=170.0,
+                   help="seconds for the whole bench; later sections and points get what is left")
+    p.add_argument("--json", default=None, help="write all results here")
+    p.add_argument("--markdown", default=None, metavar="PATH",
+                   help="write the results as markdown tables here (the body of "
+                        "benchmarks/RESULTS.md)")
+    p.add_argument("--plot", default=None,
+                   help="PNG of the sweeps (needs matplotlib; a run without a sweep writes "
+                        "none); default with a sweep: the --json path with .png")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan and an empty table, start no process")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.device == "cuda" and gpus == 0:
+        p.error("--device cuda: no GPU is visible")
+    if args.device == "cpu":
+        for flag, value in (("--num-sms", args.num_sms), ("--sweep-sms", args.sweep_sms or None)):
+            if value is not None:
+                p.error(f"{flag}: the reference backend on cpu has no SM budget")
+        if args.team_sizes:
+            p.error("--team-sizes: the team section needs a GPU and the built extension")
+    team_sizes_given = args.team_sizes is not None
+    sections_given = args.sections is not None
+    for key, value in DEVICE_DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, list(value) if isinstance(value, list) else value)
+    if args.backend is None:
+        args.backend = "cuda" if args.device == "cuda" else "torch"
+    if args.nproc is None:
+        args.nproc = gpus if args.device == "cuda" else 2
+    args.sections = [s for s in args.sections.split(",") if s]
+    if not sections_given and gpus == 1 and not extension_problem():
+        args.sections.append("team")
+    args.megatron_dispatchers = [d for d in args.megatron_dispatchers.split(",") if d]
+    bad = [s for s in args.sections if s not in SECTIONS]
+    if bad:
+        p.error(f"unknown sections {bad}; choose from {','.join(SECTIONS)}")
+    if "ceilings" in args.sections and args.device != "cuda":
+        p.error("--sections ceilings measures GPU hardware (HBM, peer copies, NCCL): not on cpu")
+    if "team" in args.sections:
+        if args.device != "cuda":
+            p.error("--sections team needs a GPU (a local team runs the cuda backend)")
+        problem = extension_problem()
+        if problem:
+            p.error(f"--sections team needs the built extension: {problem}")
+    elif team_sizes_given:
+        p.error("--team-sizes needs the team section (add team to --sections)")
+    if args.nproc < 1:
+        p.error("--nproc must be >= 1")
+    if args.device == "cuda" and args.nproc > gpus:
+        p.error(f"--nproc {args.nproc}: only {gpus} GPU(s) visible (one process per GPU)")
+    if args.experts % args.nproc:
+        p.error(f"--experts ({args.experts}) must be a multiple of the process count "
+                f"({args.nproc})")
+    if "team" in args.sections:
+        uneven = [w for w in args.team_sizes if args.experts % w]
+        if uneven:
+            p.error(f"--experts ({args.experts}) must be a multiple of every --team-sizes "
+                    f"value (not of {uneven})")
+    if not 1 <= args.topk <= args.experts:
+        p.error("--topk must be in [1, --experts]")
+    if min(args.iters, args.rotate, args.tokens, args.hidden) < 1 or args.warmup < 0:
+        p.error("--iters, --rotate, --tokens, --hidden must be >= 1 and --warmup >= 0")
+    if args.num_sms is not None and args.num_sms < 1:
+        p.error("--num-sms must be >= 1")
+    if args.staging_chunk_tokens < 0:
+        p.error("--staging-chunk-tokens must be >= 0 (0: the library's choice)")
+    if args.staging_depth < 0 or args.staging_depth == 1:
+        p.error("--staging-depth must be 0 (the library's choice) or >= 2")
+    if args.ranks_per_node < 0 or (args.ranks_per_node and args.nproc % args.ranks_per_node):
+        p.error(f"--ranks-per-node must be 0 or a divisor of the process count ({args.nproc})")
+    if "all" in args.sweep_sms:
+        every = torch.cuda.get_device_properties(0).multi_processor_count
+        args.sweep_sms = [every if v == "all" else v for v in args.sweep_sms]
+    sweeping = bool(args.sweep_sms or args.sweep_tokens)
+    if args.plot is None and args.json and sweeping:
+        args.plot = os.path.splitext(args.json)[0] + ".png"
+    if args.recv_mode == "capacity" and args.capacity_factor is None:
+        # Random routing is balanced in expectation; this leaves room for its spread.
+        args.capacity_factor = 1.5
+    return args
+
+
+def sweep_points(args: argparse.Namespace) -> "list[tuple[int, int | None]]":
+    """(tokens, SMs) of every sweep point: the tokens sweep at --num-sms, the SM sweep at
+    --tokens; a point of both runs once."""
+    points = [(tokens, args.num_sms) for tokens in args.sweep_tokens]
+    points += [(args.tokens, num_sms) for num_sms in args.sweep_sms]
+    return list(dict.fromkeys(points))

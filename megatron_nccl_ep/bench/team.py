@@ -1,0 +1,202 @@
+"""The team section: EP = N on ONE GPU, as a local team (``Group.local_team``).
+
+Every rank of the group lives in one process on GPU 0, each on its own thread and CUDA stream with
+its own SM budget (``run_local_team``). A proxy for N GPUs, not a substitute: the peers' rings
+are this GPU's memory (no NVLink), and the ranks share one HBM, so every rank's byte traffic lands
+on it. What it does show is the engine's structure at EP >= 2 (smaller items, round and credit
+waits, the handle's barrier) on a machine with one GPU.
+
+Timing: per iteration every rank's thread meets the others, holds its stream with a sleep kernel
+long enough for all ranks to enqueue, and brackets its op with CUDA events (one clock: one GPU).
+The iteration's time runs from the last rank's start to the last rank's end (the collective from
+the moment every rank is in it); per rank, its own start to its own end is its busy time.
+Each world size is a point with its own process; a world is skipped, saying why, where its ranks'
+CTAs cannot all be resident (world x --num-sms > the GPU's SMs) or its streams would share
+hardware queues (CUDA_DEVICE_MAX_CONNECTIONS < 2 x world).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+
+from .kernels import group_fields
+from .runner import Rank, run_into
+
+OPS = ("handle: create", "dispatch", "combine")
+PROXY_NOTE = "a proxy (one GPU: no NVLink, one HBM shared by every rank)"
+# Every rank's host thread enqueues its op within this many sleep cycles of its stream.
+HEAD_START_CYCLES = 1_000_000
+MEET_TIMEOUT_S = 60.0
+DEFAULT_CONNECTIONS = 8  # CUDA's hardware queues per context when the variable is unset
+
+
+class _TeamRank:
+    """One rank's inputs, handles and event pairs (on the stream run_local_team gives it)."""
+
+    def __init__(self, rank: int, group, args: argparse.Namespace, dtype, elt: int):
+        self.rank, self.group, self.args, self.dtype, self.elt = rank, group, args, dtype, elt
+        self.pairs: dict = {op: [] for op in OPS}
+        self.handles: list = []
+
+    def prepare(self) -> None:
+        """Before the ranks meet: this stream's memory, the inputs, and torch's sleep kernel
+        loaded. An allocation that reaches cudaMalloc, or a kernel's first load, inside the timed
+        ops could wait for the device, whose kernels wait for this rank's peers."""
+        import torch
+
+        a, device = self.args, self.group.device
+        # Its expert rows (~T x K at any EP size, a quarter more for the spread) per routing and
+        # one more, and its tokens.
+        token_bytes = a.tokens * a.hidden * self.elt
+        rows_bytes = a.topk * token_bytes
+        reserve = torch.empty(int(1.25 * (a.rotate + 1) * rows_bytes)
+                              + (2 * a.rotate + 2) * token_bytes, dtype=torch.uint8, device=device)
+        del reserve
+        gen = torch.Generator(device=device)
+        gen.manual_seed(1000 + self.rank)
+        self.routings = [torch.rand(a.tokens, a.experts, generator=gen, device=device)
+                         .topk(a.topk, dim=1).indices for _ in range(a.rotate)]
+        self.x = [torch.randn(a.tokens, a.hidden, generator=gen, device=device).to(self.dtype)
+                  for _ in range(a.rotate)]
+        torch.cuda._sleep(1)
+
+    def start(self) -> None:
+        """The ranks' first calls: a handle per routing and the rows to combine."""
+        self.handles = [self.group.create_handle(r) for r in self.routings]
+        self.rows = [h.num_recv_tokens for h in self.handles]  # waits for every rank's layout
+        # A copy: read after the team ends, when the handles are gone.
+        self.tokens_per_expert = [h.tokens_per_expert.clone() for h in self.handles]
+        self.expert_out = [h.dispatch(x)[0] for h, x in zip(self.handles, self.x)]
+
+    def timed(self, op: str, i: int):
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(HEAD_START_CYCLES)
+        start.record()
+        if op == "handle: create":
+            handle = self.group.create_handle(self.routings[i])
+        elif op == "dispatch":
+            self.handles[i].dispatch(self.x[i])
+        else:
+            self.handles[i].combine(self.expert_out[i])
+        end.record()
+        if op == "handle: create":
+            handle.num_recv_tokens  # waits for the peers' layouts (each rank its own stream)
+            handle.destroy()
+        torch.cuda.current_stream().synchronize()
+        return start, end
+
+
+def _summarize(iterations: list) -> tuple:
+    """Per iteration, every rank's (start, end) in ms on one clock -> per iteration the
+    collective time (the last start to the last end), and the median of every rank's busy time
+    (its own start to its own end)."""
+    collective = [max(e for _, e in it) - max(s for s, _ in it) for it in iterations]
+    busy = [e - s for it in iterations for s, e in it]
+    return collective, statistics.median(busy)
+
+
+def _expected_rows(routings: list, experts: int) -> list:
+    """Rows every rank receives from the team's first routing: one per routed (token, slot)."""
+    world = len(routings)
+    per_rank = experts // world
+    owners = [(r[r >= 0] // per_rank).bincount(minlength=world).tolist() for r in routings]
+    return [sum(counts[d] for counts in owners) for d in range(world)]
+
+
+def section(me: Rank) -> None:
+    """Runs in a worker of its own (no process group): the whole team is this process."""
+    from ..api import Group, run_local_team
+
+    args = me.args
+    world = args.team_world
+    groups = Group.local_team(world, num_experts=args.experts, max_topk=args.topk,
+                              dtype=me.dtype, device=me.device, recv_mode=args.recv_mode,
+                              capacity_factor=args.capacity_factor, **group_fields(args))
+    try:
+        ranks = [_TeamRank(r, g, args, me.dtype, me.elt) for r, g in enumerate(groups)]
+        meet = threading.Barrier(world)
+
+        def body(rank: int, group) -> None:
+            import torch
+
+            mine = ranks[rank]
+            try:
+                mine.start()
+                for op in OPS:
+                    for it in range(args.warmup + args.iters):
+                        meet.wait(timeout=MEET_TIMEOUT_S)
+                        pair = mine.timed(op, it % args.rotate)
+                        if it >= args.warmup:
+                            mine.pairs[op].append(pair)
+                torch.cuda.current_stream().synchronize()
+            except BaseException:
+                meet.abort()  # the peers stop waiting for this rank
+                raise
+            finally:
+                for handle in mine.handles:
+                    handle.destroy()
+
+        run_local_team(groups, body, prepare=lambda rank, group: ranks[rank].prepare())
+        info = groups[0].info()  # the library's staging choices, next to the times
+        staging = {key: info[key] for key in ("staging_chunk_tokens", "staging_depth")
+                   if key in info}
+        expected = _expected_rows([mine.routings[0] for mine in ranks], args.experts)
+        got = [(mine.rows[0], int(mine.tokens_per_expert[0].sum())) for mine in ranks]
+        ok = all(counts == want and (args.recv_mode == "capacity" or rows == want)
+                 for (rows, counts), want in zip(got, expected))
+        me.check("rows / sum(tokens_per_expert) / expected, per rank",
+                 f"{'ok' if ok else 'MISMATCH'} "
+                 + " ".join(f"{rows}/{counts}/{want}" for (rows, counts), want
+                            in zip(got, expected)))
+        for op in OPS:
+            ref = ranks[0].pairs[op][0][0]  # one clock for every rank: rank 0's first start
+            iterations = [[(ref.elapsed_time(mine.pairs[op][it][0]),
+                            ref.elapsed_time(mine.pairs[op][it][1])) for mine in ranks]
+                          for it in range(args.iters)]
+            collective, busy = _summarize(iterations)
+            me.emit("times", op, times_ms=collective, extra={"busy_ms": busy, **staging})
+    finally:
+        for group in groups:
+            group.destroy()
+
+
+# ------------------------------------------------------------------------------------------------
+# parent
+
+
+def skip_reason(world: int, num_sms: int, sm_count: int, connections: int) -> str:
+    """Why a world cannot run as a local team on this GPU ('' when it can)."""
+    if world * num_sms > sm_count:
+        return (f"{world} ranks x {num_sms} SMs > the GPU's {sm_count} SMs (every CTA of every "
+                f"rank must be resident at once)")
+    if connections < 2 * world:
+        return (f"{world} ranks need CUDA_DEVICE_MAX_CONNECTIONS >= {2 * world}, this process "
+                f"has {connections}: set it (e.g. 32) before the bench starts")
+    return ""
+
+
+def run(result: dict, args: argparse.Namespace, budget_end: float) -> None:
+    """Each world size of --team-sizes as a point of ``result['team']``, in its own process."""
+    import torch
+
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    # The machine, also where every world is skipped and no worker reports it.
+    for key, value in (("device_name", torch.cuda.get_device_name(0)),
+                       ("gpu_count", torch.cuda.device_count()), ("sm_count", sm_count)):
+        result["meta"].setdefault(key, value)
+    connections = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") or DEFAULT_CONNECTIONS)
+    for world in args.team_sizes:
+        point = {"world": world, "num_sms": args.num_sms}
+        reason = skip_reason(world, args.num_sms, sm_count, connections)
+        if reason:
+            result["team"].append({**point, "skipped": reason})
+            continue
+        team_args = argparse.Namespace(**{**vars(args), "nproc": 1, "team_world": world})
+        items, checks = run_into(result, f"team(EP={world})", section, team_args, budget_end,
+                                 process_groups=False)
+        result["team"].append({**point, "items": items, "checks": checks})
