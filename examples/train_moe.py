@@ -8,8 +8,8 @@ replicas. Synthetic data: sequences from a fixed random Markov chain, so the los
     torchrun --standalone --nproc-per-node 8 examples/train_moe.py --experts 16  # GPUs: NCCL
 
 On CPU it runs on gloo with the torch reference backend, deterministically (the last line prints
-the final loss's bits); on GPUs it takes NCCL and backend "auto" (the CUDA kernels when built; run
-so far on one H200, EP=1, by ``tests/gpu/run.sh example``).
+the final loss's bits); on GPUs it takes NCCL and backend "auto" (the CUDA kernels when built;
+``tests/gpu/run.sh example`` runs it twice on every GPU and compares the final-loss bits).
 
 Megatron pieces used as they are: TransformerConfig, parallel_state, GPTModel, the MoE layer,
 router, experts and aux loss. Two stand-ins, both because Megatron-Core 0.19 reaches for CUDA

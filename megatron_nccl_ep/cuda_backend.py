@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import build_info
 from .config import GroupConfig
 from .errors import NcclEpError
 
@@ -45,10 +46,15 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str:
+    """'' when the extension imported; else why not: the build's reason when setup did not build
+    the library (build_info), the import's error when it did."""
     if _C is not None:
         return ""
-    return (f"megatron_nccl_ep._C could not be imported ({_IMPORT_ERROR}); build it with "
-            "`pip install --no-build-isolation -e .` on a machine with nvcc")
+    not_built = build_info.not_built_reason()
+    if not_built is not None:
+        return not_built
+    return (f"megatron_nccl_ep._C could not be imported ({_IMPORT_ERROR}), although setup built "
+            "it; rerun scripts/setup_venv.sh")
 
 
 _DTYPE_CODES: dict = {}  # torch.dtype -> the library's code (_C.DTYPES), filled on first use

@@ -1,6 +1,7 @@
 """The compiled extension on a machine without a GPU: it loads, speaks the header's API version,
 runs on the same NCCL that torch loaded (one NCCL per process), and turns a C error code into a
-Python exception carrying the library's reason. Skipped where nvcc is absent (no extension)."""
+Python exception carrying the library's reason. Skipped where setup did not build the library
+(the reason says why and how to build it: megatron_nccl_ep/build_info.py)."""
 
 import os
 import re
@@ -11,9 +12,11 @@ import sys
 import pytest
 import torch
 
-HAS_NVCC = shutil.which("nvcc") is not None or os.path.exists(
-    os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"))
-pytestmark = pytest.mark.skipif(not HAS_NVCC, reason="no nvcc here: the CUDA extension is not built")
+import elf_dynamic
+from megatron_nccl_ep import build_info
+
+NOT_BUILT = build_info.not_built_reason()
+pytestmark = pytest.mark.skipif(NOT_BUILT is not None, reason=NOT_BUILT or "")
 
 HEADER = os.path.join(os.path.dirname(__file__), "..", "csrc", "include", "nccl_ep.h")
 
@@ -77,32 +80,27 @@ def test_local_team_size_is_checked(ext):
 
 
 def test_shared_library_exports_only_the_c_api():
-    """libnccl_ep.so (next to the module) is the C product: its dynamic symbols are the public
-    header's functions and nothing else (no CUDA runtime, no C++ internals)."""
-    import megatron_nccl_ep
-
-    lib = os.path.join(os.path.dirname(megatron_nccl_ep.__file__), "libnccl_ep.so")
+    """libmegatron_nccl_ep.so (next to the module) is the C product: its dynamic symbols are the
+    public header's functions, each also under its private name (megatron_nccl_ep_ncclEp*, what
+    _C calls), and nothing else (no CUDA runtime, no C++ internals)."""
+    lib = os.path.join(build_info.PACKAGE_DIR, "libmegatron_nccl_ep.so")
     assert os.path.exists(lib), f"{lib} was not built"
-    nm = shutil.which("nm")
-    if nm is None:
-        pytest.skip("nm (binutils) is not installed")
-    out = subprocess.run([nm, "-D", "--defined-only", lib], capture_output=True, text=True,
-                         check=True).stdout
-    exported = sorted(line.split()[-1] for line in out.splitlines() if line.strip())
+    symbols = elf_dynamic.read(lib).symbols
+    exported = sorted(s.name for s in symbols if s.defined and s.name)
     with open(HEADER) as f:
         declared = sorted(set(re.findall(r"\b(ncclEp[A-Za-z]+)\(", f.read())))
-    assert exported == declared, f"exported {exported}, header declares {declared}"
+    assert exported == sorted(declared + ["megatron_nccl_ep_" + d for d in declared]), (
+        f"exported {exported}, header declares {declared}")
     # nvcc compiles a host call into a __device__-only function (legal in a template) to
     # exit(1): the library must never end the caller's process.
-    imported = subprocess.run([nm, "-D", "--undefined-only", lib], capture_output=True, text=True,
-                              check=True).stdout.split()
-    assert not {"exit", "_exit", "abort"} & {name.split("@")[0] for name in imported}, (
-        "libnccl_ep.so imports exit/_exit/abort")
+    imported = {s.name for s in symbols if not s.defined}
+    assert not {"exit", "_exit", "abort"} & imported, (
+        "libmegatron_nccl_ep.so imports exit/_exit/abort")
 
 
 def test_c_example_builds_against_the_library(tmp_path):
     """examples/c_api/dispatch_combine.c compiles (-Wall -Wextra -Werror) and links against
-    libnccl_ep.so and the public header alone; tests/gpu runs it."""
+    libmegatron_nccl_ep.so and the public header alone; tests/gpu runs it."""
     if shutil.which("cc") is None:
         pytest.skip("no C compiler (cc) here")
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "c_api", "build.sh")

@@ -65,7 +65,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
-/* The API is what libnccl_ep.so exports, whatever visibility the library is built with. */
+/* The API is what libmegatron_nccl_ep.so exports, whatever visibility the library is built with. */
 #if defined(__GNUC__)
 #pragma GCC visibility push(default)
 #endif

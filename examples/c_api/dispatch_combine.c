@@ -7,9 +7,10 @@
  *   dispatch_combine               one rank per visible GPU, over an NCCL communicator
  *   dispatch_combine --local-team N  N ranks on GPU 0 (ncclEpCreateLocalTeam: no NCCL)
  *
- * Build (the device script does): cc -std=c11 dispatch_combine.c -I<repo>/csrc/include
- *   -I<nccl include> -I<cuda include> -L<dir of libnccl_ep.so> -lnccl_ep -L<nccl lib> -lnccl
- *   -L<cuda lib64> -lcudart -lpthread
+ * Build: examples/c_api/build.sh [output], i.e. cc -std=c11 dispatch_combine.c
+ *   -I<repo>/csrc/include -I<nccl include> -I<cuda include> -L<repo>/megatron_nccl_ep
+ *   -lmegatron_nccl_ep -L<nccl lib> -l:libnccl.so.2 -L<cuda lib> -lcudart_static -ldl -lrt
+ *   -lpthread
  * Prints one line per rank and exits non-zero on any failure.
  */
 #include <pthread.h>

@@ -109,8 +109,8 @@ fi
 # -- stages ----------------------------------------------------------------------------------------
 STATUS=0
 
-# Builds the package tree DIR in place (NCCL_EP_BUILD_EXT=1: also where no GPU device node is
-# visible to the build), its log into LOG.
+# Builds the package tree DIR in place (NCCL_EP_BUILD_EXT=1: a library that cannot be built fails
+# the build), its log into LOG.
 #   build_tree DIR LOG LIMIT
 build_tree() {
     (cd "$1" && NCCL_EP_BUILD_EXT=1 MAX_JOBS=$JOBS timeout -k 10 "$3" \

@@ -1,6 +1,7 @@
 """The C API as a product surface: examples/c_api/dispatch_combine.c, built against
-libnccl_ep.so, runs on the GPU machine: a local team of 2 and of 4 ranks on GPU 0, and one rank
-per visible GPU over NCCL. It checks its own results (receive counts, combine(dispatch(x)))."""
+libmegatron_nccl_ep.so (examples/c_api/build.sh), runs on the GPU machine: a local team of 2 and
+of 4 ranks on GPU 0, and one rank per visible GPU over NCCL. It checks its own results (receive
+counts, combine(dispatch(x)))."""
 
 import os
 import subprocess
