@@ -44,7 +44,7 @@ def megatron_parallel(ep: int, etp: int = 1, tp: int = 1):
         # Megatron drops its groups but c10d keeps them, each gloo one with its own network
         # threads: hundreds of them per pool process by the end of the suite. In creation order,
         # the same on every rank: an NCCL group's destroy may wait for its peers (a set's order
-        # differs across processes; 2 x H200 hung here with two ranks in different groups).
+        # differs across processes, and two ranks destroying different groups wait forever).
         for group in list(torch.distributed.distributed_c10d._world.pg_map):
             if group not in before:
                 torch.distributed.destroy_process_group(group)

@@ -128,14 +128,14 @@ def assert_grads_close(got: tuple, want: tuple, atol: float = 1e-12) -> None:
     torch.testing.assert_close(got_out, want_out, rtol=0, atol=atol)
     torch.testing.assert_close(got_dx, want_dx, rtol=0, atol=atol)
     assert got_grads.keys() == want_grads.keys() and "router.weight" in got_grads
-    assert want_grads["router.weight"].abs().sum() > 0
-    # Some expert weights get a gradient. Checked over all ranks: a rank's local experts may be
-    # starved for some seeds (they see only zero-probability padding, so get no gradient), while
-    # the skewed expert 0 always keeps tokens.
+    # The router and some expert weights get a gradient, checked over all ranks: for some seeds
+    # one rank's kept slots all sit where the skewed router's softmax saturates (no gradient
+    # there), and a rank's local experts may see only zero-probability padding, while the
+    # skewed expert 0 always keeps tokens.
     expert_grad = torch.stack([g.abs().sum() for n, g in want_grads.items() if "experts" in n])
-    expert_grad = expert_grad.sum().reshape(1)
-    torch.distributed.all_reduce(expert_grad)
-    assert expert_grad.item() > 0
+    nonzero = torch.stack([want_grads["router.weight"].abs().sum(), expert_grad.sum()])
+    torch.distributed.all_reduce(nonzero)
+    assert nonzero[0].item() > 0 and nonzero[1].item() > 0, nonzero
     for name in want_grads:
         torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0, atol=atol,
                                    msg=lambda m: f"{name}: {m}")

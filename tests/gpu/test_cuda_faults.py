@@ -300,8 +300,8 @@ def test_rank_killed_mid_op_makes_the_others_raise(point, ranks_per_node, world_
         assert o["error"] == "NcclEpError", f"rank {r.rank}: {o}"
         # The op the victim died in or the survivors' next one (the time bound below keeps it
         # the next): the victim's kernel, already launched, may finish its part after the
-        # process exits (the driver tears the context down after the running kernel; seen on
-        # 2 x H200: the survivors' dispatch completed, their combine timed out naming rank 1).
+        # process exits (the driver tears the context down after the running kernel), so the
+        # survivors' dispatch may complete and their combine time out naming the victim.
         assert any(names_the_fault(o["message"], later, victim.rank)
                    for later in ("create_handle", "dispatch", "combine")), o["message"]
         assert o["at"] - killed_at <= PEER_DELAY_S + FAULT_TIMEOUT_S + SLACK_S, o
