@@ -1,35 +1,12 @@
 #!/usr/bin/env bash
-# The GPU script: on a bare GPU machine, from the repository root,
+# The GPU script (docs/gpu_tests.md: stages, outputs, time limits, environment). From the
+# repository root of a GPU machine:
 #   bash tests/gpu/run.sh [build] [tests] [bench] [example] [faults] [pretrain] [micro]
 #                                                   (no argument: build tests bench)
-# builds the library, runs the GPU tests bitwise against the reference, runs the benchmark, and
-# leaves under $OUT (at most 8 files: what a remote runner copies back):
-#   env.txt  build.log  gpu_tests.log  bench.log  results.json  RESULTS.md  results.png
-#   summary.md   (example / faults / pretrain / micro: their log in place of results.png)
-#
-# Stages, each under its own time limit (seconds), all of them inside RUN_BUDGET (580 s: one
-# 10-minute call of the device tool) counted from the start: a stage gets what is left when it
-# starts, and the bench stops its own sections in time to write its results.
-#   build     setup.py build_ext --inplace (BUILD_TIMEOUT 120)
-#   tests     four pytest runs: one rank per GPU and the C example (TESTS_TIMEOUT 120), groups
-#             that span nodes, emulated (NODES_TESTS_TIMEOUT 90), Megatron on GPUs
-#             (MEGATRON_TESTS_TIMEOUT 80), local teams EP 2/4/8 on one GPU (TEAM_TIMEOUT 200)
-#   bench     python -m megatron_nccl_ep.bench --json --markdown --plot (BENCH_TIMEOUT 170;
-#             BENCH_ARGS adds flags, e.g. "--sections kernels --sweep-sms 24,66,132").
-#             BENCH_BASELINE="DIR ..." also builds each carried tree (setup.py, csrc/,
-#             megatron_nccl_ep/; e.g. `git archive BRANCH | tar -x -C scratch/base`) and runs its
-#             kernels section (BASELINE_SECTIONS) after ours, into bench.log: an A/B on one
-#             machine in one call.
-#   example   examples/train_moe.py twice on every GPU (cuda backend): the final-loss bits must
-#             match (EXAMPLE_TIMEOUT 120 per run)
-#   faults    ranks that never call or die mid-op, handle-destroying threads, 10,000 handle
-#             cycles, the random soak bitwise against the reference (FAULTS_TIMEOUT 480; the soak
-#             runs SOAK_SECONDS, 300, shortened to end inside the stage; FAULTS_SELECT adds
-#             pytest arguments, shell-quoted, e.g. FAULTS_SELECT='-k "node_per_rank or soak"')
-#   pretrain  examples/check_training.py: Megatron's pretrain() on every GPU for the checks
-#             PRETRAIN_CHECKS (abcde), PRETRAIN_RUN_TIMEOUT (150) per run
-#   micro     benchmarks/micro/peer_ceilings.cu (two GPUs: what N SMs move over NVLink)
-# Carried wheels in .whl/ (megatron-core, which the image lacks) are installed first.
+# It builds the library, runs the GPU tests bitwise against the reference and runs the benchmark,
+# leaving its logs and results under $OUT (default ./out). Every stage's limit is clamped to what
+# is left of RUN_BUDGET (580 s) from the start, so `build tests bench` ends within ten minutes.
+# megatron-core's wheel in .whl/, where the machine's python3 lacks it, is installed first.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-$PWD/out}
@@ -41,7 +18,7 @@ STARTED=$SECONDS
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PY:-python3}  # the image's python3 (the one that holds torch)
+PY=${PY:-python3}  # the machine's python3, with PyTorch and CUDA
 RUN_BUDGET=${RUN_BUDGET:-580}
 BENCH_ARGS=${BENCH_ARGS:-}
 JOBS=$(nproc)
@@ -90,8 +67,8 @@ cat "$OUT/env.txt"
     grep -E '^(torch|source) ' "$OUT/env.txt" | sed 's/^/- /'
 } >>"$SUMMARY"
 
-# -- carried wheels ------------------------------------------------------------------------------
-# --no-deps into a separate folder: the image's torch, numpy and packaging stay in charge.
+# -- wheels in .whl/ ----------------------------------------------------------------------------
+# --no-deps into a separate folder: the machine's torch, numpy and packaging stay in charge.
 if compgen -G ".whl/*.whl" >/dev/null; then
     if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/site .whl/*.whl; then
@@ -103,7 +80,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         note "- wheels: pip install FAILED"
     fi
 else
-    note "- wheels: none carried (.whl/ absent): the Megatron tests skip and the bench's megatron section fails"
+    note "- wheels: none in .whl/: the Megatron tests skip where megatron-core is missing"
 fi
 
 # -- stages ----------------------------------------------------------------------------------------
@@ -150,7 +127,7 @@ if wants bench; then
             BASELINE_PIDS[$i]=$!
         else
             STATUS=1
-            note "- baseline: $tree (BENCH_BASELINE) holds no setup.py (carry it)"
+            note "- baseline: $tree (BENCH_BASELINE) holds no setup.py"
         fi
     done
 fi
@@ -161,7 +138,7 @@ fi
 run_pytest() {
     local label=$1 limit=$2 log=$3 start=$SECONDS per_test=() first section counts
     shift 3
-    # pytest-timeout (in the image) turns a hung test into a traceback instead of a silent kill.
+    # pytest-timeout, where installed, turns a hung test into a traceback instead of a silent kill.
     "$PY" -c 'import pytest_timeout' 2>/dev/null &&
         per_test=(--timeout="${PER_TEST_TIMEOUT:-$((limit > 40 ? limit - 20 : limit))}")
     echo "==== $label ====" >>"$log"
