@@ -251,7 +251,7 @@ class BuildExt(build_ext):
             _write_status(dirs, False, self.failure.reason, self.failure.remedy)
 
     def build_extension(self, ext):
-        tools = _toolchain()
+        tools = TOOLS
         nvcc, nccl_inc, nccl_lib = tools["nvcc"], tools["nccl_inc"], tools["nccl_lib"]
         cxx = os.environ.get("CXX", "g++")
         cuda_inc = os.path.join(tools["cuda_home"], "include")
@@ -368,12 +368,11 @@ class BuildExt(build_ext):
             os.replace(target + ".tmp", target)
 
 
-def _not_built():
-    """None where the CUDA library is to be built, else NotBuildable; NCCL_EP_BUILD_EXT=1 turns
-    NotBuildable into a failed install."""
+def _find_toolchain():
+    """(the toolchain, None) where the CUDA library is to be built, else (None, NotBuildable);
+    NCCL_EP_BUILD_EXT=1 turns NotBuildable into a failed install."""
     try:
-        _toolchain()
-        return None
+        return _toolchain(), None
     except NotBuildable as why:
         if _build_mode() == "1":
             raise SystemExit(f"{PACKAGE}: NCCL_EP_BUILD_EXT=1, but the CUDA library cannot be "
@@ -381,10 +380,10 @@ def _not_built():
         print(f"{PACKAGE}: installing without the CUDA library ({why.reason}); only the "
               f"reference (torch) backend will be available. To build it: {why.remedy}.",
               file=sys.stderr)
-        return why
+        return None, why
 
 
-NOT_BUILT = _not_built()
+TOOLS, NOT_BUILT = _find_toolchain()
 ext_modules = [] if NOT_BUILT is not None else [Extension(
     f"{PACKAGE}._C", sources=sorted(glob.glob(os.path.join(CSRC, "runtime", "*.cc")) +
                                     glob.glob(os.path.join(CSRC, "kernels", "*.cu")) +

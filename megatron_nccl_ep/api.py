@@ -97,9 +97,10 @@ def _group_config(world_size: int, config: Optional[GroupConfig],
         return GroupConfig.build(world_size, capacity_factor=capacity_factor, **fields)
     if not isinstance(config, GroupConfig):
         raise TypeError(f"config must be a GroupConfig, got {type(config).__name__}")
-    if fields or capacity_factor is not None:
+    extra = sorted(fields) + (["capacity_factor"] if capacity_factor is not None else [])
+    if extra:
         raise TypeError("give a GroupConfig or its fields (and capacity_factor), not both; got "
-                        f"config and {sorted(fields) + (['capacity_factor'] if capacity_factor is not None else [])}")
+                        f"config and {extra}")
     config.validate(world_size)
     return config
 
