@@ -14,7 +14,9 @@ import sys
 
 import pytest
 
-from megatron_nccl_ep.bench import cli, markdown, plot, report, sweeps, team
+import torch
+
+from megatron_nccl_ep.bench import cli, kernels, markdown, plot, report, runner, sweeps, team
 from megatron_nccl_ep.bench.__main__ import main
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,6 +82,12 @@ def test_cpu_run_measures_every_item_and_its_checks_pass(cpu_run):
         _positive_median(result["megatron"], f"nccl_ep.{item}")
     assert {name.split(".")[0] for name in result["megatron"]} == {"nccl_ep"}
     assert result["team"] == [] and "ceilings" not in result
+    # The machine as the parent read it once, and what only the workers know.
+    assert set(result["meta"]) == {"torch", "python", "source", "device", "command",
+                                   "started_utc", "env", "cpu_model", "cpu_count", "device_name",
+                                   "gpu_count", "backend_resolved"}
+    assert (result["meta"]["device_name"], result["meta"]["gpu_count"]) == ("cpu", 0)
+    assert result["meta"]["backend_resolved"] == "torch"
 
 
 def test_cpu_table_shows_host_wall_times_only(cpu_run):
@@ -232,6 +240,46 @@ def test_gpu_report_names_the_sm_budget_the_modes_and_the_team_proxy():
     assert "| dispatch | 300.0 | 300.0 | 0.0 | 500.0 | 100.0 | 33 |" in text
     assert "| 2 | dispatch | 600.0 | 500.0 | 540.0 |" in text
     assert "- EP=8: skipped, 8 ranks x 24 SMs" in text
+
+
+def test_collect_keeps_point_facts_apart_from_the_items():
+    # A team worker reports its staging choices once per point, as ints, not per item.
+    records = [{"kind": "times", "item": op, "rank": 0, "times_ms": [1.0, 2.0, 3.0],
+                "extra": {"busy_ms": 0.5}} for op in team.OPS]
+    records += [{"kind": "point", "rank": 0, "data": {"staging_chunk_tokens": 64,
+                                                      "staging_depth": 2}},
+                {"kind": "info", "rank": 0, "data": {"backend_resolved": "cuda"}}]
+    items, errors, info, checks, point = runner.collect(records)
+    assert errors == [] and checks == {} and info == {"0": {"backend_resolved": "cuda"}}
+    assert point == {"0": {"staging_chunk_tokens": 64, "staging_depth": 2}}
+    assert all(set(items[op]) >= {"median_ms", "busy_ms"} for op in team.OPS)
+    assert not any("staging_depth" in row for row in items.values())
+
+
+def test_input_sets_are_the_seeded_draws_and_rows_are_counted_per_rank():
+    args = cli.parse_args(["--device", "cpu", "--tokens", "32", "--experts", "8", "--topk", "3",
+                           "--hidden", "16"])
+    me = runner.Rank(1, 2, "test", args, None, process_groups=False)
+    topk, probs, x = me.input_set(2)
+
+    def gen(seed):
+        return torch.Generator().manual_seed(seed)
+
+    assert torch.equal(topk, torch.rand(32, 8, generator=gen(1_000_003 * 3 + 1)).topk(3).indices)
+    assert torch.equal(probs, torch.rand(32, 3, generator=gen(7 * 2 + 1)).softmax(-1))
+    assert torch.equal(x, torch.randn(32, 16, generator=gen(100 + 10 * 2 + 1)).bfloat16())
+    topk[0, 0] = -1  # a masked slot is no row
+    per_rank = 8 // 2
+    assert kernels.rows_per_rank(topk, 8, 2) == [
+        int(((topk >= 0) & (topk // per_rank == d)).sum()) for d in range(2)]
+
+
+def test_item_names_and_timing_modes():
+    assert runner.item_name("dispatch", runner.kernel_mode("cuda")) == "dispatch (kernel)"
+    assert runner.item_name("combine", runner.e2e_mode("cuda")) == "combine (e2e)"
+    assert runner.kernel_mode("cpu") == runner.e2e_mode("cpu") == "host wall"
+    assert runner.item_name(kernels.RANK_MAJOR.format("dispatch"), "host wall") == \
+        "dispatch, rank-major (host wall)"
 
 
 def test_team_skips_what_cannot_be_resident_or_queued():

@@ -11,10 +11,12 @@ import datetime
 import os
 import shlex
 import sys
+import time
 
 from . import ceilings, dispatchers, kernels, markdown, plot, report, sweeps, team
 from .cli import parse_args, sweep_points
-from .runner import cpu_model, run_into
+from .machine import machine_info
+from .runner import run_into
 
 SECTION_FUNCTIONS = {"ceilings": ceilings.section, "kernels": kernels.section,
                      "megatron": dispatchers.section}
@@ -43,8 +45,10 @@ def new_result(args, argv: list) -> dict:
         "shape": shape, "args": dict(vars(args)),
         "sections": {}, "errors": [], "checks": {}, "sweeps": [], "team": [],
     }
+    # The machine, read once for every section (a dry run on GPUs touches no GPU).
+    if args.device == "cpu" or not args.dry_run:
+        result["meta"].update(machine_info(args.device))
     if args.device == "cpu":
-        result["meta"].update(cpu_model=cpu_model(), cpu_count=os.cpu_count())
         result["note"] = report.cpu_note(args, len(sweep_points(args)))
     return result
 
@@ -62,15 +66,13 @@ def main(argv=None) -> int:
         print(report.format_table(result))
         return 0
 
-    import time
-
     budget_end = time.monotonic() + args.time_budget
     for section in args.sections:
         if section == "team":
             team.run(result, args, budget_end)
             continue
-        result[section], checks = run_into(result, section, SECTION_FUNCTIONS[section], args,
-                                           budget_end)
+        result[section], checks, _ = run_into(result, section, SECTION_FUNCTIONS[section],
+                                              args, budget_end)
         result["checks"].update(checks)
     sweeps.run(result, args, budget_end)
     report.add_floors(result)

@@ -41,15 +41,6 @@ def _int_list(minimum: int, allow_all: bool):
     return parse
 
 
-def extension_problem() -> str:
-    """Why the cuda backend cannot run here ('' when its extension is built and loads)."""
-    try:
-        from .. import cuda_backend
-    except Exception as exc:  # noqa: BLE001 - any import failure means no cuda backend
-        return f"megatron_nccl_ep.cuda_backend does not import: {exc}"
-    return cuda_backend.unavailable_reason()
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m megatron_nccl_ep.bench",
@@ -153,7 +144,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.nproc is None:
         args.nproc = gpus if args.device == "cuda" else 2
     args.sections = [s for s in args.sections.split(",") if s]
-    if not sections_given and gpus == 1 and not extension_problem():
+    # Why the cuda backend cannot run here ('' when its extension is built and loads), where
+    # the team section may run.
+    problem = ""
+    if args.device == "cuda" and ("team" in args.sections or (not sections_given and gpus == 1)):
+        from .. import cuda_backend
+
+        problem = cuda_backend.unavailable_reason()
+    if not sections_given and gpus == 1 and not problem:
         args.sections.append("team")
     args.megatron_dispatchers = [d for d in args.megatron_dispatchers.split(",") if d]
     bad = [s for s in args.sections if s not in SECTIONS]
@@ -164,7 +162,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if "team" in args.sections:
         if args.device != "cuda":
             p.error("--sections team needs a GPU (a local team runs the cuda backend)")
-        problem = extension_problem()
         if problem:
             p.error(f"--sections team needs the built extension: {problem}")
     elif team_sizes_given:
@@ -194,7 +191,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.ranks_per_node < 0 or (args.ranks_per_node and args.nproc % args.ranks_per_node):
         p.error(f"--ranks-per-node must be 0 or a divisor of the process count ({args.nproc})")
     if "all" in args.sweep_sms:
-        every = torch.cuda.get_device_properties(0).multi_processor_count
+        from .machine import machine_info
+
+        every = machine_info("cuda")["sm_count"]
         args.sweep_sms = [every if v == "all" else v for v in args.sweep_sms]
     sweeping = bool(args.sweep_sms or args.sweep_tokens)
     if args.plot is None and args.json and sweeping:

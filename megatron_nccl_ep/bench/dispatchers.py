@@ -11,7 +11,8 @@ the rows: fwd_bwd minus expert_fwd_bwd is the dispatcher's share).
 
 from __future__ import annotations
 
-from .runner import Rank
+from .runner import Rank, e2e_mode
+
 
 def _dispatcher(me: Rank, name: str, pg_collection):
     import torch
@@ -33,8 +34,10 @@ def _dispatcher(me: Rank, name: str, pg_collection):
         megatron_nccl_ep.register()
         from ..options import NcclEpOptions
 
+        # The flags our own groups take (kernels.group_fields) where the plugin has them.
         options = {"backend": args.backend, "recv_mode": args.recv_mode,
-                   "max_tokens_per_rank": args.tokens}
+                   "max_tokens_per_rank": args.tokens, "timeout_s": args.device_timeout,
+                   "ranks_per_node": args.ranks_per_node}
         if args.num_sms is not None:
             options["num_sms"] = args.num_sms
         if args.capacity_factor is not None:
@@ -52,7 +55,7 @@ def _dispatcher(me: Rank, name: str, pg_collection):
 
 def section(me: Rank) -> None:
     torch, args = me.torch, me.args
-    mode = me.modes[-1]  # from lined-up hosts: e2e on GPUs, host wall on cpu
+    mode = e2e_mode(args.device)
     try:
         from megatron.core import parallel_state
         from megatron.core.process_groups_config import ProcessGroupCollection
@@ -64,15 +67,12 @@ def section(me: Rank) -> None:
 
     sets = []
     for s in range(args.rotate):
-        topk = me.random_topk(s)
-        gen = torch.Generator(device=me.device)
-        gen.manual_seed(7 * s + me.rank)
-        weights = torch.rand(args.tokens, args.topk, generator=gen, device=me.device).softmax(-1)
+        topk, weights, x = me.input_set(s)
         routing_map = torch.zeros(args.tokens, args.experts, dtype=torch.bool, device=me.device)
         routing_map.scatter_(1, topk, True)
         probs = torch.zeros(args.tokens, args.experts, device=me.device).scatter_(1, topk, weights)
         # [sequence, batch, hidden], as MoELayer hands it over
-        hidden = me.random_tokens(args.tokens, 100 + 10 * s + me.rank).unsqueeze(1)
+        hidden = x.unsqueeze(1)
         grad_out = me.random_tokens(args.tokens, 900 + 10 * s + me.rank).unsqueeze(1)
         sets.append({"routing_map": routing_map, "probs": probs, "hidden": hidden,
                      "grad_out": grad_out})

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .runner import Rank
+from .runner import Rank, item_name, kernel_mode
 
 if TYPE_CHECKING:
     import torch
 
 HANDLE = "handle: create + count read"
-RANK_MAJOR = "{op}, rank-major ({mode})"
+RANK_MAJOR = "{}, rank-major"  # the op of the rank-major lower bound: RANK_MAJOR.format(op)
 
 
 def group_fields(args) -> dict:
@@ -35,30 +35,27 @@ def group_fields(args) -> dict:
     return fields
 
 
-def _pair_counts(me: Rank, topk: "torch.Tensor") -> list:
-    """M[s][d]: tokens of rank s with at least one expert on rank d, for every (s, d)."""
+def rows_per_rank(topk: "torch.Tensor", experts: int, world: int) -> list:
+    """Rows that each rank receives from one routing (one per routed (token, slot) it owns),
+    without alignment padding."""
+    return (topk[topk >= 0] // (experts // world)).bincount(minlength=world).tolist()
+
+
+def _routing(me: Rank, topk: "torch.Tensor") -> tuple:
+    """(destination mask [T, world]: token t has an expert on rank d; M[s][d]: tokens of rank s
+    with at least one expert on rank d, for every (s, d); rows this rank receives), from one
+    exchange between the ranks."""
     torch = me.torch
-    per_rank = me.args.experts // me.world
-    hits = torch.zeros(topk.shape[0], me.world, dtype=torch.bool, device=topk.device)
+    dest = torch.zeros(topk.shape[0], me.world, dtype=torch.bool, device=topk.device)
     valid = topk >= 0
-    hits.scatter_(1, torch.where(valid, topk // per_rank, 0), valid)
-    return _all_gather(me, hits.sum(0).tolist())
-
-
-def _all_gather(me: Rank, value) -> list:
+    dest.scatter_(1, torch.where(valid, topk // (me.args.experts // me.world), 0), valid)
+    mine = (dest.sum(0).tolist(), rows_per_rank(topk, me.args.experts, me.world))
     if me.world == 1:
-        return [value]
-    everyone = [None] * me.world
-    me.dist.all_gather_object(everyone, value, group=me.host_group)
-    return everyone
-
-
-def _expected_rows(me: Rank, topk: "torch.Tensor") -> int:
-    """Rows this rank receives (one per routed (token, slot) it owns), without alignment
-    padding."""
-    per_rank = me.args.experts // me.world
-    mine = [int(((topk >= 0) & (topk // per_rank == d)).sum()) for d in range(me.world)]
-    return sum(counts[me.rank] for counts in _all_gather(me, mine))
+        everyone = [mine]
+    else:
+        everyone = [None] * me.world
+        me.dist.all_gather_object(everyone, mine, group=me.host_group)
+    return dest, [pairs for pairs, _ in everyone], sum(rows[me.rank] for _, rows in everyone)
 
 
 def _traffic_bytes(me: Rank, counts: list, rows: int) -> dict:
@@ -75,7 +72,7 @@ def _traffic_bytes(me: Rank, counts: list, rows: int) -> dict:
 
 
 def section(me: Rank) -> None:
-    torch, args = me.torch, me.args
+    args = me.args
     from ..api import Group
 
     fields = group_fields(args)
@@ -86,14 +83,10 @@ def section(me: Rank) -> None:
     me.emit("info", data={"backend_resolved": group.backend_name})
     sets = []
     for s in range(args.rotate):
-        topk = me.random_topk(s)
-        gen = torch.Generator(device=me.device)
-        gen.manual_seed(7 * s + me.rank)
-        probs = torch.rand(args.tokens, args.topk, generator=gen, device=me.device).softmax(-1)
-        x = me.random_tokens(args.tokens, seed=100 + 10 * s + me.rank)
-        sets.append({"topk": topk, "probs": probs, "x": x,
-                     "bytes": _traffic_bytes(me, _pair_counts(me, topk),
-                                             _expected_rows(me, topk))})
+        topk, probs, x = me.input_set(s)
+        dest, pairs, rows = _routing(me, topk)
+        sets.append({"topk": topk, "probs": probs, "x": x, "dest": dest, "expected_rows": rows,
+                     "bytes": _traffic_bytes(me, pairs, rows)})
     mean = lambda key: sum(st["bytes"][key] for st in sets) / len(sets)  # noqa: E731
     dispatch_bytes = {"phys_bytes": mean("dispatch_phys"), "logical_bytes": mean("logical")}
     combine_bytes = {"phys_bytes": mean("combine_phys"), "logical_bytes": mean("logical")}
@@ -121,7 +114,7 @@ def section(me: Rank) -> None:
         err = ((y.double() - ref).norm() / ref.norm()).item()
         me.check("combine(dispatch(x)) vs K*x, rel err", f"{err:.2e}")
         counts = handle.tokens_per_expert.sum().item()
-        expected = _expected_rows(me, st["topk"])
+        expected = st["expected_rows"]
         ok = (args.recv_mode == "capacity" or handle.num_recv_tokens == expected) and \
             counts == expected and recv_probs is not None
         me.check("rows / sum(tokens_per_expert) / expected",
@@ -137,19 +130,19 @@ def section(me: Rank) -> None:
 
     def layout():
         for mode in me.modes:
-            me.measure(f"{HANDLE} ({mode})", new_handle, mode=mode,
+            me.measure(item_name(HANDLE, mode), new_handle, mode=mode,
                        after=lambda i, handle: handle.destroy())
 
     me.attempt("layout", layout)
 
     for mode in me.modes:
         me.attempt(f"dispatch.{mode}", lambda: me.measure(
-            f"dispatch ({mode})",
+            item_name("dispatch", mode),
             lambda i: pick(i)["handle"].dispatch(pick(i)["x"], pick(i)["probs"]),
             mode=mode, extra={**dispatch_bytes, **floor_bytes}))
     for mode in me.modes:
         me.attempt(f"combine.{mode}", lambda: me.measure(
-            f"combine ({mode})",
+            item_name("combine", mode),
             lambda i: pick(i)["handle"].combine(pick(i)["expert_out"]),
             mode=mode, extra={**combine_bytes, **floor_bytes}))
 
@@ -158,22 +151,19 @@ def section(me: Rank) -> None:
         # per (token, destination rank) instead of per (token, expert), i.e. a group with one
         # "expert" per rank routed by each token's destination ranks (a K-th of the rows to
         # write and to sum at top-K).
-        per_rank = args.experts // me.world
         rm_group = Group(num_experts=me.world, max_topk=min(args.topk, me.world), dtype=me.dtype,
                          backend=args.backend, device=me.device,
                          ranks_per_node=args.ranks_per_node, **fields)
         for s, st in enumerate(sets):
-            dest = torch.zeros(args.tokens, me.world, dtype=torch.bool, device=me.device)
-            dest.scatter_(1, st["topk"] // per_rank, True)
-            st["rm_handle"] = rm_group.create_handle(routing_map=dest)
+            st["rm_handle"] = rm_group.create_handle(routing_map=st["dest"])
             st["rm_rows"] = me.random_tokens(st["rm_handle"].num_recv_tokens,
                                              seed=900 + 10 * s + me.rank)
-        mode = me.modes[0]  # device time where there is one
+        mode = kernel_mode(args.device)
         try:
-            me.measure(RANK_MAJOR.format(op="dispatch", mode=mode),
+            me.measure(item_name(RANK_MAJOR.format("dispatch"), mode),
                        lambda i: pick(i)["rm_handle"].dispatch(pick(i)["x"]), mode=mode,
                        extra=dispatch_bytes)
-            me.measure(RANK_MAJOR.format(op="combine", mode=mode),
+            me.measure(item_name(RANK_MAJOR.format("combine"), mode),
                        lambda i: pick(i)["rm_handle"].combine(pick(i)["rm_rows"]), mode=mode,
                        extra=combine_bytes)
         finally:

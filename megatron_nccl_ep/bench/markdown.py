@@ -9,27 +9,22 @@ from __future__ import annotations
 
 import os
 
-from .report import floor_rates
-from .sweeps import sweep_mode
-from .team import OPS as TEAM_OPS
-from .team import PROXY_NOTE
 from .kernels import HANDLE, RANK_MAJOR
-from .runner import MODES
+from .report import (cells, ceiling_rows, check_rows, first_line, floor_rates, kernel_cells,
+                     megatron_rows, shape_extras, sweep_rows, team_rows, times_us)
+from .runner import e2e_mode, item_name, kernel_mode
+from .sweeps import sweep_mode
+from .team import PROXY_NOTE
 
 
-def _table(header: list, rows: list) -> list:
+def _table(header: list, rows: list, specs: tuple = ()) -> list:
+    """A table; the last cells of each row are numbers, formatted by ``specs`` (report.fmt)."""
+    n = len(header) - len(specs)
     lines = ["| " + " | ".join(header) + " |",
              "|" + "|".join(" --- " if i == 0 else " ---: " for i in range(len(header))) + "|"]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(list(map(str, row[:n])) + cells(row[n:], specs)) + " |"
+              for row in rows]
     return lines + [""]
-
-
-def _num(value, spec: str) -> str:
-    return format(value, spec) if isinstance(value, (int, float)) else "-"
-
-
-def _us(row, key: str = "median_ms") -> str:
-    return _num(row[key] * 1e3, ".1f") if row else "-"
 
 
 def _machine(meta: dict) -> str:
@@ -47,11 +42,6 @@ def _header(result: dict) -> list:
     source = meta.get("source") or {}
     cuda = meta["device"] == "cuda"
     budget = f"SM budget {shape['num_sms']} per rank" if cuda else "no SM budget (cpu)"
-    extras = [f"staging chunks of {shape['staging_chunk_tokens']} tokens"
-              if shape.get("staging_chunk_tokens") else "",
-              f"staging depth {shape['staging_depth']}" if shape.get("staging_depth") else "",
-              f"emulated nodes of {shape['ranks_per_node']} rank(s)"
-              if shape.get("ranks_per_node") else ""]
     if cuda:
         timing = ("kernel = device time between CUDA events, the GPUs held while the host "
                   "enqueues and lined up by a one-element all-reduce; e2e = from idle GPUs and "
@@ -67,7 +57,7 @@ def _header(result: dict) -> list:
         f"- shape: {shape['tokens']} tokens per rank, hidden {shape['hidden']}, top-"
         f"{shape['topk']} of {shape['experts']} experts, {shape['dtype']}, {budget}, "
         f"{shape['ranks']} rank(s), backend {shape['backend']}, {shape['recv_mode']} mode"
-        + "".join(f", {e}" for e in extras if e),
+        + "".join(f", {extra}" for extra in shape_extras(shape)),
         f"- times: medians over {args['iters']} iterations (after {args['warmup']} warm-up, "
         f"rotating {args['rotate']} random routings), per iteration the slowest rank; {timing}",
     ]
@@ -94,24 +84,24 @@ def _kernels(result: dict, out: list) -> None:
     if not kern:
         return
     out += [f"## Kernels: our dispatch and combine (backend {result['shape']['backend']})", ""]
-    if result["meta"]["device"] != "cuda":
+    device = result["meta"]["device"]
+    mode = kernel_mode(device)
+    if device != "cuda":
         out += _table(["op", "host wall (ms)"],
-                      [[op, _num(kern[f"{op} (host wall)"]["median_ms"], ".2f")]
-                       for op in (HANDLE, "dispatch", "combine") if f"{op} (host wall)" in kern])
+                      [[op, kern[item_name(op, mode)]["median_ms"]]
+                       for op in (HANDLE, "dispatch", "combine") if item_name(op, mode) in kern],
+                      (".2f",))
     else:
         out += [_ceilings_line(result), "GB/s and floor are of the kernel-mode time.", ""]
         rows = []
         for op in (HANDLE, "dispatch", "combine"):
-            k, e = kern.get(f"{op} (kernel)"), kern.get(f"{op} (e2e)")
-            if k or e:
-                k = k or {}
-                rows.append([op, _us(k), _us(e), _num(k.get("phys_GBps"), ".1f"),
-                             _num(k.get("logical_GBps"), ".1f"), _num(k.get("floor_us"), ".1f"),
-                             _num(k.get("floor_pct"), ".0f")])
+            k, e = kern.get(item_name(op, mode)), kern.get(item_name(op, e2e_mode(device)))
+            if k or e:  # GB/s and floor of the kernel mode
+                time_us, *rates = kernel_cells(k)
+                rows.append([op, time_us, *times_us(e, "median_ms"), *rates])
         out += _table(["op", "kernel (us)", "e2e (us)", "phys GB/s", "logical GB/s",
-                       "floor (us)", "floor %"], rows)
-    mode = MODES[result["meta"]["device"]][0]
-    bound = [(op, kern.get(RANK_MAJOR.format(op=op, mode=mode)), kern.get(f"{op} ({mode})"))
+                       "floor (us)", "floor %"], rows, (".1f",) * 5 + (".0f",))
+    bound = [(op, kern.get(item_name(RANK_MAJOR.format(op), mode)), kern.get(item_name(op, mode)))
              for op in ("dispatch", "combine")]
     if not any(row for _, row, _ in bound):
         return
@@ -120,32 +110,34 @@ def _kernels(result: dict, out: list) -> None:
                 "DeepEP's layout through the same library: one row per (token, destination "
                 "rank) instead of per (token, expert); the same link bytes, a K-th of the rows.",
                 ""]
+        rows = []
+        for op, rm, em in bound:
+            time_us, *rates = kernel_cells(rm, ("phys_GBps", "logical_GBps"))
+            rows.append([op, time_us, *times_us(em, "median_ms"), *rates])
         out += _table(["op", "rank-major, kernel (us)", "expert-major, kernel (us)",
-                       "phys GB/s", "logical GB/s"],
-                      [[op, _us(rm), _us(em), _num((rm or {}).get("phys_GBps"), ".1f"),
-                        _num((rm or {}).get("logical_GBps"), ".1f")] for op, rm, em in bound])
+                       "phys GB/s", "logical GB/s"], rows, (".1f",) * 4)
     else:
         out += ["### Rank-major layout", "",
                 "One row per (token, destination rank) instead of per (token, expert), through "
                 "the same library.", ""]
         out += _table(["op", "rank-major, host wall (ms)", "expert-major, host wall (ms)"],
-                      [[op, _num(rm["median_ms"], ".2f") if rm else "-",
-                        _num(em["median_ms"], ".2f") if em else "-"] for op, rm, em in bound])
+                      [[op, *((row or {}).get("median_ms") for row in (rm, em))]
+                       for op, rm, em in bound], (".2f",) * 2)
 
 
 def _checks(result: dict, out: list) -> None:
-    lines = [f"- {name}: " + ", ".join(f"rank {r} {v}" for r, v in sorted(per_rank.items()))
-             for name, per_rank in result.get("checks", {}).items()]
-    for point in result.get("team") or []:
-        lines += [f"- team EP={point['world']}, {name}: " + ", ".join(map(str, per_rank.values()))
-                  for name, per_rank in point.get("checks", {}).items()]
+    checks, team_checks = check_rows(result)
+    lines = [f"- {name}: " + ", ".join(f"rank {rank} {value}" for rank, value in values)
+             for name, values in checks]
+    lines += [f"- team EP={world}, {name}: " + ", ".join(map(str, values))
+              for world, name, values in team_checks]
     if lines:
         out += ["## Checks", ""] + lines + [""]
 
 
 def _megatron(result: dict, out: list) -> None:
-    meg = result.get("megatron") or {}
-    if not meg:
+    unit, rows = megatron_rows(result)
+    if not rows:
         return
     cuda = result["meta"]["device"] == "cuda"
     out += ["## Megatron dispatchers, driven as MoELayer drives them", "",
@@ -154,77 +146,53 @@ def _megatron(result: dict, out: list) -> None:
             "stand-in expert (rows x probs), combine, backward; expert = the stand-in expert's "
             "forward and backward alone. "
             + ("End to end from lined-up hosts (e2e)." if cuda else "Host wall time."), ""]
-    scale, unit, spec = (1e3, "us", ".0f") if cuda else (1.0, "ms", ".2f")
-    rows = []
-    for disp in dict.fromkeys(name.split(".")[0] for name in meg):
-        def cell(op, s, sp):
-            row = meg.get(f"{disp}.{op}")
-            return _num(row["median_ms"] * s, sp) if row else "-"
-        rows.append([disp, cell("dispatch", scale, spec), cell("combine", scale, spec),
-                     cell("fwd_bwd", 1.0, ".2f"), cell("expert_fwd_bwd", 1.0, ".2f")])
     out += _table(["dispatcher", f"dispatch ({unit})", f"combine ({unit})", "fwd+bwd (ms)",
-                   "expert fwd+bwd (ms)"], rows)
+                   "expert fwd+bwd (ms)"], rows, (".0f" if cuda else ".2f",) * 2 + (".2f",) * 2)
 
 
 def _team(result: dict, out: list) -> None:
-    points = result.get("team") or []
+    points = team_rows(result)
     if not points:
         return
     out += ["## Team: EP>1 as a local team on one GPU", "",
-            f"Every rank a thread with its own stream, {points[0]['num_sms']} SMs per rank: "
-            f"{PROXY_NOTE}. collective = the last rank's start to the last "
+            f"Every rank a thread with its own stream, {result['team'][0]['num_sms']} SMs per "
+            f"rank: {PROXY_NOTE}. collective = the last rank's start to the last "
             "rank's end; busy = each rank's own start to its end; fastest = the shortest "
             "collective.", ""]
-    rows, skipped = [], []
-    for point in points:
-        if "skipped" in point:
-            skipped.append(f"- EP={point['world']}: skipped, {point['skipped']}")
-            continue
-        for op in TEAM_OPS:
-            row = point["items"].get(op)
-            rows.append([point["world"], op, _us(row), _us(row, "busy_ms"), _us(row, "min_ms")])
+    rows = [(world, *op_row) for world, _, ops in points for op_row in ops]
     if rows:
-        out += _table(["EP", "op", "collective (us)", "busy per rank (us)", "fastest (us)"], rows)
+        out += _table(["EP", "op", "collective (us)", "busy per rank (us)", "fastest (us)"], rows,
+                      (".1f",) * 3)
+    skipped = [f"- EP={world}: skipped, {why}" for world, why, _ in points if why]
     if skipped:
         out += skipped + [""]
 
 
 def _sweeps(result: dict, out: list) -> None:
-    points = result.get("sweeps") or []
+    points = sweep_rows(result)
     if not points:
         return
-    mode = sweep_mode(result)
     out += ["## Sweeps: the kernels section per tokens per rank and per SM budget", ""]
-    if mode == "kernel":
+    if sweep_mode(result) == "kernel":
         out += [_ceilings_line(result), ""]
-        rows = []
-        for p in points:
-            row = [p["tokens"], p["num_sms"]]
-            for op in ("dispatch", "combine"):
-                r = p["items"].get(f"{op} (kernel)") or {}
-                row += [_us(r) if r else "-", _num(r.get("phys_GBps"), ".1f"),
-                        _num(r.get("logical_GBps"), ".1f"), _num(r.get("floor_pct"), ".0f")]
-            rows.append(row)
         out += _table(["tokens", "SMs", "dispatch (us)", "phys GB/s", "logical GB/s", "floor %",
-                       "combine (us)", "phys GB/s", "logical GB/s", "floor %"], rows)
+                       "combine (us)", "phys GB/s", "logical GB/s", "floor %"],
+                      [(tokens, sms, *values) for tokens, sms, values, _ in points],
+                      (".1f", ".1f", ".1f", ".0f") * 2)
     else:
         out += _table(["tokens", "dispatch, host wall (ms)", "combine, host wall (ms)"],
-                      [[p["tokens"]] + [_num((p["items"].get(f"{op} ({mode})") or {})
-                                             .get("median_ms"), ".2f")
-                                        for op in ("dispatch", "combine")] for p in points])
+                      [(tokens, *values) for tokens, _, values, _ in points], (".2f",) * 2)
     if result.get("plot"):
         out += [f"Plot: `{os.path.basename(result['plot'])}`", ""]
 
 
 def render(result: dict) -> str:
     out = _header(result)
-    ceil = result.get("ceilings") or {}
-    if ceil:
+    ceilings = ceiling_rows(result)
+    if ceilings:
         out += ["## Ceilings", "", "What the hardware moves without the library, on this "
                 "run's GPUs (kernel mode).", ""]
-        out += _table(["ceiling", "time (us)", "GB/s"],
-                      [[name, _us(row), _num(row.get("phys_GBps"), ".1f")]
-                       for name, row in ceil.items()])
+        out += _table(["ceiling", "time (us)", "GB/s"], ceilings, (".1f",) * 2)
     _kernels(result, out)
     _megatron(result, out)
     _team(result, out)
@@ -232,8 +200,7 @@ def render(result: dict) -> str:
     _checks(result, out)
     if result.get("errors"):
         out += ["## Errors", ""]
-        out += [f"- {e['section']}/{e['item']} rank {e['rank']}: "
-                f"{((e['error'] or '').strip().splitlines() or [''])[0][:200]}"
+        out += [f"- {e['section']}/{e['item']} rank {e['rank']}: {first_line(e['error'])[:200]}"
                 for e in result["errors"]] + [""]
     return "\n".join(out).rstrip() + "\n"
 

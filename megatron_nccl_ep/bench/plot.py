@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 
+from .runner import item_name
 from .sweeps import series, sweep_mode
 
 
@@ -39,7 +40,7 @@ def write(result: dict, path: str) -> str:
         bw_ax = axes[1][col] if cuda else None
         xs = sorted(x for x, _ in points)
         for op in ("dispatch", "combine"):
-            item = f"{op} ({mode})"
+            item = item_name(op, mode)
             measured = sorted((x, items[item]) for x, items in points if item in items)
             x_values = [x for x, _ in measured]
             scale = 1e3 if cuda else 1.0

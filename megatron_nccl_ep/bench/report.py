@@ -15,13 +15,14 @@ import json
 import os
 import subprocess
 
+from ..build_info import PACKAGE_DIR
 from .ceilings import HBM_COPY, PEER_COPY_ALL, PEER_COPY_ONE
+from .runner import item_name, kernel_mode
 from .sweeps import sweep_mode
 from .team import OPS as TEAM_OPS
 from .team import PROXY_NOTE
 
 TABLE_MARKER = "== megatron_nccl_ep bench"
-HOST_WALL = " (host wall)"  # the item suffix of cpu rows: the table's header says it instead
 
 # The ceilings that the floors divide by, first found first.
 FLOOR_CEILINGS = {
@@ -34,7 +35,7 @@ def source_version() -> dict:
     """What code ran: ``git describe --dirty`` of the tree (a copy of the tree may carry an older
     .git: "-dirty" then says the files differ from that commit) and a SHA-256 over the library's
     sources (csrc/, the package's .py files), which names the code whatever the .git says."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package = PACKAGE_DIR
     root = os.path.dirname(package)
     try:
         git = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty", "--abbrev=40"],
@@ -53,10 +54,20 @@ def source_version() -> dict:
 
 
 def fmt(value, spec: str) -> str:
-    """``value`` formatted, or a dash of the same width when there is none."""
+    """``value`` formatted, or a dash of the same width when there is none (no width: '-')."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return format(value, spec)
     return "-".rjust(int(spec.split(".")[0] or 1))
+
+
+def cells(values, specs) -> list:
+    """Each value formatted by its spec (``fmt``)."""
+    return list(map(fmt, values, specs))
+
+
+def first_line(text) -> str:
+    """The first line of an error's text ('' where there is none)."""
+    return ((text or "").strip().splitlines() or [""])[0]
 
 
 def floor_rates(result: dict) -> dict:
@@ -103,6 +114,98 @@ def cpu_note(args, sweep_count: int) -> str:
             f"{', '.join(measured) or 'nothing'}; skipped {'; '.join(skipped)}.")
 
 
+# ------------------------------------------------------------------------------------------------
+# Each section's rows as numbers (None where not measured): both the text table (below) and the
+# markdown (markdown.py) render these.
+
+
+def shape_extras(shape: dict, *, rail: bool = False) -> list:
+    """The shape's settings that only some runs have, as words."""
+    words = {"staging_chunk_tokens": "staging chunks of {} tokens",
+             "staging_depth": "staging depth {}",
+             "ranks_per_node": "emulated nodes of {} rank(s)"
+                               + (" (rail: NCCL send/receive)" if rail else "")}
+    return [text.format(shape[key]) for key, text in words.items() if shape.get(key)]
+
+
+def times_us(row, *keys) -> list:
+    """An item's times (ms) ``keys`` in us."""
+    return [row[key] * 1e3 if row else None for key in keys]
+
+
+def kernel_cells(row, keys=("phys_GBps", "logical_GBps", "floor_us", "floor_pct")) -> list:
+    """A kernels item's time_us, then its ``keys``."""
+    return times_us(row, "median_ms") + [(row or {}).get(key) for key in keys]
+
+
+def ceiling_rows(result: dict) -> list:
+    """(name, time_us, GB/s) of every ceiling."""
+    return [(name, *kernel_cells(row, ("phys_GBps",)))
+            for name, row in (result.get("ceilings") or {}).items()]
+
+
+def megatron_rows(result: dict) -> tuple:
+    """(unit, [(dispatcher, dispatch, combine, fwd_bwd_ms, expert_fwd_bwd_ms)]): dispatch and
+    combine in the unit, us on GPUs and ms on cpu (host wall times are that long)."""
+    meg = result.get("megatron") or {}
+    scale, unit = (1e3, "us") if result["meta"]["device"] == "cuda" else (1.0, "ms")
+    ops = (("dispatch", scale), ("combine", scale), ("fwd_bwd", 1.0), ("expert_fwd_bwd", 1.0))
+    return unit, [(disp, *(meg[f"{disp}.{op}"]["median_ms"] * s if f"{disp}.{op}" in meg
+                           else None for op, s in ops))
+                  for disp in dict.fromkeys(name.split(".")[0] for name in meg)]
+
+
+def team_rows(result: dict) -> list:
+    """(EP, why it was skipped or None, [(op, collective_us, busy_us per rank, fastest_us)]) of
+    every team point."""
+    return [(point["world"], point.get("skipped"),
+             [(op, *times_us(point["items"].get(op), "median_ms", "busy_ms", "min_ms"))
+              for op in TEAM_OPS if not point.get("skipped")])
+            for point in result.get("team") or []]
+
+
+def sweep_rows(result: dict) -> list:
+    """(tokens, SMs, values, a check failed) of every sweep point; values: per op (dispatch, then
+    combine) its kernel-mode time_us, phys GB/s, logical GB/s and floor % on GPUs, its host wall
+    time_ms on cpu."""
+    mode = sweep_mode(result)
+    rows = []
+    for point in result.get("sweeps") or []:
+        values = []
+        for op in ("dispatch", "combine"):
+            row = point["items"].get(item_name(op, mode))
+            values += (kernel_cells(row, ("phys_GBps", "logical_GBps", "floor_pct"))
+                       if mode == "kernel" else [(row or {}).get("median_ms")])
+        # The sanity checks of every point are in the JSON; the table flags a failed one.
+        bad = any("MISMATCH" in str(value) for per_rank in point["checks"].values()
+                  for value in per_rank.values())
+        rows.append((point["tokens"], point["num_sms"], values, bad))
+    return rows
+
+
+def check_rows(result: dict) -> tuple:
+    """The checks: [(name, [(rank, value)] in rank order)] of the sections, and [(EP, name,
+    [value] in rank order)] of the team points."""
+    own = [(name, sorted(per_rank.items())) for name, per_rank in result.get("checks", {}).items()]
+    team = [(point["world"], name, [value for _, value in sorted(per_rank.items())])
+            for point in result.get("team") or []
+            for name, per_rank in point.get("checks", {}).items()]
+    return own, team
+
+
+# ------------------------------------------------------------------------------------------------
+# the text table
+
+
+def _text_table(first: str, width: int, names: list, specs: tuple, rows) -> list:
+    """A header line (``first`` in ``width``, each name right-aligned in its spec's width) and a
+    line per row: (label, *values), or a line as it is."""
+    widths = [int(spec.split(".")[0]) for spec in specs]
+    return [" ".join([f"{first:{width}s}"] + [f"{n:>{w}s}" for n, w in zip(names, widths)])] + [
+        row if isinstance(row, str) else " ".join([f"{row[0]:{width}s}"] + cells(row[1:], specs))
+        for row in rows]
+
+
 def header_lines(result: dict) -> list:
     meta, shape = result["meta"], result["shape"]
     source = meta.get("source") or {}
@@ -119,134 +222,80 @@ def header_lines(result: dict) -> list:
         f"sources {source.get('sources_sha256')}",
         f"shape: {shape['tokens']} tokens/rank x {shape['hidden']} hidden x top-{shape['topk']}"
         f" x {shape['experts']} experts, {shape['dtype']}{budget}, {shape['ranks']} ranks"
-        + (f", staging chunks of {shape['staging_chunk_tokens']} tokens"
-           if shape.get("staging_chunk_tokens") else "")
-        + (f", staging depth {shape['staging_depth']}" if shape.get("staging_depth") else "")
-        + (f", emulated nodes of {shape['ranks_per_node']} rank(s) (rail: NCCL send/receive)"
-           if shape.get("ranks_per_node") else "")
+        + "".join(f", {extra}" for extra in shape_extras(shape, rail=True))
         + "; medians of per-iteration slowest rank",
     ]
 
 
-def _gpu_sections(result: dict, lines: list) -> None:
-    shape = result["shape"]
-    ceil = result.get("ceilings") or {}
-    if ceil:
-        lines.append(f"{'ceiling':38s} {'time_us':>9s} {'GB/s':>9s}")
-        for name, row in ceil.items():
-            lines.append(f"{name:38s} {fmt(row['median_ms'] * 1e3, '9.1f')} "
-                         f"{fmt(row.get('phys_GBps'), '9.1f')}")
-    kern = result.get("kernels") or {}
-    if kern:
-        lines.append(f"{'ours (' + shape['backend'] + ')':38s} {'time_us':>9s} {'phys GB/s':>9s} "
-                     f"{'logic GB/s':>10s} {'floor_us':>9s} {'floor %':>7s}")
-        for name, row in kern.items():
-            lines.append(f"{name:38s} {fmt(row['median_ms'] * 1e3, '9.1f')} "
-                         f"{fmt(row.get('phys_GBps'), '9.1f')} "
-                         f"{fmt(row.get('logical_GBps'), '10.1f')} "
-                         f"{fmt(row.get('floor_us'), '9.1f')} {fmt(row.get('floor_pct'), '7.0f')}")
-
-
-def _cpu_kernels(result: dict, lines: list) -> None:
-    kern = result.get("kernels") or {}
-    if kern:
-        lines.append(f"{'ours (' + result['shape']['backend'] + '), host wall':38s} "
-                     f"{'time_ms':>9s}")
-        for name, row in kern.items():
-            lines.append(f"{name.replace(HOST_WALL, ''):38s} {fmt(row['median_ms'], '9.2f')}")
-
-
-def _megatron(result: dict, lines: list, cuda: bool) -> None:
-    meg = result.get("megatron") or {}
-    if not meg:
-        return
-    # GPUs: dispatch and combine in us; cpu: everything in ms (host wall times are that long).
-    small, small_unit = (1e3, "us") if cuda else (1.0, "ms")
-    lines.append(f"{'megatron dispatcher' + ('' if cuda else ', host wall'):30s} "
-                 f"{'dispatch_' + small_unit:>12s} {'combine_' + small_unit:>12s} "
-                 f"{'fwd+bwd_ms':>12s} {'expert_ms':>10s}")
-    for disp in dict.fromkeys(name.split(".")[0] for name in meg):
-        def cell(op, scale, spec):
-            row = meg.get(f"{disp}.{op}")
-            return fmt(row["median_ms"] * scale if row else None, spec)
-        lines.append(f"{disp:30s} {cell('dispatch', small, '12.0f' if cuda else '12.2f')} "
-                     f"{cell('combine', small, '12.0f' if cuda else '12.2f')} "
-                     f"{cell('fwd_bwd', 1.0, '12.2f')} {cell('expert_fwd_bwd', 1.0, '10.2f')}")
-
-
-def _team(result: dict, lines: list) -> None:
-    points = result.get("team") or []
-    if not points:
-        return
-    lines.append(f"team: EP>1 as a local team on GPU 0, {PROXY_NOTE}; "
-                 f"{points[0]['num_sms']} SMs per rank")
-    lines.append(f"{'EP':>4s} {'op':24s} {'collective_us':>13s} {'busy_us/rank':>12s} "
-                 f"{'fastest_us':>10s}")
-    for point in points:
-        if "skipped" in point:
-            lines.append(f"{point['world']:4d} skipped: {point['skipped']}")
-            continue
-        for op in TEAM_OPS:
-            row = point["items"].get(op)
-            lines.append(f"{point['world']:4d} {op:24s} "
-                         f"{fmt(row['median_ms'] * 1e3 if row else None, '13.1f')} "
-                         f"{fmt(row['busy_ms'] * 1e3 if row else None, '12.1f')} "
-                         f"{fmt(row['min_ms'] * 1e3 if row else None, '10.1f')}")
-
-
-def _sweeps(result: dict, lines: list, cuda: bool) -> None:
-    points = result.get("sweeps") or []
-    if not points:
-        return
-    mode = sweep_mode(result)
+def _kernels(result: dict, cuda: bool) -> list:
+    kern, backend = result.get("kernels") or {}, result["shape"]["backend"]
+    if not kern:
+        return []
     if cuda:
-        lines.append(f"{'sweep, kernel mode: tokens':>26s} {'SMs':>4s} {'dispatch_us':>11s} "
-                     f"{'phys GB/s':>9s} {'logic GB/s':>10s} {'floor %':>7s} {'combine_us':>11s} "
-                     f"{'phys GB/s':>9s} {'logic GB/s':>10s} {'floor %':>7s}")
+        return _text_table(f"ours ({backend})", 38, ["time_us", "phys GB/s", "logic GB/s",
+                                                     "floor_us", "floor %"],
+                           ("9.1f", "9.1f", "10.1f", "9.1f", "7.0f"),
+                           [(name, *kernel_cells(row)) for name, row in kern.items()])
+    mode = item_name("", kernel_mode("cpu"))  # the header says it instead of every row
+    return _text_table(f"ours ({backend}), host wall", 38, ["time_ms"], ("9.2f",),
+                       [(name.removesuffix(mode), row["median_ms"]) for name, row in kern.items()])
+
+
+def _team(result: dict) -> list:
+    points = team_rows(result)
+    if not points:
+        return []
+    rows = []
+    for world, skipped, ops in points:
+        rows += ([f"{world:4d} skipped: {skipped}"] if skipped else
+                 [(f"{world:4d} {op:24s}", *times) for op, *times in ops])
+    return [f"team: EP>1 as a local team on GPU 0, {PROXY_NOTE}; "
+            f"{result['team'][0]['num_sms']} SMs per rank"] + _text_table(
+        f"{'EP':>4s} {'op':24s}", 29, ["collective_us", "busy_us/rank", "fastest_us"],
+        ("13.1f", "12.1f", "10.1f"), rows)
+
+
+def _sweeps(result: dict, cuda: bool) -> list:
+    rows = sweep_rows(result)
+    if not rows:
+        return []
+    if cuda:
+        lines = _text_table(f"{'sweep, kernel mode: tokens':>26s} {'SMs':>4s}", 31,
+                            ["dispatch_us", "phys GB/s", "logic GB/s", "floor %", "combine_us",
+                             "phys GB/s", "logic GB/s", "floor %"],
+                            ("11.1f", "9.1f", "10.1f", "7.0f") * 2,
+                            [(f"{tokens:26d} {sms:4d}", *values)
+                             for tokens, sms, values, _ in rows])
     else:
-        lines.append(f"{'sweep, host wall: tokens':>26s} {'dispatch_ms':>11s} {'combine_ms':>11s}")
-    for point in points:
-        cells = []
-        for op in ("dispatch", "combine"):
-            row = point["items"].get(f"{op} ({mode})", {})
-            if cuda:
-                cells += [fmt(row["median_ms"] * 1e3 if row else None, "11.1f"),
-                          fmt(row.get("phys_GBps"), "9.1f"), fmt(row.get("logical_GBps"), "10.1f"),
-                          fmt(row.get("floor_pct"), "7.0f")]
-            else:
-                cells.append(fmt(row["median_ms"] if row else None, "11.2f"))
-        # The sanity checks of every point are in the JSON; a failed one is flagged here.
-        bad = any("MISMATCH" in str(value) for per_rank in point["checks"].values()
-                  for value in per_rank.values())
-        sms = f" {point['num_sms']:4d}" if cuda else ""
-        lines.append(f"{point['tokens']:26d}{sms} {' '.join(cells)}"
-                     + ("  check MISMATCH" if bad else ""))
+        lines = _text_table(f"{'sweep, host wall: tokens':>26s}", 26,
+                            ["dispatch_ms", "combine_ms"], ("11.2f",) * 2,
+                            [(f"{tokens:26d}", *values) for tokens, _, values, _ in rows])
+    return lines[:1] + [line + ("  check MISMATCH" if bad else "")
+                        for line, (*_, bad) in zip(lines[1:], rows)]
 
 
 def format_table(result: dict) -> str:
     """The short table printed last (the GPU script's summary takes it from TABLE_MARKER on)."""
     cuda = result["meta"]["device"] == "cuda"
-    lines = header_lines(result)
-    if result.get("note"):
-        lines.append(result["note"])
-    if cuda:
-        _gpu_sections(result, lines)
-    else:
-        _cpu_kernels(result, lines)
-    for name, per_rank in result.get("checks", {}).items():
-        values = ", ".join(f"r{rank} {value}" for rank, value in sorted(per_rank.items()))
-        lines.append(f"check {name}: {values}")
-    _megatron(result, lines, cuda)
-    _team(result, lines)
-    for point in result.get("team") or []:
-        for name, per_rank in point.get("checks", {}).items():
-            lines.append(f"check team EP={point['world']} {name}: "
-                         + ", ".join(str(v) for _, v in sorted(per_rank.items())))
-    _sweeps(result, lines, cuda)
-    for err in result.get("errors", []):
-        first_line = (err["error"] or "").strip().splitlines()[:1] or [""]
-        lines.append(f"ERROR {err['section']}/{err['item']} rank {err['rank']}: "
-                     f"{first_line[0][:160]}")
+    lines = header_lines(result) + ([result["note"]] if result.get("note") else [])
+    ceilings = ceiling_rows(result) if cuda else []
+    if ceilings:
+        lines += _text_table("ceiling", 38, ["time_us", "GB/s"], ("9.1f",) * 2, ceilings)
+    lines += _kernels(result, cuda)
+    checks, team_checks = check_rows(result)
+    lines += [f"check {name}: " + ", ".join(f"r{rank} {value}" for rank, value in values)
+              for name, values in checks]
+    unit, rows = megatron_rows(result)
+    if rows:
+        lines += _text_table("megatron dispatcher" + ("" if cuda else ", host wall"), 30,
+                             [f"dispatch_{unit}", f"combine_{unit}", "fwd+bwd_ms", "expert_ms"],
+                             ("12.0f" if cuda else "12.2f",) * 2 + ("12.2f", "10.2f"), rows)
+    lines += _team(result)
+    lines += [f"check team EP={world} {name}: " + ", ".join(map(str, values))
+              for world, name, values in team_checks]
+    lines += _sweeps(result, cuda)
+    lines += [f"ERROR {err['section']}/{err['item']} rank {err['rank']}: "
+              f"{first_line(err['error'])[:160]}" for err in result.get("errors", [])]
     return "\n".join(lines)
 
 

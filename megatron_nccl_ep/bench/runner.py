@@ -22,12 +22,9 @@ import argparse
 import datetime
 import faulthandler
 import math
-import os
-import platform
 import queue as queue_module
 import socket
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -48,6 +45,21 @@ AFTER_DEATH_S = 10.0
 # iteration: longer than the Python overhead of one call.
 HEAD_START_CYCLES = 200_000
 MODES = {"cuda": ("kernel", "e2e"), "cpu": ("host wall",)}
+
+
+def kernel_mode(device: str) -> str:
+    """Device time where the device has it: kernel on GPUs, host wall on cpu."""
+    return MODES[device][0]
+
+
+def e2e_mode(device: str) -> str:
+    """From lined-up hosts: e2e on GPUs, host wall on cpu."""
+    return MODES[device][-1]
+
+
+def item_name(op: str, mode: str) -> str:
+    """A timed item's name: its op and its timing mode."""
+    return f"{op} ({mode})"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -135,14 +147,15 @@ def summarize_times(per_rank: dict) -> dict:
 def collect(records: list) -> tuple:
     """Groups the workers' records by item: times of all ranks side by side, numeric extras
     averaged over ranks, bandwidth = bytes per rank / median time. Returns (items, errors,
-    info by rank, checks)."""
+    info by rank, checks, point facts by rank)."""
     items: dict = {}
-    errors, info, checks = [], {}, {}
+    errors, info, checks, point = [], {}, {}, {}
     for rec in records:
         if rec["kind"] == "error":
             errors.append({k: rec[k] for k in ("section", "item", "rank", "error")})
-        elif rec["kind"] == "info":
-            info.setdefault(str(rec["rank"]), {}).update(rec["data"])
+        elif rec["kind"] in ("info", "point"):
+            facts = info if rec["kind"] == "info" else point
+            facts.setdefault(str(rec["rank"]), {}).update(rec["data"])
         elif rec["kind"] == "check":
             checks.setdefault(rec["item"], {})[str(rec["rank"])] = rec["value"]
         elif rec["kind"] == "times" and rec["times_ms"]:
@@ -165,21 +178,23 @@ def collect(records: list) -> tuple:
             if isinstance(summary.get(key), float) and seconds > 0:
                 summary[label] = summary[key] / seconds / 1e9
         out[name] = summary
-    return out, errors, info, checks
+    return out, errors, info, checks, point
 
 
 def run_into(result: dict, label: str, section: Callable, args: argparse.Namespace,
              budget_end: float, *, process_groups: bool = True) -> tuple:
-    """Runs ``section`` within what is left of the budget, records its run, errors and device
-    info in ``result`` under ``label``, and returns its items and checks (empty if skipped)."""
+    """Runs ``section`` within what is left of the budget, records its run and errors in
+    ``result`` under ``label`` and what its workers report of themselves (``info`` records, e.g.
+    the backend they resolved) in ``result['meta']``, the first answer kept; returns its items,
+    checks and rank 0's facts of this point (``point`` records), all empty if skipped."""
     left = budget_end - time.monotonic()
     if left < 10:
         result["errors"].append({"section": label, "item": "-", "rank": "-",
                                  "error": "skipped: --time-budget spent"})
-        return {}, {}
+        return {}, {}, {}
     run = run_section(label, section, args, min(args.section_timeout, left),
                       process_groups=process_groups)
-    items, errors, info, checks = collect(run.pop("records"))
+    items, errors, info, checks, point = collect(run.pop("records"))
     result["sections"][label] = run
     result["errors"].extend(errors)
     for rank_info in info.values():
@@ -191,7 +206,7 @@ def run_into(result: dict, label: str, section: Callable, args: argparse.Namespa
             "section": label, "item": "-", "rank": "-",
             "error": f"section ended after {run['wall_s']} s: timed out {run['timed_out']}, "
                      f"ranks killed {run['killed']}, exit codes {run['exit_codes']}"})
-    return items, checks
+    return items, checks, point.get("0", {})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -231,20 +246,21 @@ class Rank:
         self._align_buf = torch.ones(1, device=self.device)
 
     # -- inputs -----------------------------------------------------------------------------------
-    def random_topk(self, set_index: int) -> "torch.Tensor":
-        """Uniform random distinct experts per token; a fresh draw per (input set, rank)."""
-        torch, args = self.torch, self.args
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(1_000_003 * (set_index + 1) + self.rank)
-        scores = torch.rand(args.tokens, args.experts, generator=gen, device=self.device)
-        return scores.topk(args.topk, dim=1).indices
+    def input_set(self, set_index: int) -> tuple:
+        """(topk, probs, x) of input set ``set_index`` on this rank: the routing, its weights
+        (softmax over the K slots) and the tokens, each a fresh draw per (input set, rank)."""
+        args, s, rank = self.args, set_index, self.rank
+        topk = random_topk(self.generator(1_000_003 * (s + 1) + rank), args.tokens, args.experts,
+                           args.topk)
+        probs = self.torch.rand(args.tokens, args.topk, generator=self.generator(7 * s + rank),
+                                device=self.device)
+        return topk, probs.softmax(-1), self.random_tokens(args.tokens, seed=100 + 10 * s + rank)
 
     def random_tokens(self, rows: int, seed: int) -> "torch.Tensor":
-        torch = self.torch
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
-        return torch.randn(rows, self.args.hidden, generator=gen,
-                           device=self.device).to(self.dtype)
+        return random_tokens(self.generator(seed), rows, self.args.hidden, self.dtype)
+
+    def generator(self, seed: int) -> "torch.Generator":
+        return self.torch.Generator(device=self.device).manual_seed(seed)
 
     # -- reporting --------------------------------------------------------------------------------
     def emit(self, kind: str, item: str = "-", **fields) -> None:
@@ -335,7 +351,6 @@ def _worker(rank: int, world: int, label: str, section: Callable, args_dict: dic
     me = None
     try:
         me = Rank(rank, world, label, args, messages, process_groups)
-        me.emit("info", data=device_info(me))
         section(me)
     except Exception as exc:  # noqa: BLE001 - set-up failures are reported like item failures
         traceback.print_exc()
@@ -360,43 +375,18 @@ def _worker(rank: int, world: int, label: str, section: Callable, args_dict: dic
         faulthandler.cancel_dump_traceback_later()
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+# ------------------------------------------------------------------------------------------------
+# inputs, drawn from a generator (the team section draws all of a rank's from one)
 
 
-def _driver_version() -> Optional[str]:
-    """The NVIDIA driver's version as nvidia-smi reports it; None where it cannot be read."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = out.stdout.strip().splitlines()
-    return lines[0].strip() if out.returncode == 0 and lines else None
+def random_topk(gen: "torch.Generator", tokens: int, experts: int, topk: int) -> "torch.Tensor":
+    """Uniform random distinct experts per token."""
+    import torch
+
+    return torch.rand(tokens, experts, generator=gen, device=gen.device).topk(topk, dim=1).indices
 
 
-def device_info(me: Rank) -> dict:
-    """What the machine is, as this worker sees it (the parent keeps the first answer)."""
-    torch = me.torch
-    info = {"torch": torch.__version__}
-    if me.cuda:
-        props = torch.cuda.get_device_properties(me.device)
-        version = torch.cuda.nccl.version()
-        info.update(device_name=torch.cuda.get_device_name(me.device),
-                    gpu_count=torch.cuda.device_count(), sm_count=props.multi_processor_count,
-                    gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                    cuda_runtime=torch.version.cuda,
-                    nccl=".".join(map(str, version)) if isinstance(version, tuple) else version)
-        if me.rank == 0:
-            info["driver"] = _driver_version()
-    else:
-        info.update(device_name="cpu", gpu_count=0, cpu_model=cpu_model(),
-                    cpu_count=os.cpu_count())
-    return info
+def random_tokens(gen: "torch.Generator", rows: int, hidden: int, dtype) -> "torch.Tensor":
+    import torch
+
+    return torch.randn(rows, hidden, generator=gen, device=gen.device).to(dtype)

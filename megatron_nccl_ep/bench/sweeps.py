@@ -11,7 +11,7 @@ import argparse
 
 from .kernels import section as kernels_section
 from .cli import sweep_points
-from .runner import MODES, run_into
+from .runner import kernel_mode, run_into
 
 
 def point_label(tokens: int, num_sms) -> str:
@@ -22,7 +22,7 @@ def run(result: dict, args: argparse.Namespace, budget_end: float) -> None:
     """Appends one ``{tokens, num_sms, items, checks}`` to ``result['sweeps']`` per point."""
     for tokens, num_sms in sweep_points(args):
         point = argparse.Namespace(**{**vars(args), "tokens": tokens, "num_sms": num_sms})
-        items, checks = run_into(result, point_label(tokens, num_sms), kernels_section, point,
+        items, checks, _ = run_into(result, point_label(tokens, num_sms), kernels_section, point,
                                  budget_end)
         result["sweeps"].append({"tokens": tokens, "num_sms": num_sms, "items": items,
                                  "checks": checks})
@@ -30,7 +30,7 @@ def run(result: dict, args: argparse.Namespace, budget_end: float) -> None:
 
 def sweep_mode(result: dict) -> str:
     """The timing mode of the sweeps' rows: device time where the device has it."""
-    return MODES[result["meta"]["device"]][0]
+    return kernel_mode(result["meta"]["device"])
 
 
 def series(result: dict) -> list:

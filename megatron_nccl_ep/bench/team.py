@@ -22,8 +22,9 @@ import os
 import statistics
 import threading
 
-from .kernels import group_fields
-from .runner import Rank, run_into
+from .kernels import group_fields, rows_per_rank
+from .machine import machine_info
+from .runner import Rank, random_tokens, random_topk, run_into
 
 OPS = ("handle: create", "dispatch", "combine")
 PROXY_NOTE = "a proxy (one GPU: no NVLink, one HBM shared by every rank)"
@@ -55,20 +56,18 @@ class _TeamRank:
         reserve = torch.empty(int(1.25 * (a.rotate + 1) * rows_bytes)
                               + (2 * a.rotate + 2) * token_bytes, dtype=torch.uint8, device=device)
         del reserve
-        gen = torch.Generator(device=device)
-        gen.manual_seed(1000 + self.rank)
-        self.routings = [torch.rand(a.tokens, a.experts, generator=gen, device=device)
-                         .topk(a.topk, dim=1).indices for _ in range(a.rotate)]
-        self.x = [torch.randn(a.tokens, a.hidden, generator=gen, device=device).to(self.dtype)
-                  for _ in range(a.rotate)]
+        # One generator for every input set of this rank (runner.Rank.input_set: one per draw).
+        gen = torch.Generator(device=device).manual_seed(1000 + self.rank)
+        self.routings = [random_topk(gen, a.tokens, a.experts, a.topk) for _ in range(a.rotate)]
+        self.x = [random_tokens(gen, a.tokens, a.hidden, self.dtype) for _ in range(a.rotate)]
         torch.cuda._sleep(1)
 
     def start(self) -> None:
         """The ranks' first calls: a handle per routing and the rows to combine."""
         self.handles = [self.group.create_handle(r) for r in self.routings]
-        self.rows = [h.num_recv_tokens for h in self.handles]  # waits for every rank's layout
-        # A copy: read after the team ends, when the handles are gone.
-        self.tokens_per_expert = [h.tokens_per_expert.clone() for h in self.handles]
+        rows = [h.num_recv_tokens for h in self.handles]  # waits for every rank's layout
+        # The first routing's counts, checked after the team ends (a copy: the handles are gone).
+        self.rows, self.tokens_per_expert = rows[0], self.handles[0].tokens_per_expert.clone()
         self.expert_out = [h.dispatch(x)[0] for h, x in zip(self.handles, self.x)]
 
     def timed(self, op: str, i: int):
@@ -98,14 +97,6 @@ def _summarize(iterations: list) -> tuple:
     collective = [max(e for _, e in it) - max(s for s, _ in it) for it in iterations]
     busy = [e - s for it in iterations for s, e in it]
     return collective, statistics.median(busy)
-
-
-def _expected_rows(routings: list, experts: int) -> list:
-    """Rows every rank receives from the team's first routing: one per routed (token, slot)."""
-    world = len(routings)
-    per_rank = experts // world
-    owners = [(r[r >= 0] // per_rank).bincount(minlength=world).tolist() for r in routings]
-    return [sum(counts[d] for counts in owners) for d in range(world)]
 
 
 def section(me: Rank) -> None:
@@ -142,11 +133,13 @@ def section(me: Rank) -> None:
                     handle.destroy()
 
         run_local_team(groups, body, prepare=lambda rank, group: ranks[rank].prepare())
-        info = groups[0].info()  # the library's staging choices, next to the times
-        staging = {key: info[key] for key in ("staging_chunk_tokens", "staging_depth")
-                   if key in info}
-        expected = _expected_rows([mine.routings[0] for mine in ranks], args.experts)
-        got = [(mine.rows[0], int(mine.tokens_per_expert[0].sum())) for mine in ranks]
+        info = groups[0].info()  # the library's staging choices: facts of this point
+        me.emit("point", data={key: int(info[key]) for key in ("staging_chunk_tokens",
+                                                               "staging_depth") if key in info})
+        # Rows every rank receives from the team's first routing.
+        sent = [rows_per_rank(mine.routings[0], args.experts, world) for mine in ranks]
+        expected = [sum(rows[d] for rows in sent) for d in range(world)]
+        got = [(mine.rows, int(mine.tokens_per_expert.sum())) for mine in ranks]
         ok = all(counts == want and (args.recv_mode == "capacity" or rows == want)
                  for (rows, counts), want in zip(got, expected))
         me.check("rows / sum(tokens_per_expert) / expected, per rank",
@@ -159,7 +152,7 @@ def section(me: Rank) -> None:
                             ref.elapsed_time(mine.pairs[op][it][1])) for mine in ranks]
                           for it in range(args.iters)]
             collective, busy = _summarize(iterations)
-            me.emit("times", op, times_ms=collective, extra={"busy_ms": busy, **staging})
+            me.emit("times", op, times_ms=collective, extra={"busy_ms": busy})
     finally:
         for group in groups:
             group.destroy()
@@ -181,14 +174,9 @@ def skip_reason(world: int, num_sms: int, sm_count: int, connections: int) -> st
 
 
 def run(result: dict, args: argparse.Namespace, budget_end: float) -> None:
-    """Each world size of --team-sizes as a point of ``result['team']``, in its own process."""
-    import torch
-
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    # The machine, also where every world is skipped and no worker reports it.
-    for key, value in (("device_name", torch.cuda.get_device_name(0)),
-                       ("gpu_count", torch.cuda.device_count()), ("sm_count", sm_count)):
-        result["meta"].setdefault(key, value)
+    """Each world size of --team-sizes as a point of ``result['team']``, in its own process
+    (with the library's staging choices of that world, where its worker reported them)."""
+    sm_count = machine_info("cuda")["sm_count"]
     connections = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") or DEFAULT_CONNECTIONS)
     for world in args.team_sizes:
         point = {"world": world, "num_sms": args.num_sms}
@@ -197,6 +185,6 @@ def run(result: dict, args: argparse.Namespace, budget_end: float) -> None:
             result["team"].append({**point, "skipped": reason})
             continue
         team_args = argparse.Namespace(**{**vars(args), "nproc": 1, "team_world": world})
-        items, checks = run_into(result, f"team(EP={world})", section, team_args, budget_end,
-                                 process_groups=False)
-        result["team"].append({**point, "items": items, "checks": checks})
+        items, checks, facts = run_into(result, f"team(EP={world})", section, team_args,
+                                        budget_end, process_groups=False)
+        result["team"].append({**point, **facts, "items": items, "checks": checks})
