@@ -28,6 +28,7 @@ from . import rendezvous
 from .backend import Backend
 from .config import INDEX_DTYPES, PROB_DTYPES, GroupConfig
 from .errors import NcclEpError  # noqa: F401  (re-exported: megatron_nccl_ep.NcclEpError)
+from .ll import InFlight, LLHandle, check_ll_routing
 
 def _resolve_device(device) -> torch.device:
     """``None``: the current CUDA device when there is one, else the CPU; ``"cuda"`` without an
@@ -164,6 +165,7 @@ class Group:
         self._backend: Optional[Backend] = backend_cls(self.config, self.process_group,
                                                        self.device)
         self.backend_name = self._backend.name
+        self._ll_in_flight = InFlight()
 
     @classmethod
     def local_team(cls, world_size: int, config: Optional[GroupConfig] = None, *, device=None,
@@ -187,6 +189,7 @@ class Group:
             group.device, group.config = device, config
             group.num_local_experts = config.num_experts // world_size
             group._backend, group.backend_name = backend, backend.name
+            group._ll_in_flight = InFlight()
             groups.append(group)
         return groups
 
@@ -215,7 +218,7 @@ class Group:
                         f" got {tuple(t.shape)}")
 
     def create_handle(self, topk_idx: Optional[torch.Tensor] = None, *,
-                      routing_map: Optional[torch.Tensor] = None) -> "Handle":
+                      routing_map: Optional[torch.Tensor] = None) -> "Handle | LLHandle":
         """Collective: exchange one forward pass's routing, given as ``topk_idx [T, K]``
         (int64/int32, -1 = masked) or as a router's ``routing_map [T, E]`` (bool). A routing map
         fills ``K = max_topk`` slots per token with its routed experts in ascending order (-1
@@ -224,6 +227,13 @@ class Group:
         self._require_alive()
         if (topk_idx is None) == (routing_map is None):
             raise TypeError("create_handle takes exactly one of topk_idx and routing_map")
+        if self.config.mode == "ll":
+            # docs/design.md §9: no communication; routing values are checked by the backend.
+            if routing_map is not None:
+                raise TypeError("an LL group's handles take topk_idx [T, K], not a routing_map")
+            check_ll_routing(self, topk_idx)
+            state = self._backend.ll_create_handle(topk_idx.contiguous())
+            return LLHandle(self, state, topk_idx.shape[0], topk_idx.shape[1])
         if routing_map is not None:
             self._check_tensor("routing_map", routing_map, 2, (torch.bool,),
                                (None, self.config.num_experts))

@@ -14,6 +14,7 @@ from typing import Optional, Protocol
 import torch
 
 from .config import GroupConfig
+from .ll import LLDispatchOutput
 
 
 class HandleState(Protocol):
@@ -79,6 +80,23 @@ class Backend(Protocol):
     def combine_probs(self, state: HandleState, grad_recv_probs: torch.Tensor,
                       dense: bool) -> torch.Tensor:
         """Collective: ``[N]`` -> ``[T, K]`` (``[T, E]`` when ``dense``), zero where unrouted."""
+
+    # -- LL (docs/design.md §9): groups of mode "ll" ---------------------------------------------
+    def ll_create_handle(self, topk_idx: torch.Tensor) -> HandleState:
+        """No communication: ``topk_idx [T, K]`` (bounds checked by the front end)."""
+
+    def ll_dispatch(self, state: HandleState, x: torch.Tensor,
+                    topk_weights: Optional[torch.Tensor], send_only: bool) -> "LLDispatchOutput":
+        """Collective: ``x [T, H]``, ``topk_weights [T, K]`` fp32 or None -> the outputs of the
+        group's layout (written by ``ll_complete`` when ``send_only``)."""
+
+    def ll_combine(self, state: HandleState, expert_out: torch.Tensor,
+                   topk_weights: Optional[torch.Tensor], send_only: bool) -> torch.Tensor:
+        """Collective: expert outputs in the layout (and, expert-major, the weights ``[T, K]``
+        fp32) -> ``y [T, H]`` (written by ``ll_complete`` when ``send_only``)."""
+
+    def ll_complete(self, state: HandleState) -> None:
+        """Receives the handle's op sent with ``send_only``."""
 
     def check_errors(self) -> None:
         """Raises a pending device-side error, synchronizing the current stream first."""

@@ -17,6 +17,16 @@ import torch
 TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int64, torch.int32)
 PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+LL_TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LL_LAYOUTS = ("expert_major", "rank_major")
+# LL bounds (docs/design.md §9): a message carries a token's top-k ids, positions and weights;
+# counts and flags hold T_max in 16 bits; the receive kernel keeps L x R offsets in shared memory.
+LL_MAX_TOKENS = 4096
+LL_MAX_TOPK = 32
+LL_MAX_EXPERTS = 4096
+FP8_BLOCK = 128  # columns per FP8 scale
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_AMAX_FLOOR = 1e-4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +54,11 @@ class GroupConfig:
     # block; a source's slots past the C-th for an expert (in token order) are dropped, unused
     # rows are zero (prob 0). 0 = off (the exact layout).
     expert_capacity: int = 0
+    # The algorithm (docs/design.md §9): "ht" (high throughput: training, prefill) or "ll" (low
+    # latency: decode). LL reads max_tokens_per_rank as T_max and adds:
+    mode: str = "ht"
+    ll_layout: str = "expert_major"  # "expert_major" (3D, per expert) | "rank_major" (gathered)
+    dispatch_fp8: bool = False  # LL: the dispatch payload cast to FP8 e4m3 per 128 columns
 
     @classmethod
     def build(cls, world_size: int, *, capacity_factor: Optional[float] = None,
@@ -130,6 +145,11 @@ class GroupConfig:
              f"from 1 to {world_size}, got {self.ranks_per_node}")
         need(self.expert_capacity >= 0,
              f"expert_capacity must be >= 0 (0 = off), got {self.expert_capacity}")
+        need(self.mode in ("ht", "ll"), f"mode must be 'ht' or 'll', got {self.mode!r}")
+        if self.mode == "ll":
+            self._validate_ll(world_size, need)
+        else:
+            need(not self.dispatch_fp8, "dispatch_fp8 needs mode='ll'")
         static = self.static_recv_rows(world_size)
         if static is not None and self.recv_mode == "capacity":
             need(self.max_recv_tokens_per_rank == static,
@@ -138,6 +158,29 @@ class GroupConfig:
                  f"ranks x C, aligned to {self.expert_alignment}); capacity mode's "
                  f"max_recv_tokens_per_rank must be that or None, got "
                  f"{self.max_recv_tokens_per_rank}")
+
+
+    def _validate_ll(self, world_size: int, need) -> None:
+        need(self.ll_layout in LL_LAYOUTS,
+             f"ll_layout must be one of {LL_LAYOUTS}, got {self.ll_layout!r}")
+        need(self.dtype in LL_TOKEN_DTYPES,
+             f"mode='ll' moves tokens of dtype {LL_TOKEN_DTYPES}, got {self.dtype}")
+        need(self.max_tokens_per_rank <= LL_MAX_TOKENS,
+             f"mode='ll' needs max_tokens_per_rank (T_max) <= {LL_MAX_TOKENS}, got "
+             f"{self.max_tokens_per_rank}")
+        need(self.num_experts <= LL_MAX_EXPERTS and self.max_topk <= LL_MAX_TOPK,
+             f"mode='ll' needs num_experts <= {LL_MAX_EXPERTS} and max_topk <= {LL_MAX_TOPK}, got "
+             f"{self.num_experts} and {self.max_topk}")
+        need(not self.dispatch_fp8 or self.hidden % 128 == 0,
+             f"dispatch_fp8 casts blocks of 128 columns: hidden must be a multiple of 128, got "
+             f"{self.hidden}")
+        need(self.recv_mode == "exact" and self.expert_alignment == 1
+             and self.expert_capacity == 0,
+             "mode='ll' has its own layouts: recv_mode, expert_alignment and expert_capacity "
+             "keep their defaults ('exact', 1, 0)")
+        need(self.ranks_per_node in (0, world_size),
+             f"mode='ll' runs on one node (ranks_per_node 0 or {world_size}), got "
+             f"{self.ranks_per_node}")
 
 
 def capacity_from_factor(capacity_factor: float, max_tokens_per_rank: int, max_topk: int,

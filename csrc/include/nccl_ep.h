@@ -70,7 +70,7 @@ extern "C" {
 #pragma GCC visibility push(default)
 #endif
 
-#define NCCL_EP_API_VERSION 3
+#define NCCL_EP_API_VERSION 4
 #define NCCL_EP_MAX_NDIM 4
 
 typedef struct ncclEpGroup* ncclEpGroup_t;
@@ -78,9 +78,15 @@ typedef struct ncclEpHandle* ncclEpHandle_t;
 
 typedef enum {
   ncclEpModeHighThroughput = 0, /* HT: 2D expert-major layout, [total_recv_tokens, hidden] */
-  ncclEpModeLowLatency = 1      /* LL: 3D layout; reserved: group creation returns
-                                   ncclInvalidUsage */
+  ncclEpModeLowLatency = 1      /* LL: decode batches, double-buffered, no host sync
+                                   (docs/design.md section 9) */
 } ncclEpMode_t;
+
+/* LL: the dispatch's output layout (docs/design.md section 9). */
+typedef enum {
+  ncclEpLayoutExpertMajor = 0,  /* recv [L, R x T_max, H] + recv_count [L] + recv_src */
+  ncclEpLayoutRankMajor = 1     /* recv [R x T_max, H] + recv_topk_idx/weights + count [1] */
+} ncclEpLayout_t;
 
 typedef enum {
   ncclEpRecvCountExact = 0,    /* N_d read to the host once, by the first call that needs it
@@ -94,13 +100,15 @@ typedef enum {
   NCCL_EP_TENSOR_TOKENS = 0,                      /* [T, H] or [N, H] token rows */
   NCCL_EP_TENSOR_TOPK_IDX = 1,                    /* [T, K] int32/int64, -1 = masked slot */
   NCCL_EP_TENSOR_TOPK_WEIGHTS = 2,                /* [T, K] routing probs, or [N] received probs */
-  NCCL_EP_TENSOR_SCALES = 3,                      /* FP8 scales (reserved) */
+  NCCL_EP_TENSOR_SCALES = 3,                      /* LL FP8: [..., H / 128] fp32 */
   NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_DEVICE = 4,  /* [L] int64 on device */
   NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_HOST = 5,    /* [L] int64 in host memory */
   NCCL_EP_TENSOR_TOKENS_PER_EXPERT = 6,           /* [L] int64 on device (alias role) */
   NCCL_EP_TENSOR_ROUTING_MAP = 7,                 /* [T, E] bool (uint8/int8), nonzero = routed */
-  NCCL_EP_TENSOR_ROUTING_PROBS = 8                /* [T, E] dense routing weights (a router's
+  NCCL_EP_TENSOR_ROUTING_PROBS = 8,               /* [T, E] dense routing weights (a router's
                                                      probs): slot k reads column topk_idx[t, k] */
+  NCCL_EP_TENSOR_RECV_COUNT = 9,                  /* LL: [L] or [1] int32 on device */
+  NCCL_EP_TENSOR_RECV_SRC = 10                    /* LL expert-major: [L, R x T_max] int32 */
 } ncclEpTensorTag_t;
 
 /* A strided tensor view. Sizes/strides in elements, row-major conventions. */
@@ -155,12 +163,18 @@ typedef struct {
    * then has L x roundup(R x C, expert_alignment) rows, and tokens_per_expert is that block
    * size; capacity mode needs max_recv_tokens_per_rank to equal it. 0 = off. */
   int expert_capacity;
+  /* LL (mode ncclEpModeLowLatency): max_tokens_per_rank is T_max; the HT-only fields keep their
+   * initializer values. dispatch_fp8: the dispatch payload cast to float8 e4m3 per 128 columns
+   * (hidden a multiple of 128); combine stays in token_dtype. */
+  ncclEpLayout_t layout;
+  int dispatch_fp8;
 } ncclEpGroupConfig_t;
 
 #define NCCL_EP_GROUP_CONFIG_INITIALIZER                                                  \
   {                                                                                       \
     sizeof(ncclEpGroupConfig_t), NCCL_EP_API_VERSION, ncclEpModeHighThroughput, 0, 0, 0, \
-        0, ncclBfloat16, ncclEpRecvCountExact, 0, 1, 0, 100000, NULL, NULL, NULL, 0, 0, 0, 0 \
+        0, ncclBfloat16, ncclEpRecvCountExact, 0, 1, 0, 100000, NULL, NULL, NULL, 0, 0, 0, 0, \
+        ncclEpLayoutExpertMajor, 0                                                        \
   }
 
 /* What a group allocated (ncclEpGroupGetInfo). */
@@ -184,6 +198,20 @@ typedef struct {
 #define NCCL_EP_GROUP_INFO_INITIALIZER \
   { sizeof(ncclEpGroupInfo_t), NCCL_EP_API_VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
 
+/* Bytes a configuration allocates on each rank (ncclEpGetMemorySize), without a communicator. */
+typedef struct {
+  size_t size;            /* sizeof(ncclEpMemorySize_t), set by the caller */
+  unsigned int version;   /* NCCL_EP_API_VERSION, set by the caller */
+  size_t window_bytes;    /* the symmetric window (ncclMemAlloc over NCCL) */
+  size_t device_bytes;    /* alloc_fn / cudaMalloc memory at group creation, preallocated
+                             handle buffers included */
+  size_t handle_bytes;    /* device memory of one handle (pooled) */
+  size_t total_bytes;     /* window_bytes + device_bytes */
+} ncclEpMemorySize_t;
+
+#define NCCL_EP_MEMORY_SIZE_INITIALIZER \
+  { sizeof(ncclEpMemorySize_t), NCCL_EP_API_VERSION, 0, 0, 0, 0 }
+
 /* Dispatch: tokens (and optionally their routing weights) to the expert-major layout. */
 typedef struct {
   ncclEpTensor_t tokens;        /* TOKENS [T, H], T as in the handle */
@@ -193,13 +221,23 @@ typedef struct {
 } ncclEpDispatchInputs_t;
 
 typedef struct {
-  ncclEpTensor_t recv_tokens;        /* TOKENS [N, H] (N = num recv tokens, or capacity) */
-  ncclEpTensor_t recv_topk_weights;  /* TOPK_WEIGHTS [N], dtype of topk_weights; ndim 0 if none */
+  ncclEpTensor_t recv_tokens;        /* TOKENS [N, H] (N = num recv tokens, or capacity); LL:
+                                        [L, R x T_max, H] or [R x T_max, H], float8 e4m3 with
+                                        dispatch_fp8 */
+  ncclEpTensor_t recv_topk_weights;  /* TOPK_WEIGHTS [N], dtype of topk_weights; ndim 0 if none;
+                                        LL rank-major: [R x T_max, max_topk] fp32 */
+  /* LL only (ndim 0 in HT): */
+  ncclEpTensor_t recv_scales;        /* SCALES [L, R x T_max, H/128] / [R x T_max, H/128] fp32 */
+  ncclEpTensor_t recv_count;         /* RECV_COUNT int32 [L] (expert-major) or [1] */
+  ncclEpTensor_t recv_src;           /* RECV_SRC int32 [L, R x T_max] (expert-major) */
+  ncclEpTensor_t recv_topk_idx;      /* TOPK_IDX int32 [R x T_max, max_topk] (rank-major) */
 } ncclEpDispatchOutputs_t;
 
 /* Combine: expert outputs in the layout back to the source tokens, unweighted (docs/design.md §4). */
 typedef struct {
-  ncclEpTensor_t expert_tokens;  /* TOKENS [N, H] */
+  ncclEpTensor_t expert_tokens;  /* TOKENS [N, H]; LL: in the dispatch's layout */
+  ncclEpTensor_t topk_weights;   /* LL expert-major: TOPK_WEIGHTS [T, K] fp32 (ndim 0 in HT and
+                                    LL rank-major) */
 } ncclEpCombineInputs_t;
 
 typedef struct {
@@ -209,7 +247,7 @@ typedef struct {
 typedef struct {
   size_t size;           /* sizeof(ncclEpOpConfig_t) */
   unsigned int version;  /* NCCL_EP_API_VERSION */
-  int send_only;         /* LL staged mode (reserved): finish with ncclEpComplete */
+  int send_only;         /* LL: only send; ncclEpComplete receives (HT: must be 0) */
 } ncclEpOpConfig_t;
 
 #define NCCL_EP_OP_CONFIG_INITIALIZER { sizeof(ncclEpOpConfig_t), NCCL_EP_API_VERSION, 0 }
@@ -303,8 +341,14 @@ ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombineInputs_t* i
 ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
                                       const ncclEpTensor_t* grad_recv_topk_weights,
                                       ncclEpTensor_t* grad_topk_weights, cudaStream_t stream);
-/* LL staged mode (send_only): completes the receive side. HT: no-op returning ncclSuccess. */
+/* LL: receives the handle's dispatch or combine sent with send_only = 1 and writes its outputs
+ * (stream-ordered; ncclInvalidUsage when none is pending). HT: no-op returning ncclSuccess. */
 ncclResult_t ncclEpComplete(ncclEpHandle_t handle, cudaStream_t stream);
+
+/* Not collective, no communicator: what ncclEpCreateGroup (nranks ranks, one node) would
+ * allocate on each rank for config (checked as group creation checks it). */
+ncclResult_t ncclEpGetMemorySize(const ncclEpGroupConfig_t* config, int nranks,
+                                 ncclEpMemorySize_t* size);
 
 /* Returns the group's device-side error (timeout, a peer's error, capacity overflow, bad
  * routing) or the watchdog's stop of an NCCL step between nodes, with its reason; it stays (the

@@ -1,0 +1,197 @@
+"""The LL (low-latency) front end: ``LLHandle``, what ``Group.create_handle`` returns on a group of
+``mode="ll"`` (docs/design.md §9), and ``LLDispatchOutput``, what its dispatch returns.
+
+A handle is made without communication; ``dispatch`` and ``combine`` are collective and
+stream-ordered, never read anything back to the host, and with ``send_only=True`` only send:
+``complete()`` receives. Ops of one kind (dispatches, combines) alternate between two buffer sets,
+so at most two of a kind may be in flight on a group; a third is refused here, on every rank
+alike (the calls are collective), before anything is enqueued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .config import INDEX_DTYPES, PROB_DTYPES
+
+_KINDS = ("dispatch", "combine")
+
+
+@dataclasses.dataclass
+class LLDispatchOutput:
+    """One LL dispatch's outputs, all on the group's device (docs/design.md §9).
+
+    Expert-major: ``x [L, R*T_max, H]``, ``count [L]`` int32, ``src [L, R*T_max]`` int32
+    (``s * T_max + t``). Rank-major: ``x [R*T_max, H]``, ``count [1]`` int32, ``topk_idx
+    [R*T_max, max_topk]`` int32 and ``topk_weights`` fp32 (None without dispatched weights).
+    With ``dispatch_fp8``: ``x`` is float8_e4m3fn and ``scales [..., H/128]`` fp32. Rows at and after
+    the count are not part of the result."""
+
+    x: torch.Tensor
+    count: torch.Tensor
+    scales: Optional[torch.Tensor] = None
+    src: Optional[torch.Tensor] = None
+    topk_idx: Optional[torch.Tensor] = None
+    topk_weights: Optional[torch.Tensor] = None
+
+
+class InFlight:
+    """A group's LL ops sent with ``send_only`` and not completed yet, by kind."""
+
+    def __init__(self):
+        self.pending = {kind: [] for kind in _KINDS}
+
+    def check_room(self, kind: str) -> None:
+        ops = self.pending[kind]
+        if len(ops) >= 2:
+            raise RuntimeError(
+                f"LL {kind}: two {kind}es are already in flight on this group (sent with "
+                f"send_only=True, not completed); their two buffer sets are taken: call "
+                f"complete() on the older handle first")
+
+    def add(self, kind: str, handle: "LLHandle") -> None:
+        self.pending[kind].append(handle)
+
+    def finish(self, kind: str, handle: "LLHandle") -> None:
+        self.pending[kind].remove(handle)
+
+
+class LLHandle:
+    """The routing of one LL step (one layer, one micro-batch): ``topk_idx [T, K]``. Serves one
+    dispatch and the matching combine (the latest dispatch's rows are the ones combined)."""
+
+    def __init__(self, group, state, num_tokens: int, topk: int):
+        self.group, self._state = group, state
+        self.num_tokens, self.topk = num_tokens, topk
+        self._pending: Optional[str] = None  # the kind sent with send_only, not completed
+        self._dispatched = False
+
+    # -- checks ------------------------------------------------------------------------------------
+    def _in_flight(self) -> InFlight:
+        return self.group._ll_in_flight
+
+    def _check_ready(self, kind: str) -> None:
+        self._require_alive()
+        if self._pending is not None:
+            raise RuntimeError(f"LL {kind}: this handle's {self._pending} was sent with "
+                               "send_only=True and not completed: call complete() first")
+        if kind == "combine" and not self._dispatched:
+            raise RuntimeError("LL combine: this handle has not dispatched yet (the combine "
+                               "returns the rows its dispatch placed)")
+        self._in_flight().check_room(kind)
+
+    def _weights(self, name: str, w: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if w is None:
+            return None
+        self.group._check_tensor(name, w, 2, PROB_DTYPES, (self.num_tokens, self.topk))
+        return w.to(torch.float32).contiguous()
+
+    def _rows_shape(self) -> tuple:
+        cfg, R = self.group.config, self.group.world_size
+        rows = R * cfg.max_tokens_per_rank
+        if cfg.ll_layout == "expert_major":
+            return (self.group.num_local_experts, rows, cfg.hidden)
+        return (rows, cfg.hidden)
+
+    # -- ops ---------------------------------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, *,
+                 send_only: bool = False) -> LLDispatchOutput:
+        """Collective: ``x [T, H]`` (the group's dtype), optional ``topk_weights [T, K]`` (any
+        float dtype, sent as fp32; rank-major layout: they come out as ``topk_weights``) ->
+        ``LLDispatchOutput``. ``send_only``: the outputs are written by ``complete()``."""
+        cfg = self.group.config
+        self._check_ready("dispatch")
+        prepared = {}
+
+        def check():
+            self.group._check_tensor("x", x, 2, (cfg.dtype,), (self.num_tokens, cfg.hidden))
+            prepared["w"] = self._weights("topk_weights", topk_weights)
+
+        self.group._check_agreed("LL dispatch", check)
+        out = self.group._backend.ll_dispatch(self._state, x.contiguous(), prepared["w"],
+                                              bool(send_only))
+        self._dispatched = True
+        self._after_send("dispatch", send_only)
+        return out
+
+    def combine(self, expert_out: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, *,
+                send_only: bool = False) -> torch.Tensor:
+        """Collective: the expert outputs in the dispatch's layout -> ``y [T, H]``. Expert-major:
+        ``expert_out [L, R*T_max, H]`` and ``topk_weights [T, K]`` (the weights of the sum);
+        rank-major: ``expert_out [R*T_max, H]``, each row a rank's weighted partial, no weights.
+        ``send_only``: ``y`` is written by ``complete()``."""
+        cfg = self.group.config
+        self._check_ready("combine")
+        prepared = {}
+
+        def check():
+            self.group._check_tensor("expert_out", expert_out, len(self._rows_shape()),
+                                     (cfg.dtype,), self._rows_shape())
+            if cfg.ll_layout == "expert_major":
+                if topk_weights is None:
+                    raise TypeError("LL combine (expert_major): topk_weights [T, K] is required "
+                                    "(y[t] = sum over k of w[t, k] * out(t, k))")
+                prepared["w"] = self._weights("topk_weights", topk_weights)
+            else:
+                if topk_weights is not None:
+                    raise TypeError("LL combine (rank_major): topk_weights must be None (each "
+                                    "rank's partial rows are already weighted)")
+                prepared["w"] = None
+
+        self.group._check_agreed("LL combine", check)
+        y = self.group._backend.ll_combine(self._state, expert_out.contiguous(), prepared["w"],
+                                           bool(send_only))
+        self._after_send("combine", send_only)
+        return y
+
+    def complete(self) -> None:
+        """Receives this handle's op sent with ``send_only=True`` (stream-ordered)."""
+        self._require_alive()
+        if self._pending is None:
+            raise RuntimeError("LL complete: this handle has no op sent with send_only=True "
+                               "pending")
+        self.group._backend.ll_complete(self._state)
+        self._in_flight().finish(self._pending, self)
+        self._pending = None
+
+    def _after_send(self, kind: str, send_only: bool) -> None:
+        if send_only:
+            self._pending = kind
+            self._in_flight().add(kind, self)
+
+    # -- lifetime ----------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        if self._pending is not None and self.group._backend is not None:
+            self._in_flight().finish(self._pending, self)
+            self._pending = None
+        if self._state is not None and self.group._backend is not None:
+            self.group._backend.destroy_handle(self._state)
+        self._state = None
+
+    def _require_alive(self) -> None:
+        if self._state is None:
+            raise RuntimeError("this LLHandle was destroyed")
+        self.group._require_alive()
+
+    def __del__(self):
+        try:
+            self.destroy()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def check_ll_routing(group, topk_idx: torch.Tensor) -> None:
+    """The host's checks of an LL handle's routing: type, dtype, device and shape bounds. Values
+    (range, repeats) are the backends' (the cuda one on the device)."""
+    cfg = group.config
+    group._check_tensor("topk_idx", topk_idx, 2, INDEX_DTYPES)
+    tokens, topk = topk_idx.shape
+    if tokens > cfg.max_tokens_per_rank:
+        raise ValueError(f"topk_idx has {tokens} tokens, more than max_tokens_per_rank (T_max)="
+                         f"{cfg.max_tokens_per_rank} of this LL group")
+    if not 1 <= topk <= cfg.max_topk:
+        raise ValueError(f"topk_idx has top-k {topk}, expected 1 <= top-k <= "
+                         f"max_topk={cfg.max_topk}")
