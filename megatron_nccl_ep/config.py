@@ -19,9 +19,9 @@ INDEX_DTYPES = (torch.int64, torch.int32)
 PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LL_TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LL_LAYOUTS = ("expert_major", "rank_major")
-# LL bounds (docs/design.md §9): a message carries a token's top-k ids, positions and weights;
-# counts and flags hold T_max in 16 bits; the receive kernel keeps L x R offsets in shared memory.
-LL_MAX_TOKENS = 4096
+# LL bounds (docs/design.md §9): the handle's kernel holds T_max x max_topk ids and the receive
+# kernel L x R offsets in shared memory; rows move in packs of 8 elements (hidden % 8 == 0).
+LL_MAX_TOKENS = 1024
 LL_MAX_TOPK = 32
 LL_MAX_EXPERTS = 4096
 FP8_BLOCK = 128  # columns per FP8 scale
@@ -171,6 +171,9 @@ class GroupConfig:
         need(self.num_experts <= LL_MAX_EXPERTS and self.max_topk <= LL_MAX_TOPK,
              f"mode='ll' needs num_experts <= {LL_MAX_EXPERTS} and max_topk <= {LL_MAX_TOPK}, got "
              f"{self.num_experts} and {self.max_topk}")
+        need(self.hidden % 8 == 0,
+             f"mode='ll' moves rows in packs of 8 elements: hidden must be a multiple of 8, got "
+             f"{self.hidden}")
         need(not self.dispatch_fp8 or self.hidden % 128 == 0,
              f"dispatch_fp8 casts blocks of 128 columns: hidden must be a multiple of 128, got "
              f"{self.hidden}")

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from . import build_info
 from .config import GroupConfig
 from .errors import NcclEpError
+from .ll import LLDispatchOutput
 
 try:
     from . import _C  # type: ignore[attr-defined]
@@ -38,6 +39,8 @@ except (ImportError, OSError) as exc:  # not built, or libnccl.so.2 / CUDA not l
 TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SLOTS_PER_RANK = 32  # kMaxTopk of the kernels: a token's slots on one rank, a lane each
 _MODE_EXACT, _MODE_CAPACITY = 0, 1
+_MODE_HT, _MODE_LL = 0, 1
+_LAYOUT_EXPERT_MAJOR, _LAYOUT_RANK_MAJOR = 0, 1
 
 
 def available() -> bool:
@@ -132,7 +135,30 @@ def _c_config(config: GroupConfig):
     c.staging_chunk_tokens, c.staging_depth = config.staging_chunk_tokens, config.staging_depth
     c.ranks_per_node = config.ranks_per_node
     c.expert_capacity = config.expert_capacity
+    c.mode = _MODE_LL if config.mode == "ll" else _MODE_HT
+    c.layout = _LAYOUT_RANK_MAJOR if config.ll_layout == "rank_major" else _LAYOUT_EXPERT_MAJOR
+    c.dispatch_fp8 = int(config.mode == "ll" and config.dispatch_fp8)
     return c
+
+
+def ll_memory_size(config: GroupConfig, world_size: int) -> dict:
+    """The bytes a group of ``config`` allocates on each rank (``ncclEpGetMemorySize``; no
+    communicator, no GPU): ``window_bytes`` (the symmetric window), ``device_bytes`` (the rest:
+    state and pooled handle buffers), ``handle_bytes`` (one handle), ``total_bytes``."""
+    if _C is None:
+        raise RuntimeError(unavailable_reason())
+    config.validate(world_size)
+    return dict(_call(_C.memory_size, _c_config(config), world_size))
+
+
+class CudaLLHandleState:
+    """One LL handle of the C library (docs/design.md §9): made without communication; its
+    counts stay on the device."""
+
+    routing_released = False  # the handle's kernel reads the routing in stream order
+
+    def __init__(self, ptr: int, num_tokens: int, topk: int):
+        self.ptr, self.num_tokens, self.topk = ptr, num_tokens, topk
 
 
 class CudaBackend:
@@ -290,6 +316,58 @@ class CudaBackend:
               state.num_recv_tokens, _dtype_code(grad_recv_probs.dtype), grad.data_ptr(),
               state.num_tokens, cols, dense, self._stream())
         return grad
+
+    # -- LL (docs/design.md §9) -----------------------------------------------------------------
+    def ll_create_handle(self, topk_idx: torch.Tensor) -> CudaLLHandleState:
+        tokens, topk = topk_idx.shape
+        ptr = _call(_C.create_handle, self._group, topk_idx.data_ptr(), tokens, topk,
+                    _dtype_code(topk_idx.dtype), False, self._stream())
+        self._handles.add(ptr)
+        return CudaLLHandleState(ptr, tokens, topk)
+
+    @staticmethod
+    def _spec(t: Optional[torch.Tensor]):
+        return None if t is None else (t.data_ptr(), list(t.shape), _dtype_code(t.dtype))
+
+    def ll_dispatch(self, state: CudaLLHandleState, x: torch.Tensor,
+                    topk_weights: Optional[torch.Tensor], send_only: bool):
+        cfg, dev = self.config, self.device
+        rows = self.world_size * cfg.max_tokens_per_rank
+        lead = (rows,) if cfg.ll_layout == "rank_major" else (self.num_local_experts, rows)
+        x_dtype = torch.float8_e4m3fn if cfg.dispatch_fp8 else x.dtype
+        out = LLDispatchOutput(x=torch.empty(lead + (cfg.hidden,), dtype=x_dtype, device=dev),
+                               count=torch.empty(1 if len(lead) == 1 else lead[0],
+                                                 dtype=torch.int32, device=dev))
+        if cfg.dispatch_fp8:
+            out.scales = torch.empty(lead + (cfg.hidden // 128,), dtype=torch.float32,
+                                     device=dev)
+        if cfg.ll_layout == "rank_major":
+            out.topk_idx = torch.empty((rows, cfg.max_topk), dtype=torch.int32, device=dev)
+            if topk_weights is not None:
+                out.topk_weights = torch.empty((rows, cfg.max_topk), dtype=torch.float32,
+                                               device=dev)
+        else:
+            out.src = torch.empty(lead, dtype=torch.int32, device=dev)
+        spec = self._spec
+        tensors = {"x": spec(x), "topk_weights": spec(topk_weights), "recv_x": spec(out.x),
+                   "recv_scales": spec(out.scales), "recv_count": spec(out.count),
+                   "recv_src": spec(out.src), "recv_topk_idx": spec(out.topk_idx),
+                   "recv_topk_weights": spec(out.topk_weights)}
+        _call(_C.ll_dispatch, state.ptr, tensors, send_only, self._stream())
+        return out
+
+    def ll_combine(self, state: CudaLLHandleState, expert_out: torch.Tensor,
+                   topk_weights: Optional[torch.Tensor], send_only: bool) -> torch.Tensor:
+        y = torch.empty((state.num_tokens, self.config.hidden), dtype=expert_out.dtype,
+                        device=self.device)
+        spec = self._spec
+        _call(_C.ll_combine, state.ptr, {"expert_out": spec(expert_out),
+                                         "topk_weights": spec(topk_weights), "y": spec(y)},
+              send_only, self._stream())
+        return y
+
+    def ll_complete(self, state: CudaLLHandleState) -> None:
+        _call(_C.complete, state.ptr, self._stream())
 
     def check_errors(self, synchronize: bool = True) -> None:
         """Raises the group's device-side error, if any (it stays: destroy the group). With

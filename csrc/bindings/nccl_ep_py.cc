@@ -76,6 +76,36 @@ ncclEpTensor_t weights2d(uintptr_t data, int64_t rows, int64_t cols, int dtype, 
                   dense ? NCCL_EP_TENSOR_ROUTING_PROBS : NCCL_EP_TENSOR_TOPK_WEIGHTS);
 }
 
+// A contiguous tensor from (data, shape, dtype); None: absent (ndim 0).
+ncclEpTensor_t tensor_nd(const py::object& spec, ncclEpTensorTag_t tag) {
+  ncclEpTensor_t t{};
+  if (spec.is_none()) return t;
+  const py::tuple tup = spec.cast<py::tuple>();
+  const std::vector<int64_t> shape = tup[1].cast<std::vector<int64_t>>();
+  if (shape.size() > NCCL_EP_MAX_NDIM) throw ValueErrorEx("tensor_nd: too many dimensions");
+  t.data = reinterpret_cast<void*>(tup[0].cast<uintptr_t>());
+  t.ndim = (int)shape.size();
+  int64_t stride = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    t.sizes[i] = shape[i];
+    t.strides[i] = stride;
+    stride *= shape[i];
+  }
+  t.dtype = static_cast<ncclDataType_t>(tup[2].cast<int>());
+  t.tag = tag;
+  return t;
+}
+
+ncclEpTensor_t entry(const py::dict& d, const char* name, ncclEpTensorTag_t tag) {
+  return d.contains(name) ? tensor_nd(d[name], tag) : ncclEpTensor_t{};
+}
+
+ncclEpOpConfig_t op_config(bool send_only) {
+  ncclEpOpConfig_t c = NCCL_EP_OP_CONFIG_INITIALIZER;
+  c.send_only = send_only ? 1 : 0;
+  return c;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -90,6 +120,7 @@ PYBIND11_MODULE(_C, m) {
   dtypes["bfloat16"] = (int)ncclBfloat16;
   dtypes["float32"] = (int)ncclFloat32;
   dtypes["float64"] = (int)ncclFloat64;
+  dtypes["float8_e4m3fn"] = (int)ncclFloat8e4m3;
   m.attr("DTYPES") = dtypes;
 
   m.def("get_last_error", []() { return std::string(ncclEpGetLastError()); });
@@ -153,7 +184,27 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("staging_chunk_tokens", &ncclEpGroupConfig_t::staging_chunk_tokens)
       .def_readwrite("staging_depth", &ncclEpGroupConfig_t::staging_depth)
       .def_readwrite("ranks_per_node", &ncclEpGroupConfig_t::ranks_per_node)
-      .def_readwrite("expert_capacity", &ncclEpGroupConfig_t::expert_capacity);
+      .def_readwrite("expert_capacity", &ncclEpGroupConfig_t::expert_capacity)
+      .def_property(
+          "mode", [](const ncclEpGroupConfig_t& c) { return (int)c.mode; },
+          [](ncclEpGroupConfig_t& c, int v) { c.mode = static_cast<ncclEpMode_t>(v); })
+      .def_property(
+          "layout", [](const ncclEpGroupConfig_t& c) { return (int)c.layout; },
+          [](ncclEpGroupConfig_t& c, int v) { c.layout = static_cast<ncclEpLayout_t>(v); })
+      .def_readwrite("dispatch_fp8", &ncclEpGroupConfig_t::dispatch_fp8);
+  m.def(
+      "memory_size",
+      [](const ncclEpGroupConfig_t& cfg, int nranks) {
+        ncclEpMemorySize_t sz = NCCL_EP_MEMORY_SIZE_INITIALIZER;
+        check(ncclEpGetMemorySize(&cfg, nranks, &sz), "ncclEpGetMemorySize");
+        py::dict d;
+        d["window_bytes"] = sz.window_bytes;
+        d["device_bytes"] = sz.device_bytes;
+        d["handle_bytes"] = sz.handle_bytes;
+        d["total_bytes"] = sz.total_bytes;
+        return d;
+      },
+      py::arg("config"), py::arg("nranks"));
   m.def(
       "create_group",
       [](uintptr_t comm, const ncclEpGroupConfig_t& cfg, uintptr_t stream) {
@@ -316,6 +367,40 @@ PYBIND11_MODULE(_C, m) {
       py::arg("grad"), py::arg("num_tokens"), py::arg("cols"), py::arg("dense"),
       py::arg("stream"),
       py::call_guard<py::gil_scoped_release>());
+  // --- LL (docs/design.md section 9): tensors as {name: (data, shape, dtype)} ------------------
+  m.def(
+      "ll_dispatch",
+      [](uintptr_t handle, const py::dict& tensors, bool send_only, uintptr_t stream) {
+        ncclEpDispatchInputs_t in{};
+        ncclEpDispatchOutputs_t out{};
+        in.tokens = entry(tensors, "x", NCCL_EP_TENSOR_TOKENS);
+        in.topk_weights = entry(tensors, "topk_weights", NCCL_EP_TENSOR_TOPK_WEIGHTS);
+        out.recv_tokens = entry(tensors, "recv_x", NCCL_EP_TENSOR_TOKENS);
+        out.recv_scales = entry(tensors, "recv_scales", NCCL_EP_TENSOR_SCALES);
+        out.recv_count = entry(tensors, "recv_count", NCCL_EP_TENSOR_RECV_COUNT);
+        out.recv_src = entry(tensors, "recv_src", NCCL_EP_TENSOR_RECV_SRC);
+        out.recv_topk_idx = entry(tensors, "recv_topk_idx", NCCL_EP_TENSOR_TOPK_IDX);
+        out.recv_topk_weights = entry(tensors, "recv_topk_weights", NCCL_EP_TENSOR_TOPK_WEIGHTS);
+        const ncclEpOpConfig_t cfg = op_config(send_only);
+        py::gil_scoped_release nogil;
+        check(ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, as_stream(stream)),
+              "ncclEpDispatch");
+      },
+      py::arg("handle"), py::arg("tensors"), py::arg("send_only"), py::arg("stream"));
+  m.def(
+      "ll_combine",
+      [](uintptr_t handle, const py::dict& tensors, bool send_only, uintptr_t stream) {
+        ncclEpCombineInputs_t in{};
+        ncclEpCombineOutputs_t out{};
+        in.expert_tokens = entry(tensors, "expert_out", NCCL_EP_TENSOR_TOKENS);
+        in.topk_weights = entry(tensors, "topk_weights", NCCL_EP_TENSOR_TOPK_WEIGHTS);
+        out.tokens = entry(tensors, "y", NCCL_EP_TENSOR_TOKENS);
+        const ncclEpOpConfig_t cfg = op_config(send_only);
+        py::gil_scoped_release nogil;
+        check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, as_stream(stream)),
+              "ncclEpCombine");
+      },
+      py::arg("handle"), py::arg("tensors"), py::arg("send_only"), py::arg("stream"));
   m.def(
       "complete",
       [](uintptr_t handle, uintptr_t stream) {

@@ -207,6 +207,77 @@ struct CombineProbsArgs {
   void* grad;
 };
 
+// LL (docs/design.md section 9). One handle's device views: what its layout kernel computes
+// from this rank's routing (send side), and what its dispatch records for the combine (receive
+// side). Per-slot arrays are [Tmax][Kmax] (slots past the handle's K hold -1).
+struct LLHandleViews {
+  int* ids;            // [Tmax][Kmax] this rank's expert ids
+  int* pos;            // [Tmax][Kmax] the slot's row in its (expert, this source) run, -1 masked
+  int* jslot;          // [Tmax][Kmax] the token's message slot at the slot's destination
+  int* dpos;           // [Tmax][Kmax] the slot's destination among the token's, ascending
+  int* ndst;           // [Tmax] distinct destination ranks of the token
+  int* own_dpos;       // [Tmax] this rank's place among them, -1 if none
+  int* cnt;            // [E] this rank's tokens per expert
+  int* ndest;          // [R] this rank's tokens per destination rank
+  // Written by the dispatch's receive side, read by the combine's send side:
+  int* rn;             // [R] messages received from each source
+  int* rtok;           // [R][Tmax] the token index of message (s, j)
+  int* rrow;           // [R][Tmax][Kmax] expert-major: the output row of slot k, -1
+  int* rdpos;          // [R][Tmax] rank-major: the message's dest_pos
+  int* roff;           // [R + 1] rank-major: first row of each source
+  int* own_row;        // [Tmax][Kmax] rows of this rank's own slots (rank-major: [t][0])
+  unsigned long long* epochs;  // [2] the epoch of the handle's last dispatch / combine send
+};
+
+struct LLArgs {
+  void* const* peers;       // device [R] window bases
+  WindowLayout win;
+  DeviceState* state;
+  ErrorInfo* err;
+  long long timeout_ns;
+  int num_ranks, rank, num_local, num_experts, max_tokens, max_topk, hidden;
+  int rank_major;           // layout: 0 expert-major, 1 rank-major
+  int fp8;                  // dispatch payload in FP8
+  int dtype;                // token ncclDataType_t
+  int tokens, topk;         // this rank's T and K
+  int send, recv;           // phases of this launch (both: one fused op)
+  LLHandleViews h;
+};
+
+struct LLLayoutArgs {
+  LLArgs a;                 // send/recv unused
+  const void* topk_idx;     // [T, K] int32/int64 with strides
+  int idx_is_64;
+  long long stride0, stride1;
+};
+
+struct LLDispatchArgs {
+  LLArgs a;
+  const void* x;            // [T, H]
+  const float* w;           // [T, K] or nullptr
+  void* recv_x;
+  float* recv_scales;       // FP8 only
+  int* recv_count;          // [L] or [1]
+  int* recv_src;            // expert-major [L][R * Tmax]
+  int* recv_topk_idx;       // rank-major [R * Tmax][Kmax]
+  float* recv_topk_w;       // rank-major, or nullptr
+};
+
+struct LLCombineArgs {
+  LLArgs a;
+  const void* expert_out;   // the dispatch's layout, token dtype
+  const float* w;           // expert-major [T, K]
+  void* y;                  // [T, H]
+};
+
+// ll.cu
+cudaError_t launch_ll_layout(const LLLayoutArgs& args, cudaStream_t stream);
+cudaError_t launch_ll_dispatch(const LLDispatchArgs& args, cudaStream_t stream);
+cudaError_t launch_ll_combine(const LLCombineArgs& args, cudaStream_t stream);
+cudaError_t preload_ll();
+// Shared memory of the layout kernel for these bounds (its ids and per-expert counts).
+size_t ll_layout_smem(int max_tokens, int max_topk, int num_experts);
+
 // barrier.cu
 cudaError_t launch_resolve_peers(void* window /* ncclWindow_t */, int num_ranks, void** out_dev,
                                  cudaStream_t stream);

@@ -54,6 +54,9 @@ enum OpKind : int {
   kOpDispatch = 2,
   kOpCombine = 3,
   kOpCombineProbs = 4,
+  kOpLLDispatch = 5,  // LL (docs/design.md section 9)
+  kOpLLCombine = 6,
+  kOpLLHandle = 7,    // an LL handle's local layout kernel (routing errors)
 };
 
 // What a rank was waiting for when a wait failed.
@@ -98,6 +101,39 @@ struct ChannelFlags {
   unsigned long long credit;
 };
 
+// LL groups (docs/design.md section 9): the window past the sync area. Flags u64
+// [kLLFlagKinds][2 sets][R]: in the receiver's window kLLDispReady[b][s] (written by source s:
+// ready_word(epoch, call, messages)) and kLLCombCredit[b][s] (source s consumed its combine set b
+// of that epoch); in the source's window kLLDispCredit[b][d] (d consumed its dispatch set b) and
+// kLLCombReady[b][d] (d's combine rows for this source are in set b). Then, per set b:
+//   counts   int32 [2][R][count_stride]: source s's tokens per local expert of this rank
+//   messages [2][R][Tmax] of msg_bytes: header (LLHeader + ids, positions, weights [Kmax]) and
+//            the payload (token row, or FP8 row + its scales)
+//   combine  [2][Tmax][Kmax] rows of comb_row bytes, at the source
+// Flag epochs count each kind's ops on the group (device-side: a replayed graph counts on).
+enum LLFlagKind : int { kLLDispReady = 0, kLLDispCredit = 1, kLLCombReady = 2, kLLCombCredit = 3 };
+constexpr int kLLFlagKinds = 4;
+constexpr int kLLGroupElems = 8;  // elements per lane access (a 16-byte bf16 pack)
+constexpr int kFp8Block = 128;    // columns per FP8 scale
+
+struct LLHeader {
+  int token;      // the token's index at its source
+  int dest_pos;   // this receiver's place among the token's destination ranks, ascending
+  int topk;       // the source's K
+  int pad;
+  // then int ids[Kmax], int pos[Kmax] (row in the (expert, source) run for slots of this
+  // receiver, else -1), float weights[Kmax]
+};
+
+struct LLWindow {
+  size_t flag_off, count_off, msg_off, comb_off;
+  size_t msg_bytes;   // header + payload, a multiple of 16
+  size_t hdr_bytes;   // LLHeader and its three [Kmax] arrays, rounded up to 16
+  size_t comb_row;    // bytes of a combine row (hidden x token element), rounded up to 16
+  int count_stride;   // local experts rounded up to 4
+  int max_tokens;     // T_max
+};
+
 // Offsets of the window, the same on every rank (computed once at group creation).
 struct WindowLayout {
   size_t sync_off;       // barrier flags + abort slot
@@ -112,6 +148,7 @@ struct WindowLayout {
   int chunk;             // tokens per ring slot
   int rec_ints;          // kRecordHeader + Tmax * Kmax, rounded up to a multiple of 4
   int num_ranks, max_topk;
+  LLWindow ll;           // LL groups only (the HT fields above are then unused)
 
   __host__ __device__ size_t ring_items(int b, int q, int slot) const {
     return (((size_t)b * (num_ranks - 1) + q) * depth + slot) * chunk;
@@ -127,6 +164,8 @@ struct DeviceState {
   unsigned long long failed;         // set (origin rank + 1) once the group holds an error
   unsigned int done_ctas;            // CTAs of the running op that finished (the last resets it)
   unsigned int pad;
+  unsigned long long ll_epoch[2];    // LL: dispatches, combines run so far (their sends)
+  unsigned int ll_done[2];           // LL: CTAs past the send / receive phase (the last resets)
 };
 
 enum ErrorCode : int {

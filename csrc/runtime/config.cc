@@ -27,14 +27,15 @@ constexpr size_t kChunkTargetBytes = 2 << 20;  // chunk x R x row
 
 struct ConfigRecord {  // all-gathered at creation; int64 fields so the compare is trivial
   long long magic, version, mode, num_experts, hidden, max_tokens, max_topk, token_dtype,
-      recv_mode, capacity, align, num_sms, timeout_ms, chunk, depth, expert_capacity,
-      nccl_version, node_size, lsa_size;
+      recv_mode, capacity, align, num_sms, timeout_ms, chunk, depth, expert_capacity, layout,
+      dispatch_fp8, nccl_version, node_size, lsa_size;
 };
 const char* kConfigFields[] = {"magic", "version", "mode", "num_experts", "hidden",
                                "max_tokens_per_rank", "max_topk", "token_dtype",
                                "recv_count_mode", "max_recv_tokens_per_rank", "expert_alignment",
                                "num_sms", "timeout_ms", "staging_chunk_tokens", "staging_depth",
-                               "expert_capacity", "nccl_version", "ranks_per_node (as resolved)",
+                               "expert_capacity", "layout", "dispatch_fp8", "nccl_version",
+                               "ranks_per_node (as resolved)",
                                "lsa_size"};
 constexpr int kConfigFieldCount = (int)(sizeof(ConfigRecord) / sizeof(long long));
 static_assert(sizeof(kConfigFields) / sizeof(kConfigFields[0]) == kConfigFieldCount, "fields");
@@ -57,7 +58,72 @@ int default_channels(const ncclEpGroupConfig_t& c) {
   return c.num_sms > 0 ? c.num_sms : kDefaultSms;
 }
 
+// LL (protocol.cuh, LLWindow): sync area, flags, counts, two sets of R x T_max messages and of
+// T_max x max_topk combine rows. The HT fields stay 0.
+static WindowLayout plan_ll_window(const ncclEpGroupConfig_t& c, int nranks) {
+  WindowLayout w{};
+  const size_t elt = dtype_bytes(c.token_dtype), H = c.hidden, R = nranks;
+  const size_t Tm = c.max_tokens_per_rank, Km = c.max_topk;
+  w.num_ranks = nranks;
+  w.max_topk = c.max_topk;
+  w.channels = default_channels(c);
+  LLWindow& l = w.ll;
+  l.max_tokens = c.max_tokens_per_rank;
+  l.count_stride = (int)align_up((size_t)(c.num_experts / nranks), 4);
+  l.hdr_bytes = align_up(sizeof(LLHeader) + 3 * sizeof(int) * Km, 16);
+  const size_t payload = c.dispatch_fp8 ? H + H / kFp8Block * sizeof(float) : H * elt;
+  l.msg_bytes = l.hdr_bytes + align_up(payload, 16);
+  l.comb_row = align_up(H * elt, 16);
+  size_t o = 0;
+  w.sync_off = o;
+  o += kSyncBytes;
+  l.flag_off = o;
+  o = align_up(o + sizeof(unsigned long long) * kLLFlagKinds * 2 * R, 256);
+  l.count_off = o;
+  o = align_up(o + sizeof(int) * 2 * R * l.count_stride, 256);
+  l.msg_off = o;
+  o = align_up(o + 2 * R * Tm * l.msg_bytes, 256);
+  l.comb_off = o;
+  o = align_up(o + 2 * Tm * Km * l.comb_row, 256);
+  w.channel_off = w.routing_off = w.ring_off = w.ring_prob_off = o;
+  w.bytes = align_up(o, 1 << 21);
+  return w;
+}
+
+// LL groups: the bounds of docs/design.md section 9 (megatron_nccl_ep/config.py's LL_* too).
+static ncclResult_t check_ll_config(const ncclEpGroupConfig_t* c, int nranks, int node_size) {
+  EP_CHECK(c->layout == ncclEpLayoutExpertMajor || c->layout == ncclEpLayoutRankMajor,
+           ncclInvalidArgument, "ncclEpCreateGroup: layout %d is invalid (expert-major 0, "
+           "rank-major 1)", (int)c->layout);
+  EP_CHECK(c->max_tokens_per_rank <= 1024 && c->max_topk <= 32 && c->num_experts <= 4096,
+           ncclInvalidArgument,
+           "ncclEpCreateGroup: LL needs max_tokens_per_rank (T_max) <= 1024, max_topk <= 32 and "
+           "num_experts <= 4096, got %d, %d and %d",
+           c->max_tokens_per_rank, c->max_topk, c->num_experts);
+  EP_CHECK(c->hidden % kLLGroupElems == 0, ncclInvalidArgument,
+           "ncclEpCreateGroup: LL moves rows in packs of %d elements: hidden must be a multiple "
+           "of %d, got %d",
+           kLLGroupElems, kLLGroupElems, c->hidden);
+  EP_CHECK(!c->dispatch_fp8 || c->hidden % kFp8Block == 0, ncclInvalidArgument,
+           "ncclEpCreateGroup: dispatch_fp8 casts blocks of %d columns: hidden must be a multiple "
+           "of %d, got %d",
+           kFp8Block, kFp8Block, c->hidden);
+  EP_CHECK(c->recv_count_mode == ncclEpRecvCountExact && c->expert_alignment == 1 &&
+               c->expert_capacity == 0 && c->staging_chunk_tokens == 0 && c->staging_depth == 0,
+           ncclInvalidArgument,
+           "ncclEpCreateGroup: LL has its own layouts and buffers: recv_count_mode, "
+           "expert_alignment, expert_capacity and the staging fields keep their initializer "
+           "values (exact, 1, 0, 0, 0)");
+  EP_CHECK(node_size == nranks, ncclInvalidUsage,
+           "ncclEpCreateGroup: LL runs on one node (every rank reaches every peer's window over "
+           "NVLink, or a local team); this group has %d ranks in nodes of %d "
+           "(docs/internode.md: how GIN would carry LL)",
+           nranks, node_size);
+  return ncclSuccess;
+}
+
 WindowLayout plan_window(const ncclEpGroupConfig_t& c, int nranks /* of the node */) {
+  if (c.mode == ncclEpModeLowLatency) return plan_ll_window(c, nranks);
   WindowLayout w{};
   const int elt = dtype_bytes(c.token_dtype);
   w.num_ranks = nranks;
@@ -98,8 +164,10 @@ ncclResult_t check_config_version(const ncclEpGroupConfig_t* c) {
 
 ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_size) {
   EP_RETURN_IF(check_config_version(c));
-  EP_CHECK(c->mode == ncclEpModeHighThroughput, ncclInvalidUsage,
-           "ncclEpCreateGroup: mode %d is not implemented (only ncclEpModeHighThroughput)",
+  EP_CHECK(c->mode == ncclEpModeHighThroughput || c->mode == ncclEpModeLowLatency,
+           ncclInvalidArgument,
+           "ncclEpCreateGroup: mode %d is invalid (ncclEpModeHighThroughput or "
+           "ncclEpModeLowLatency)",
            (int)c->mode);
   EP_CHECK(nranks >= 1 && nranks <= kMaxRanks, ncclInvalidUsage,
            "ncclEpCreateGroup: the group has %d ranks, 1 to %d are supported", nranks, kMaxRanks);
@@ -181,6 +249,12 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
              c->expert_capacity, fixed, c->num_experts / nranks, block,
              (long long)c->max_recv_tokens_per_rank);
   }
+  EP_CHECK(c->alloc_fn == nullptr || c->free_fn != nullptr, ncclInvalidArgument,
+           "alloc_fn and free_fn must be given together");
+  if (c->mode == ncclEpModeLowLatency) return check_ll_config(c, nranks, node_size);
+  EP_CHECK(c->layout == ncclEpLayoutExpertMajor && c->dispatch_fp8 == 0, ncclInvalidArgument,
+           "ncclEpCreateGroup: layout and dispatch_fp8 are LL options (mode "
+           "ncclEpModeLowLatency); HT keeps their initializer values");
   const WindowLayout w = plan_window(*c, node_size);
   const long long per_channel = (c->max_tokens_per_rank + w.channels - 1) / w.channels;
   EP_CHECK((per_channel + w.chunk - 1) / w.chunk <= kMaxChunksPerChannel, ncclInvalidArgument,
@@ -226,7 +300,8 @@ ncclResult_t agree_config(ncclEpGroup* g, int lsa_size, int nccl_version, cudaSt
                              (long long)c.token_dtype, (long long)c.recv_count_mode,
                              g->capacity, c.expert_alignment, c.num_sms, (long long)c.timeout_ms,
                              c.staging_chunk_tokens, c.staging_depth, c.expert_capacity,
-                             nccl_version, g->node_size, lsa_size};
+                             (long long)c.layout, c.dispatch_fp8, nccl_version, g->node_size,
+                             lsa_size};
   const int R = g->nranks;
   std::vector<ConfigRecord> all(R);
   EP_RETURN_IF(host_all_gather(g->comm, R, g->rank, &mine, sizeof(mine), all.data(), stream));

@@ -58,6 +58,7 @@ const char* dtype_name(ncclDataType_t dtype) {
     case ncclFloat32: return "float32";
     case ncclFloat64: return "float64";
     case ncclBfloat16: return "bfloat16";
+    case ncclFloat8e4m3: return "float8_e4m3";
     default: return "unsupported dtype";
   }
 }
@@ -80,6 +81,9 @@ static const char* op_name(int op) {
     case kOpDispatch: return "dispatch";
     case kOpCombine: return "combine";
     case kOpCombineProbs: return "combine_probs";
+    case kOpLLDispatch: return "LL dispatch";
+    case kOpLLCombine: return "LL combine";
+    case kOpLLHandle: return "LL handle creation";
     default: return "an unknown call";
   }
 }

@@ -85,10 +85,9 @@ ncclResult_t check_residency(const ncclEpGroupConfig_t& c, int ranks_here) {
 // Everything a group needs besides its window: checked config, sizes, error word, state.
 // node_size: its ranks per node (G); ranks_here: the ranks of the group on this GPU (1, or the
 // size of a local team).
-ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int nranks, int rank,
-                        int node_size, int ranks_here, cudaStream_t stream) {
-  EP_RETURN_IF(check_config(config, nranks, node_size));
-  EP_RETURN_IF(check_residency(*config, ranks_here));
+// The sizes a checked config implies for rank `rank` (nothing allocated).
+void size_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int nranks, int rank,
+                int node_size) {
   g->cfg = *config;
   const ncclEpGroupConfig_t& c = g->cfg;
   g->nranks = nranks;
@@ -110,6 +109,13 @@ ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int n
     g->src_rows = g->block_rows * g->num_local;
   }
   g->win = plan_window(c, node_size);
+}
+
+ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int nranks, int rank,
+                        int node_size, int ranks_here, cudaStream_t stream) {
+  EP_RETURN_IF(check_config(config, nranks, node_size));
+  EP_RETURN_IF(check_residency(*config, ranks_here));
+  size_group(g, config, nranks, rank, node_size);
   EP_CUDA(cudaGetDevice(&g->device));
   EP_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&g->h_err), 2 * sizeof(ErrorInfo),
                         cudaHostAllocMapped));
@@ -126,6 +132,7 @@ ncclResult_t init_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int n
   if (ce == cudaSuccess) ce = preload_barrier();
   if (ce == cudaSuccess) ce = preload_dispatch();
   if (ce == cudaSuccess) ce = preload_combine();
+  if (ce == cudaSuccess) ce = preload_ll();
   EP_CHECK(ce == cudaSuccess, ncclUnhandledCudaError,
            "ncclEpCreateGroup: loading the kernels failed: %s", cudaGetErrorString(ce));
   return preallocate_slots(g);
@@ -316,6 +323,30 @@ extern "C" ncclResult_t ncclEpGroupDestroy(ncclEpGroup_t group) {
   cudaError_t ce = cudaDeviceSynchronize();
   destroy_group_state(group);
   EP_CUDA(ce);
+  return ncclSuccess;
+}
+
+extern "C" ncclResult_t ncclEpGetMemorySize(const ncclEpGroupConfig_t* config, int nranks,
+                                            ncclEpMemorySize_t* size) {
+  EP_CHECK(config != nullptr && size != nullptr, ncclInvalidArgument,
+           "ncclEpGetMemorySize: config or size is NULL");
+  EP_CHECK(size->size >= sizeof(ncclEpMemorySize_t) && size->version == NCCL_EP_API_VERSION,
+           ncclInvalidArgument,
+           "ncclEpGetMemorySize: size.size/version do not match this library; initialize it "
+           "with NCCL_EP_MEMORY_SIZE_INITIALIZER");
+  EP_CHECK(nranks >= 1 && nranks <= kMaxRanks, ncclInvalidArgument,
+           "ncclEpGetMemorySize: nranks must be in [1, %d], got %d", kMaxRanks, nranks);
+  // One node, unless ranks_per_node says otherwise (the rail buffers of HT groups that span
+  // nodes are not counted).
+  const int node_size = config->ranks_per_node > 0 ? config->ranks_per_node : nranks;
+  EP_RETURN_IF(check_config(config, nranks, node_size));
+  ncclEpGroup probe;
+  size_group(&probe, config, nranks, 0, node_size);
+  size->window_bytes = probe.win.bytes;
+  size->handle_bytes = slot_device_bytes(&probe);
+  size->device_bytes = sizeof(DeviceState) + sizeof(void*) * node_size +
+                       kPreallocatedSlots * size->handle_bytes;
+  size->total_bytes = size->window_bytes + size->device_bytes;
   return ncclSuccess;
 }
 

@@ -39,6 +39,14 @@ ncclResult_t check_op_config(const ncclEpOpConfig_t* config, const char* fn) {
   return ncclSuccess;
 }
 
+ncclResult_t check_ht_handle(const ncclEpHandle* h, const char* fn) {
+  EP_CHECK(!is_ll(h->group), ncclInvalidUsage,
+           "%s: an HT handle's call, given a handle of an LL group (LL outputs carry their "
+           "counts on the device: docs/design.md section 9)",
+           fn);
+  return ncclSuccess;
+}
+
 // Caller holds g->mu.
 static void destroy_handle_state(ncclEpHandle* h) {
   ncclEpGroup* g = h->group;
@@ -48,6 +56,7 @@ static void destroy_handle_state(ncclEpHandle* h) {
       break;
     }
   }
+  ll_forget(h);
   release_slot(g, h->slot);
   delete h;
 }
@@ -241,7 +250,8 @@ extern "C" ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t
     std::lock_guard<std::mutex> lock(group->mu);
     group->live.push_back(h);
   }
-  ncclResult_t res = create_handle(h, routing, stream);
+  ncclResult_t res =
+      is_ll(group) ? ll_create_handle(h, routing, stream) : create_handle(h, routing, stream);
   if (res == ncclSuccess) res = sticky.result();
   if (res != ncclSuccess) {
     std::lock_guard<std::mutex> lock(group->mu);
@@ -263,6 +273,7 @@ extern "C" ncclResult_t ncclEpHandleGetNumRecvTokens(ncclEpHandle_t handle,
                                                      int64_t* num_recv_tokens) {
   EP_CHECK(handle != nullptr && num_recv_tokens != nullptr, ncclInvalidArgument,
            "ncclEpHandleGetNumRecvTokens: handle or num_recv_tokens is NULL");
+  EP_RETURN_IF(check_ht_handle(handle, "ncclEpHandleGetNumRecvTokens"));
   EP_RETURN_IF(read_layout(handle));
   // Over nodes a device-side error comes with the next op, after its NCCL calls.
   if (handle->group->num_nodes == 1) EP_RETURN_IF(check_group_errors(handle->group));
@@ -274,6 +285,7 @@ extern "C" ncclResult_t ncclEpHandleGetTokensPerExpert(ncclEpHandle_t handle, nc
                                                        cudaStream_t stream) {
   EP_CHECK(handle != nullptr && out != nullptr, ncclInvalidArgument,
            "ncclEpHandleGetTokensPerExpert: handle or out is NULL");
+  EP_RETURN_IF(check_ht_handle(handle, "ncclEpHandleGetTokensPerExpert"));
   ncclEpGroup* g = handle->group;
   EP_CHECK(out->ndim == 1 && out->sizes[0] == g->num_local && out->dtype == ncclInt64 &&
                out->data != nullptr,
@@ -304,6 +316,7 @@ extern "C" ncclResult_t ncclEpHandleGetTopkIdx(ncclEpHandle_t handle, ncclEpTens
                                               cudaStream_t stream) {
   EP_CHECK(handle != nullptr && out != nullptr, ncclInvalidArgument,
            "ncclEpHandleGetTopkIdx: handle or out is NULL");
+  EP_RETURN_IF(check_ht_handle(handle, "ncclEpHandleGetTopkIdx"));
   const long long T = handle->num_tokens, K = handle->topk;
   EP_CHECK(out->ndim == 2 && out->sizes[0] == T && out->sizes[1] == K &&
                (out->dtype == ncclInt32 || out->dtype == ncclInt64) &&
@@ -318,7 +331,7 @@ extern "C" ncclResult_t ncclEpHandleGetTopkIdx(ncclEpHandle_t handle, ncclEpTens
 }
 
 extern "C" ncclResult_t ncclEpComplete(ncclEpHandle_t handle, cudaStream_t stream) {
-  (void)stream;
   EP_CHECK(handle != nullptr, ncclInvalidArgument, "ncclEpComplete: handle is NULL");
+  if (is_ll(handle->group)) return ll_complete(handle, stream);
   return ncclSuccess;
 }

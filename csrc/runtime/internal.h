@@ -91,6 +91,7 @@ struct ncclEpGroup {
   std::vector<nccl_ep::HandleSlot*> all_slots;
   std::vector<ncclEpHandle*> live;
   unsigned handles_created = 0;  // the next handle's creation number (ncclEpHandle::seq)
+  int ll_in_flight[2] = {0, 0};  // LL: dispatches, combines sent with send_only, not completed
 };
 
 struct ncclEpHandle {
@@ -104,6 +105,12 @@ struct ncclEpHandle {
   std::string layout_error;
   long long num_recv = 0;        // rows of dispatch outputs (capacity: the capacity)
   std::vector<long long> tokens_per_expert;
+  // LL (ll.cc): the op sent with send_only that ncclEpComplete finishes (-1: none, 0: dispatch,
+  // 1: combine), with its launch arguments; whether the handle dispatched (its combine's rows).
+  int ll_pending = -1;
+  bool ll_dispatched = false;
+  nccl_ep::LLDispatchArgs ll_dispatch{};
+  nccl_ep::LLCombineArgs ll_combine{};
 };
 
 namespace nccl_ep {
@@ -136,8 +143,23 @@ ncclResult_t barrier(ncclEpGroup* g, unsigned call, cudaStream_t stream);
 
 // handle.cc
 ncclResult_t check_op_config(const ncclEpOpConfig_t* config, const char* fn);
+// ncclInvalidUsage for a handle of an LL group given to an HT-only call.
+ncclResult_t check_ht_handle(const ncclEpHandle* h, const char* fn);
 // Exact mode: waits for the handle's layout readback (once) and returns its result.
 ncclResult_t read_layout(ncclEpHandle* h);
+
+// ll.cc: the LL mode (docs/design.md section 9) behind the public entry points.
+ncclResult_t ll_create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing, cudaStream_t stream);
+ncclResult_t ll_dispatch(ncclEpHandle* h, const ncclEpDispatchInputs_t* inputs,
+                         ncclEpDispatchOutputs_t* outputs, const ncclEpOpConfig_t* config,
+                         cudaStream_t stream);
+ncclResult_t ll_combine(ncclEpHandle* h, const ncclEpCombineInputs_t* inputs,
+                        ncclEpCombineOutputs_t* outputs, const ncclEpOpConfig_t* config,
+                        cudaStream_t stream);
+ncclResult_t ll_complete(ncclEpHandle* h, cudaStream_t stream);
+// Forgets a destroyed handle's pending op (caller holds g->mu).
+void ll_forget(ncclEpHandle* h);
+inline bool is_ll(const ncclEpGroup* g) { return g->cfg.mode == ncclEpModeLowLatency; }
 
 // errors.cc
 const char* dtype_name(ncclDataType_t dtype);

@@ -140,10 +140,12 @@ using namespace nccl_ep;
 extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispatchInputs_t* inputs,
                                        ncclEpDispatchOutputs_t* outputs,
                                        const ncclEpOpConfig_t* config, cudaStream_t stream) {
+  EP_CHECK(handle == nullptr || (inputs != nullptr && outputs != nullptr), ncclInvalidArgument,
+           "ncclEpDispatch: inputs or outputs is NULL");
+  if (handle != nullptr && is_ll(handle->group))  // ll_: docs/design.md section 9
+    return ll_dispatch(handle, inputs, outputs, config, stream);
   DeferredError sticky;
   EP_RETURN_IF(check_entry(handle, config, "ncclEpDispatch", &sticky));
-  EP_CHECK(inputs != nullptr && outputs != nullptr, ncclInvalidArgument,
-           "ncclEpDispatch: inputs or outputs is NULL");
   ncclEpGroup* g = handle->group;
   const long long T = handle->num_tokens, H = g->cfg.hidden, N = handle->num_recv;
   EP_RETURN_IF(check_tensor(inputs->tokens, "x", T, H, g->cfg.token_dtype));
@@ -181,10 +183,12 @@ extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispat
 extern "C" ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombineInputs_t* inputs,
                                       ncclEpCombineOutputs_t* outputs,
                                       const ncclEpOpConfig_t* config, cudaStream_t stream) {
+  EP_CHECK(handle == nullptr || (inputs != nullptr && outputs != nullptr), ncclInvalidArgument,
+           "ncclEpCombine: inputs or outputs is NULL");
+  if (handle != nullptr && is_ll(handle->group))  // ll_: docs/design.md section 9
+    return ll_combine(handle, inputs, outputs, config, stream);
   DeferredError sticky;
   EP_RETURN_IF(check_entry(handle, config, "ncclEpCombine", &sticky));
-  EP_CHECK(inputs != nullptr && outputs != nullptr, ncclInvalidArgument,
-           "ncclEpCombine: inputs or outputs is NULL");
   ncclEpGroup* g = handle->group;
   const long long T = handle->num_tokens, H = g->cfg.hidden, N = handle->num_recv;
   EP_RETURN_IF(check_tensor(inputs->expert_tokens, "expert_out", N, H, g->cfg.token_dtype));
@@ -208,6 +212,7 @@ extern "C" ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
                                                  const ncclEpTensor_t* grad_recv_topk_weights,
                                                  ncclEpTensor_t* grad_topk_weights,
                                                  cudaStream_t stream) {
+  if (handle != nullptr) EP_RETURN_IF(check_ht_handle(handle, "ncclEpCombineTopkWeights"));
   DeferredError sticky;
   EP_RETURN_IF(check_entry(handle, nullptr, "ncclEpCombineTopkWeights", &sticky));
   EP_CHECK(grad_recv_topk_weights != nullptr && grad_topk_weights != nullptr,

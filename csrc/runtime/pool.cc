@@ -17,8 +17,30 @@ namespace nccl_ep {
 
 namespace {
 
+// An LL handle's views (LLHandleViews, kernels/api.cuh).
+size_t plan_ll_slot(const ncclEpGroup* g, HandleSlot* s, void* base) {
+  const size_t R = g->nranks, E = g->cfg.num_experts;
+  const size_t Tm = (size_t)g->cfg.max_tokens_per_rank, Km = (size_t)g->cfg.max_topk;
+  BufferPlan plan;
+  for (View<int>* v : {&s->ll_ids, &s->ll_pos, &s->ll_jslot, &s->ll_dpos, &s->ll_own_row})
+    plan.add(v, Tm * Km);
+  plan.add(&s->ll_ndst, Tm);
+  plan.add(&s->ll_own_dpos, Tm);
+  plan.add(&s->ll_cnt, E);
+  plan.add(&s->ll_ndest, R);
+  plan.add(&s->ll_rn, R);
+  plan.add(&s->ll_rtok, R * Tm);
+  plan.add(&s->ll_rrow, g->cfg.layout == ncclEpLayoutExpertMajor ? R * Tm * Km : 0);
+  plan.add(&s->ll_rdpos, g->cfg.layout == ncclEpLayoutRankMajor ? R * Tm : 0);
+  plan.add(&s->ll_roff, R + 1);
+  plan.add(&s->ll_epochs, 2);
+  if (base != nullptr) plan.bind(base);
+  return plan.bytes();
+}
+
 // The slot's views for this group's sizes; base == nullptr only sizes them.
 size_t plan_slot(const ncclEpGroup* g, HandleSlot* s, void* base) {
+  if (g->cfg.mode == ncclEpModeLowLatency) return plan_ll_slot(g, s, base);
   const int R = g->nranks, L = g->num_local;
   const size_t Tm = (size_t)g->cfg.max_tokens_per_rank, Km = (size_t)g->cfg.max_topk;
   BufferPlan plan;

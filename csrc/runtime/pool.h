@@ -41,6 +41,10 @@ struct HandleSlot {
   LayoutMeta* host_meta = nullptr;  // pinned, mapped: the exact-mode readback
   LayoutMeta* host_meta_dev = nullptr;  // its device address (the bases write it)
   cudaEvent_t meta_ready = nullptr; // recorded after the bases (validate_kernel)
+  // LL groups: the handle's views instead of the HT ones above (kernels/api.cuh).
+  View<int> ll_ids, ll_pos, ll_jslot, ll_dpos, ll_ndst, ll_own_dpos, ll_cnt, ll_ndest, ll_rn,
+      ll_rtok, ll_rrow, ll_rdpos, ll_roff, ll_own_row;
+  View<unsigned long long> ll_epochs;
 
   // This rank's routing as the ops follow it (its dropped slots masked under expert_capacity).
   int* op_routing() const { return kept_routing.count > 0 ? kept_routing.ptr : own_routing.ptr; }

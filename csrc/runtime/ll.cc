@@ -1,0 +1,290 @@
+/*
+ * ll.cc: the LL mode (docs/design.md section 9) behind ncclEpCreateHandle, ncclEpDispatch,
+ * ncclEpCombine and ncclEpComplete: argument checks, the double-buffering rule, then one kernel
+ * per call (kernels/ll.cu). No call synchronizes the host or communicates outside its kernel.
+ *
+ * NOTES:
+ *  - Ops of one kind alternate between two buffer sets by a device-side epoch, and a send waits
+ *    on the device until every peer consumed the set's op of two epochs before. So at most two
+ *    ops of a kind may be pending (sent with send_only, not completed) on a group: a third would
+ *    wait for a receive that only a later call can start. It is refused here, before anything
+ *    is enqueued; the calls are collective, so every rank refuses it alike.
+ *  - send_only keeps the op's launch arguments in the handle: ncclEpComplete relaunches the
+ *    kernel with only its receive phase.
+ */
+#include <stdint.h>
+
+#include "internal.h"
+#include "pool.h"
+
+namespace nccl_ep {
+
+namespace {
+
+const char* const kKind[2] = {"ncclEpDispatch", "ncclEpCombine"};
+
+// A contiguous row-major tensor of `ndim` dimensions `sizes`, of `dtype`, 16-byte aligned.
+ncclResult_t check_nd(const ncclEpTensor_t& t, const char* name, int ndim, const long long* sizes,
+                      ncclDataType_t dtype) {
+  std::string want = "(";
+  long long n = 1;
+  for (int i = 0; i < ndim; ++i) {
+    want += std::to_string(sizes[i]) + (i + 1 < ndim ? ", " : ndim == 1 ? ",)" : ")");
+    n *= sizes[i];
+  }
+  EP_CHECK(t.ndim == ndim, ncclInvalidArgument, "%s must be %d-D %s, got %d dimensions", name,
+           ndim, want.c_str(), t.ndim);
+  long long stride = 1;
+  for (int i = ndim - 1; i >= 0; --i) {
+    EP_CHECK(t.sizes[i] == sizes[i], ncclInvalidArgument, "%s must have shape %s, got size %lld "
+             "in dimension %d", name, want.c_str(), (long long)t.sizes[i], i);
+    EP_CHECK(t.sizes[i] <= 1 || t.strides[i] == stride, ncclInvalidArgument,
+             "%s must be contiguous (row-major)", name);
+    stride *= sizes[i];
+  }
+  EP_CHECK(t.dtype == dtype, ncclInvalidArgument, "%s must have dtype %s, got %s", name,
+           dtype_name(dtype), dtype_name(t.dtype));
+  EP_CHECK(t.data != nullptr || n == 0, ncclInvalidArgument, "%s data is NULL", name);
+  EP_CHECK(((uintptr_t)t.data & 15u) == 0, ncclInvalidArgument,
+           "%s must be 16-byte aligned (its rows move in 16-byte packs)", name);
+  return ncclSuccess;
+}
+
+ncclResult_t check_nd(const ncclEpTensor_t& t, const char* name,
+                      std::initializer_list<long long> sizes, ncclDataType_t dtype) {
+  return check_nd(t, name, (int)sizes.size(), sizes.begin(), dtype);
+}
+
+LLHandleViews views_of(const HandleSlot* s) {
+  LLHandleViews v;
+  v.ids = s->ll_ids.ptr;
+  v.pos = s->ll_pos.ptr;
+  v.jslot = s->ll_jslot.ptr;
+  v.dpos = s->ll_dpos.ptr;
+  v.ndst = s->ll_ndst.ptr;
+  v.own_dpos = s->ll_own_dpos.ptr;
+  v.cnt = s->ll_cnt.ptr;
+  v.ndest = s->ll_ndest.ptr;
+  v.rn = s->ll_rn.ptr;
+  v.rtok = s->ll_rtok.ptr;
+  v.rrow = s->ll_rrow.ptr;
+  v.rdpos = s->ll_rdpos.ptr;
+  v.roff = s->ll_roff.ptr;
+  v.own_row = s->ll_own_row.ptr;
+  v.epochs = s->ll_epochs.ptr;
+  return v;
+}
+
+LLArgs ll_args(const ncclEpHandle* h) {
+  const ncclEpGroup* g = h->group;
+  LLArgs a;
+  a.peers = g->d_peers;
+  a.win = g->win;
+  a.state = g->d_state;
+  a.err = g->d_err;
+  a.timeout_ns = (long long)g->cfg.timeout_ms * 1000000ll;
+  a.num_ranks = g->nranks;
+  a.rank = g->rank;
+  a.num_local = g->num_local;
+  a.num_experts = g->cfg.num_experts;
+  a.max_tokens = g->cfg.max_tokens_per_rank;
+  a.max_topk = g->cfg.max_topk;
+  a.hidden = g->cfg.hidden;
+  a.rank_major = g->cfg.layout == ncclEpLayoutRankMajor;
+  a.fp8 = g->cfg.dispatch_fp8 != 0;
+  a.dtype = (int)g->cfg.token_dtype;
+  a.tokens = h->num_tokens;
+  a.topk = h->topk;
+  a.send = a.recv = 1;
+  a.h = views_of(h->slot);
+  return a;
+}
+
+// The checks every LL op starts with: its config, the group's errors, the handle's state and
+// the double-buffering rule. kind 0: dispatch, 1: combine.
+ncclResult_t check_op(ncclEpHandle* h, const ncclEpOpConfig_t* config, int kind, bool* send_only) {
+  const char* fn = kKind[kind];
+  ncclEpGroup* g = h->group;
+  if (config != nullptr)
+    EP_CHECK(config->size >= sizeof(ncclEpOpConfig_t) && config->version == NCCL_EP_API_VERSION,
+             ncclInvalidArgument,
+             "%s: config.size/version do not match this library; use "
+             "NCCL_EP_OP_CONFIG_INITIALIZER",
+             fn);
+  *send_only = config != nullptr && config->send_only != 0;
+  EP_RETURN_IF(check_group_errors(g));
+  EP_CHECK(h->ll_pending < 0, ncclInvalidUsage,
+           "%s: this handle's %s was sent with send_only and not completed: call "
+           "ncclEpComplete first",
+           fn, h->ll_pending == 0 ? "dispatch" : "combine");
+  EP_CHECK(kind == 0 || h->ll_dispatched, ncclInvalidUsage,
+           "ncclEpCombine: this LL handle has not dispatched (the combine returns the rows its "
+           "dispatch placed)");
+  std::lock_guard<std::mutex> lock(g->mu);
+  EP_CHECK(g->ll_in_flight[kind] < 2, ncclInvalidUsage,
+           "%s: two LL %ss are already in flight on this group (sent with send_only, not "
+           "completed); both buffer sets are taken: complete the older one first",
+           fn, kind == 0 ? "dispatche" : "combine");
+  return ncclSuccess;
+}
+
+void mark_sent(ncclEpHandle* h, int kind, bool send_only) {
+  if (!send_only) return;
+  std::lock_guard<std::mutex> lock(h->group->mu);
+  h->ll_pending = kind;
+  ++h->group->ll_in_flight[kind];
+}
+
+}  // namespace
+
+ncclResult_t ll_create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing,
+                              cudaStream_t stream) {
+  ncclEpGroup* g = h->group;
+  const ncclEpGroupConfig_t& c = g->cfg;
+  EP_CHECK(routing->tag == NCCL_EP_TENSOR_TOPK_IDX, ncclInvalidArgument,
+           "an LL handle is made from topk_idx [T, K] (tag TOPK_IDX), got tag %d",
+           (int)routing->tag);
+  EP_CHECK(routing->ndim == 2, ncclInvalidArgument, "topk_idx must be 2-D, got %d dimensions",
+           routing->ndim);
+  EP_CHECK(routing->dtype == ncclInt32 || routing->dtype == ncclInt64, ncclInvalidArgument,
+           "topk_idx must be int32 or int64, got %s", dtype_name(routing->dtype));
+  const long long T = routing->sizes[0], K = routing->sizes[1];
+  EP_CHECK(T >= 0 && T <= c.max_tokens_per_rank, ncclInvalidArgument,
+           "topk_idx has %lld tokens, expected 0 <= T <= max_tokens_per_rank (T_max)=%d of this "
+           "LL group",
+           T, c.max_tokens_per_rank);
+  EP_CHECK(K >= 1 && K <= c.max_topk, ncclInvalidArgument,
+           "topk_idx has top-k %lld, expected 1 <= top-k <= max_topk=%d", K, c.max_topk);
+  EP_CHECK(routing->strides[0] >= 0 && routing->strides[1] >= 0, ncclInvalidArgument,
+           "topk_idx strides must be >= 0");
+  EP_CHECK(routing->data != nullptr || T == 0, ncclInvalidArgument, "topk_idx data is NULL");
+  h->num_tokens = (int)T;
+  h->topk = (int)K;
+  {
+    std::lock_guard<std::mutex> lock(g->mu);
+    EP_RETURN_IF(acquire_slot(g, &h->slot));
+    h->seq = g->handles_created++;
+  }
+  LLLayoutArgs la;
+  la.a = ll_args(h);
+  la.topk_idx = routing->data;
+  la.idx_is_64 = routing->dtype == ncclInt64;
+  la.stride0 = routing->strides[0];
+  la.stride1 = routing->strides[1];
+  EP_CUDA(launch_ll_layout(la, stream));
+  return ncclSuccess;
+}
+
+ncclResult_t ll_dispatch(ncclEpHandle* h, const ncclEpDispatchInputs_t* in,
+                         ncclEpDispatchOutputs_t* out, const ncclEpOpConfig_t* config,
+                         cudaStream_t stream) {
+  bool send_only = false;
+  EP_RETURN_IF(check_op(h, config, 0, &send_only));
+  const ncclEpGroup* g = h->group;
+  const ncclEpGroupConfig_t& c = g->cfg;
+  const long long T = h->num_tokens, K = h->topk, H = c.hidden, L = g->num_local,
+                  Km = c.max_topk, RT = (long long)g->nranks * c.max_tokens_per_rank;
+  const bool fp8 = c.dispatch_fp8 != 0, rank_major = c.layout == ncclEpLayoutRankMajor;
+  const ncclDataType_t x_type = fp8 ? ncclFloat8e4m3 : c.token_dtype;
+  EP_RETURN_IF(check_nd(in->tokens, "x", {T, H}, c.token_dtype));
+  const bool weights = in->topk_weights.ndim != 0;
+  if (weights) EP_RETURN_IF(check_nd(in->topk_weights, "topk_weights", {T, K}, ncclFloat32));
+  if (rank_major) {
+    EP_RETURN_IF(check_nd(out->recv_tokens, "recv_x", {RT, H}, x_type));
+    EP_RETURN_IF(check_nd(out->recv_count, "recv_count", {1}, ncclInt32));
+    EP_RETURN_IF(check_nd(out->recv_topk_idx, "recv_topk_idx", {RT, Km}, ncclInt32));
+    if (weights)
+      EP_RETURN_IF(
+          check_nd(out->recv_topk_weights, "recv_topk_weights", {RT, Km}, ncclFloat32));
+    EP_CHECK(weights || out->recv_topk_weights.ndim == 0, ncclInvalidArgument,
+             "recv_topk_weights must be absent (ndim 0) when the dispatch has no topk_weights");
+    if (fp8) EP_RETURN_IF(check_nd(out->recv_scales, "recv_scales", {RT, H / kFp8Block},
+                                   ncclFloat32));
+  } else {
+    EP_RETURN_IF(check_nd(out->recv_tokens, "recv_x", {L, RT, H}, x_type));
+    EP_RETURN_IF(check_nd(out->recv_count, "recv_count", {L}, ncclInt32));
+    EP_RETURN_IF(check_nd(out->recv_src, "recv_src", {L, RT}, ncclInt32));
+    if (fp8) EP_RETURN_IF(check_nd(out->recv_scales, "recv_scales", {L, RT, H / kFp8Block},
+                                   ncclFloat32));
+  }
+  EP_CHECK(fp8 || out->recv_scales.ndim == 0, ncclInvalidArgument,
+           "recv_scales must be absent (ndim 0) without dispatch_fp8");
+  LLDispatchArgs d;
+  d.a = ll_args(h);
+  d.a.recv = !send_only;
+  d.x = in->tokens.data;
+  d.w = weights ? static_cast<const float*>(in->topk_weights.data) : nullptr;
+  d.recv_x = out->recv_tokens.data;
+  d.recv_scales = fp8 ? static_cast<float*>(out->recv_scales.data) : nullptr;
+  d.recv_count = static_cast<int*>(out->recv_count.data);
+  d.recv_src = rank_major ? nullptr : static_cast<int*>(out->recv_src.data);
+  d.recv_topk_idx = rank_major ? static_cast<int*>(out->recv_topk_idx.data) : nullptr;
+  d.recv_topk_w =
+      rank_major && weights ? static_cast<float*>(out->recv_topk_weights.data) : nullptr;
+  EP_CUDA(launch_ll_dispatch(d, stream));
+  h->ll_dispatched = true;
+  h->ll_dispatch = d;
+  mark_sent(h, 0, send_only);
+  return ncclSuccess;
+}
+
+ncclResult_t ll_combine(ncclEpHandle* h, const ncclEpCombineInputs_t* in,
+                        ncclEpCombineOutputs_t* out, const ncclEpOpConfig_t* config,
+                        cudaStream_t stream) {
+  bool send_only = false;
+  EP_RETURN_IF(check_op(h, config, 1, &send_only));
+  const ncclEpGroup* g = h->group;
+  const ncclEpGroupConfig_t& c = g->cfg;
+  const long long T = h->num_tokens, K = h->topk, H = c.hidden, L = g->num_local,
+                  RT = (long long)g->nranks * c.max_tokens_per_rank;
+  const bool rank_major = c.layout == ncclEpLayoutRankMajor;
+  if (rank_major) {
+    EP_RETURN_IF(check_nd(in->expert_tokens, "expert_out", {RT, H}, c.token_dtype));
+    EP_CHECK(in->topk_weights.ndim == 0, ncclInvalidArgument,
+             "topk_weights must be absent (ndim 0) in a rank-major LL combine: each rank's "
+             "partial rows are already weighted");
+  } else {
+    EP_RETURN_IF(check_nd(in->expert_tokens, "expert_out", {L, RT, H}, c.token_dtype));
+    EP_RETURN_IF(check_nd(in->topk_weights, "topk_weights", {T, K}, ncclFloat32));
+  }
+  EP_RETURN_IF(check_nd(out->tokens, "y", {T, H}, c.token_dtype));
+  LLCombineArgs cb;
+  cb.a = ll_args(h);
+  cb.a.recv = !send_only;
+  cb.expert_out = in->expert_tokens.data;
+  cb.w = rank_major ? nullptr : static_cast<const float*>(in->topk_weights.data);
+  cb.y = out->tokens.data;
+  EP_CUDA(launch_ll_combine(cb, stream));
+  h->ll_combine = cb;
+  mark_sent(h, 1, send_only);
+  return ncclSuccess;
+}
+
+ncclResult_t ll_complete(ncclEpHandle* h, cudaStream_t stream) {
+  EP_CHECK(h->ll_pending >= 0, ncclInvalidUsage,
+           "ncclEpComplete: this LL handle has no dispatch or combine sent with send_only "
+           "pending");
+  EP_RETURN_IF(check_group_errors(h->group));
+  const int kind = h->ll_pending;
+  if (kind == 0) {
+    LLDispatchArgs d = h->ll_dispatch;
+    d.a.send = 0;
+    d.a.recv = 1;
+    EP_CUDA(launch_ll_dispatch(d, stream));
+  } else {
+    LLCombineArgs cb = h->ll_combine;
+    cb.a.send = 0;
+    cb.a.recv = 1;
+    EP_CUDA(launch_ll_combine(cb, stream));
+  }
+  std::lock_guard<std::mutex> lock(h->group->mu);
+  ll_forget(h);
+  return ncclSuccess;
+}
+
+void ll_forget(ncclEpHandle* h) {
+  if (h->ll_pending >= 0) --h->group->ll_in_flight[h->ll_pending];
+  h->ll_pending = -1;
+}
+
+}  // namespace nccl_ep
