@@ -217,6 +217,19 @@ class Group:
                         f"{name} must have shape {tuple('*' if s is None else s for s in shape)},"
                         f" got {tuple(t.shape)}")
 
+    def _check_agreed(self, op: str, check) -> None:
+        """Runs ``check`` (one call's argument checks, raising TypeError / ValueError) and lets
+        the backend settle the outcome with the peers: on a multi-rank reference group every rank
+        raises when any rank's arguments are wrong, instead of the others waiting in a collective
+        until the process group times out. (The cuda backend raises on the failing rank only; its
+        peers' device-side waits time out naming that rank.)"""
+        error = None
+        try:
+            check()
+        except (TypeError, ValueError) as e:
+            error = e
+        self._backend.agree_on_arguments(op, error)
+
     def create_handle(self, topk_idx: Optional[torch.Tensor] = None, *,
                       routing_map: Optional[torch.Tensor] = None) -> "Handle | LLHandle":
         """Collective: exchange one forward pass's routing, given as ``topk_idx [T, K]``
@@ -231,7 +244,15 @@ class Group:
             # docs/design.md §9: no communication; routing values are checked by the backend.
             if routing_map is not None:
                 raise TypeError("an LL group's handles take topk_idx [T, K], not a routing_map")
-            check_ll_routing(self, topk_idx)
+            try:
+                check_ll_routing(self, topk_idx)
+            except (TypeError, ValueError) as exc:
+                # No communication here: the reference backend marks this rank stopped, so its
+                # peers' next collective raises at once naming it.
+                stop = getattr(self._backend, "stop_after_local_error", None)
+                if stop is not None:
+                    stop("LL create_handle", exc)
+                raise
             state = self._backend.ll_create_handle(topk_idx.contiguous())
             return LLHandle(self, state, topk_idx.shape[0], topk_idx.shape[1])
         if routing_map is not None:
@@ -337,17 +358,7 @@ class Handle:
         self.group._check_tensor(name, t, 2, (cfg.dtype,), (self.num_recv_tokens, cfg.hidden))
 
     def _check_agreed(self, op: str, check) -> None:
-        """Runs ``check`` (this call's argument checks, raising TypeError / ValueError) and lets
-        the backend settle the outcome with the peers: on a multi-rank reference group every rank
-        raises when any rank's arguments are wrong, instead of the others waiting in a collective
-        until the process group times out. (The cuda backend raises on the failing rank only; its
-        peers' device-side waits time out naming that rank.)"""
-        error = None
-        try:
-            check()
-        except (TypeError, ValueError) as e:
-            error = e
-        self.group._backend.agree_on_arguments(op, error)
+        self.group._check_agreed(op, check)
 
     def probs_are_dense(self, probs: torch.Tensor) -> bool:
         """Whether ``probs`` is a router's dense ``[T, E]`` (slot k reads the column of its

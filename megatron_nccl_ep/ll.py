@@ -18,6 +18,7 @@ import torch
 from .config import INDEX_DTYPES, PROB_DTYPES
 
 _KINDS = ("dispatch", "combine")
+_PLURAL = {"dispatch": "dispatches", "combine": "combines"}
 
 
 @dataclasses.dataclass
@@ -48,7 +49,7 @@ class InFlight:
         ops = self.pending[kind]
         if len(ops) >= 2:
             raise RuntimeError(
-                f"LL {kind}: two {kind}es are already in flight on this group (sent with "
+                f"LL {kind}: two {_PLURAL[kind]} are already in flight on this group (sent with "
                 f"send_only=True, not completed); their two buffer sets are taken: call "
                 f"complete() on the older handle first")
 

@@ -10,7 +10,11 @@ Megatron is patched in memory only (its files on disk are never touched):
 * ``MoELayer.__init__``'s dispatcher chain gains an ``nccl_ep`` branch that builds
   ``NcclEpTokenDispatcher`` (the config is never modified);
 * ``megatron.training.arguments`` gets the ``--nccl-ep-*`` flags; the dispatcher reads their
-  values from the parsed training arguments (``dispatcher.get_options``).
+  values from the parsed training arguments (``dispatcher.get_options``);
+* inference (``transformer_impl="inference_optimized"``):
+  ``TransformerConfig.inference_moe_token_dispatcher_type``'s Literal gains ``"nccl_ep"``,
+  ``MoELayer._setup_inference_mode`` builds ``NcclEpInferenceDispatcher`` for it, and
+  ``DynamicInferenceContext.__init__`` records its per-rank token budget for that dispatcher.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import textwrap
 import typing
 
 from .dispatcher import NcclEpTokenDispatcher
+from .inference import NcclEpInferenceDispatcher
 from .options import add_arguments
 
 DISPATCHER_TYPE = "nccl_ep"
@@ -29,30 +34,31 @@ DISPATCHER_TYPE = "nccl_ep"
 _registered = False
 
 
-def literal_choices(hint) -> tuple:
-    """The values of ``Literal[...]`` or ``Optional[Literal[...]]``."""
+def literal_choices(hint, name: str = "moe_token_dispatcher_type") -> tuple:
+    """The values of ``Literal[...]`` or ``Optional[Literal[...]]`` (the annotation of
+    TransformerConfig's field ``name``)."""
     for h in (hint, *typing.get_args(hint)):
         if typing.get_origin(h) is typing.Literal:
             return typing.get_args(h)
     raise RuntimeError(
-        "megatron_nccl_ep.register(): TransformerConfig.moe_token_dispatcher_type is annotated "
+        f"megatron_nccl_ep.register(): TransformerConfig.{name} is annotated "
         f"{hint!r}, not a Literal of dispatcher names; this Megatron-Core version is not "
         "supported")
 
 
-def _allow_dispatcher_type() -> None:
+def _allow_dispatcher_type(name: str = "moe_token_dispatcher_type") -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     # Subclasses (MLA, heterogeneous configs) share this Field object. The annotation may be a
     # string (postponed evaluation) or wrap the Literal in Optional[...]: resolve both.
-    field = TransformerConfig.__dataclass_fields__["moe_token_dispatcher_type"]
+    field = TransformerConfig.__dataclass_fields__[name]
     hint = field.type
     if isinstance(hint, str):
-        hint = typing.get_type_hints(TransformerConfig)["moe_token_dispatcher_type"]
-    choices = literal_choices(hint)
+        hint = typing.get_type_hints(TransformerConfig)[name]
+    choices = literal_choices(hint, name)
     if DISPATCHER_TYPE not in choices:
         field.type = typing.Literal[choices + (DISPATCHER_TYPE,)]
-        TransformerConfig.__annotations__["moe_token_dispatcher_type"] = field.type
+        TransformerConfig.__annotations__[name] = field.type
 
 
 def _allow_overlaps() -> None:
@@ -166,6 +172,58 @@ def _patch_moe_layer() -> None:
     moe_layer.MoELayer.__init__ = patched
 
 
+def _patch_inference_setup() -> None:
+    """MoELayer._setup_inference_mode (inference_optimized layers) keeps the training dispatcher
+    and builds the inference one, NVLS for 'nvls' and NCCL all-gather for anything else. For
+    'nccl_ep' it does the same with ours: the training dispatcher kept, ours built from the
+    same arguments, no shared-expert overlap (as for 'nccl'), the latent-MoE overlap slot
+    cleared; every other type goes to Megatron's own method."""
+    from megatron.core.transformer.moe import moe_layer
+
+    original = getattr(moe_layer.MoELayer, "_setup_inference_mode", None)
+    if original is None:
+        raise RuntimeError("megatron_nccl_ep.register(): MoELayer has no _setup_inference_mode; "
+                           "this Megatron-Core version is not supported")
+
+    @functools.wraps(original)
+    def setup_inference_mode(self, pg_collection):
+        if self.config.inference_moe_token_dispatcher_type != DISPATCHER_TYPE:
+            return original(self, pg_collection)
+        self._training_token_dispatcher = self.token_dispatcher
+        self._inference_token_dispatcher = NcclEpInferenceDispatcher(
+            self.num_local_experts, self.local_expert_indices, config=self.config,
+            pg_collection=pg_collection)
+        self._latent_shared_expert_output = None
+        return None
+
+    moe_layer.MoELayer._setup_inference_mode = setup_inference_mode
+
+
+def _patch_inference_context() -> None:
+    """Megatron's DynamicInferenceContext sizes its own dispatchers' buffers in __init__ (the NVLS
+    one with round_up_tokens(max_tokens) // tp_size tokens per rank). For 'nccl_ep' the same
+    budget becomes the LL groups' T_max (NcclEpInferenceDispatcher.set_token_budget)."""
+    from megatron.core.inference.contexts import dynamic_context
+
+    cls = dynamic_context.DynamicInferenceContext
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def init(self, model_config, inference_config, *args, **kwargs):
+        original(self, model_config, inference_config, *args, **kwargs)
+        if getattr(model_config, "inference_moe_token_dispatcher_type", None) != DISPATCHER_TYPE:
+            return
+        pg_collection = getattr(inference_config, "pg_collection", None)
+        if pg_collection is not None:
+            tp_size = pg_collection.tp.size()
+        else:
+            tp_size = model_config.tensor_model_parallel_size
+        NcclEpInferenceDispatcher.set_token_budget(
+            cls.round_up_tokens(self.max_tokens, tp_size=tp_size) // tp_size)
+
+    cls.__init__ = init
+
+
 def _patch_arguments() -> None:
     from megatron.training import arguments
 
@@ -191,6 +249,9 @@ def register() -> None:
     _allow_overlaps()
     _patch_moe_layer()
     _patch_free_input_policy()
+    _allow_dispatcher_type("inference_moe_token_dispatcher_type")
+    _patch_inference_setup()
+    _patch_inference_context()
     try:
         import megatron.training.arguments  # noqa: F401
     except ImportError:

@@ -25,9 +25,11 @@ from typing import ClassVar, List, Optional
 import torch
 import torch.distributed as dist
 
+from . import ll_reference as llr
 from . import rendezvous
 from .config import GroupConfig, shape_error
 from .errors import NcclEpError
+from .ll import LLDispatchOutput
 
 
 def _bytes_as(byte_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -39,6 +41,11 @@ def _bytes_as(byte_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
                       device=byte_rows.device)
     out.view(torch.uint8).copy_(byte_rows)
     return out
+
+
+def _word(op: str) -> str:
+    """``op`` as one word of a progress record (its fields are separated by spaces)."""
+    return op.replace(" ", "_")
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -116,6 +123,21 @@ class ReferenceHandleState:
     routing_released: ClassVar[bool] = True
 
 
+@dataclasses.dataclass
+class ReferenceLLState:
+    """One LL handle (docs/design.md §9): this rank's routing, what it sends where, and between
+    a dispatch and its combine where the received slots went."""
+
+    topk_idx: torch.Tensor  # [T, K] int64
+    error: Optional[str]  # the routing's value error, raised at the dispatch on every rank
+    plan: Optional[List[torch.Tensor]]  # per destination rank: tokens with an expert there
+    received: Optional[llr.LLReceived] = None  # the latest dispatch's record (once complete)
+    pending: Optional[object] = None  # send_only: the complete step (writes the outputs)
+    num_recv_tokens: ClassVar[int] = 0  # HT's fields: an LL handle has no HT layout
+    tokens_per_expert: ClassVar[Optional[torch.Tensor]] = None
+    routing_released: ClassVar[bool] = True  # the routing is copied at creation
+
+
 class ReferenceBackend:
     """``backend.Backend`` in plain PyTorch."""
 
@@ -160,7 +182,7 @@ class ReferenceBackend:
             raise NcclEpError(self._stopped)
         self._calls += 1
         kv = rendezvous.store()
-        kv.set(self._record(self.rank), f"{self._calls} {op}")
+        kv.set(self._record(self.rank), f"{self._calls} {_word(op)}")
         self._await_peers(op, kv)
         try:
             work = launch()
@@ -209,19 +231,24 @@ class ReferenceBackend:
             record = self._read_record(kv, r)
             if record is None:
                 behind.append(f"rank {r} (no call recorded: none made, or its group destroyed)")
-            elif record[2]:
-                stopped.append(r)
+            elif record[2]:  # (calls, rank, why): the first to stop is the root cause
+                stopped.append((record[0], r, f"rank {r} stopped this group after its "
+                                              f"{record[1]} failed"))
             elif record[0] < n:
                 behind.append(f"rank {r} (its last call: {record[1]}, #{record[0]})")
-        kv.set(self._record(me), f"{n} {op} stopped")
+        kv.set(self._record(me), f"{n} {_word(op)} stopped")
         self._stopped = (f"this group stopped after {op} failed on rank {me}; destroy it and "
                          "create a new one on every rank")
-        # The root cause first: a rank that never came, else one that gave up before this one.
-        if behind:
+        # The root cause first: a peer that stopped the group when that is what this rank saw
+        # (peers behind it may just be slower), else a rank that never came, else one that gave
+        # up before this one.
+        if stopped and not detail:
+            why = f"{min(stopped)[2]} (seen by rank {me})"
+        elif behind:
             why = f"rank {me} waited for {', '.join(behind)}, which did not reach this {op} " \
                   f"(call #{n})"
         elif stopped:
-            why = f"rank {stopped[0]} stopped this group after a failure (seen by rank {me})"
+            why = f"{min(stopped)[2]} (seen by rank {me})"
         else:
             why = f"rank {me}: every peer reached it"
         raise NcclEpError(f"{op}: {why}" + (f"; {detail}" if detail else "")
@@ -492,3 +519,78 @@ class ReferenceBackend:
     @staticmethod
     def _send_counts(state: ReferenceHandleState) -> List[int]:
         return [len(idx) for idx in state.send_tokens]
+
+    # -- LL (docs/design.md §9; the arithmetic: ll_reference.py) ---------------------------------
+    def stop_after_local_error(self, op: str, error: Exception) -> None:
+        """A call that raises on this rank alone (an LL handle's host-side check: no
+        communication to agree in) stops the group here, as the cuda backend's stops it on the
+        device: each peer's next collective raises at once, naming this rank, instead of waiting
+        ``timeout_s`` for it. The caller raises ``error``."""
+        if self.world_size > 1 and self._stopped is None:
+            rendezvous.store().set(self._record(self.rank),
+                                   f"{self._calls} {_word(op)} stopped")
+            self._stopped = (f"this group stopped after {op} failed on rank {self.rank} ({error});"
+                             " destroy it and create a new one on every rank")
+
+    def ll_create_handle(self, topk_idx: torch.Tensor) -> ReferenceLLState:
+        """No communication: the routing, what goes where, and its value error if any."""
+        cfg = self.config
+        idx = topk_idx.to(torch.int64).clone()
+        error = llr.ll_routing_error(idx, cfg.num_experts)
+        plan = None if error else llr.send_plan(idx, cfg.num_experts, self.world_size)
+        return ReferenceLLState(idx, error, plan)
+
+    def ll_dispatch(self, state: ReferenceLLState, x: torch.Tensor,
+                    topk_weights: Optional[torch.Tensor], send_only: bool) -> LLDispatchOutput:
+        cfg, R, op = self.config, self.world_size, "LL dispatch"
+        # One all-gather settles what the messages need: any rank's routing error, the weights
+        # on every rank or none, and how many messages each rank sends to each.
+        sends = [0] * R if state.plan is None else [len(p) for p in state.plan]
+        mine = torch.tensor([state.error is not None, topk_weights is not None] + sends,
+                            dtype=torch.int64, device=self.device)
+        everyone = self._all_gather(op, mine)
+        self._raise_agreed_error(op, state.error, bool(everyone[:, 0].any()), ValueError)
+        given = everyone[:, 1].tolist()
+        if any(given) and not all(given):
+            raise ValueError(f"{op}: topk_weights given on ranks "
+                             f"{[r for r, g in enumerate(given) if g]} but not on the others: "
+                             "every rank passes them or none does")
+        with_weights = bool(all(given)) and cfg.ll_layout == "rank_major"
+        weights = topk_weights if with_weights else None
+        recv_counts = everyone[:, 2 + self.rank].tolist()
+        messages = self._all_to_all_rows(
+            op, llr.pack_dispatch(cfg, x, state.topk_idx, weights, state.plan), sends,
+            recv_counts)
+        out = llr.empty_dispatch_output(cfg, R, x.device, with_weights)
+
+        def complete():
+            state.received = llr.fill_dispatch(out, cfg, R, self.rank, messages, recv_counts,
+                                               with_weights)
+
+        self._finish_or_keep(state, complete, send_only)
+        return out
+
+    def ll_combine(self, state: ReferenceLLState, expert_out: torch.Tensor,
+                   topk_weights: Optional[torch.Tensor], send_only: bool) -> torch.Tensor:
+        cfg, R = self.config, self.world_size
+        rows, sends = llr.pack_combine(cfg, R, state.received, expert_out)
+        recv_counts = llr.combine_recv_counts(cfg, R, state.topk_idx, state.plan)
+        returned = self._all_to_all_rows("LL combine", rows, sends, recv_counts)
+        y = torch.full((state.topk_idx.shape[0], cfg.hidden), float("nan"), dtype=cfg.dtype,
+                       device=expert_out.device)  # poison until written
+        self._finish_or_keep(state, lambda: llr.finish_combine(
+            y, cfg, R, state.topk_idx, topk_weights, state.plan, returned, recv_counts),
+            send_only)
+        return y
+
+    def ll_complete(self, state: ReferenceLLState) -> None:
+        """The op's communication ran at the send: what is left writes the outputs."""
+        complete, state.pending = state.pending, None
+        complete()
+
+    @staticmethod
+    def _finish_or_keep(state: ReferenceLLState, complete, send_only: bool) -> None:
+        if send_only:
+            state.pending = complete
+        else:
+            complete()

@@ -4,6 +4,7 @@ report rendered from a made-up result (there is no GPU here)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -16,7 +17,8 @@ import pytest
 
 import torch
 
-from megatron_nccl_ep.bench import cli, kernels, markdown, plot, report, runner, sweeps, team
+from megatron_nccl_ep import config
+from megatron_nccl_ep.bench import cli, kernels, ll, markdown, plot, report, runner, sweeps, team
 from megatron_nccl_ep.bench.__main__ import main
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -342,3 +344,296 @@ def test_source_version_is_importable_from_the_package():
     version = source_version()
     assert re.fullmatch(r"[0-9a-f]{16}", version["sources_sha256"])
     assert set(version) == {"git", "sources_sha256"}
+
+
+# ------------------------------------------------------------------------------------------------
+# the LL section (bench/ll.py)
+
+LL_TOKENS = (1, 8)
+
+
+def _ll_ready() -> str:
+    """Why the LL section cannot run on this machine's reference backend ('' when it can)."""
+    from megatron_nccl_ep import reference
+
+    if not hasattr(reference.ReferenceBackend, "ll_dispatch"):
+        return "the reference backend has no LL ops (ll_dispatch) yet"
+    return ""
+
+
+@pytest.fixture(scope="module")
+def ll_cpu_run(tmp_path_factory):
+    """The LL section on cpu through its parent (ll.run: one process for EP=1; the local teams
+    skipped), rendered as the bench renders it."""
+    if _ll_ready():
+        pytest.skip(_ll_ready())
+    import time
+
+    from megatron_nccl_ep.bench.__main__ import new_result
+
+    argv = ["--device", "cpu", "--sections", "ll", "--iters", "2",
+            "--ll-tokens", ",".join(map(str, LL_TOKENS))]
+    args = cli.parse_args(argv)
+    result = new_result(args, argv)
+    ll.run(result, args, time.monotonic() + 200)
+    report.add_floors(result)
+    path = tmp_path_factory.mktemp("ll") / "ll.json"
+    report.write_json(result, str(path))
+    with open(path) as f:
+        assert json.load(f)["ll"]["tokens"] == list(LL_TOKENS)  # the JSON holds the section
+    return {"result": result, "args": args, "table": report.format_table(result),
+            "md": markdown.render(result)}
+
+
+def _ll_point(result: dict, world: int) -> dict:
+    (point,) = [p for p in result["ll"]["points"] if p["world"] == world]
+    return point
+
+
+def test_ll_cpu_section_times_every_configuration_and_checks_it(ll_cpu_run):
+    result, args = ll_cpu_run["result"], ll_cpu_run["args"]
+    assert result["errors"] == [], result["errors"]
+    assert (args.ll_payloads, args.ll_layouts) == (["bf16", "fp8"], list(cli.LL_LAYOUTS))
+    point = _ll_point(result, 1)
+    assert (point["proxy"], point["num_sms"]) == (False, None)
+    assert point["skipped_items"] == {op: "CUDA graphs need a GPU" for op in ll.GRAPH_OPS}
+    items, checks = point["items"], point["checks"]
+    H, K = args.hidden, args.topk
+    for tokens in LL_TOKENS:
+        for op in ll.HT_OPS:
+            _positive_median(items, ll.ht_item(tokens, op))
+        for payload in ("bf16", "fp8"):
+            for layout in cli.LL_LAYOUTS:
+                for op in ll.LL_OPS[:3]:
+                    name = ll.ll_item(tokens, payload, layout, op)
+                    _positive_median(items, name)
+                    assert items[name]["iters"] == 2
+                assert not any(ll.ll_item(tokens, payload, layout, op) in items
+                               for op in ll.GRAPH_OPS)
+                # One rank: every slot is a row (expert-major), every token one (rank-major).
+                rows = tokens * K if layout == "expert_major" else tokens
+                payload_row = H + 4 * (H // 128) if payload == "fp8" else 2 * H
+                dispatch = items[ll.ll_item(tokens, payload, layout, "dispatch")]
+                assert dispatch["hbm_bytes"] == 2 * H * tokens + rows * payload_row
+                combine = items[ll.ll_item(tokens, payload, layout, "combine")]
+                assert combine["hbm_bytes"] == 2 * H * (tokens + rows)
+                check = checks[ll.ll_item(tokens, payload, layout, "check")]["0"]
+                found = re.fullmatch(r"ok rows (\d+)/(\d+), rel err (\S+)", check)
+                assert found, check
+                assert int(found[1]) == int(found[2]) == rows
+                err = float(found[3])
+                # FP8 loses bits of random tokens (so the cast ran); bf16 rounds the sum once.
+                assert (1e-4 < err < 0.1) if payload == "fp8" else err < 1e-2, check
+    for world in (2, 4, 8):
+        team_point = _ll_point(result, world)
+        assert team_point["proxy"] and "needs a GPU" in team_point["skipped"]
+        assert "items" not in team_point
+    assert result["meta"]["ll_backend_resolved"] == "torch"
+
+
+def test_ll_cpu_table_and_markdown_show_host_wall_times(ll_cpu_run):
+    table, text, result = ll_cpu_run["table"], ll_cpu_run["md"], ll_cpu_run["result"]
+    items = _ll_point(result, 1)["items"]
+    assert "host wall time (ms); no CUDA graphs and no local teams on cpu" in table
+    lines = table.splitlines()
+    head = next(line for line in lines if line.split()[:2] == ["EP", "T"])
+    assert head.split()[4:] == ["handle_ms", "dispatch_ms", "combine_ms", "HT_ms"]
+    for tokens in LL_TOKENS:
+        row = next(line.split() for line in lines
+                   if line.split()[:4] == ["1", str(tokens), "fp8", "rank_major"])
+        want = [items[ll.ll_item(tokens, "fp8", "rank_major", op)]["median_ms"]
+                for op in ll.LL_OPS[:3]] + [items[ll.ht_item(tokens, "h+d+c")]["median_ms"]]
+        assert [float(v) for v in row[4:]] == pytest.approx(want, abs=0.006)
+    # The section's rows and notes name nothing that only GPUs have.
+    start = lines.index(head)
+    rows = "\n".join(lines[start:start + 1 + 4 * len(LL_TOKENS)])
+    for gpu_word in ("graph", "SMs", "floor", "GB/s", "target", "us"):
+        assert gpu_word not in rows, gpu_word
+    assert not any(line.startswith("LL targets") for line in lines)
+    assert re.search(r"^\s+8 PROXY skipped: a local team needs a GPU", table, re.M)
+    assert re.search(r"^LL checks: (\d+) of \1 ok$", table, re.M)
+    assert "## LL: low-latency dispatch and combine" in text
+    assert ("| EP | T | payload | layout | handle (ms) | dispatch (ms) | combine (ms) | "
+            "HT h+d+c (ms) |") in text
+    assert re.search(r"^\| 1 \| 8 \| bf16 \| expert_major( \| [0-9.]+){4} \|$", text, re.M)
+    assert "- EP=4 PROXY: skipped, a local team needs a GPU" in text
+    assert "### LL memory per rank" in text
+
+
+def test_ll_memory_query_next_to_deepep(ll_cpu_run):
+    memory = ll_cpu_run["result"]["ll"]["memory"]
+    if memory.get("skipped"):
+        assert "ll_memory_size" in memory["skipped"] or "not importable" in memory["skipped"]
+        return
+    shape = memory["shape"]
+    assert (shape["tokens"], shape["hidden"], shape["experts"], shape["topk"]) == (128, 7168,
+                                                                                    256, 8)
+    rows = memory["rows"]
+    assert [(r["world"], r["layout"]) for r in rows] == [
+        (world, layout) for world in (8, 64) for layout in cli.LL_LAYOUTS]
+    deepep = ll.deepep_ll_buffer_bytes(128, 7168, 256)
+    for row in rows:
+        assert row["deepep_bytes"] == deepep
+        if "error" not in row:
+            sizes = [row[k] for k in ("window_bytes", "device_bytes", "handle_bytes",
+                                      "total_bytes")]
+            assert all(isinstance(v, int) and v >= 0 for v in sizes) and sizes[-1] > 0, row
+
+
+def test_deepep_low_latency_buffer_formula():
+    # DeepEP V1's layout at T=128, H=7168, E=256, by its parts: a dispatch message is a 16-byte
+    # header and a bf16 row (larger than 7168 FP8 bytes + 56 fp32 scales), a combine message a
+    # bf16 row and 56 bf16 pairs; send and receive buffers both hold E x T combine-sized
+    # messages (the larger kind); the signal buffer 256 ints; two of each; then 128 more bytes.
+    dispatch_msg, combine_msg = 16 + 2 * 7168, 2 * 7168 + 4 * 56
+    assert combine_msg > dispatch_msg
+    per_set = 2 * (256 * 128 * combine_msg) + 4 * 256
+    assert ll.deepep_ll_buffer_bytes(128, 7168, 256) == 2 * per_set + 128
+    # Linear in T_max and in the experts once the combine buffers dominate (no EP in it).
+    one = ll.deepep_ll_buffer_bytes(64, 7168, 256)
+    assert ll.deepep_ll_buffer_bytes(128, 7168, 256) - 128 == 2 * (one - 128) - 2 * 4 * 256
+    assert ll.deepep_ll_buffer_bytes(128, 7168, 256) % 128 == 0
+
+
+def test_ll_rows_received_count_masked_slots_and_ranks():
+    # Two source ranks, 4 experts over 2 ranks (2 each); -1 = masked.
+    a = torch.tensor([[0, 1], [2, -1], [-1, -1]])
+    b = torch.tensor([[3, 0], [1, 0]])
+    slots, pairs = ll.received([a, b], 4, 2)
+    assert slots == [2 + 0 + 0 + 1 + 2, 0 + 1 + 0 + 1 + 0]  # slots of experts 0-1 / 2-3
+    assert pairs == [1 + 0 + 0 + 1 + 1, 0 + 1 + 0 + 1 + 0]  # tokens with an expert there
+
+
+def _ll_gpu_result() -> dict:
+    """A one-GPU run's LL section with made-up times: EP=1 and a local team of 2, and EP=8
+    skipped."""
+    result = _gpu_result()
+
+    def row(us, **extra):
+        return {"median_ms": us / 1e3, "min_ms": 0.9 * us / 1e3, "iters": 40, **extra}
+
+    ep1 = {ll.ll_item(128, "bf16", "expert_major", op): row(us, **extra) for op, us, extra in (
+        ("handle", 3.0, {}), ("dispatch", 8.0, {"hbm_bytes": 8e6}),
+        ("combine", 12.0, {"hbm_bytes": 4e6}), ("graph h+d+c", 20.0, {"hbm_bytes": 12e6}),
+        ("graph d+c", 18.0, {"hbm_bytes": 12e6}))}
+    ep1.update({ll.ht_item(128, op): row(us) for op, us in (
+        ("handle + count read", 40.0), ("dispatch", 30.0), ("combine", 30.0),
+        ("h+d+c", 100.0))})
+    team2 = {ll.ll_item(128, "bf16", "expert_major", op): row(30.0, busy_ms=0.02)
+             for op in ll.LL_OPS}
+    result["ll"] = {
+        "tokens": [128], "payloads": ["bf16"], "layouts": ["expert_major"],
+        "memory": {"shape": dict(ll.MEMORY_SHAPE), "rows": [
+            {"world": 8, "layout": "expert_major", "deepep_bytes": 2**31,
+             "window_bytes": 2**29, "device_bytes": 2**28, "handle_bytes": 2**20,
+             "total_bytes": 2**29 + 2**28},
+            {"world": 64, "layout": "expert_major", "deepep_bytes": 2**31,
+             "error": "RuntimeError: no"}]},
+        "points": [{"world": 1, "num_sms": 24, "proxy": False, "items": ep1, "checks": {
+                        ll.ll_item(128, "bf16", "expert_major", "check"): {"0": "ok rows 1/1"},
+                        ll.ll_item(128, "bf16", "expert_major", "graphs"): {"0": "MISMATCH x"}}},
+                   {"world": 2, "num_sms": 24, "proxy": True, "items": team2, "checks": {}},
+                   {"world": 8, "num_sms": 16, "proxy": True,
+                    "skipped": team.skip_reason(8, 16, 132, 8)}]}
+    return result
+
+
+def test_ll_gpu_report_floors_ratio_targets_proxy_and_memory():
+    result = _ll_gpu_result()
+    report.add_floors(result)  # HBM 4000 GB/s: 8e6 B -> 2 us, 4e6 B -> 1 us
+    items = result["ll"]["points"][0]["items"]
+    dispatch = items[ll.ll_item(128, "bf16", "expert_major", "dispatch")]
+    assert (dispatch["floor_us"], dispatch["floor_pct"]) == pytest.approx((2.0, 25.0))
+    table = report.format_table(result)
+    row = next(line.split() for line in table.splitlines()
+               if line.split()[:5] == ["1", "24", "128", "bf16", "expert_major"])
+    # handle dispatch combine graph graph_dc HT HT/graph d_floor c_floor
+    assert [float(v) for v in row[5:]] == [3.0, 8.0, 12.0, 20.0, 18.0, 100.0, 5.0, 2.0, 1.0]
+    proxy = next(line.split() for line in table.splitlines() if line.split()[:2] == ["2", "PROXY"])
+    assert proxy[2:6] == ["24", "128", "bf16", "expert_major"] and proxy[-4:-2] == ["-", "-"]
+    assert "Every EP>1 figure is a PROXY" in table
+    assert re.search(r"^\s+8 PROXY skipped: 8 ranks need CUDA_DEVICE_MAX_CONNECTIONS >= 16",
+                     table, re.M)
+    targets = next(line for line in table.splitlines() if line.startswith("LL targets"))
+    assert "expert_major dispatch 8.0 us (target <= 10 us: met)" in targets
+    assert "expert_major combine 12.0 us (target <= 10 us: MISSED)" in targets
+    assert "expert_major graph h+d+c 20.0 us (target <= 25 us: met)" in targets
+    assert "expert_major HT / graph 5.0 (target >= 3: met)" in targets
+    assert "LL memory EP=8 expert_major" in table and "DeepEP V1 LL buffer 2048.0 (2.7 x)" in table
+    assert "LL memory EP=64 expert_major: query failed: RuntimeError: no" in table
+    assert "LL checks: 1 of 2 ok" in table and "MISMATCH x" in table
+    text = markdown.render(result)
+    assert ("| EP | SMs | T | payload | layout | handle (us) | dispatch (us) | combine (us) | "
+            "graph h+d+c (us) | graph d+c (us) | HT h+d+c (us) | HT / graph | dispatch floor (us) "
+            "| combine floor (us) |") in text
+    assert "| 1 | 24 | 128 | bf16 | expert_major | 3.0 | 8.0 | 12.0 | 20.0 | 18.0 | 100.0 | " \
+           "5.0 | 2.0 | 1.0 |" in text
+    assert "| 2 PROXY | 24 | 128 |" in text
+    assert "HBM copy rate of this run, 4000.0 GB/s" in text
+    assert "- expert_major combine 12.0 us (target <= 10 us: MISSED)" in text
+    assert "| 8 | expert_major | 512.0 | 256.0 | 1.0 | 768.0 | 2048.0 | 2.7 |" in text
+    assert "- EP=64 expert_major: the query failed: RuntimeError: no" in text
+
+
+def test_ll_team_sms_fit_the_gpu_and_cpu_skips_teams():
+    args = cli.parse_args(["--device", "cpu", "--sections", "ll"])
+    assert ll.point_sms(args, 1, None) is None
+    assert "needs a GPU" in ll.team_skip_reason(2, None, "cpu", None)
+    gpu = argparse.Namespace(device="cuda", ll_num_sms=24)
+    # EP=8 on 132 SMs: 16 CTAs a rank, so every rank's are resident at once.
+    assert [ll.point_sms(gpu, world, 132) for world in (1, 2, 4, 8)] == [24, 24, 24, 16]
+    assert (cli.LL_LAYOUTS, ll.FP8_BLOCK) == (config.LL_LAYOUTS, config.FP8_BLOCK)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--sections", "ll", "--ll-payloads", "fp16"], "--ll-payloads: ['fp16'] is neither"),
+    (["--sections", "ll", "--ll-payloads", "int8"], "--ll-payloads: expected comma-separated"),
+    (["--sections", "ll", "--ll-layouts", "3d"], "--ll-layouts: expected comma-separated words"),
+    (["--sections", "ll", "--ll-sizes", "3"], "must be a multiple of every --ll-sizes value"),
+    (["--sections", "ll", "--hidden", "100"], "--hidden (100) must be a multiple of 128"),
+    (["--sections", "ll", "--ll-tokens", str(config.LL_MAX_TOKENS + 1)],
+     f"at most {config.LL_MAX_TOKENS} tokens per rank"),
+    (["--sections", "ll", "--ll-num-sms", "8"], "--ll-num-sms: the reference backend on cpu"),
+    (["--ll-tokens", "8"], "--ll-tokens: the ll section's flags (add ll to --sections)"),
+])
+def test_bad_ll_flags_are_refused_with_a_reason(argv, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(["--device", "cpu", *argv])
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_ll_flags_and_their_defaults():
+    args = cli.parse_args(["--device", "cpu", "--sections", "kernels,ll", "--dtype", "fp16",
+                           "--ll-tokens", "4,2", "--ll-layouts", "rank_major"])
+    assert (args.ll_tokens, args.ll_sizes, args.ll_layouts) == ([4, 2], [1, 2, 4, 8],
+                                                                ["rank_major"])
+    assert args.ll_payloads == ["fp16", "fp8"]  # the token dtype and FP8
+    assert args.ll_num_sms is None
+    bare = cli.parse_args(["--device", "cpu"])
+    assert "ll" not in bare.sections and bare.ll_payloads is None
+
+
+def test_ll_team_times_come_from_every_rank_that_finished():
+    class Event:
+        def __init__(self, ms):
+            self.ms = ms
+
+        def elapsed_time(self, other):
+            return other.ms - self.ms
+
+    class Mine:
+        def __init__(self, spans):
+            self.pairs = {op: [(Event(s), Event(e)) for s, e in it] for op, it in spans.items()}
+
+    sent = []
+    me = argparse.Namespace(args=argparse.Namespace(iters=2),
+                            emit=lambda kind, item, **fields: sent.append((kind, item, fields)))
+    # Rank 1 finished one iteration of the combine only (its run failed): no combine row.
+    ranks = [Mine({"dispatch": [(0.0, 5.0), (10.0, 12.0)], "combine": [(0, 1), (2, 3)]}),
+             Mine({"dispatch": [(1.0, 6.0), (9.0, 13.0)], "combine": [(0, 1)]})]
+    ll._emit_team(me, ranks, {"dispatch": ("d", 1e6), "combine": ("c", None)})
+    (kind, item, fields), = sent
+    assert (kind, item, fields["extra"]["hbm_bytes"]) == ("times", "d", 1e6)
+    assert fields["times_ms"] == [5.0, 3.0]  # last start to last end, per iteration
+    assert fields["extra"]["busy_ms"] == pytest.approx(4.5)  # median of 5, 2, 5, 4

@@ -5,6 +5,7 @@
  * with ncclEpGetLastError()'s text. Blocking calls release the GIL.
  */
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstring>
 #include <stdexcept>

@@ -7,7 +7,8 @@
  *  - Handle creation: pack (own routing -> a record in every rank's window, parity of the
  *    handle's number) -> barrier -> layout kernels on the local copy of all records.
  *  - Every op (dispatch, combine, combine_probs) is ONE kernel of `channels` CTAs (the SM
- *    budget): in each CTA of dispatch and combine_probs the first send_warps warps push this
+ *    budget), of which an op uses min(budget, ceil(max T_s / 4)) (exchange.cuh plan_channels);
+ *    the others exit at once. In each CTA of dispatch and combine_probs the first send_warps warps push this
  *    rank's chunks into the peers' rings and the others consume the chunks the peers pushed here;
  *    in the combine every warp does both, round r sending chunk r and summing chunk r - 1. Chunk
  *    by chunk, with ready / credit flags per (channel, peer) (exchange.cuh): the transfer of one
@@ -227,6 +228,8 @@ struct LLHandleViews {
   int* roff;           // [R + 1] rank-major: first row of each source
   int* own_row;        // [Tmax][Kmax] rows of this rank's own slots (rank-major: [t][0])
   unsigned long long* epochs;  // [2] the epoch of the handle's last dispatch / combine send
+  float* weights;      // [Tmax][K]: an expert-major combine's weights, kept by its send-only
+                       // launch for ncclEpComplete (the caller's may change in between)
 };
 
 struct LLArgs {

@@ -54,7 +54,7 @@ struct RoundTokens {
       int items = 0;
       for (int q = 0; q < e.num_ranks; ++q) {
         const int jq = q == e.rank ? j_own : j_peers;
-        if (jq >= 0) items += chunk_of(sh.tokens[q], e.win, b, jq).size();
+        if (jq >= 0) items += chunk_of(sh.tokens[q], sh.plan, b, jq).size();
       }
       split = min(items, split_tail);
       whole = items - split;
@@ -89,7 +89,7 @@ struct RoundTokens {
       first += n;
       p = k < e.num_ranks - 1 ? (k < e.rank ? k : k + 1) : e.rank;
       j = p == e.rank ? j_own : j_peers;
-      c = j >= 0 ? chunk_of(sh.tokens[p], e.win, b, j) : ChunkRange{0, 0};
+      c = j >= 0 ? chunk_of(sh.tokens[p], sh.plan, b, j) : ChunkRange{0, 0};
       n = c.size();
     }
     i = item - first;
@@ -250,7 +250,7 @@ struct CombineProbsOp {
                                      int nwarps, int lane) {
     const ExchangeArgs& e = a.ex;
     void* self = e.peers[e.rank];
-    const ChunkRange c = chunk_of(sh.tokens[e.rank], e.win, b, j);
+    const ChunkRange c = chunk_of(sh.tokens[e.rank], sh.plan, b, j);
     const int cols = a.grad_dense ? e.num_experts : e.topk;
     // The warp's tokens of the chunk: c.begin + warp + m * nwarps.
     const int first = c.begin + warp;

@@ -9,7 +9,7 @@
  *           once (from x when s is this rank, before any wait, drawn from one pool of the grid;
  *           else from the ring) and written to each of its rows here (recv_row[s][t][k]) with
  *           its prob. Rows of no slot (alignment padding, the capacity tail) get zeros (prob 0),
- *           spread over all CTAs.
+ *           spread over the op's active CTAs.
  *
  * NOTES:
  *  - Rows come from recv_row / src_of_row (layout.cu); nothing here decides placement.
@@ -48,7 +48,7 @@ struct DispatchOp {
   static __device__ void send_round(const Args& a, ExchangeShared& sh, int b, int j, int warp,
                                     int nwarps, int lane) {
     const ExchangeArgs& e = a.ex;
-    const ChunkRange c = chunk_of(sh.tokens[e.rank], e.win, b, j);
+    const ChunkRange c = chunk_of(sh.tokens[e.rank], sh.plan, b, j);
     const int units = row_units(a), row_bytes = units * (int)sizeof(U);
     for (int t = c.begin + warp; t < c.end; t += nwarps) {
       const int* routing = e.own_routing + (size_t)t * e.topk;
@@ -76,16 +76,16 @@ struct DispatchOp {
     }
   }
 
-  // Rows of no slot: zero, prob 0 (once per op: the first pass). Every receiver warp of every CTA
-  // takes 32 rows at a time.
-  static __device__ void recv_prologue(const Args& a, ExchangeShared&, int b, int warp,
+  // Rows of no slot: zero, prob 0 (once per op: the first pass). Every receiver warp of every
+  // active CTA takes 32 rows at a time.
+  static __device__ void recv_prologue(const Args& a, ExchangeShared& sh, int b, int warp,
                                        int nwarps, int lane) {
     const ExchangeArgs& e = a.ex;
     if (!e.zero_padding) return;
     const long long num_rows = *e.num_rows_dev;
     const int units = row_units(a), row_bytes = units * (int)sizeof(U);
     char* const recv_x = reinterpret_cast<char*>(a.recv_x);
-    const long long gw = (long long)b * nwarps + warp, gn = (long long)gridDim.x * nwarps;
+    const long long gw = (long long)b * nwarps + warp, gn = (long long)sh.plan.channels * nwarps;
     for (long long r0 = gw * 32; r0 < e.rows; r0 += gn * 32) {
       const long long r = r0 + lane;
       const bool pad = r < e.rows && (r >= num_rows || e.src_of_row[r] < 0);
@@ -119,7 +119,8 @@ struct DispatchOp {
   // This rank's own tokens, straight from x (no peer involved), claimed one at a time by each
   // warp from one pool of the whole grid. Round j stops claiming past the tokens that j + 1
   // chunks of every channel hold (the pace at which the peers' chunks come in; a warp finishes
-  // the token it drew past that mark); the CTA's last round drains the pool.
+  // the token it drew past that mark); the CTA's last round drains the pool. (The active CTAs
+  // draw: an idle one has exited.)
   // NOTES: a pool, not this channel's range, because CTAs write at different speeds (some SMs
   // reach memory slower than others): with equal ranges the op waits for its slowest CTA, with a
   // pool the faster ones take over the rest. The counter is DeviceState::own_claimed, reset by
@@ -128,7 +129,7 @@ struct DispatchOp {
                                     int, int lane) {
     const ExchangeArgs& e = a.ex;
     const int tokens = sh.tokens[e.rank];
-    const long long paced = (long long)(j + 1) * e.win.chunk * e.win.channels;
+    const long long paced = (long long)(j + 1) * sh.plan.chunk * sh.plan.channels;
     const long long stop = j + 1 >= sh.recv_rounds ? tokens : min((long long)tokens, paced);
     const int row_bytes = row_units(a) * (int)sizeof(U);
     for (;;) {
@@ -151,7 +152,7 @@ struct DispatchOp {
     int first = 0;  // flat index of the current peer's first token
     for (int p = 0; p < e.num_ranks; ++p) {
       if (p == e.rank) continue;
-      const ChunkRange c = chunk_of(sh.tokens[p], e.win, b, j);
+      const ChunkRange c = chunk_of(sh.tokens[p], sh.plan, b, j);
       const int n = c.size();
       const int q = ring_index(p, e.rank, e.num_ranks);
       // Warps continue the flat item numbering across peers, so small chunks balance.

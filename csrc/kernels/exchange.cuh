@@ -2,9 +2,12 @@
  * exchange.cuh: the exchange engine, written once for every op (dispatch, combine,
  * combine_probs): channels, chunks, ring slots, and the ready / credit protocol with timeouts.
  *
- *   channel b   CTA b of every rank. Channel b of a rank's T tokens is [T * b / C, T * (b+1) / C)
- *               (C = channels); it moves in chunks of `chunk` tokens, chunk j to ring slot
- *               j mod depth of the receiving rank's ring for (channel b, this sender).
+ *   channel b   CTA b of every rank. An op uses A channels of the budget C (the grid): one per
+ *               kMinChannelTokens tokens of the largest rank's T, at most C (plan_channels; every
+ *               rank computes the same A from the same T_s). Channel b < A of a rank's T tokens is
+ *               [T * b / A, T * (b+1) / A); it moves in chunks of `chunk` tokens, chunk j to ring
+ *               slot j mod depth of the receiving rank's ring for (channel b, this sender). CTAs
+ *               b >= A exit at once, after freeing their rings for the next op (idle_channel).
  *   senders     warps [0, send_warps) of the CTA: for each round j, wait until every peer freed
  *               the slot (credit), write the chunk (Op::send_round), then post ready(j + 1)
  *               (kAllChunks for the last chunk, or at once when there is none).
@@ -31,6 +34,10 @@
  *  - Waits time out (global timer) into kErrTimeout, see a peer's abort, and stop when another
  *    CTA of this rank failed: every error stops the whole group (sticky), and every role leaves
  *    its loop together (the stop flag is read after the role's barrier).
+ *  - What an op costs per CTA is what grows with the budget, so nothing a CTA does alone at its
+ *    start may take long: the group's error word is host-mapped, and its reads over PCIe queue
+ *    one behind another, so one CTA reads it per op and the others take its verdict from device
+ *    memory (start_verdict); the work picks the channels, not the budget (plan_channels).
  */
 #pragma once
 
@@ -49,8 +56,15 @@ namespace nccl_ep {
 constexpr int kSendBarrier = 1;  // named barrier ids (0 is __syncthreads)
 constexpr int kRecvBarrier = 2;
 
+// How an op splits every rank's tokens: `channels` active channels (CTAs [0, channels)) of
+// chunks of `chunk` tokens. It depends on the T_s alone, so every rank plans the same.
+struct ChannelPlan {
+  int channels, chunk;
+};
+
 struct ExchangeShared {
   unsigned long long epoch;   // this op's epoch
+  ChannelPlan plan;
   int tokens[kMaxRanks];      // T_s of every rank
   int send_chunks[kMaxRanks]; // chunks this CTA's channel sends to / receives from each peer
   int recv_chunks[kMaxRanks]; // (0 for this rank itself)
@@ -80,23 +94,42 @@ struct ChunkRange {
   __device__ int size() const { return end > begin ? end - begin : 0; }
 };
 
-__device__ __forceinline__ void channel_tokens(int tokens, int channels, int b, int* begin,
-                                               int* end) {
-  *begin = (int)((long long)tokens * b / channels);
-  *end = (int)((long long)tokens * (b + 1) / channels);
+// Tokens a channel carries at the least before an op takes one more channel of the budget.
+constexpr int kMinChannelTokens = 4;
+
+// The op's plan from every rank's T (tokens[0, num_ranks)). A group of one rank has no ring: its
+// channel is one round (chunks only pace the peers' transfers).
+__device__ __forceinline__ ChannelPlan plan_channels(const int* tokens, const ExchangeArgs& e) {
+  int most = 0;
+  for (int s = 0; s < e.num_ranks; ++s) most = max(most, tokens[s]);
+  const int channels =
+      max(1, min(e.win.channels, (most + kMinChannelTokens - 1) / kMinChannelTokens));
+  const int chunk = e.num_ranks == 1 ? max(1, (most + channels - 1) / channels) : e.win.chunk;
+  return {channels, chunk};
 }
 
-__device__ __forceinline__ int chunks_of(int tokens, const WindowLayout& w, int b) {
-  int cb, ce;
-  channel_tokens(tokens, w.channels, b, &cb, &ce);
-  return (ce - cb + w.chunk - 1) / w.chunk;
+// Channel b's tokens of a rank's `tokens` (none on an idle channel).
+__device__ __forceinline__ void channel_tokens(int tokens, const ChannelPlan& c, int b,
+                                               int* begin, int* end) {
+  if (b >= c.channels) {
+    *begin = *end = 0;
+    return;
+  }
+  *begin = (int)((long long)tokens * b / c.channels);
+  *end = (int)((long long)tokens * (b + 1) / c.channels);
 }
 
-__device__ __forceinline__ ChunkRange chunk_of(int tokens, const WindowLayout& w, int b, int j) {
+__device__ __forceinline__ int chunks_of(int tokens, const ChannelPlan& c, int b) {
   int cb, ce;
-  channel_tokens(tokens, w.channels, b, &cb, &ce);
-  const int begin = cb + j * w.chunk;
-  return {begin, min(ce, begin + w.chunk)};
+  channel_tokens(tokens, c, b, &cb, &ce);
+  return (ce - cb + c.chunk - 1) / c.chunk;
+}
+
+__device__ __forceinline__ ChunkRange chunk_of(int tokens, const ChannelPlan& c, int b, int j) {
+  int cb, ce;
+  channel_tokens(tokens, c, b, &cb, &ce);
+  const int begin = cb + j * c.chunk;
+  return {begin, min(ce, begin + c.chunk)};
 }
 
 // The ring of sender `from` at rank `at` (a rank keeps no ring for itself).
@@ -259,8 +292,8 @@ template <class Op>
 __device__ __forceinline__ void count_chunks(ExchangeShared& sh, const ExchangeArgs& e, int p) {
   const int mine = sh.tokens[e.rank], theirs = sh.tokens[p];
   sh.send_chunks[p] =
-      p == e.rank ? 0 : chunks_of(Op::kSendsOwnTokens ? mine : theirs, e.win, blockIdx.x);
-  sh.recv_chunks[p] = chunks_of(Op::kSendsOwnTokens ? theirs : mine, e.win, blockIdx.x);
+      p == e.rank ? 0 : chunks_of(Op::kSendsOwnTokens ? mine : theirs, sh.plan, blockIdx.x);
+  sh.recv_chunks[p] = chunks_of(Op::kSendsOwnTokens ? theirs : mine, sh.plan, blockIdx.x);
 }
 
 // The receiving leader's last step: peers that sent nothing on this channel have their call
@@ -426,6 +459,57 @@ __device__ inline void poison_outputs(const ExchangeArgs& e) {
   }
 }
 
+// Whether the group's error word (host-mapped) holds an error at the op's start, read once per op:
+// the first CTA to arrive claims the read and publishes its verdict in the group's device state
+// (DeviceState::pad: the epoch's tag << 2 | 1 claimed, | 2 no error, | 3 an error), the other
+// CTAs wait for it there. One thread per CTA. Every CTA of the op takes the same verdict.
+// NOTES: a read of mapped host memory is a PCIe round trip, and the reads of many CTAs queue one
+// behind another: a read per CTA made a fixed cost that grew with the budget, at every batch
+// size. The claimer is running and waits for nothing, so the wait ends; should it not (in
+// timeout_ns), the CTA reads the word itself.
+__device__ __forceinline__ bool start_verdict(const ExchangeArgs& e, unsigned long long epoch) {
+  unsigned* word = &e.state->start_verdict;
+  const unsigned tag = (unsigned)((epoch + 1) & 0x3fffffffull) << 2;  // != the last op's, != 0
+  unsigned v = *(volatile unsigned*)word;
+  if ((v & ~3u) != tag && atomicCAS(word, v, tag | 1u) == v) {
+    const bool pending = ld_volatile_int(&e.err->code) != kErrNone;
+    atomicExch(word, tag | (pending ? 3u : 2u));
+    return pending;
+  }
+  const unsigned long long start = global_timer_ns();
+  for (int spins = 0;; ++spins) {
+    v = *(volatile unsigned*)word;
+    if ((v & ~3u) == tag && (v & 2u) != 0) return (v & 1u) != 0;
+    if ((spins & 255) == 255 && (long long)(global_timer_ns() - start) > e.timeout_ns)
+      return ld_volatile_int(&e.err->code) != kErrNone;
+  }
+}
+
+// A channel the op does not use (b >= the plan's channels, on every rank): nothing to send or
+// receive, but the peers' next op that uses it waits for this rank's credit of the ring's end
+// (credit_word(epoch + 1, 0), exchange's only wait for an earlier op). This rank is in op
+// `epoch`, so its earlier ops are done with every ring: it posts that credit at once. No flag
+// of this op is posted on the channel, and nobody waits for one (the plan is the same on every
+// rank). A peer that reads the credit is in op epoch + 1 or later, and no rank runs more than
+// one op ahead of another (channel 0 is active in every op, and its receivers wait for every
+// peer's ready), so the credit is never read by an op it does not belong to. One thread.
+__device__ __forceinline__ void idle_channel(const ExchangeArgs& e, unsigned long long epoch) {
+  for (int p = 0; p < e.num_ranks; ++p)
+    if (p != e.rank) post_credit(e, blockIdx.x, p, credit_word(epoch + 1, 0));
+}
+
+// The CTA's last step: the last CTA of the grid to finish moves the op epoch on (every CTA read
+// it at its start) and resets the op's counters. One thread.
+__device__ __forceinline__ void finish_cta(const ExchangeArgs& e, unsigned long long epoch) {
+  __threadfence();
+  if (atomicAdd(&e.state->done_ctas, 1u) == gridDim.x - 1) {
+    e.state->done_ctas = 0;
+    e.state->own_claimed = 0;
+    e.state->op_epoch = epoch + 1;
+    __threadfence();
+  }
+}
+
 // The whole op: one CTA of Op::kWarps warps per channel; warps [0, send_warps) send, the rest
 // receive (interleaved ops: every warp does both).
 template <class Op>
@@ -440,8 +524,20 @@ __device__ void run_exchange(const typename Op::Args& a) {
     sh.phases = ItemTimers{};
   }
   if (threadIdx.x < e.num_ranks) sh.tokens[threadIdx.x] = e.tokens_of[threadIdx.x];
-  Op::warp_setup(lane);  // the op's per-warp state (combine: its staging barriers)
   __syncthreads();
+  if (threadIdx.x == 0) {
+    sh.plan = plan_channels(sh.tokens, e);
+    sh.epoch = ld_volatile_u64(&e.state->op_epoch);
+  }
+  __syncthreads();
+  if (blockIdx.x >= sh.plan.channels) {  // (block-uniform)
+    if (threadIdx.x == 0) {
+      idle_channel(e, sh.epoch);
+      finish_cta(e, sh.epoch);
+    }
+    return;
+  }
+  Op::warp_setup(lane);  // the op's per-warp state (combine: its staging barriers)
   if (threadIdx.x < e.num_ranks) count_chunks<Op>(sh, e, threadIdx.x);
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -450,14 +546,13 @@ __device__ void run_exchange(const typename Op::Args& a) {
       sh.send_rounds = max(sh.send_rounds, sh.send_chunks[p]);
       sh.recv_rounds = max(sh.recv_rounds, sh.recv_chunks[p]);
     }
-    sh.epoch = ld_volatile_u64(&e.state->op_epoch);
     sh.send_stop = sh.recv_stop = 0;
     // A pending error (a capacity-mode routing error or overflow, a peer's abort) stops the op
     // before it writes anything into a peer; the peers are told so that none waits for us.
     const unsigned long long failed = ld_volatile_u64(&e.state->failed);
     const unsigned long long by = ld_acquire_sys(reinterpret_cast<const unsigned long long*>(
         reinterpret_cast<const char*>(e.peers[e.rank]) + e.win.sync_off) + kAbortSlot);
-    const bool pending = ld_volatile_int(&e.err->code) != kErrNone;
+    const bool pending = start_verdict(e, sh.epoch);
     sh.start_stop = failed != 0 || by != 0 || pending;
     if (sh.start_stop) {
       if (by != 0) raise_error(e.err, kErrPeerAbort, e.rank, (int)by - 1, (int)call_op(e.call), 0, 0);
@@ -483,7 +578,7 @@ __device__ void run_exchange(const typename Op::Args& a) {
                   ld_volatile_u64(&e.state->failed) != 0;
   __syncthreads();
   if (sh.end_stop) poison_outputs(e);
-  if (kTrace && threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1)) {
+  if (kTrace && threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == sh.plan.channels - 1)) {
     const double total_ns = (double)(global_timer_ns() - start_ns);
     // Item phases: SM cycles summed over warps: us per warp at this CTA's clock rate.
     const double us_per_warp_cycle =
@@ -498,16 +593,7 @@ __device__ void run_exchange(const typename Op::Args& a) {
            t.cycles[kPhaseSetup] * us_per_warp_cycle, t.cycles[kPhaseFill] * us_per_warp_cycle,
            t.cycles[kPhaseWait] * us_per_warp_cycle, t.cycles[kPhaseWork] * us_per_warp_cycle);
   }
-  // The last CTA to finish moves the op epoch on (every CTA read it at its start).
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(&e.state->done_ctas, 1u) == gridDim.x - 1) {
-      e.state->done_ctas = 0;
-      e.state->own_claimed = 0;
-      e.state->op_epoch = sh.epoch + 1;
-      __threadfence();
-    }
-  }
+  if (threadIdx.x == 0) finish_cta(e, sh.epoch);
 }
 
 template <class Op>

@@ -610,6 +610,8 @@ struct CombineOp {
       for (int q = 0; q < 8; ++q) acc[step][q] = 0.f;
     const int n = a.rank_major ? a.h.ndst[t] : a.topk;
     const int own = a.rank_major ? a.h.own_dpos[t] : -1;
+    // A send-only combine's weights were kept by its send (the caller's may have changed).
+    const float* weights = a.send ? cb.w : a.h.weights;
     for (int k = 0; k < n; ++k) {
       const char* src;
       float w = 1.f;
@@ -617,7 +619,7 @@ struct CombineOp {
       if (!a.rank_major) {
         const int e = a.h.ids[t * Km + k];
         if (e < 0) continue;
-        w = cb.w[(size_t)t * a.topk + k];
+        w = weights[(size_t)t * a.topk + k];
         from_window = !(direct && e / a.num_local == me);
         src = from_window ? ll_comb(a.peers[me], a, set, t, k)
                           : out + (size_t)a.h.own_row[t * Km + k] * row_bytes;
@@ -696,6 +698,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(const LLCombine
       if (direct && s == me) continue;
       Op::send_item(cb, set, s, j, i % nchunks, lane);
     }
+    if (!a.recv && !a.rank_major)  // send-only: ncclEpComplete sums with these weights
+      for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.tokens * a.topk;
+           i += gridDim.x * blockDim.x)
+        a.h.weights[i] = cb.w[i];
     if (last_cta(&a.state->ll_done[0], &s_last)) {
       publish(a, kLLCombReady, set, epoch, nullptr);
       if (threadIdx.x == 0) {

@@ -17,7 +17,8 @@
  *  - Flag words only grow, so nothing is ever reset and a CUDA graph replays correctly:
  *      barrier  (barrier epoch << kCallBits) | call signature
  *      ready    (op epoch << 32) | (call signature << 16) | chunks ready (kAllChunks = the last)
- *      credit   (op epoch << 32) | chunks consumed; ((op epoch + 1) << 32) at the end of an op
+ *      credit   (op epoch << 32) | chunks consumed; ((op epoch + 1) << 32) at the end of an op,
+ *               or at its start on a channel the op leaves idle
  *    Op epochs count dispatch/combine/combine_probs calls on the group (the same count on every
  *    rank, since the calls are collective); barrier epochs count handle creations.
  */
@@ -163,7 +164,9 @@ struct DeviceState {
   unsigned long long op_epoch;       // dispatch/combine/combine_probs calls run so far
   unsigned long long failed;         // set (origin rank + 1) once the group holds an error
   unsigned int done_ctas;            // CTAs of the running op that finished (the last resets it)
-  unsigned int pad;
+  unsigned int start_verdict;         // the op's start check of the host-mapped error word, read
+                                     // by one CTA per op (exchange.cuh start_verdict): (epoch +
+                                     // 1) tag << 2 | 1 claimed, 2 no error, 3 an error
   unsigned long long ll_epoch[2];    // LL: dispatches, combines run so far (their sends)
   unsigned int ll_done[2];           // LL: CTAs past the send / receive phase (the last resets)
 };

@@ -72,6 +72,7 @@ LLHandleViews views_of(const HandleSlot* s) {
   v.roff = s->ll_roff.ptr;
   v.own_row = s->ll_own_row.ptr;
   v.epochs = s->ll_epochs.ptr;
+  v.weights = s->ll_weights.ptr;
   return v;
 }
 

@@ -34,6 +34,7 @@ size_t plan_ll_slot(const ncclEpGroup* g, HandleSlot* s, void* base) {
   plan.add(&s->ll_rdpos, g->cfg.layout == ncclEpLayoutRankMajor ? R * Tm : 0);
   plan.add(&s->ll_roff, R + 1);
   plan.add(&s->ll_epochs, 2);
+  plan.add(&s->ll_weights, g->cfg.layout == ncclEpLayoutExpertMajor ? Tm * Km : 0);
   if (base != nullptr) plan.bind(base);
   return plan.bytes();
 }
@@ -88,7 +89,13 @@ ncclResult_t alloc_device(ncclEpGroup* g, void** ptr, size_t bytes) {
     }
     return ncclSuccess;
   }
-  EP_CUDA(cudaMalloc(ptr, bytes));
+  // A handle created inside a stream capture (a CUDA graph of decode steps) may grow the pool:
+  // relaxed mode lets cudaMalloc run then, as PyTorch's caching allocator does.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  EP_CUDA(cudaThreadExchangeStreamCaptureMode(&mode));
+  const cudaError_t ce = cudaMalloc(ptr, bytes);
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  EP_CUDA(ce);
   return ncclSuccess;
 }
 
@@ -115,7 +122,9 @@ ncclResult_t acquire_slot(ncclEpGroup* g, HandleSlot** out) {
   HandleSlot* s = new HandleSlot();
   const size_t bytes = plan_slot(g, s, nullptr);
   ncclResult_t res = alloc_device(g, &s->base, bytes);
-  if (res == ncclSuccess) {
+  if (res == ncclSuccess && g->cfg.mode == ncclEpModeLowLatency) {
+    plan_slot(g, s, s->base);  // LL reads nothing back to the host
+  } else if (res == ncclSuccess) {
     plan_slot(g, s, s->base);
     cudaError_t ce = cudaHostAlloc(reinterpret_cast<void**>(&s->host_meta),
                                    layout_meta_bytes(g->num_local), cudaHostAllocMapped);

@@ -45,6 +45,7 @@ struct HandleSlot {
   View<int> ll_ids, ll_pos, ll_jslot, ll_dpos, ll_ndst, ll_own_dpos, ll_cnt, ll_ndest, ll_rn,
       ll_rtok, ll_rrow, ll_rdpos, ll_roff, ll_own_row;
   View<unsigned long long> ll_epochs;
+  View<float> ll_weights;
 
   // This rank's routing as the ops follow it (its dropped slots masked under expert_capacity).
   int* op_routing() const { return kept_routing.count > 0 ? kept_routing.ptr : own_routing.ptr; }

@@ -158,6 +158,7 @@ static void* run_rank(void* arg) {
   /* The identity expert, then combine back to [kTokens, hidden]. */
   ncclEpCombineInputs_t cin;
   ncclEpCombineOutputs_t cout_;
+  memset(&cin, 0, sizeof(cin));
   cin.expert_tokens = dout.recv_tokens;
   cout_.tokens = tensor2d(d_y, kTokens, kHidden, ncclFloat32, NCCL_EP_TENSOR_TOKENS);
   CHECK_EP(ncclEpCombine(handle, &cin, &cout_, NULL, stream));

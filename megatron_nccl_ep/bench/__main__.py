@@ -13,7 +13,7 @@ import shlex
 import sys
 import time
 
-from . import ceilings, dispatchers, kernels, markdown, plot, report, sweeps, team
+from . import ceilings, dispatchers, kernels, ll, markdown, plot, report, sweeps, team
 from .cli import parse_args, sweep_points
 from .machine import machine_info
 from .runner import run_into
@@ -71,6 +71,9 @@ def main(argv=None) -> int:
         if section == "team":
             team.run(result, args, budget_end)
             continue
+        if section == "ll":
+            ll.run(result, args, budget_end)
+            continue
         result[section], checks, _ = run_into(result, section, SECTION_FUNCTIONS[section],
                                               args, budget_end)
         result["checks"].update(checks)
@@ -93,7 +96,8 @@ def main(argv=None) -> int:
         markdown.write(result, args.markdown)
         print(f"markdown: {args.markdown}", flush=True)
     measured = (any(result.get(s) for s in SECTION_FUNCTIONS)
-                or any(p.get("items") for p in result["sweeps"] + result["team"]))
+                or any(p.get("items") for p in result["sweeps"] + result["team"]
+                       + ll.points(result)))
     return 0 if measured and not result["errors"] else 1
 
 

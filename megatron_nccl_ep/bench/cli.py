@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 
-SECTIONS = ("ceilings", "kernels", "megatron", "team")
+SECTIONS = ("ceilings", "kernels", "megatron", "team", "ll")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# The LL section's payloads (the token dtype, or FP8: dispatch_fp8) and layouts (config.LL_LAYOUTS).
+LL_FP8 = "fp8"
+LL_LAYOUTS = ("expert_major", "rank_major")
+LL_FLAGS = ("ll_tokens", "ll_sizes", "ll_num_sms", "ll_payloads", "ll_layouts")
 
 # Flags left out take their device's value. On CPU the reference backend runs over gloo, so the
 # shape is one that takes seconds there, and what measures GPU hardware is left out. The team
@@ -15,10 +19,12 @@ DEVICE_DEFAULTS = {
     "cuda": {"tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "warmup": 5,
              "iters": 40, "rotate": 4, "copy_mib": 1024, "num_sms": 24,
              "sections": "ceilings,kernels,megatron", "megatron_dispatchers": "nccl_ep,alltoall",
-             "team_sizes": [2, 4]},
+             "team_sizes": [2, 4], "ll_tokens": [1, 8, 32, 128, 256], "ll_sizes": [1, 2, 4, 8],
+             "ll_num_sms": 24},
     "cpu": {"tokens": 256, "hidden": 256, "topk": 2, "experts": 16, "warmup": 2, "iters": 10,
             "rotate": 2, "copy_mib": 64, "num_sms": None, "sections": "kernels,megatron",
-            "megatron_dispatchers": "nccl_ep", "team_sizes": []},
+            "megatron_dispatchers": "nccl_ep", "team_sizes": [],
+            "ll_tokens": [1, 8, 32, 128, 256], "ll_sizes": [1, 2, 4, 8], "ll_num_sms": None},
 }
 
 
@@ -38,6 +44,17 @@ def _int_list(minimum: int, allow_all: bool):
                 f"expected comma-separated integers >= {minimum}"
                 + (" or 'all'" if allow_all else "") + f": {text!r}")
         return [w if w == "all" else int(w) for w in words]
+    return parse
+
+
+def _word_list(choices: tuple):
+    """An argparse type: 'a,b' -> ['a', 'b'], every word one of ``choices``."""
+    def parse(text: str) -> list:
+        words = [word for word in text.split(",") if word]
+        if not words or any(w not in choices for w in words):
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated words of {','.join(choices)}: {text!r}")
+        return list(dict.fromkeys(words))
     return parse
 
 
@@ -91,6 +108,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="world sizes of the team section, one point each: EP=N as a local team "
                         "on GPU 0, every rank a thread with its own stream and SM budget (a "
                         "proxy: no NVLink, one HBM for every rank); default 2,4")
+    p.add_argument("--ll-tokens", type=_int_list(1, allow_all=False), default=None,
+                   metavar="1,8,...",
+                   help="the ll section's tokens per rank, each its own T_max; default "
+                        f"{','.join(map(str, DEVICE_DEFAULTS['cuda']['ll_tokens']))}")
+    p.add_argument("--ll-sizes", type=_int_list(1, allow_all=False), default=None,
+                   metavar="1,2,4,8",
+                   help="the ll section's EP sizes: 1 a single-rank Group, more a local team on "
+                        "GPU 0 (a proxy; skipped, saying why, where it cannot run); default "
+                        f"{','.join(map(str, DEVICE_DEFAULTS['cuda']['ll_sizes']))}")
+    p.add_argument("--ll-num-sms", type=int, default=None,
+                   help="CTAs of each LL kernel at EP=1, and per rank of a local team at most "
+                        "the GPU's SMs / ranks; default 24 (GPUs only)")
+    p.add_argument("--ll-payloads", type=_word_list(tuple(DTYPES) + (LL_FP8,)), default=None,
+                   metavar="bf16,fp8",
+                   help="the ll section's dispatch payloads: the token dtype (--dtype) and/or "
+                        "fp8 (dispatch_fp8); default both")
+    p.add_argument("--ll-layouts", type=_word_list(LL_LAYOUTS), default=None,
+                   metavar="expert_major,rank_major",
+                   help="the ll section's dispatch layouts; default both")
     p.add_argument("--sweep-sms", type=_int_list(1, allow_all=True), default=[],
                    metavar="16,24,...,all",
                    help="after the sections, the kernels section once per SM budget (at --tokens;"
@@ -98,7 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-tokens", type=_int_list(1, allow_all=False), default=[],
                    metavar="1024,2048,...",
                    help="after the sections, the kernels section once per tokens-per-rank value "
-                        "(at --num-sms)")
+                        "(at --num-sms, or at each --sweep-tokens-sms)")
+    p.add_argument("--sweep-tokens-sms", type=_int_list(1, allow_all=False), default=[],
+                   metavar="24,132",
+                   help="the SM budgets of the tokens sweep (default: --num-sms): shows whether "
+                        "small batches cost more with a larger budget")
     p.add_argument("--device-timeout", type=float, default=20.0,
                    help="timeout_s of our Group: a device-side wait fails after this long")
     p.add_argument("--section-timeout", type=float, default=75.0,
@@ -134,7 +174,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                 p.error(f"{flag}: the reference backend on cpu has no SM budget")
         if args.team_sizes:
             p.error("--team-sizes: the team section needs a GPU and the built extension")
+        if args.ll_num_sms is not None:
+            p.error("--ll-num-sms: the reference backend on cpu has no SM budget")
     team_sizes_given = args.team_sizes is not None
+    ll_given = [f"--{key.replace('_', '-')}" for key in LL_FLAGS if getattr(args, key) is not None]
     sections_given = args.sections is not None
     for key, value in DEVICE_DEFAULTS[args.device].items():
         if getattr(args, key) is None:
@@ -166,6 +209,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--sections team needs the built extension: {problem}")
     elif team_sizes_given:
         p.error("--team-sizes needs the team section (add team to --sections)")
+    if "ll" in args.sections:
+        _check_ll(p, args)
+    elif ll_given:
+        p.error(f"{', '.join(ll_given)}: the ll section's flags (add ll to --sections)")
     if args.nproc < 1:
         p.error("--nproc must be >= 1")
     if args.device == "cuda" and args.nproc > gpus:
@@ -204,9 +251,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _check_ll(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from ..config import LL_MAX_TOKENS
+
+    if args.ll_payloads is None:
+        args.ll_payloads = [args.dtype, LL_FP8]
+    if args.ll_layouts is None:
+        args.ll_layouts = list(LL_LAYOUTS)
+    other = [w for w in args.ll_payloads if w not in (args.dtype, LL_FP8)]
+    if other:
+        p.error(f"--ll-payloads: {other} is neither the token dtype (--dtype {args.dtype}) nor "
+                f"{LL_FP8}")
+    if LL_FP8 in args.ll_payloads and args.hidden % 128:
+        p.error(f"--ll-payloads {LL_FP8} casts blocks of 128 columns: --hidden ({args.hidden}) "
+                "must be a multiple of 128")
+    uneven = [w for w in args.ll_sizes if args.experts % w]
+    if uneven:
+        p.error(f"--experts ({args.experts}) must be a multiple of every --ll-sizes value (not "
+                f"of {uneven})")
+    if max(args.ll_tokens) > LL_MAX_TOKENS:
+        p.error(f"--ll-tokens: an LL group takes at most {LL_MAX_TOKENS} tokens per rank")
+    if args.ll_num_sms is not None and args.ll_num_sms < 1:
+        p.error("--ll-num-sms must be >= 1")
+
+
 def sweep_points(args: argparse.Namespace) -> "list[tuple[int, int | None]]":
-    """(tokens, SMs) of every sweep point: the tokens sweep at --num-sms, the SM sweep at
-    --tokens; a point of both runs once."""
-    points = [(tokens, args.num_sms) for tokens in args.sweep_tokens]
+    """(tokens, SMs) of every sweep point: the tokens sweep at each --sweep-tokens-sms (default
+    --num-sms), the SM sweep at --tokens; a point of both runs once."""
+    points = [(tokens, num_sms) for num_sms in (args.sweep_tokens_sms or [args.num_sms])
+              for tokens in args.sweep_tokens]
     points += [(args.tokens, num_sms) for num_sms in args.sweep_sms]
     return list(dict.fromkeys(points))

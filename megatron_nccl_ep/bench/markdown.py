@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 
 from .kernels import HANDLE, RANK_MAJOR
-from .report import (cells, ceiling_rows, check_rows, first_line, floor_rates, kernel_cells,
-                     megatron_rows, shape_extras, sweep_rows, team_rows, times_us)
+from .report import (LL_TARGET_TOKENS, cells, ceiling_rows, check_rows, first_line, floor_rates,
+                     kernel_cells, ll_check_summary, ll_header, ll_memory_rows, ll_rows,
+                     ll_target_text, ll_targets, megatron_rows, shape_extras, sweep_rows,
+                     team_rows, times_us)
 from .runner import e2e_mode, item_name, kernel_mode
 from .sweeps import sweep_mode
 from .team import PROXY_NOTE
@@ -168,6 +170,65 @@ def _team(result: dict, out: list) -> None:
         out += skipped + [""]
 
 
+def _ll(result: dict, out: list) -> None:
+    if not result.get("ll"):
+        return
+    cuda = result["meta"]["device"] == "cuda"
+    columns, rows, skipped = ll_rows(result)
+    out += ["## LL: low-latency dispatch and combine", "", ll_header(result) + ".", ""]
+    if cuda:
+        rates = floor_rates(result)
+        out += [("Floors: the op's minimal HBM bytes (the tokens read and the received rows "
+                 "written once, or the reverse; a team's ranks summed, one HBM) / the HBM copy "
+                 f"rate of this run, {rates['hbm']:.1f} GB/s. " if rates["hbm"] else
+                 "No ceilings section in this run: no floors. ")
+                + "graph h+d+c: handle, dispatch and combine in one CUDA graph, replayed; graph "
+                "d+c: dispatch and combine of one handle; HT h+d+c: mode='ht' on the same "
+                "routing and tokens, the exact-mode count read included; HT / graph = HT h+d+c / "
+                "graph h+d+c.", ""]
+    unit = "us" if cuda else "ms"
+    header = ["EP"] + (["SMs"] if cuda else []) + ["T", "payload", "layout"] + [
+        name if name == "HT / graph" else f"{name} ({unit})" for name in columns]
+    specs = tuple(".1f" if cuda else ".2f" for _ in columns)
+    if rows:  # no SM budget on cpu
+        out += _table(header, [(ep, *([sms] if cuda else []), tokens, payload, layout, *v)
+                               for ep, sms, tokens, payload, layout, *v in rows], specs)
+    if skipped:
+        out += [f"- EP={ep}: skipped, {why}" for ep, why in skipped] + [""]
+    targets = ll_targets(result)
+    if targets:
+        out += [f"Targets at EP=1, T={LL_TARGET_TOKENS}, bf16 (printed, not asserted):", ""]
+        out += [f"- {ll_target_text(target)}" for target in targets] + [""]
+    _ll_memory(result, out)
+    passed, done, bad = ll_check_summary(result)
+    if done:
+        out += [f"Checks (combine(dispatch(x)) against x and the rows against the routing; the "
+                f"graphs bitwise against eager calls): {passed} of {done} ok.", ""]
+        out += [f"- EP={ep}, {name}: {value}" for ep, name, value in bad]
+        out += [""] if bad else []
+
+
+def _ll_memory(result: dict, out: list) -> None:
+    shape, rows, why = ll_memory_rows(result)
+    out += ["### LL memory per rank", ""]
+    if why:
+        out += [f"The size query did not run: {why}.", ""]
+        return
+    out += [f"`ll_memory_size` at T_max {shape['tokens']}, hidden {shape['hidden']}, "
+            f"{shape['experts']} experts, top-{shape['topk']}, {shape['dtype']}, next to DeepEP "
+            "V1's low-latency buffer for the same shape (its get_low_latency_rdma_size_hint, "
+            "which does not depend on the EP size).", ""]
+    failed = [row for row in rows if len(row) == 3]
+    done = [row for row in rows if len(row) != 3]
+    if done:
+        out += _table(["EP", "layout", "window (MiB)", "device (MiB)", "handles (MiB)",
+                       "total (MiB)", "DeepEP V1 (MiB)", "DeepEP / total"], done,
+                      (".1f",) * 6)
+    if failed:
+        out += [f"- EP={world} {layout}: the query failed: {first_line(error)[:200]}"
+                for world, layout, error in failed] + [""]
+
+
 def _sweeps(result: dict, out: list) -> None:
     points = sweep_rows(result)
     if not points:
@@ -196,6 +257,7 @@ def render(result: dict) -> str:
     _kernels(result, out)
     _megatron(result, out)
     _team(result, out)
+    _ll(result, out)
     _sweeps(result, out)
     _checks(result, out)
     if result.get("errors"):

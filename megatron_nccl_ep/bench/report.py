@@ -4,8 +4,8 @@ sources ran.
 Each dispatch/combine row that carries ``hbm_bytes`` (kernels section and sweep points) gets its
 **floor** from the ceilings of the same run: the larger of the HBM floor (``hbm_bytes`` / the HBM
 copy's read+write rate) and the link floor (physical bytes / the peer copy's rate, every GPU
-copying where measured); "floor %" is floor / time. Without the ceilings section there is no
-floor.
+copying where measured); "floor %" is floor / time. The LL section's items get their HBM floor
+(bench/ll.py's add_floors). Without the ceilings section there is no floor.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import subprocess
 
 from ..build_info import PACKAGE_DIR
 from .ceilings import HBM_COPY, PEER_COPY_ALL, PEER_COPY_ONE
+from .ll import LL_OPS, ht_item, ll_item
+from .ll import add_floors as ll_add_floors
+from .ll import points as ll_points
 from .runner import item_name, kernel_mode
 from .sweeps import sweep_mode
 from .team import OPS as TEAM_OPS
@@ -86,6 +89,7 @@ def add_floors(result: dict) -> None:
     rates = floor_rates(result)
     if rates["hbm"] is None:
         return
+    ll_add_floors(result, rates["hbm"])
     groups = [result.get("kernels") or {}] + [point["items"] for point in result["sweeps"]]
     for row in (row for group in groups for row in group.values()):
         if not isinstance(row.get("hbm_bytes"), float) or not row.get("median_ms"):
@@ -105,6 +109,8 @@ def cpu_note(args, sweep_count: int) -> str:
     if sweep_count:
         measured.append(f"a kernels sweep of {sweep_count} points")
     skipped = ["ceilings and team (GPU hardware)"]
+    if "ll" in args.sections:
+        skipped.append("the ll section's CUDA graphs and local teams (GPU)")
     others = [d for d in ("alltoall", "allgather") if d not in args.megatron_dispatchers]
     if "megatron" in args.sections and others:
         skipped.append(f"Megatron's {'/'.join(others)} (GPU comparisons; alltoall needs CUDA "
@@ -194,6 +200,138 @@ def check_rows(result: dict) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------------
+# the LL section's rows (ll.py): the text table and the markdown render these
+
+# Printed against the numbers, never asserted: EP=1, bf16, T=128 (us), and HT / LL graph.
+LL_TARGET_TOKENS = 128
+LL_TARGETS = (("dispatch", "<=", 10.0), ("combine", "<=", 10.0), ("graph h+d+c", "<=", 25.0),
+              ("HT / graph", ">=", 3.0))
+LL_GPU_COLUMNS = ("handle", "dispatch", "combine", "graph h+d+c", "graph d+c", "HT h+d+c",
+                  "HT / graph", "dispatch floor", "combine floor")
+LL_CPU_COLUMNS = ("handle", "dispatch", "combine", "HT h+d+c")
+LL_TEXT_NAMES = {"handle": "handle", "dispatch": "dispatch", "combine": "combine",
+                 "graph h+d+c": "graph", "graph d+c": "graph_dc", "HT h+d+c": "HT",
+                 "HT / graph": "HT/graph", "dispatch floor": "d_floor", "combine floor": "c_floor"}
+
+
+def ll_ep(point: dict) -> str:
+    """A point's EP as its rows name it: every local-team figure is a PROXY."""
+    return f"{point['world']} PROXY" if point["proxy"] else str(point["world"])
+
+
+def ll_rows(result: dict) -> tuple:
+    """(columns, rows, skipped): rows (EP, SMs, T, payload, layout, *values), values in us on
+    GPUs (HT / graph a ratio, floors of dispatch and combine) and ms on cpu, None where not
+    measured; skipped: (EP, why) of the points that did not run."""
+    cuda = result["meta"]["device"] == "cuda"
+    section = result.get("ll") or {}
+    scale = 1e3 if cuda else 1.0
+    rows, skipped = [], []
+    for point in section.get("points") or []:
+        if point.get("skipped"):
+            skipped.append((ll_ep(point), point["skipped"]))
+            continue
+        items = point["items"]
+        for tokens in section["tokens"]:
+            ht = items.get(ht_item(tokens, "h+d+c"))
+            ht_time = ht["median_ms"] * scale if ht else None
+            for payload in section["payloads"]:
+                for layout in section["layouts"]:
+                    found = {op: items.get(ll_item(tokens, payload, layout, op))
+                             for op in LL_OPS}
+                    if not any(found.values()):
+                        continue
+                    times = {op: row["median_ms"] * scale if row else None
+                             for op, row in found.items()}
+                    if cuda:
+                        graph = times["graph h+d+c"]
+                        values = [*times.values(), ht_time,
+                                  ht_time / graph if ht_time and graph else None,
+                                  *((found[op] or {}).get("floor_us")
+                                    for op in ("dispatch", "combine"))]
+                    else:
+                        values = [times[op] for op in LL_OPS[:3]] + [ht_time]
+                    rows.append((ll_ep(point), point["num_sms"], tokens, payload, layout,
+                                 *values))
+    return (LL_GPU_COLUMNS if cuda else LL_CPU_COLUMNS), rows, skipped
+
+
+def ll_targets(result: dict) -> list:
+    """(layout, what, value, relation, bound, met or None) of LL_TARGETS at EP=1, bf16 payload,
+    LL_TARGET_TOKENS (GPUs only: host wall times say nothing of them)."""
+    if result["meta"]["device"] != "cuda":
+        return []
+    columns, rows, _ = ll_rows(result)
+    found = []
+    for ep, _, tokens, payload, layout, *values in rows:
+        if ep != "1" or tokens != LL_TARGET_TOKENS or payload != "bf16":
+            continue
+        by_name = dict(zip(columns, values))
+        for what, relation, bound in LL_TARGETS:
+            value = by_name.get(what)
+            met = None if value is None else (value <= bound if relation == "<=" else
+                                              value >= bound)
+            found.append((layout, what, value, relation, bound, met))
+    return found
+
+
+def ll_target_text(target: tuple) -> str:
+    layout, what, value, relation, bound, met = target
+    unit = "" if what == "HT / graph" else " us"
+    shown = "-" if value is None else f"{value:.1f}"
+    verdict = {True: "met", False: "MISSED", None: "not measured"}[met]
+    return f"{layout} {what} {shown}{unit} (target {relation} {bound:g}{unit}: {verdict})"
+
+
+def ll_memory_rows(result: dict) -> tuple:
+    """(shape, rows, why skipped): rows (EP, layout, window, device, handles, total, DeepEP's
+    buffer, DeepEP / total), sizes in MiB per rank; (EP, layout, error) where the query failed."""
+    memory = (result.get("ll") or {}).get("memory") or {}
+    if memory.get("skipped"):
+        return None, [], memory["skipped"]
+    mib = 2.0**20
+    rows = []
+    for row in memory.get("rows", []):
+        if row.get("error"):
+            rows.append((row["world"], row["layout"], row["error"]))
+            continue
+        sizes = [row.get(key) for key in ("window_bytes", "device_bytes", "handle_bytes",
+                                          "total_bytes")]
+        total = row.get("total_bytes")
+        rows.append((row["world"], row["layout"],
+                     *(None if v is None else v / mib for v in sizes), row["deepep_bytes"] / mib,
+                     row["deepep_bytes"] / total if total else None))
+    return memory.get("shape"), rows, ""
+
+
+def ll_check_summary(result: dict) -> tuple:
+    """(checks passed, checks in all, [(EP, check, value)] of those that did not pass)."""
+    done, bad = 0, []
+    for point in ll_points(result):
+        for name, per_rank in (point.get("checks") or {}).items():
+            for value in per_rank.values():
+                done += 1
+                if not str(value).startswith("ok"):
+                    bad.append((ll_ep(point), name, value))
+    return done - len(bad), done, bad
+
+
+def ll_header(result: dict) -> str:
+    """What the LL rows are: the shape, backend, SMs, timing, and the PROXY."""
+    shape, section = result["shape"], result.get("ll") or {}
+    backend = result["meta"].get("ll_backend_resolved", shape["backend"])
+    text = (f"LL (docs/design.md §9), backend {backend}: hidden {shape['hidden']}, top-"
+            f"{shape['topk']} of {shape['experts']} experts, {shape['dtype']} tokens, T_max = T")
+    if result["meta"]["device"] != "cuda":
+        return text + "; host wall time (ms); no CUDA graphs and no local teams on cpu"
+    sms = ", ".join(f"EP={p['world']} {p['num_sms']}" for p in section.get("points", [])
+                    if not p.get("skipped"))
+    return (f"{text}; SMs per rank: {sms}; device time in us (EP=1: kernel mode; EP>1: a local "
+            f"team, the last rank's start to the last rank's end). Every EP>1 figure is a PROXY: "
+            f"{PROXY_NOTE}, the peers' windows in plain device memory, not NVLink")
+
+
+# ------------------------------------------------------------------------------------------------
 # the text table
 
 
@@ -255,6 +393,48 @@ def _team(result: dict) -> list:
         ("13.1f", "12.1f", "10.1f"), rows)
 
 
+def _ll(result: dict, cuda: bool) -> list:
+    if not result.get("ll"):
+        return []
+    columns, rows, skipped = ll_rows(result)
+    unit = "us" if cuda else "ms"
+    names = [LL_TEXT_NAMES[name] + ("" if name == "HT / graph" else f"_{unit}")
+             for name in columns]
+    ht = "HT = mode 'ht' handle (count read) + dispatch + combine on the same batch"
+    if cuda:
+        ht = ("graph = handle + dispatch + combine in one CUDA graph, graph_dc = dispatch + "
+              f"combine of one handle, {ht}; floors: HBM bytes / the HBM copy's rate")
+    sms_head = f" {'SMs':>4s}" if cuda else ""  # no SM budget on cpu
+    lines = [ll_header(result), ht] + _text_table(
+        f"{'EP':>8s}{sms_head} {'T':>5s} {'payload':7s} {'layout':12s}", 37 + len(sms_head),
+        names, tuple(f"{max(len(name), 8)}.{1 if cuda else 2}f" for name in names),
+        [(f"{ep:>8s}" + (f" {sms:>4}" if cuda else "") + f" {tokens:5d} {payload:7s} {layout:12s}",
+          *values) for ep, sms, tokens, payload, layout, *values in rows])
+    lines += [f"{ep:>8s} skipped: {why}" for ep, why in skipped]
+    targets = ll_targets(result)
+    if targets:
+        lines.append(f"LL targets, EP=1 T={LL_TARGET_TOKENS} bf16 (not asserted): "
+                     + "; ".join(map(ll_target_text, targets)))
+    shape, memory, why = ll_memory_rows(result)
+    if why:
+        lines.append(f"LL memory query skipped: {why}")
+    for row in memory:
+        if len(row) == 3:
+            lines.append(f"LL memory EP={row[0]} {row[1]}: query failed: {row[2][:160]}")
+            continue
+        world, layout, window, device, handles, total, deepep, ratio = row
+        lines.append(f"LL memory EP={world} {layout} (T_max {shape['tokens']}, hidden "
+                     f"{shape['hidden']}, {shape['experts']} experts, top-{shape['topk']}, "
+                     f"bf16), MiB per rank: window {fmt(window, '.1f')} + device "
+                     f"{fmt(device, '.1f')} + handles {fmt(handles, '.1f')} = {fmt(total, '.1f')};"
+                     f" DeepEP V1 LL buffer {deepep:.1f} ({fmt(ratio, '.1f')} x)")
+    passed, done, bad = ll_check_summary(result)
+    if done:
+        lines.append(f"LL checks: {passed} of {done} ok")
+    lines += [f"LL check EP={ep} {name}: {value}" for ep, name, value in bad]
+    return lines
+
+
 def _sweeps(result: dict, cuda: bool) -> list:
     rows = sweep_rows(result)
     if not rows:
@@ -291,6 +471,7 @@ def format_table(result: dict) -> str:
                              [f"dispatch_{unit}", f"combine_{unit}", "fwd+bwd_ms", "expert_ms"],
                              ("12.0f" if cuda else "12.2f",) * 2 + ("12.2f", "10.2f"), rows)
     lines += _team(result)
+    lines += _ll(result, cuda)
     lines += [f"check team EP={world} {name}: " + ", ".join(map(str, values))
               for world, name, values in team_checks]
     lines += _sweeps(result, cuda)

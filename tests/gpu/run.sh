@@ -162,9 +162,12 @@ run_pytest() {
 FAULT_TESTS=(tests/gpu/test_cuda_faults.py tests/gpu/test_cuda_stress.py
              tests/gpu/test_cuda_soak.py)
 # Megatron on GPUs: a run of their own, so that one stuck there leaves the other summaries whole.
-MEGATRON_TESTS=(tests/gpu/test_megatron_overlap.py tests/gpu/test_megatron_fixed_capacity.py)
+MEGATRON_TESTS=(tests/gpu/test_megatron_overlap.py tests/gpu/test_megatron_fixed_capacity.py
+                tests/gpu/test_megatron_inference_gpu.py)
 # Groups that span nodes (emulated: the group option and NCCL_HOSTID): a run of their own too.
 NODES_TESTS=(tests/gpu/test_cuda_nodes.py)
+# LL mode (EP=1 and local teams): with the team tests' environment.
+LL_TESTS=(tests/gpu/test_cuda_ll.py)
 
 if wants tests; then
     : >"$OUT/gpu_tests.log"
@@ -173,7 +176,8 @@ if wants tests; then
     CUDA_DEVICE_MAX_CONNECTIONS=32 run_pytest "tests (one rank per GPU, C example)" \
         "$(limit "${TESTS_TIMEOUT:-120}")" "$OUT/gpu_tests.log" tests/gpu \
         --ignore=tests/gpu/test_cuda_local_team.py "${FAULT_TESTS[@]/#/--ignore=}" \
-        "${MEGATRON_TESTS[@]/#/--ignore=}" "${NODES_TESTS[@]/#/--ignore=}"
+        "${MEGATRON_TESTS[@]/#/--ignore=}" "${NODES_TESTS[@]/#/--ignore=}" \
+        "${LL_TESTS[@]/#/--ignore=}"
     run_pytest "tests (groups that span nodes: emulated nodes, the rail)" \
         "$(limit "${NODES_TESTS_TIMEOUT:-90}")" "$OUT/gpu_tests.log" "${NODES_TESTS[@]}"
     # Megatron asks the 1F1B EP overlap for more than one hardware queue, as the runs above have.
@@ -185,6 +189,9 @@ if wants tests; then
     CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PER_TEST_TIMEOUT=90 \
         run_pytest "tests (local teams: EP 2/4/8 on one GPU)" \
         "$(limit "${TEAM_TIMEOUT:-200}")" "$OUT/gpu_tests.log" tests/gpu/test_cuda_local_team.py
+    CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PER_TEST_TIMEOUT=90 \
+        run_pytest "tests (LL: EP=1 and local teams EP 2/4/8 on one GPU)" \
+        "$(limit "${LL_TIMEOUT:-150}")" "$OUT/gpu_tests.log" "${LL_TESTS[@]}"
 fi
 
 # A bench output's table (from its marker line on; else its last 30 lines) as a code block.

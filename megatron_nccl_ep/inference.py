@@ -1,0 +1,219 @@
+"""``NcclEpInferenceDispatcher``: Megatron-Core's inference token dispatcher interface (the one
+``NCCLAllGatherDispatcher`` and ``NVLSAllGatherVDispatcher`` implement for
+``transformer_impl="inference_optimized"`` MoE layers) over an LL group of the rank-major layout
+(docs/design.md §9), for ``inference_moe_token_dispatcher_type="nccl_ep"``.
+
+What Megatron's fused inference experts (``mcore_fused_moe``, the vLLM and FlashInfer kernels)
+read from a dispatcher is: gathered rows ``[N, H]`` bf16, top-k probs ``[N, K]`` fp32, top-k
+global expert ids ``[N, K]`` (``self.routing_map``; ids outside this rank's experts are skipped),
+and the count of valid leading rows in the class-level tensor
+``InferenceAllGatherDispatcherBase._valid_tokens_tensor`` (rows past it are never read). The
+experts return ``[N, H]`` fp32: each row the probs-weighted sum of its local experts' outputs.
+
+Megatron's all-gather dispatchers hand every rank all ``R x T`` tokens; the rank-major LL
+dispatch hands each rank only the tokens with at least one expert there, compacted in (source
+rank, token) order into ``R x T_max`` rows, with the ids of other ranks' experts set to -1 and
+the count on the device. The experts consume that unchanged; the LL combine then sums each
+token's partial rows over the ranks that received it, in rank order. Shapes depend on ``T_max``
+only and no count is read by the host, so decode steps can be captured in CUDA graphs, and each
+rank may bring its own token count (``T <= T_max``) to a step, as with the NVLS dispatcher.
+
+``T_max`` (the group's ``max_tokens_per_rank``): ``NcclEpOptions.max_tokens_per_rank`` when set,
+else the per-rank worst case of Megatron's ``DynamicInferenceContext``
+(``round_up_tokens(max_tokens) // tp_size``, recorded by ``register()``'s context hook through
+``set_token_budget``).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from megatron.core.transformer.moe.token_dispatcher_inference import (
+    InferenceAllGatherDispatcherBase)
+
+from .api import Group
+from .config import LL_MAX_TOKENS
+from .dispatcher import get_options
+
+# One LL group per (EP process group, shape), shared by every MoE layer of that shape.
+_groups: dict = {}
+
+
+def destroy_inference_groups() -> None:
+    """Destroys every cached inference Group (collective over each group's ranks)."""
+    while _groups:
+        _groups.popitem()[1].destroy()
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
+    """Inference token dispatcher for ``inference_moe_token_dispatcher_type="nccl_ep"``.
+
+    Per layer and step: ``dispatch_preprocess`` keeps the router's top-k ids ``[T, K]``;
+    ``token_dispatch`` makes an LL handle from them (no communication) and dispatches, then
+    publishes the received row count for the experts; ``dispatch_postprocess`` and
+    ``combine_preprocess`` pass through; ``token_combine`` combines the experts' rows and
+    returns ``[T, H]`` bf16, as ``NCCLAllGatherDispatcher`` does.
+
+    ``payload_dtype`` (class attribute): None moves tokens in their own dtype both ways (each
+    rank's fp32 partial is rounded to it before the cross-rank sum); ``torch.float32`` moves
+    fp32 both ways, so the combine sums the experts' fp32 rows as Megatron's fp32 reduce-scatter
+    does (twice the bytes).
+    """
+
+    payload_dtype: Optional[torch.dtype] = None
+    # Per-rank token budget of the inference context (set_token_budget); None: not set.
+    _token_budget: Optional[int] = None
+
+    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config,
+                 pg_collection=None, runs_metadata_sync: bool = True) -> None:
+        if pg_collection is None:
+            from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+            pg_collection = get_default_pg_collection()
+        super().__init__(num_local_experts=num_local_experts,
+                         local_expert_indices=local_expert_indices, config=config,
+                         pg_collection=pg_collection, runs_metadata_sync=runs_metadata_sync)
+        if self.tp_size != 1:
+            raise ValueError(f"nccl_ep inference dispatcher: expert tensor parallelism is not "
+                             f"supported (expert TP size {self.tp_size}, expected 1)")
+        num_experts = config.num_moe_experts
+        first = self.ep_rank * num_local_experts
+        if num_local_experts * self.ep_size != num_experts or list(local_expert_indices) != list(
+                range(first, first + num_local_experts)):
+            raise ValueError(
+                f"nccl_ep inference dispatcher: rank {self.ep_rank} of {self.ep_size} must own "
+                f"experts [{first}, {first + num_local_experts}) of {num_experts}, got "
+                f"{list(local_expert_indices)}")
+        self.num_experts = num_experts
+        self.topk = config.moe_router_topk
+        self._handle = None
+        self._out_dtype = None
+        # Handles made while a CUDA graph was being captured: the graph replays their kernels
+        # on their buffers, so they live as long as this dispatcher.
+        self._captured_handles: list = []
+
+    # -- configuration -------------------------------------------------------------------------
+    @classmethod
+    def set_token_budget(cls, tokens_per_rank: Optional[int]) -> None:
+        """The most tokens one rank brings to one MoE layer in a step (None: unset). Called by
+        ``register()``'s DynamicInferenceContext hook; the same on every rank."""
+        if tokens_per_rank is not None and not (isinstance(tokens_per_rank, int)
+                                                and tokens_per_rank >= 1):
+            raise ValueError(f"tokens_per_rank must be an int >= 1 or None, got "
+                             f"{tokens_per_rank!r}")
+        cls._token_budget = tokens_per_rank
+
+    def options(self):
+        return getattr(self.config, "nccl_ep_options", None) or get_options()
+
+    def max_tokens_per_rank(self) -> int:
+        """T_max of this dispatcher's groups (see the module's docstring)."""
+        tokens = self.options().max_tokens_per_rank or NcclEpInferenceDispatcher._token_budget
+        if tokens is None:
+            raise RuntimeError(
+                "nccl_ep inference dispatcher: no token budget per rank: create Megatron's "
+                "DynamicInferenceContext after megatron_nccl_ep.register() (it records "
+                "round_up_tokens(max_tokens) // tp_size), or set NcclEpOptions.max_tokens_per_rank "
+                "(--nccl-ep-max-tokens-per-rank), or call "
+                "NcclEpInferenceDispatcher.set_token_budget(n)")
+        if tokens > LL_MAX_TOKENS:
+            raise ValueError(
+                f"nccl_ep inference dispatcher: {tokens} tokens per rank and step, more than the "
+                f"LL mode's T_max limit {LL_MAX_TOKENS}: lower the inference context's max_tokens "
+                f"(InferenceConfig.max_tokens, prefill chunks) to at most {LL_MAX_TOKENS} x TP, or "
+                f"set --nccl-ep-max-tokens-per-rank")
+        return tokens
+
+    def _group(self, tokens: torch.Tensor, dtype: torch.dtype) -> Group:
+        options = self.options()
+        max_tokens = self.max_tokens_per_rank()
+        key = (self.ep_group, self.num_experts, self.topk, tokens.shape[1], dtype, tokens.device,
+               max_tokens, options.backend, options.num_sms, options.timeout_s)
+        group = _groups.get(key)
+        if group is None:
+            if _capturing(tokens.device):
+                raise RuntimeError(
+                    "nccl_ep inference dispatcher: its LL group would be created during CUDA "
+                    "graph capture (group creation is collective and allocates): run one eager "
+                    "step (Megatron's graph warmup) before capturing")
+            group = Group(self.ep_group, mode="ll", ll_layout="rank_major",
+                          num_experts=self.num_experts, hidden=tokens.shape[1],
+                          max_tokens_per_rank=max_tokens, max_topk=self.topk, dtype=dtype,
+                          backend=options.backend, device=tokens.device,
+                          num_sms=options.num_sms, timeout_s=options.timeout_s)
+            _groups[key] = group
+        return group
+
+    # -- Megatron's inference dispatcher interface -------------------------------------------
+    def update_metadata(self, local_tokens: int) -> None:
+        """The host's estimate of the rows the experts get (the vLLM backend's size hint)."""
+        InferenceAllGatherDispatcherBase._host_valid_tokens_estimate = min(
+            local_tokens, self.max_tokens_per_rank()) * self.ep_size
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """``[T, H]``, probs ``[T, K]`` -> (``[R*T_max, H]``, ``[R*T_max, K]`` fp32); sets
+        ``self.routing_map`` to the received rows' global ids ``[R*T_max, K]`` int32 (-1:
+        another rank's expert or no row) and the valid-rows tensor the experts read to this
+        dispatch's count. No host read."""
+        tokens = hidden_states.shape[0]
+        limit = self.max_tokens_per_rank()
+        if tokens > limit:
+            raise ValueError(f"nccl_ep inference dispatcher: {tokens} tokens on rank "
+                             f"{self.ep_rank}, more than the token budget per rank {limit}")
+        if self.routing_map is None or tuple(self.routing_map.shape) != (tokens, self.topk):
+            raise ValueError(
+                f"nccl_ep inference dispatcher: expected the router's top-k ids [{tokens}, "
+                f"{self.topk}] from dispatch_preprocess, got "
+                f"{None if self.routing_map is None else tuple(self.routing_map.shape)}")
+        self._out_dtype = hidden_states.dtype
+        dtype = self.payload_dtype or hidden_states.dtype
+        group = self._group(hidden_states, dtype)
+        handle = group.create_handle(topk_idx=self.routing_map)
+        out = handle.dispatch(hidden_states.to(dtype), probs)
+        if _capturing(hidden_states.device):
+            self._captured_handles.append(handle)
+        self._handle = handle
+        self.routing_map = out.topk_idx
+        self._publish_count(out.count)
+        if self._runs_metadata_sync:
+            self.update_metadata(tokens)
+        return out.x.to(hidden_states.dtype), out.topk_weights
+
+    @staticmethod
+    def _publish_count(count: torch.Tensor) -> None:
+        """The experts read the valid rows from one class-level tensor at a fixed address (the
+        inference context allocates it; a graph replays reads of that address): the count is
+        copied into it, on the stream, before this layer's experts run."""
+        valid = InferenceAllGatherDispatcherBase._valid_tokens_tensor
+        if valid is None or valid.device != count.device:
+            if _capturing(count.device):
+                raise RuntimeError(
+                    "nccl_ep inference dispatcher: InferenceAllGatherDispatcherBase's valid-tokens "
+                    "tensor is not allocated on this device; allocate it before CUDA graph "
+                    "capture (DynamicInferenceContext does)")
+            valid = torch.zeros(1, dtype=torch.int32, device=count.device)
+            InferenceAllGatherDispatcherBase._valid_tokens_tensor = valid
+        valid.copy_(count)
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        """Pass-through: the fused experts permute the received rows themselves."""
+        return hidden_states, None, probs
+
+    def combine_preprocess(self, expert_output):
+        return expert_output
+
+    def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The experts' rows ``[R*T_max, H]`` (fp32 from the fused experts) -> ``[T, H]`` bf16:
+        each token's rows summed over the ranks that received it, in rank order."""
+        if self._handle is None:
+            raise RuntimeError("nccl_ep inference dispatcher: token_combine without a "
+                               "token_dispatch before it")
+        handle, self._handle = self._handle, None
+        group = handle.group
+        y = handle.combine(hidden_states.to(group.config.dtype))
+        return y.to(torch.bfloat16)

@@ -1,0 +1,362 @@
+"""The LL arithmetic of docs/design.md §9 as pure functions: the reference backend's LL path
+(``reference.ReferenceBackend.ll_*``, one rank over torch.distributed) and a one-process oracle of
+a whole group (``ll_dispatch_all`` / ``ll_combine_all``, every rank's outputs at once, for the
+CUDA tests of local teams). Both run the same steps:
+
+1. the source (``send_plan``, ``pack_dispatch``): one message per (token, destination rank that
+   holds one of its experts), in token order per destination: token index, the top-k ids padded
+   to ``max_topk`` with -1, the weights (rank-major with weights), the payload (FP8: ``q`` and
+   its scales);
+2. the destination (``fill_dispatch``): the messages of every source, in (source rank, token)
+   order, placed into the layout's outputs; ``receive_record`` keeps where each slot went;
+3. the combine's destination (``pack_combine``): one row per (message, local slot) in slot order
+   (expert-major) or the caller's partial row per message (rank-major), back to the source;
+4. the combine's source (``finish_combine``): the ordered fp32 sums, rounded once.
+
+Rows of the outputs that the contract leaves unspecified hold poison, never data: NaN (FP8: the
+NaN byte 0x7f) in ``x`` and ``scales`` past the counts, -1 in ``src`` past ``count``. Outputs of
+a send-only op are poison everywhere (counts -1, ids INT32_MIN, weights NaN) until the complete
+step fills them. Every sum adds one term at a time (``torch.where`` per step, never a reduction
+over a dimension, whose order is unspecified).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import List, Optional, Sequence
+
+import torch
+
+from .config import FP8_BLOCK, GroupConfig
+from .fp8 import FP8_DTYPE, fp8_cast
+from .ll import LLDispatchOutput
+
+FP8_POISON_BYTE = 0x7F  # a NaN of float8_e4m3fn
+_INT32_POISON = torch.iinfo(torch.int32).min
+
+
+def ll_routing_error(topk_idx: torch.Tensor, num_experts: int) -> Optional[str]:
+    """The first problem with one rank's LL routing ``[T, K]``, or None: an id outside
+    [-1, E), or a token naming an expert twice."""
+    idx = topk_idx.to(torch.int64)
+    bad = (idx < -1) | (idx >= num_experts)
+    if bool(bad.any()):
+        t, k = (int(v) for v in bad.nonzero()[0])
+        return (f"topk_idx[{t}, {k}] = {int(idx[t, k])} is out of range: expert ids must be in "
+                f"[-1, {num_experts}) (-1 = masked slot)")
+    if idx.shape[1] > 1:
+        ordered = idx.sort(dim=1).values
+        dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+        if bool(dup.any()):
+            t, k = (int(v) for v in dup.nonzero()[0])
+            return (f"topk_idx token {t} names expert {int(ordered[t, k])} twice: a token may "
+                    "route to each expert at most once")
+    return None
+
+
+# -- the source ---------------------------------------------------------------------------------
+def owners(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> torch.Tensor:
+    """``[T, K]`` int64: the rank of each slot's expert, -1 for a masked slot."""
+    idx = topk_idx.to(torch.int64)
+    return torch.where(idx >= 0, idx // (num_experts // world_size), -1)
+
+
+def send_plan(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> List[torch.Tensor]:
+    """Per destination rank, the tokens (int64, ascending) with at least one expert there."""
+    owner = owners(topk_idx, num_experts, world_size)
+    return [(owner == d).any(1).nonzero().flatten() for d in range(world_size)]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``[n, ...]`` as ``[n, bytes]`` uint8."""
+    width = math.prod(t.shape[1:]) * t.element_size()
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], width)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as their bytes (indexed writes are not defined for float8 on every
+    device), others as they are."""
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
+def _as(byte_rows: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A column slice of received byte rows as a fresh ``shape`` tensor of ``dtype``."""
+    out = torch.empty(shape, dtype=dtype, device=byte_rows.device)
+    out.view(torch.uint8).reshape(byte_rows.shape).copy_(byte_rows)
+    return out
+
+
+def payload_bytes(config: GroupConfig) -> int:
+    """Bytes of one message's payload: the row, or (FP8) its e4m3 bytes and fp32 scales."""
+    H = config.hidden
+    if config.dispatch_fp8:
+        return H + 4 * (H // FP8_BLOCK)
+    return H * torch.empty((), dtype=config.dtype).element_size()
+
+
+def message_bytes(config: GroupConfig, with_weights: bool) -> int:
+    """Bytes of one dispatch message: token index, ids, weights (with weights), payload."""
+    return 4 + 4 * config.max_topk * (2 if with_weights else 1) + payload_bytes(config)
+
+
+def pack_dispatch(config: GroupConfig, x: torch.Tensor, topk_idx: torch.Tensor,
+                  weights: Optional[torch.Tensor], plan: List[torch.Tensor]) -> torch.Tensor:
+    """The source's messages ``[sum of len(plan[d]), message_bytes]`` uint8, grouped by
+    destination rank in rank order, tokens ascending inside. ``weights [T, K]`` fp32 travel when
+    given (rank-major only)."""
+    tokens, topk = topk_idx.shape
+    device = x.device
+    ids = torch.full((tokens, config.max_topk), -1, dtype=torch.int32, device=device)
+    ids[:, :topk] = topk_idx
+    parts = [_bytes(torch.arange(tokens, dtype=torch.int32, device=device).unsqueeze(1)),
+             _bytes(ids)]
+    if weights is not None:
+        w = torch.zeros((tokens, config.max_topk), dtype=torch.float32, device=device)
+        w[:, :topk] = weights
+        parts.append(_bytes(w))
+    if config.dispatch_fp8:
+        q, scales = fp8_cast(x)
+        parts += [_bytes(q), _bytes(scales)]
+    else:
+        parts.append(_bytes(x))
+    rows = torch.cat(parts, 1)
+    return rows[torch.cat(plan)] if plan else rows[:0]
+
+
+# -- the destination ----------------------------------------------------------------------------
+@dataclasses.dataclass
+class LLReceived:
+    """One destination's record of a dispatch, in message order ((source rank, token) order):
+    ``src``, ``token`` ``[n]`` int64, ``ids [n, max_topk]`` int64 (the source's ids, -1 padded),
+    ``local_expert`` / ``row`` ``[n, max_topk]`` int64 (the slot's local expert and its row in
+    that expert's block, -1 for a slot not on this rank), ``counts [L]`` int64."""
+
+    src: torch.Tensor
+    token: torch.Tensor
+    ids: torch.Tensor
+    local_expert: torch.Tensor
+    row: torch.Tensor
+    counts: torch.Tensor
+
+
+def receive_record(config: GroupConfig, world_size: int, rank: int, src: torch.Tensor,
+                   token: torch.Tensor, ids: torch.Tensor) -> LLReceived:
+    """Where each received slot goes: inside local expert ``l`` the messages naming it take rows
+    0, 1, ... in message order, i.e. by source rank, then token."""
+    L = config.num_experts // world_size
+    ids = ids.to(torch.int64)
+    here = (ids >= 0) & (ids // L == rank)
+    local_expert = torch.where(here, ids - rank * L, -1)
+    row = torch.full_like(ids, -1)
+    counts = torch.zeros(L, dtype=torch.int64, device=ids.device)
+    for l in range(L):
+        slot = local_expert == l  # at most one slot per message: a token names l at most once
+        has = slot.any(1)
+        position = torch.cumsum(has.to(torch.int64), 0) - 1
+        row = torch.where(slot, position.unsqueeze(1), row)
+        counts[l] = has.sum()
+    return LLReceived(src.to(torch.int64), token.to(torch.int64), ids, local_expert, row, counts)
+
+
+def empty_dispatch_output(config: GroupConfig, world_size: int, device,
+                          with_weights: bool) -> LLDispatchOutput:
+    """The layout's output tensors, all poison (see the module's notes)."""
+    R, T_max, H = world_size, config.max_tokens_per_rank, config.hidden
+    L = config.num_experts // R
+    lead = (L, R * T_max) if config.ll_layout == "expert_major" else (R * T_max,)
+    if config.dispatch_fp8:
+        x = torch.full(lead + (H,), FP8_POISON_BYTE, dtype=torch.uint8,
+                       device=device).view(FP8_DTYPE)
+        scales = torch.full(lead + (H // FP8_BLOCK,), float("nan"), dtype=torch.float32,
+                            device=device)
+    else:
+        x = torch.full(lead + (H,), float("nan"), dtype=config.dtype, device=device)
+        scales = None
+    if config.ll_layout == "expert_major":
+        return LLDispatchOutput(x, torch.full((L,), -1, dtype=torch.int32, device=device),
+                                scales, src=torch.full(lead, -1, dtype=torch.int32,
+                                                       device=device))
+    rows = (R * T_max, config.max_topk)
+    weights = (torch.full(rows, float("nan"), dtype=torch.float32, device=device)
+               if with_weights else None)
+    return LLDispatchOutput(x, torch.full((1,), -1, dtype=torch.int32, device=device), scales,
+                            topk_idx=torch.full(rows, _INT32_POISON, dtype=torch.int32,
+                                                device=device),
+                            topk_weights=weights)
+
+
+def fill_dispatch(out: LLDispatchOutput, config: GroupConfig, world_size: int, rank: int,
+                  messages: torch.Tensor, recv_counts: Sequence[int],
+                  with_weights: bool) -> LLReceived:
+    """Writes one destination's outputs (from ``empty_dispatch_output``) from ``messages``, the
+    rows of every source in rank order (``recv_counts[s]`` from source s); returns the record
+    the combine uses."""
+    K, H, T_max = config.max_topk, config.hidden, config.max_tokens_per_rank
+    n, device = messages.shape[0], messages.device
+    at = 0
+
+    def take(width: int) -> torch.Tensor:
+        nonlocal at
+        at += width
+        return messages[:, at - width:at]
+
+    token = _as(take(4), torch.int32, (n,))
+    ids = _as(take(4 * K), torch.int32, (n, K))
+    weights = _as(take(4 * K), torch.float32, (n, K)) if with_weights else None
+    if config.dispatch_fp8:
+        x = _as(take(H), FP8_DTYPE, (n, H))
+        scales = _as(take(4 * (H // FP8_BLOCK)), torch.float32, (n, H // FP8_BLOCK))
+    else:
+        x = _as(take(payload_bytes(config)), config.dtype, (n, H))
+        scales = None
+    src = torch.repeat_interleave(torch.arange(world_size, device=device),
+                                  torch.tensor(list(recv_counts), dtype=torch.int64,
+                                               device=device))
+    record = receive_record(config, world_size, rank, src, token, ids)
+    out_x, x = _raw(out.x), _raw(x)
+    if config.ll_layout == "expert_major":
+        m, k = (record.row >= 0).nonzero(as_tuple=True)
+        where = (record.local_expert[m, k], record.row[m, k])
+        out_x[where] = x[m]
+        if scales is not None:
+            out.scales[where] = scales[m]
+        out.src[where] = (record.src[m] * T_max + record.token[m]).to(torch.int32)
+        out.count.copy_(record.counts)
+        return record
+    here = record.row >= 0
+    out_x[:n] = x
+    if scales is not None:
+        out.scales[:n] = scales
+    out.topk_idx.fill_(-1)
+    out.topk_idx[:n] = torch.where(here, record.ids, -1).to(torch.int32)
+    if weights is not None:
+        out.topk_weights.zero_()
+        out.topk_weights[:n] = torch.where(here, weights, torch.zeros_like(weights))
+    out.count.fill_(n)
+    return record
+
+
+# -- the combine --------------------------------------------------------------------------------
+def pack_combine(config: GroupConfig, world_size: int, record: LLReceived,
+                 expert_out: torch.Tensor) -> "tuple[torch.Tensor, List[int]]":
+    """The destination's rows back to the sources, grouped by source rank (message order), and
+    how many go to each source. Expert-major: one row per (message, slot here), slots ascending;
+    rank-major: row i of ``expert_out`` for message i."""
+    if config.ll_layout == "expert_major":
+        m, k = (record.row >= 0).nonzero(as_tuple=True)  # row-major: by message, then slot
+        rows = expert_out[record.local_expert[m, k], record.row[m, k]]
+        src = record.src[m]
+    else:
+        rows, src = expert_out[:len(record.src)], record.src
+    return rows, torch.bincount(src, minlength=world_size).tolist()
+
+
+def combine_recv_counts(config: GroupConfig, world_size: int, topk_idx: torch.Tensor,
+                        plan: List[torch.Tensor]) -> List[int]:
+    """Rows a source gets back from each destination: its slots there (expert-major) or its
+    tokens there (rank-major)."""
+    if config.ll_layout == "rank_major":
+        return [len(p) for p in plan]
+    owner = owners(topk_idx, config.num_experts, world_size)
+    return [int((owner == d).sum()) for d in range(world_size)]
+
+
+def finish_combine(y: torch.Tensor, config: GroupConfig, world_size: int,
+                   topk_idx: torch.Tensor, weights: Optional[torch.Tensor],
+                   plan: List[torch.Tensor], returned: torch.Tensor,
+                   recv_counts: Sequence[int]) -> None:
+    """Writes ``y [T, H]`` at the source from the rows returned by every destination (in rank
+    order, ``recv_counts[d]`` from d). Expert-major: ``y[t] = sum over k ascending, slot valid,
+    of w[t, k] * fp32(out(t, k))``; rank-major: ``y[t] = sum over d ascending of fp32(partial)``;
+    from +0.0, one add at a time, rounded once."""
+    tokens, topk = topk_idx.shape
+    acc = torch.zeros((tokens, config.hidden), dtype=torch.float32, device=y.device)
+    parts = torch.split(returned, list(recv_counts))
+    if config.ll_layout == "rank_major":
+        for idx, part in zip(plan, parts):
+            acc[idx] = acc[idx] + part.to(torch.float32)
+    else:
+        owner = owners(topk_idx, config.num_experts, world_size)
+        out = torch.zeros((tokens, topk, config.hidden), dtype=torch.float32, device=y.device)
+        for d, part in enumerate(parts):
+            t, k = (owner == d).nonzero(as_tuple=True)  # by token, then slot: as it was sent
+            out[t, k] = part.to(torch.float32)
+        for k in range(topk):
+            product = weights[:, k:k + 1] * out[:, k]  # one rounded fp32 product
+            acc = torch.where((owner[:, k] >= 0).unsqueeze(1), acc + product, acc)
+    y.copy_(acc.to(y.dtype))
+
+
+# -- one process, every rank ------------------------------------------------------------------
+def _weights_agreed(config: GroupConfig, weights_list) -> bool:
+    given = [w is not None for w in (weights_list or [])]
+    if any(given) and not all(given):
+        raise ValueError(f"topk_weights given on ranks {[r for r, g in enumerate(given) if g]} "
+                         "but not on the others: every rank passes them or none does")
+    return bool(given) and all(given) and config.ll_layout == "rank_major"
+
+
+def _check_routing_all(config: GroupConfig, topk_idx_list) -> None:
+    for r, idx in enumerate(topk_idx_list):
+        error = ll_routing_error(idx, config.num_experts)
+        if error is not None:
+            raise ValueError(f"{error} (rank {r})")
+
+
+def ll_dispatch_all(config: GroupConfig, world_size: int, topk_idx_list, x_list,
+                    weights_list=None) -> List[LLDispatchOutput]:
+    """Every rank's dispatch outputs (element d: rank d's) from every rank's ``topk_idx [T_s,
+    K_s]``, ``x [T_s, H]`` and optional ``weights [T_s, K_s]`` (fp32; every rank's or none),
+    on the inputs' device."""
+    _check_routing_all(config, topk_idx_list)
+    with_weights = _weights_agreed(config, weights_list)
+    R = world_size
+    sent = []
+    for s, (idx, x) in enumerate(zip(topk_idx_list, x_list)):
+        plan = send_plan(idx, config.num_experts, R)
+        w = weights_list[s].to(torch.float32) if with_weights else None
+        sent.append(torch.split(pack_dispatch(config, x, idx, w, plan), [len(p) for p in plan]))
+    outs = []
+    for d in range(R):
+        messages = torch.cat([sent[s][d] for s in range(R)])
+        out = empty_dispatch_output(config, R, x_list[0].device, with_weights)
+        fill_dispatch(out, config, R, d, messages, [len(sent[s][d]) for s in range(R)],
+                      with_weights)
+        outs.append(out)
+    return outs
+
+
+def ll_combine_all(config: GroupConfig, world_size: int, topk_idx_list, expert_out_list,
+                   weights_list=None) -> List[torch.Tensor]:
+    """Every rank's combine output ``y [T_s, H]`` (token dtype) from every rank's routing (the
+    layout is a function of it), every rank's ``expert_out`` in the group's layout, and (expert-
+    major) every rank's ``weights [T_s, K_s]``."""
+    _check_routing_all(config, topk_idx_list)
+    R, K = world_size, config.max_topk
+    plans = [send_plan(idx, config.num_experts, R) for idx in topk_idx_list]
+    back = []  # back[d][s]: rows destination d returns to source s
+    for d in range(R):
+        src, token, ids = [], [], []
+        for s, idx in enumerate(topk_idx_list):
+            tokens = plans[s][d]
+            padded = torch.full((len(tokens), K), -1, dtype=torch.int64, device=idx.device)
+            padded[:, :idx.shape[1]] = idx[tokens]
+            src.append(torch.full_like(tokens, s))
+            token.append(tokens)
+            ids.append(padded)
+        record = receive_record(config, R, d, torch.cat(src), torch.cat(token), torch.cat(ids))
+        rows, counts = pack_combine(config, R, record, expert_out_list[d])
+        back.append(torch.split(rows, counts))
+    ys = []
+    for s, idx in enumerate(topk_idx_list):
+        y = torch.empty((idx.shape[0], config.hidden), dtype=config.dtype,
+                        device=expert_out_list[0].device)
+        w = None
+        if config.ll_layout == "expert_major":
+            w = weights_list[s].to(torch.float32)
+        parts = [back[d][s] for d in range(R)]
+        finish_combine(y, config, R, idx, w, plans[s], torch.cat(parts),
+                       [len(p) for p in parts])
+        ys.append(y)
+    return ys
