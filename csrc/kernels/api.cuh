@@ -273,12 +273,12 @@ struct LLCombineArgs {
   void* y;                  // [T, H]
 };
 
-// ll.cu
+// ll_layout.cu, ll_dispatch.cu, ll_combine.cu (their shared parts: ll_common.cuh)
 cudaError_t launch_ll_layout(const LLLayoutArgs& args, cudaStream_t stream);
 cudaError_t launch_ll_dispatch(const LLDispatchArgs& args, cudaStream_t stream);
 cudaError_t launch_ll_combine(const LLCombineArgs& args, cudaStream_t stream);
-cudaError_t preload_ll();
-// Shared memory of the layout kernel for these bounds (its ids and per-expert counts).
+cudaError_t preload_ll();  // every LL kernel, and the layout's shared-memory opt-in
+// Shared memory of the layout kernel for T tokens (its ids).
 size_t ll_layout_smem(int max_tokens, int max_topk, int num_experts);
 
 // barrier.cu

@@ -1,7 +1,7 @@
 /*
  * ll.cc: the LL mode (docs/design.md section 9) behind ncclEpCreateHandle, ncclEpDispatch,
  * ncclEpCombine and ncclEpComplete: argument checks, the double-buffering rule, then one kernel
- * per call (kernels/ll.cu). No call synchronizes the host or communicates outside its kernel.
+ * per call (kernels/ll_*.cu). No call synchronizes the host or communicates outside its kernel.
  *
  * NOTES:
  *  - Ops of one kind alternate between two buffer sets by a device-side epoch, and a send waits

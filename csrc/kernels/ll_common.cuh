@@ -1,0 +1,206 @@
+/*
+ * ll_common.cuh: what the LL kernels (docs/design.md section 9) share: the window's LL areas,
+ * packs of 8 elements as raw bytes, the timed waits and the grid's phase ends. The kernels: a
+ * handle's local layout (ll_layout.cu), the dispatch (ll_dispatch.cu) and the combine
+ * (ll_combine.cu); dispatch and combine are one kernel each whose send and receive phases run
+ * fused (send_only = 0) or as two launches (the send; then ncclEpComplete's receive).
+ *
+ * NOTES:
+ *  - Work items are (message, column chunk): a row is split into chunks of kChunkGroups packs of
+ *    8 elements, so that a few tokens still spread over every warp of the grid.
+ *  - A phase ends with the grid's last CTA (a counter in DeviceState that it resets) publishing
+ *    it with one release store per peer: ready flags after the sends, credits after the
+ *    receives. Every thread fences its writes at system scope before its CTA counts itself.
+ *  - Rows never depend on arrival order or atomics: positions come from the handle's layout (the
+ *    sender's per-expert runs, in token order) and the per-source counts; sums run in a fixed
+ *    order with one rounding per operation (__fmul_rn / __fadd_rn: never contracted).
+ *  - Window data written by peers is read with ld.global.cg (L2): an SM's L1 may still hold the
+ *    same addresses from the op two epochs earlier.
+ *  - A wait that times out, or sees a peer's abort, stops the group; a stopped group's dispatch
+ *    writes counts of 0 and its combine NaN rows (0xFF bytes), and both return.
+ */
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "api.cuh"
+#include "device.cuh"
+
+namespace nccl_ep {
+
+// Loads every dispatch / combine kernel (ll_dispatch.cu, ll_combine.cu; preload_ll calls them).
+cudaError_t preload_ll_dispatch();
+cudaError_t preload_ll_combine();
+
+namespace {
+
+constexpr int kWarps = 16;
+constexpr int kThreads = kWarps * 32;
+constexpr int kChunkGroups = 64;  // packs per work item: 512 columns
+
+// -- the window ---------------------------------------------------------------------------------
+EP_DEVICE unsigned long long* ll_flag(void* base, const LLArgs& a, int kind, int set, int r) {
+  return reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(base) +
+                                               a.win.ll.flag_off) +
+         ((size_t)kind * 2 + set) * a.num_ranks + r;
+}
+EP_DEVICE char* ll_msg(void* base, const LLArgs& a, int set, int src, int j) {
+  return reinterpret_cast<char*>(base) + a.win.ll.msg_off +
+         (((size_t)set * a.num_ranks + src) * a.max_tokens + j) * a.win.ll.msg_bytes;
+}
+EP_DEVICE int* ll_counts(void* base, const LLArgs& a, int set, int src) {
+  return reinterpret_cast<int*>(reinterpret_cast<char*>(base) + a.win.ll.count_off) +
+         ((size_t)set * a.num_ranks + src) * a.win.ll.count_stride;
+}
+EP_DEVICE char* ll_comb(void* base, const LLArgs& a, int set, int t, int k) {
+  return reinterpret_cast<char*>(base) + a.win.ll.comb_off +
+         (((size_t)set * a.max_tokens + t) * a.max_topk + k) * a.win.ll.comb_row;
+}
+
+// -- packs of 8 elements as raw bytes (B = 8, 16 or 32) ------------------------------------------
+template <int B>
+struct Raw {
+  uint4 v[B / 16];
+};
+template <>
+struct Raw<8> {
+  uint2 v;
+};
+
+template <int B, bool kFromWindow>
+EP_DEVICE Raw<B> ld_raw(const void* p) {
+  Raw<B> r;
+  if constexpr (B == 8) {
+    r.v = kFromWindow ? __ldcg(reinterpret_cast<const uint2*>(p)) : *reinterpret_cast<const uint2*>(p);
+  } else {
+#pragma unroll
+    for (int i = 0; i < B / 16; ++i)
+      r.v[i] = kFromWindow ? __ldcg(reinterpret_cast<const uint4*>(p) + i)
+                           : reinterpret_cast<const uint4*>(p)[i];
+  }
+  return r;
+}
+
+template <int B>
+EP_DEVICE void st_raw(void* p, const Raw<B>& r) {
+  if constexpr (B == 8) {
+    *reinterpret_cast<uint2*>(p) = r.v;
+  } else {
+#pragma unroll
+    for (int i = 0; i < B / 16; ++i) reinterpret_cast<uint4*>(p)[i] = r.v[i];
+  }
+}
+
+template <typename T>
+EP_DEVICE void raw_to_float(const Raw<8 * sizeof(T)>& r, float (&f)[8]) {
+  const T* e = reinterpret_cast<const T*>(&r);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) f[q] = to_float<T>(e[q]);
+}
+
+template <typename T>
+EP_DEVICE Raw<8 * sizeof(T)> float_to_raw(const float (&f)[8]) {
+  Raw<8 * sizeof(T)> r;
+  T* e = reinterpret_cast<T*>(&r);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) e[q] = from_float<T>(f[q]);
+  return r;
+}
+
+// -- waits and phases ---------------------------------------------------------------------------
+// Waits until *flag's epoch (its high 32 bits) reaches `epoch`; false once the group stopped (a
+// peer's abort, or this wait's timeout, which stops the group itself).
+EP_DEVICE bool ll_wait(const unsigned long long* flag, unsigned long long epoch,
+                       unsigned long long* seen, const LLArgs& a, int peer, int op, int kind) {
+  const unsigned long long* abort_slot =
+      reinterpret_cast<const unsigned long long*>(reinterpret_cast<char*>(a.peers[a.rank]) +
+                                                  a.win.sync_off) + kAbortSlot;
+  const unsigned long long start = global_timer_ns();
+  int spins = 0;
+  unsigned long long v;
+  while (((v = ld_acquire_sys(flag)) >> 32) < epoch) {
+    if (++spins < 256) continue;
+    spins = 0;
+    const unsigned long long by = ld_acquire_sys(abort_slot);
+    if (by != 0) {
+      raise_error(a.err, kErrPeerAbort, a.rank, (int)by - 1, op, 0, 0);
+      atomicCAS(&a.state->failed, 0ull, by);
+      return false;
+    }
+    if ((long long)(global_timer_ns() - start) > a.timeout_ns) {
+      raise_error(a.err, kErrTimeout, a.rank, peer, op, (long long)epoch,
+                  a.timeout_ns / 1000000, kind);
+      stop_group(a.peers, a.win.sync_off, a.num_ranks, &a.state->failed,
+                 (unsigned long long)a.rank + 1);
+      return false;
+    }
+  }
+  *seen = v;
+  return true;
+}
+
+// Every thread of every CTA calls it after its phase's writes; true (in every thread of the CTA)
+// in the grid's last CTA, once all of them are counted (and the counter is reset for the next).
+EP_DEVICE bool last_cta(unsigned* counter, int* s_last) {
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned prev = atomicAdd(counter, 1u);
+    *s_last = prev == gridDim.x - 1;
+    if (*s_last) {
+      *counter = 0;
+      fence_acq_rel_sys();
+    }
+  }
+  __syncthreads();
+  return *s_last != 0;
+}
+
+// Waits (threads 0..R-1) for flag `kind` of set `set` from every peer to reach `epoch`; counts
+// (the flag's low 16 bits) into s_n when given. False in every thread once the group stopped.
+EP_DEVICE bool wait_all(const LLArgs& a, int kind, int set, unsigned long long epoch, int op,
+                        int wait_kind, int* s_n, int* s_fail) {
+  if (threadIdx.x < a.num_ranks) {
+    unsigned long long seen = 0;
+    if (!ll_wait(ll_flag(a.peers[a.rank], a, kind, set, threadIdx.x), epoch, &seen, a,
+                 threadIdx.x, op, wait_kind))
+      *s_fail = 1;
+    else if (s_n != nullptr)
+      s_n[threadIdx.x] = (int)(seen & 0xffffu);
+  }
+  __syncthreads();
+  return *s_fail == 0;
+}
+
+// Releases flag `kind` of set `set` at every peer (this rank's slot) with epoch and count.
+EP_DEVICE void publish(const LLArgs& a, int kind, int set, unsigned long long epoch,
+                       const int* counts) {
+  if (threadIdx.x < a.num_ranks)
+    st_release_sys(ll_flag(a.peers[threadIdx.x], a, kind, set, a.rank),
+                   (epoch << 32) | (counts != nullptr ? (unsigned)counts[threadIdx.x] : 0u));
+}
+
+// Message of source s, slot j <- (s, j) of the flat message index m, from the sources' first
+// indices (s_moff[R] = all messages).
+EP_DEVICE void message_of(int m, const int* s_moff, int* s, int* j) {
+  int src = 0;
+  while (m >= s_moff[src + 1]) ++src;
+  *s = src;
+  *j = m - s_moff[src];
+}
+
+// The lanes of set bits of a warp-uniform mask, lowest first.
+#define EP_FOR_EACH_LANE(mask, f) \
+  for (unsigned rest_ = (mask), f = 0; rest_ != 0 && ((f = __ffs(rest_) - 1), true); rest_ &= rest_ - 1)
+
+template <typename F>
+cudaError_t preload(F kernel) {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, kernel);
+}
+
+}  // namespace
+
+}  // namespace nccl_ep

@@ -1,0 +1,304 @@
+/*
+ * ll_dispatch.cu: the LL dispatch (docs/design.md section 9). Send: each (token, column chunk)
+ * loaded once (cast to FP8 per 128 columns with dispatch_fp8) and stored into its message at
+ * every destination rank, then the counts and one ready flag per destination. Receive: every
+ * source's flag, the rows' offsets from the counts, each (message, chunk) into its rows.
+ */
+#include "ll_common.cuh"
+
+namespace nccl_ep {
+
+namespace {
+
+template <typename T, bool kFp8>
+struct DispatchOp {
+  static constexpr int kIn = 8 * sizeof(T);      // bytes of an input pack
+  static constexpr int kOut = kFp8 ? 8 : kIn;    // bytes of a payload / output pack
+
+  // One (token, chunk): loaded once, cast once, stored into the message of every destination.
+  static EP_DEVICE void send_item(const LLDispatchArgs& d, int set, int t, int c, int lane) {
+    const LLArgs& a = d.a;
+    const int Km = a.max_topk, H8 = a.hidden / kLLGroupElems;
+    int dest = -1;
+    if (lane < a.topk) {
+      const int e = a.h.ids[t * Km + lane];
+      dest = e >= 0 ? e / a.num_local : -1;
+    }
+    const unsigned same = __match_any_sync(0xffffffffu, dest);
+    const bool first = dest >= 0 && (int)(__ffs(same) - 1) == lane;
+    const unsigned firsts = __ballot_sync(0xffffffffu, first);
+    if (firsts == 0) return;  // warp-uniform: every slot masked
+    unsigned long long mine = 0;  // lane f's destination message
+    if (first)
+      mine = reinterpret_cast<unsigned long long>(
+          ll_msg(a.peers[dest], a, set, a.rank, a.h.jslot[t * Km + lane]));
+    const size_t hdr = a.win.ll.hdr_bytes;
+    const char* xrow = reinterpret_cast<const char*>(d.x) + (size_t)t * a.hidden * sizeof(T);
+#pragma unroll
+    for (int step = 0; step < kChunkGroups / 32; ++step) {
+      const int g = c * kChunkGroups + step * 32 + lane;
+      const bool valid = g < H8;
+      Raw<kIn> in;
+      if (valid) in = ld_raw<kIn, false>(xrow + (size_t)g * kIn);
+      if constexpr (kFp8) {
+        float f[8];
+        if (valid) {
+          raw_to_float<T>(in, f);
+        } else {
+#pragma unroll
+          for (int q = 0; q < 8; ++q) f[q] = 0.f;
+        }
+        float amax = 0.f;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) amax = fmaxf(amax, fabsf(f[q]));
+        // The 16 lanes of one block of 128 columns (blocks start at multiples of 16 packs).
+#pragma unroll
+        for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        const float floor_amax = fmaxf(amax, 1e-4f);
+        const float scale = __fdiv_rn(floor_amax, 448.0f);
+        const float factor = __fdiv_rn(448.0f, floor_amax);
+        Raw<8> q8;
+        unsigned char* qb = reinterpret_cast<unsigned char*>(&q8);
+#pragma unroll
+        for (int q = 0; q < 8; ++q)
+          qb[q] = (unsigned char)__nv_cvt_float_to_fp8(__fmul_rn(f[q], factor), __NV_SATFINITE,
+                                                       __NV_E4M3);
+        EP_FOR_EACH_LANE(firsts, f_lane) {
+          char* msg = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, mine, f_lane));
+          if (valid) {
+            st_raw<8>(msg + hdr + (size_t)g * 8, q8);
+            if ((lane & 15) == 0)
+              *reinterpret_cast<float*>(msg + hdr + a.hidden + (size_t)(g / 16) * 4) = scale;
+          }
+        }
+      } else {
+        EP_FOR_EACH_LANE(firsts, f_lane) {
+          char* msg = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, mine, f_lane));
+          if (valid) st_raw<kOut>(msg + hdr + (size_t)g * kOut, in);
+        }
+      }
+    }
+    if (c != 0) return;
+    // The header: the token, its ids, per slot its row position at that destination, weights.
+    EP_FOR_EACH_LANE(firsts, f_lane) {
+      char* msg = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, mine, f_lane));
+      const int dest_f = __shfl_sync(0xffffffffu, dest, f_lane);
+      int* ids = reinterpret_cast<int*>(msg + sizeof(LLHeader));
+      if (lane < Km) {
+        const bool live = lane < a.topk;
+        ids[lane] = live ? a.h.ids[t * Km + lane] : -1;
+        ids[Km + lane] = live && dest == dest_f ? a.h.pos[t * Km + lane] : -1;
+        reinterpret_cast<float*>(ids + 2 * Km)[lane] =
+            live && d.w != nullptr ? d.w[(size_t)t * a.topk + lane] : 0.f;
+      }
+      if (lane == 0) {
+        LLHeader hd;
+        hd.token = t;
+        hd.dest_pos = a.h.dpos[t * Km + f_lane];
+        hd.topk = a.topk;
+        hd.pad = 0;
+        *reinterpret_cast<LLHeader*>(msg) = hd;
+      }
+    }
+  }
+
+  // One (message, chunk) into its rows: expert-major every slot of this rank, rank-major one row.
+  static EP_DEVICE void recv_item(const LLDispatchArgs& d, int set, int s, int j, int c, int lane,
+                                  const int* s_off, const int* s_moff) {
+    const LLArgs& a = d.a;
+    const int Km = a.max_topk, H8 = a.hidden / kLLGroupElems, me = a.rank;
+    const long long RT = (long long)a.num_ranks * a.max_tokens;
+    const char* msg = ll_msg(a.peers[me], a, set, s, j);
+    const int* ids = reinterpret_cast<const int*>(msg + sizeof(LLHeader));
+    const int t = __ldcg(&reinterpret_cast<const LLHeader*>(msg)->token);
+    int id = -1, row = -1;
+    if (lane < Km) id = __ldcg(ids + lane);
+    if (!a.rank_major) {
+      if (lane < Km) {
+        const int p = __ldcg(ids + Km + lane);
+        if (p >= 0) {
+          const int l = id - me * a.num_local;
+          row = (int)(l * RT) + s_off[l * a.num_ranks + s] + p;
+        }
+      }
+    } else if (lane == 0) {
+      row = s_moff[s] + j;
+    }
+    const unsigned rows = __ballot_sync(0xffffffffu, row >= 0);
+    const size_t hdr = a.win.ll.hdr_bytes;
+    const size_t out_row = (size_t)a.hidden * (kFp8 ? 1 : sizeof(T));
+    char* out = reinterpret_cast<char*>(d.recv_x);
+#pragma unroll
+    for (int step = 0; step < kChunkGroups / 32; ++step) {
+      const int g = c * kChunkGroups + step * 32 + lane;
+      const bool valid = g < H8;
+      Raw<kOut> v;
+      if (valid) v = ld_raw<kOut, true>(msg + hdr + (size_t)g * kOut);
+      EP_FOR_EACH_LANE(rows, f_lane) {
+        const int r = __shfl_sync(0xffffffffu, row, f_lane);
+        if (valid) st_raw<kOut>(out + (size_t)r * out_row + (size_t)g * kOut, v);
+      }
+    }
+    if constexpr (kFp8) {
+      const int blocks = a.hidden / kFp8Block;
+      const int b = c * (kChunkGroups / 16) + lane;  // a chunk holds 4 blocks
+      const bool valid = lane < kChunkGroups / 16 && b < blocks;
+      float sc = 0.f;
+      if (valid) sc = __ldcg(reinterpret_cast<const float*>(msg + hdr + a.hidden) + b);
+      EP_FOR_EACH_LANE(rows, f_lane) {
+        const int r = __shfl_sync(0xffffffffu, row, f_lane);
+        if (valid) d.recv_scales[(size_t)r * blocks + b] = sc;
+      }
+    }
+    if (c != 0) return;
+    // What the combine needs, and the routing outputs.
+    const size_t sj = (size_t)s * a.max_tokens + j;
+    if (!a.rank_major) {
+      if (row >= 0) d.recv_src[row] = s * a.max_tokens + t;
+      if (lane < Km) a.h.rrow[sj * Km + lane] = row;
+      if (s == me && lane < Km && row >= 0) a.h.own_row[t * Km + lane] = row;
+    } else {
+      const int r = s_moff[s] + j;
+      if (lane < Km) {
+        const bool here = id >= 0 && id / a.num_local == me;
+        d.recv_topk_idx[(size_t)r * Km + lane] = here ? id : -1;
+        if (d.recv_topk_w != nullptr)
+          d.recv_topk_w[(size_t)r * Km + lane] =
+              here ? __ldcg(reinterpret_cast<const float*>(ids + 2 * Km) + lane) : 0.f;
+      }
+      if (lane == 0) {
+        a.h.rdpos[sj] = __ldcg(&reinterpret_cast<const LLHeader*>(msg)->dest_pos);
+        if (s == me) a.h.own_row[t * Km] = r;
+      }
+    }
+    if (lane == 0) a.h.rtok[sj] = t;
+  }
+};
+
+// A stopped group's dispatch: no rows.
+EP_DEVICE void poison_dispatch(const LLDispatchArgs& d) {
+  if (blockIdx.x != 0) return;
+  const int n = d.a.rank_major ? 1 : d.a.num_local;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) d.recv_count[i] = 0;
+}
+
+template <typename T, bool kFp8>
+__global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(const LLDispatchArgs d) {
+  using Op = DispatchOp<T, kFp8>;
+  const LLArgs& a = d.a;
+  extern __shared__ int s_off[];  // expert-major: [L][R] first row of (local expert, source)
+  __shared__ int s_fail, s_last;
+  __shared__ int s_n[kMaxRanks];
+  __shared__ int s_moff[kMaxRanks + 1];
+  const int R = a.num_ranks, L = a.num_local, me = a.rank;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int H8 = a.hidden / kLLGroupElems;
+  const int nchunks = (H8 + kChunkGroups - 1) / kChunkGroups;
+  const unsigned long long epoch =
+      a.send ? ld_volatile_u64(&a.state->ll_epoch[0]) + 1 : ld_volatile_u64(&a.h.epochs[0]);
+  const int set = (int)(epoch & 1);
+  if (threadIdx.x == 0) s_fail = ld_volatile_u64(&a.state->failed) != 0;
+  __syncthreads();
+  if (s_fail) return poison_dispatch(d);
+
+  if (a.send) {
+    // Set `set` is free at every destination once it consumed op epoch - 2.
+    if (epoch > 2 &&
+        !wait_all(a, kLLDispCredit, set, epoch - 2, kOpLLDispatch, kWaitCredit, nullptr, &s_fail))
+      return poison_dispatch(d);
+    const int items = a.tokens * nchunks;
+    for (int i = blockIdx.x * kWarps + warp; i < items; i += gridDim.x * kWarps)
+      Op::send_item(d, set, i / nchunks, i % nchunks, lane);
+    if (blockIdx.x == 0)
+      for (int i = threadIdx.x; i < R * L; i += blockDim.x)
+        ll_counts(a.peers[i / L], a, set, me)[i % L] = a.h.cnt[i];
+    if (last_cta(&a.state->ll_done[0], &s_last)) {
+      publish(a, kLLDispReady, set, epoch, a.h.ndest);
+      if (threadIdx.x == 0) {
+        a.state->ll_epoch[0] = epoch;
+        a.h.epochs[0] = epoch;
+      }
+    }
+  }
+  if (!a.recv) return;
+
+  if (!wait_all(a, kLLDispReady, set, epoch, kOpLLDispatch, kWaitReady, s_n, &s_fail))
+    return poison_dispatch(d);
+  if (threadIdx.x == 0) {
+    int m = 0;
+    for (int s = 0; s < R; ++s) {
+      s_moff[s] = m;
+      m += s_n[s];
+    }
+    s_moff[R] = m;
+  }
+  if (!a.rank_major) {
+    for (int l = threadIdx.x; l < L; l += blockDim.x) {
+      int run = 0;
+      for (int s = 0; s < R; ++s) {
+        s_off[l * R + s] = run;
+        run += __ldcg(ll_counts(a.peers[me], a, set, s) + l);
+      }
+      if (blockIdx.x == 0) d.recv_count[l] = run;
+    }
+  }
+  __syncthreads();
+  if (blockIdx.x == 0) {
+    if (threadIdx.x < R) a.h.rn[threadIdx.x] = s_n[threadIdx.x];
+    if (a.rank_major && threadIdx.x <= R) a.h.roff[threadIdx.x] = s_moff[threadIdx.x];
+    if (a.rank_major && threadIdx.x == 0) d.recv_count[0] = s_moff[R];
+  }
+  const int items = s_moff[R] * nchunks;
+  for (int i = blockIdx.x * kWarps + warp; i < items; i += gridDim.x * kWarps) {
+    int s, j;
+    message_of(i / nchunks, s_moff, &s, &j);
+    Op::recv_item(d, set, s, j, i % nchunks, lane, s_off, s_moff);
+  }
+  if (a.rank_major) {  // rows past the count: no routing
+    const long long Km = a.max_topk, rows = (long long)R * a.max_tokens;
+    for (long long i = (long long)s_moff[R] * Km + blockIdx.x * blockDim.x + threadIdx.x;
+         i < rows * Km; i += (long long)gridDim.x * blockDim.x) {
+      d.recv_topk_idx[i] = -1;
+      if (d.recv_topk_w != nullptr) d.recv_topk_w[i] = 0.f;
+    }
+  }
+  if (last_cta(&a.state->ll_done[1], &s_last)) publish(a, kLLDispCredit, set, epoch, nullptr);
+}
+
+
+template <typename T, bool kFp8>
+cudaError_t launch_dispatch_as(const LLDispatchArgs& d, cudaStream_t stream) {
+  const size_t smem = d.a.rank_major ? 0 : sizeof(int) * (size_t)d.a.num_local * d.a.num_ranks;
+  ll_dispatch_kernel<T, kFp8><<<d.a.win.channels, kThreads, smem, stream>>>(d);
+  return cudaGetLastError();
+}
+
+
+}  // namespace
+
+cudaError_t launch_ll_dispatch(const LLDispatchArgs& d, cudaStream_t stream) {
+  const bool fp8 = d.a.fp8 != 0;
+  switch (d.a.dtype) {
+    case ncclBfloat16:
+      return fp8 ? launch_dispatch_as<__nv_bfloat16, true>(d, stream)
+                 : launch_dispatch_as<__nv_bfloat16, false>(d, stream);
+    case ncclFloat16:
+      return fp8 ? launch_dispatch_as<__half, true>(d, stream)
+                 : launch_dispatch_as<__half, false>(d, stream);
+    default:
+      return fp8 ? launch_dispatch_as<float, true>(d, stream)
+                 : launch_dispatch_as<float, false>(d, stream);
+  }
+}
+
+cudaError_t preload_ll_dispatch() {
+  cudaError_t e = preload(ll_dispatch_kernel<__nv_bfloat16, false>);
+  if (e == cudaSuccess) e = preload(ll_dispatch_kernel<__nv_bfloat16, true>);
+  if (e == cudaSuccess) e = preload(ll_dispatch_kernel<__half, false>);
+  if (e == cudaSuccess) e = preload(ll_dispatch_kernel<__half, true>);
+  if (e == cudaSuccess) e = preload(ll_dispatch_kernel<float, false>);
+  if (e == cudaSuccess) e = preload(ll_dispatch_kernel<float, true>);
+  return e;
+}
+
+}  // namespace nccl_ep
