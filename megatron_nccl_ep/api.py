@@ -249,9 +249,7 @@ class Group:
             except (TypeError, ValueError) as exc:
                 # No communication here: the reference backend marks this rank stopped, so its
                 # peers' next collective raises at once naming it.
-                stop = getattr(self._backend, "stop_after_local_error", None)
-                if stop is not None:
-                    stop("LL create_handle", exc)
+                self._backend.stop_after_local_error("LL create_handle", exc)
                 raise
             state = self._backend.ll_create_handle(topk_idx.contiguous())
             return LLHandle(self, state, topk_idx.shape[0], topk_idx.shape[1])

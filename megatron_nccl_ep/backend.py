@@ -81,6 +81,11 @@ class Backend(Protocol):
                       dense: bool) -> torch.Tensor:
         """Collective: ``[N]`` -> ``[T, K]`` (``[T, E]`` when ``dense``), zero where unrouted."""
 
+    def stop_after_local_error(self, op: str, error: Exception) -> None:
+        """A call that raised on this rank alone, with no collective to agree in (an LL handle's
+        host-side check): the reference backend stops the group so that its peers' next
+        collective raises naming this rank; the cuda backend's peers time out naming it."""
+
     # -- LL (docs/design.md §9): groups of mode "ll" ---------------------------------------------
     def ll_create_handle(self, topk_idx: torch.Tensor) -> HandleState:
         """No communication: ``topk_idx [T, K]`` (bounds checked by the front end)."""

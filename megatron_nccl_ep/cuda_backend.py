@@ -248,6 +248,10 @@ class CudaBackend:
         if error is not None:
             raise error
 
+    def stop_after_local_error(self, op: str, error: Exception) -> None:
+        """Nothing to do on the host: the peers' device-side waits in their next op time out after
+        timeout_s naming this rank (docs/design.md §9, errors)."""
+
     def _stream(self) -> int:
         # The raw handle, without building a torch.cuda.Stream (what torch's generated code
         # reads): a few us less per call on a host-bound path.

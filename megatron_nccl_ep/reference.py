@@ -523,9 +523,9 @@ class ReferenceBackend:
     # -- LL (docs/design.md §9; the arithmetic: ll_reference.py) ---------------------------------
     def stop_after_local_error(self, op: str, error: Exception) -> None:
         """A call that raises on this rank alone (an LL handle's host-side check: no
-        communication to agree in) stops the group here, as the cuda backend's stops it on the
-        device: each peer's next collective raises at once, naming this rank, instead of waiting
-        ``timeout_s`` for it. The caller raises ``error``."""
+        communication to agree in) stops the group here: each peer's next collective raises at
+        once, naming this rank, instead of waiting ``timeout_s`` for it. The caller raises
+        ``error``."""
         if self.world_size > 1 and self._stopped is None:
             rendezvous.store().set(self._record(self.rank),
                                    f"{self._calls} {_word(op)} stopped")
