@@ -168,6 +168,8 @@ MEGATRON_TESTS=(tests/gpu/test_megatron_overlap.py tests/gpu/test_megatron_fixed
 NODES_TESTS=(tests/gpu/test_cuda_nodes.py)
 # LL mode (EP=1 and local teams): with the team tests' environment.
 LL_TESTS=(tests/gpu/test_cuda_ll.py)
+# LL over NVLink, one process per GPU (skips below 2 GPUs): a run of its own.
+LL_NVLINK_TESTS=(tests/gpu/test_cuda_ll_nvlink.py)
 
 if wants tests; then
     : >"$OUT/gpu_tests.log"
@@ -177,7 +179,7 @@ if wants tests; then
         "$(limit "${TESTS_TIMEOUT:-120}")" "$OUT/gpu_tests.log" tests/gpu \
         --ignore=tests/gpu/test_cuda_local_team.py "${FAULT_TESTS[@]/#/--ignore=}" \
         "${MEGATRON_TESTS[@]/#/--ignore=}" "${NODES_TESTS[@]/#/--ignore=}" \
-        "${LL_TESTS[@]/#/--ignore=}"
+        "${LL_TESTS[@]/#/--ignore=}" "${LL_NVLINK_TESTS[@]/#/--ignore=}"
     run_pytest "tests (groups that span nodes: emulated nodes, the rail)" \
         "$(limit "${NODES_TESTS_TIMEOUT:-90}")" "$OUT/gpu_tests.log" "${NODES_TESTS[@]}"
     # Megatron asks the 1F1B EP overlap for more than one hardware queue, as the runs above have.
@@ -192,6 +194,8 @@ if wants tests; then
     CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PER_TEST_TIMEOUT=90 \
         run_pytest "tests (LL: EP=1 and local teams EP 2/4/8 on one GPU)" \
         "$(limit "${LL_TIMEOUT:-150}")" "$OUT/gpu_tests.log" "${LL_TESTS[@]}"
+    run_pytest "tests (LL over NVLink: one process per GPU, EP 2/4/8)" \
+        "$(limit "${LL_NVLINK_TIMEOUT:-150}")" "$OUT/gpu_tests.log" "${LL_NVLINK_TESTS[@]}"
 fi
 
 # A bench output's table (from its marker line on; else its last 30 lines) as a code block.
