@@ -48,6 +48,11 @@
  *    experts) <= 32, num_experts <= 65535, tokens bf16/fp16/fp32, group size x
  *    max_tokens_per_rank x max_topk < 2^31. The library must run on the NCCL major.minor it was
  *    compiled against (checked at group creation).
+ *  - Limits of this implementation (LL, docs/design.md section 9): one node (every rank's window
+ *    load/store accessible, or a local team); max_tokens_per_rank (T_max) <= 1024, max_topk <=
+ *    32, num_experts <= 4096, hidden a multiple of 8 (of 128 with dispatch_fp8). LL calls never
+ *    synchronize the host; at most two dispatches and two combines may be pending (sent with
+ *    send_only, not completed) on a group.
  *  - Handle buffers come from a per-group pool reused in stream order.
  *  - Device-side errors (capacity mode routing errors and overflow, timeouts, call mismatches)
  *    go to a host-mapped error word of the group; every later call checks it without blocking
