@@ -2,8 +2,9 @@
 
 ``GroupConfig`` is the one place a group's parameters are written: ``Group`` and
 ``Group.local_team`` take one or build one from the same keyword fields (``GroupConfig.build``).
-This module sits below the front end (``api.py``) and both backends (``reference.py``,
-``cuda_backend.py``), which all import it and none of which it imports.
+``routing_error`` is the reference's check of routing values, HT's and LL's alike. This module
+sits below the front end (``api.py``) and both backends (``reference.py``, ``cuda_backend.py``),
+which all import it and none of which it imports.
 """
 
 from __future__ import annotations
@@ -207,4 +208,27 @@ def shape_error(topk_idx: torch.Tensor, config: GroupConfig,
                 f"max_tokens_per_rank={config.max_tokens_per_rank} of this group")
     if not 1 <= topk <= config.max_topk:
         return f"topk_idx has top-k {topk}, expected 1 <= top-k <= max_topk={config.max_topk}"
+    return None
+
+
+def routing_error(topk_idx: torch.Tensor, num_experts: int,
+                  from_map: bool = False) -> Optional[str]:
+    """The first problem with one rank's routing, or None: an expert id outside [-1, E), or a
+    token naming the same expert twice; for the top-k form of a routing map, a token with more
+    routed experts than slots."""
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    if bool(bad.any()):
+        t, k = (int(v) for v in bad.nonzero()[0])
+        if from_map:
+            return (f"routing_map row {t} routes to {-1 - int(topk_idx[t, k])} experts, more "
+                    f"than max_topk={topk_idx.shape[1]} of this group")
+        return (f"topk_idx[{t}, {k}] = {int(topk_idx[t, k])} is out of range: expert ids must be "
+                f"in [-1, {num_experts}) (-1 = masked slot)")
+    if topk_idx.shape[1] > 1:
+        ordered = topk_idx.sort(dim=1).values
+        dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+        if bool(dup.any()):
+            t, k = (int(v) for v in dup.nonzero()[0])
+            return (f"topk_idx token {t} names expert {int(ordered[t, k])} twice: a token may "
+                    "route to each expert at most once")
     return None

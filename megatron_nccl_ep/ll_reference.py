@@ -28,31 +28,12 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .config import FP8_BLOCK, GroupConfig
+from .config import FP8_BLOCK, GroupConfig, routing_error
 from .fp8 import FP8_DTYPE, fp8_cast
 from .ll import LLDispatchOutput
 
 FP8_POISON_BYTE = 0x7F  # a NaN of float8_e4m3fn
 _INT32_POISON = torch.iinfo(torch.int32).min
-
-
-def ll_routing_error(topk_idx: torch.Tensor, num_experts: int) -> Optional[str]:
-    """The first problem with one rank's LL routing ``[T, K]``, or None: an id outside
-    [-1, E), or a token naming an expert twice."""
-    idx = topk_idx.to(torch.int64)
-    bad = (idx < -1) | (idx >= num_experts)
-    if bool(bad.any()):
-        t, k = (int(v) for v in bad.nonzero()[0])
-        return (f"topk_idx[{t}, {k}] = {int(idx[t, k])} is out of range: expert ids must be in "
-                f"[-1, {num_experts}) (-1 = masked slot)")
-    if idx.shape[1] > 1:
-        ordered = idx.sort(dim=1).values
-        dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-        if bool(dup.any()):
-            t, k = (int(v) for v in dup.nonzero()[0])
-            return (f"topk_idx token {t} names expert {int(ordered[t, k])} twice: a token may "
-                    "route to each expert at most once")
-    return None
 
 
 # -- the source ---------------------------------------------------------------------------------
@@ -299,7 +280,7 @@ def _weights_agreed(config: GroupConfig, weights_list) -> bool:
 
 def _check_routing_all(config: GroupConfig, topk_idx_list) -> None:
     for r, idx in enumerate(topk_idx_list):
-        error = ll_routing_error(idx, config.num_experts)
+        error = routing_error(idx.to(torch.int64), config.num_experts)
         if error is not None:
             raise ValueError(f"{error} (rank {r})")
 

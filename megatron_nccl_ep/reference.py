@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from . import ll_reference as llr
 from . import rendezvous
-from .config import GroupConfig, shape_error
+from .config import GroupConfig, routing_error, shape_error
 from .errors import NcclEpError
 from .ll import LLDispatchOutput
 
@@ -68,29 +68,6 @@ def routing_map_to_topk(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
     over = routed > topk
     topk_idx[over, topk - 1] = -1 - routed[over]
     return topk_idx
-
-
-def routing_error(topk_idx: torch.Tensor, num_experts: int,
-                  from_map: bool = False) -> Optional[str]:
-    """The first problem with one rank's routing, or None: an expert id outside [-1, E), or a
-    token naming the same expert twice; for the top-k form of a routing map, a token with more
-    routed experts than slots."""
-    bad = (topk_idx < -1) | (topk_idx >= num_experts)
-    if bool(bad.any()):
-        t, k = (int(v) for v in bad.nonzero()[0])
-        if from_map:
-            return (f"routing_map row {t} routes to {-1 - int(topk_idx[t, k])} experts, more "
-                    f"than max_topk={topk_idx.shape[1]} of this group")
-        return (f"topk_idx[{t}, {k}] = {int(topk_idx[t, k])} is out of range: expert ids must be "
-                f"in [-1, {num_experts}) (-1 = masked slot)")
-    if topk_idx.shape[1] > 1:
-        ordered = topk_idx.sort(dim=1).values
-        dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-        if bool(dup.any()):
-            t, k = (int(v) for v in dup.nonzero()[0])
-            return (f"topk_idx token {t} names expert {int(ordered[t, k])} twice: a token may "
-                    "route to each expert at most once")
-    return None
 
 
 def drop_past_capacity(routing: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
@@ -536,7 +513,7 @@ class ReferenceBackend:
         """No communication: the routing, what goes where, and its value error if any."""
         cfg = self.config
         idx = topk_idx.to(torch.int64).clone()
-        error = llr.ll_routing_error(idx, cfg.num_experts)
+        error = routing_error(idx, cfg.num_experts)
         plan = None if error else llr.send_plan(idx, cfg.num_experts, self.world_size)
         return ReferenceLLState(idx, error, plan)
 
