@@ -278,8 +278,6 @@ cudaError_t launch_ll_layout(const LLLayoutArgs& args, cudaStream_t stream);
 cudaError_t launch_ll_dispatch(const LLDispatchArgs& args, cudaStream_t stream);
 cudaError_t launch_ll_combine(const LLCombineArgs& args, cudaStream_t stream);
 cudaError_t preload_ll();  // every LL kernel, and the layout's shared-memory opt-in
-// Shared memory of the layout kernel for T tokens (its ids).
-size_t ll_layout_smem(int max_tokens, int max_topk, int num_experts);
 
 // barrier.cu
 cudaError_t launch_resolve_peers(void* window /* ncclWindow_t */, int num_ranks, void** out_dev,

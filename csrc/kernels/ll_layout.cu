@@ -127,13 +127,8 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) ll_layout_kernel(const LLLa
 
 }  // namespace
 
-size_t ll_layout_smem(int max_tokens, int max_topk, int num_experts) {
-  (void)num_experts;
-  return sizeof(int) * (size_t)max_tokens * max_topk;
-}
-
 cudaError_t launch_ll_layout(const LLLayoutArgs& la, cudaStream_t stream) {
-  const size_t smem = ll_layout_smem(la.a.tokens, la.a.max_topk, la.a.num_experts);
+  const size_t smem = sizeof(int) * (size_t)la.a.tokens * la.a.max_topk;  // its ids
   ll_layout_kernel<<<1, kLayoutThreads, smem, stream>>>(la);
   return cudaGetLastError();
 }
