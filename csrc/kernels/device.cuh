@@ -87,6 +87,10 @@ EP_DEVICE unsigned long long ld_acquire_sys(const unsigned long long* p) {
   return v;
 }
 
+EP_DEVICE void red_add_release_sys(unsigned long long* p, unsigned long long v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 EP_DEVICE void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 EP_DEVICE unsigned long long global_timer_ns() {

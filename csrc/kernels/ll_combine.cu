@@ -14,89 +14,137 @@ template <typename T>
 struct CombineOp {
   static constexpr int kB = 8 * sizeof(T);
 
-  // Copies chunk c of a row (token dtype) from src to dst.
-  template <bool kFromWindow>
-  static EP_DEVICE void copy_chunk(char* dst, const char* src, int c, int H8, int lane) {
+  // Rows whose loads are in flight together (their registers: kBatch x 2 packs per lane).
+  static constexpr int kBatch = sizeof(T) == 4 ? 2 : 4;
+  static constexpr int kSteps = kChunkGroups / 32;
+
+  // Copies chunk c of up to kBatch rows (token dtype) from src[b] to dst[b] (b < n): every load
+  // issued before the first store.
+  static EP_DEVICE void copy_chunks(char* const (&dst)[kBatch], const char* const (&src)[kBatch],
+                                    int n, int c, int H8, int lane) {
+    Raw<kB> v[kBatch][kSteps];
 #pragma unroll
-    for (int step = 0; step < kChunkGroups / 32; ++step) {
-      const int g = c * kChunkGroups + step * 32 + lane;
-      if (g < H8) st_raw<kB>(dst + (size_t)g * kB, ld_raw<kB, kFromWindow>(src + (size_t)g * kB));
-    }
+    for (int b = 0; b < kBatch; ++b)
+#pragma unroll
+      for (int step = 0; step < kSteps; ++step) {
+        const int g = c * kChunkGroups + step * 32 + lane;
+        if (b < n && g < H8) v[b][step] = ld_raw<kB, false>(src[b] + (size_t)g * kB);
+      }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b)
+#pragma unroll
+      for (int step = 0; step < kSteps; ++step) {
+        const int g = c * kChunkGroups + step * 32 + lane;
+        if (b < n && g < H8) st_raw<kB>(dst[b] + (size_t)g * kB, v[b][step]);
+      }
   }
 
   // The expert rows of one received message back into its source's combine area.
   static EP_DEVICE void send_item(const LLCombineArgs& cb, int set, int s, int j, int c,
-                                  int lane) {
+                                  int lane, void* const* s_peers) {
     const LLArgs& a = cb.a;
     const int Km = a.max_topk, H8 = a.hidden / kLLGroupElems;
     const size_t sj = (size_t)s * a.max_tokens + j;
     const size_t row_bytes = (size_t)a.hidden * sizeof(T);
     const char* out = reinterpret_cast<const char*>(cb.expert_out);
     const int t = a.h.rtok[sj];
+    char* dst[kBatch];
+    const char* src[kBatch];
     if (!a.rank_major) {
       const int row = lane < Km ? a.h.rrow[sj * Km + lane] : -1;
-      const unsigned slots = __ballot_sync(0xffffffffu, row >= 0);
-      EP_FOR_EACH_LANE(slots, k) {
-        const int r = __shfl_sync(0xffffffffu, row, k);
-        copy_chunk<false>(ll_comb(a.peers[s], a, set, t, k), out + (size_t)r * row_bytes, c, H8,
-                          lane);
+      unsigned slots = __ballot_sync(0xffffffffu, row >= 0);
+      while (slots != 0) {  // warp-uniform
+        int n = 0;
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          if (slots == 0) break;
+          const int k = __ffs(slots) - 1;
+          dst[b] = ll_comb(s_peers[s], a, set, t, k);
+          src[b] = out + (size_t)__shfl_sync(0xffffffffu, row, k) * row_bytes;
+          slots &= slots - 1;
+          n = b + 1;
+        }
+        copy_chunks(dst, src, n, c, H8, lane);
       }
     } else {
-      const int r = a.h.roff[s] + j;
-      copy_chunk<false>(ll_comb(a.peers[s], a, set, t, a.h.rdpos[sj]),
-                        out + (size_t)r * row_bytes, c, H8, lane);
+      dst[0] = ll_comb(s_peers[s], a, set, t, a.h.rdpos[sj]);
+      src[0] = out + (size_t)(a.h.roff[s] + j) * row_bytes;
+      copy_chunks(dst, src, 1, c, H8, lane);
     }
   }
 
-  // y[t] chunk c: the fixed-order sum of the token's rows (design section 9).
+  // y[t] chunk c: the fixed-order sum of the token's rows (design section 9). Rows are loaded
+  // kBatch at a time and added in order, so the batching changes no bit.
   static EP_DEVICE void recv_item(const LLCombineArgs& cb, int set, int t, int c, int lane,
-                                  bool direct) {
+                                  bool direct, void* const* s_peers) {
     const LLArgs& a = cb.a;
     const int Km = a.max_topk, H8 = a.hidden / kLLGroupElems, me = a.rank;
     const size_t row_bytes = (size_t)a.hidden * sizeof(T);
     const char* out = reinterpret_cast<const char*>(cb.expert_out);
-    float acc[kChunkGroups / 32][8];
+    float acc[kSteps][8];
 #pragma unroll
-    for (int step = 0; step < kChunkGroups / 32; ++step)
+    for (int step = 0; step < kSteps; ++step)
 #pragma unroll
       for (int q = 0; q < 8; ++q) acc[step][q] = 0.f;
+    // The token's routing, loaded together (own_row is used only where the row is this rank's).
     const int n = a.rank_major ? a.h.ndst[t] : a.topk;
     const int own = a.rank_major ? a.h.own_dpos[t] : -1;
+    const int own_row0 = a.rank_major ? a.h.own_row[t * Km] : 0;
     // A send-only combine's weights were kept by its send (the caller's may have changed).
     const float* weights = a.send ? cb.w : a.h.weights;
-    for (int k = 0; k < n; ++k) {
-      const char* src;
-      float w = 1.f;
-      bool from_window = true;
-      if (!a.rank_major) {
-        const int e = a.h.ids[t * Km + k];
-        if (e < 0) continue;
-        w = weights[(size_t)t * a.topk + k];
-        from_window = !(direct && e / a.num_local == me);
-        src = from_window ? ll_comb(a.peers[me], a, set, t, k)
-                          : out + (size_t)a.h.own_row[t * Km + k] * row_bytes;
-      } else {
-        from_window = !(direct && k == own);
-        src = from_window ? ll_comb(a.peers[me], a, set, t, k)
-                          : out + (size_t)a.h.own_row[t * Km] * row_bytes;
+    for (int k0 = 0; k0 < n; k0 += kBatch) {
+      const char* src[kBatch];
+      float w[kBatch];
+      bool live[kBatch], from_window[kBatch];
+      int e[kBatch], orow[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int k = k0 + b;
+        e[b] = 0;
+        w[b] = 1.f;
+        orow[b] = own_row0;
+        if (!a.rank_major && k < n) {
+          e[b] = a.h.ids[t * Km + k];
+          w[b] = weights[(size_t)t * a.topk + k];
+          orow[b] = a.h.own_row[t * Km + k];
+        }
       }
 #pragma unroll
-      for (int step = 0; step < kChunkGroups / 32; ++step) {
-        const int g = c * kChunkGroups + step * 32 + lane;
-        if (g >= H8) continue;
-        float f[8];
-        raw_to_float<T>(from_window ? ld_raw<kB, true>(src + (size_t)g * kB)
-                                    : ld_raw<kB, false>(src + (size_t)g * kB),
-                        f);
+      for (int b = 0; b < kBatch; ++b) {
+        const int k = k0 + b;
+        live[b] = k < n && e[b] >= 0;
+        from_window[b] = !(direct && (a.rank_major ? k == own : e[b] / a.num_local == me));
+        src[b] = from_window[b] ? ll_comb(s_peers[me], a, set, t, k)
+                                : out + (size_t)orow[b] * row_bytes;
+      }
+      Raw<kB> v[kBatch][kSteps];
 #pragma unroll
-        for (int q = 0; q < 8; ++q)
-          acc[step][q] = a.rank_major ? __fadd_rn(acc[step][q], f[q])
-                                      : __fadd_rn(acc[step][q], __fmul_rn(w, f[q]));
+      for (int b = 0; b < kBatch; ++b)
+#pragma unroll
+        for (int step = 0; step < kSteps; ++step) {
+          const int g = c * kChunkGroups + step * 32 + lane;
+          if (live[b] && g < H8)
+            v[b][step] = from_window[b] ? ld_raw<kB, true>(src[b] + (size_t)g * kB)
+                                        : ld_raw<kB, false>(src[b] + (size_t)g * kB);
+        }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        if (!live[b]) continue;
+#pragma unroll
+        for (int step = 0; step < kSteps; ++step) {
+          if (c * kChunkGroups + step * 32 + lane >= H8) continue;
+          float f[8];
+          raw_to_float<T>(v[b][step], f);
+#pragma unroll
+          for (int q = 0; q < 8; ++q)
+            acc[step][q] = a.rank_major ? __fadd_rn(acc[step][q], f[q])
+                                        : __fadd_rn(acc[step][q], __fmul_rn(w[b], f[q]));
+        }
       }
     }
     char* y = reinterpret_cast<char*>(cb.y) + (size_t)t * row_bytes;
 #pragma unroll
-    for (int step = 0; step < kChunkGroups / 32; ++step) {
+    for (int step = 0; step < kSteps; ++step) {
       const int g = c * kChunkGroups + step * 32 + lane;
       if (g < H8) st_raw<kB>(y + (size_t)g * kB, float_to_raw<T>(acc[step]));
     }
@@ -115,25 +163,24 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(const LLCombineArgs cb) {
   using Op = CombineOp<T>;
   const LLArgs& a = cb.a;
-  __shared__ int s_fail, s_last;
   __shared__ int s_moff[kMaxRanks + 1];
+  __shared__ void* s_peers[kMaxRanks];
   const int R = a.num_ranks, me = a.rank;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int H8 = a.hidden / kLLGroupElems;
   const int nchunks = (H8 + kChunkGroups - 1) / kChunkGroups;
-  const unsigned long long epoch =
-      a.send ? ld_volatile_u64(&a.state->ll_epoch[1]) + 1 : ld_volatile_u64(&a.h.epochs[1]);
+  const unsigned long long epoch = op_epoch(a, 1);
   const int set = (int)(epoch & 1);
-  // One launch (send_only = 0): this rank's own rows are read from expert_out directly.
+  // One launch (send_only = 0): this rank's own rows are read from expert_out directly, so it
+  // waits for no flag of its own.
   const bool direct = a.send && a.recv;
-  if (threadIdx.x == 0) s_fail = ld_volatile_u64(&a.state->failed) != 0;
-  __syncthreads();
-  if (s_fail) return poison_combine(cb, sizeof(T));
+  if (threadIdx.x < R) s_peers[threadIdx.x] = a.peers[threadIdx.x];
+  bool bad = threadIdx.x == 0 && ld_volatile_u64(&a.state->failed) != 0;
+  if (a.send && epoch > 2)
+    bad |= wait_peers(a, kLLCombCredit, set, epoch - 2, kOpLLCombine, kWaitCredit, me);
+  if (__syncthreads_or(bad)) return poison_combine(cb, sizeof(T));
 
   if (a.send) {
-    if (epoch > 2 &&
-        !wait_all(a, kLLCombCredit, set, epoch - 2, kOpLLCombine, kWaitCredit, nullptr, &s_fail))
-      return poison_combine(cb, sizeof(T));
     if (threadIdx.x == 0) {
       int m = 0;
       for (int s = 0; s < R; ++s) {
@@ -148,30 +195,25 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(const LLCombine
       int s, j;
       message_of(i / nchunks, s_moff, &s, &j);
       if (direct && s == me) continue;
-      Op::send_item(cb, set, s, j, i % nchunks, lane);
+      Op::send_item(cb, set, s, j, i % nchunks, lane, s_peers);
     }
     if (!a.recv && !a.rank_major)  // send-only: ncclEpComplete sums with these weights
       for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.tokens * a.topk;
            i += gridDim.x * blockDim.x)
         a.h.weights[i] = cb.w[i];
-    if (last_cta(&a.state->ll_done[0], &s_last)) {
-      publish(a, kLLCombReady, set, epoch, nullptr);
-      if (threadIdx.x == 0) {
-        a.state->ll_epoch[1] = epoch;
-        a.h.epochs[1] = epoch;
-      }
-    }
+    sent(a, 1, epoch);
+    arrive(a, kLLCombReady, set);
   }
   if (!a.recv) return;
 
-  if (!wait_all(a, kLLCombReady, set, epoch, kOpLLCombine, kWaitReady, nullptr, &s_fail))
+  if (__syncthreads_or(
+          wait_peers(a, kLLCombReady, set, epoch, kOpLLCombine, kWaitReady, direct ? me : -1)))
     return poison_combine(cb, sizeof(T));
   const int items = a.tokens * nchunks;
   for (int i = blockIdx.x * kWarps + warp; i < items; i += gridDim.x * kWarps)
-    Op::recv_item(cb, set, i / nchunks, i % nchunks, lane, direct);
-  if (last_cta(&a.state->ll_done[1], &s_last)) publish(a, kLLCombCredit, set, epoch, nullptr);
+    Op::recv_item(cb, set, i / nchunks, i % nchunks, lane, direct, s_peers);
+  arrive(a, kLLCombCredit, set);
 }
-
 
 template <typename T>
 cudaError_t launch_combine_as(const LLCombineArgs& cb, cudaStream_t stream) {

@@ -8,9 +8,12 @@
  * NOTES:
  *  - Work items are (message, column chunk): a row is split into chunks of kChunkGroups packs of
  *    8 elements, so that a few tokens still spread over every warp of the grid.
- *  - A phase ends with the grid's last CTA (a counter in DeviceState that it resets) publishing
- *    it with one release store per peer: ready flags after the sends, credits after the
- *    receives. Every thread fences its writes at system scope before its CTA counts itself.
+ *  - A phase ends with every CTA's arrival at each peer's flag (a release add of 1, after a
+ *    barrier): ready flags after the sends, credits after the receives. A waiter needs the
+ *    arrivals of all of the peer's CTAs (every CTA of an op is resident: channels x ranks on a
+ *    GPU <= its SMs); no CTA counts for the others.
+ *  - A rank never waits for its own credit: its ops are ordered on its stream, and at most two
+ *    of a kind are in flight (ll.cc), so op i - 2's receive is done before op i's send starts.
  *  - Rows never depend on arrival order or atomics: positions come from the handle's layout (the
  *    sender's per-expert runs, in token order) and the per-source counts; sums run in a fixed
  *    order with one rounding per operation (__fmul_rn / __fadd_rn: never contracted).
@@ -110,17 +113,23 @@ EP_DEVICE Raw<8 * sizeof(T)> float_to_raw(const float (&f)[8]) {
 }
 
 // -- waits and phases ---------------------------------------------------------------------------
-// Waits until *flag's epoch (its high 32 bits) reaches `epoch`; false once the group stopped (a
-// peer's abort, or this wait's timeout, which stops the group itself).
-EP_DEVICE bool ll_wait(const unsigned long long* flag, unsigned long long epoch,
-                       unsigned long long* seen, const LLArgs& a, int peer, int op, int kind) {
+// The arrivals a set's flag holds once op `epoch` of its kind (epochs from 1; set = epoch & 1)
+// and every earlier op of that set are done at the peer: one per CTA of each.
+EP_DEVICE unsigned long long arrivals(const LLArgs& a, unsigned long long epoch) {
+  return (unsigned long long)a.win.channels * ((epoch + 1) / 2);
+}
+
+// Waits until *flag reaches `target` arrivals; false once the group stopped (a peer's abort, or
+// this wait's timeout, which stops the group itself). `epoch` names the op in the error.
+EP_DEVICE bool ll_wait(const unsigned long long* flag, unsigned long long target,
+                       unsigned long long epoch, const LLArgs& a, int peer, int op, int kind) {
+  if (ld_acquire_sys(flag) >= target) return true;
   const unsigned long long* abort_slot =
       reinterpret_cast<const unsigned long long*>(reinterpret_cast<char*>(a.peers[a.rank]) +
                                                   a.win.sync_off) + kAbortSlot;
   const unsigned long long start = global_timer_ns();
   int spins = 0;
-  unsigned long long v;
-  while (((v = ld_acquire_sys(flag)) >> 32) < epoch) {
+  while (ld_acquire_sys(flag) < target) {
     if (++spins < 256) continue;
     spins = 0;
     const unsigned long long by = ld_acquire_sys(abort_slot);
@@ -137,49 +146,42 @@ EP_DEVICE bool ll_wait(const unsigned long long* flag, unsigned long long epoch,
       return false;
     }
   }
-  *seen = v;
   return true;
 }
 
-// Every thread of every CTA calls it after its phase's writes; true (in every thread of the CTA)
-// in the grid's last CTA, once all of them are counted (and the counter is reset for the next).
-EP_DEVICE bool last_cta(unsigned* counter, int* s_last) {
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned prev = atomicAdd(counter, 1u);
-    *s_last = prev == gridDim.x - 1;
-    if (*s_last) {
-      *counter = 0;
-      fence_acq_rel_sys();
-    }
-  }
-  __syncthreads();
-  return *s_last != 0;
+// Threads 0..R-1 (but `skip`) wait for flag `kind` of set `set` from every peer to hold op
+// `epoch`'s arrivals; true in a thread whose wait ended on a stopped group.
+EP_DEVICE bool wait_peers(const LLArgs& a, int kind, int set, unsigned long long epoch, int op,
+                          int wait_kind, int skip = -1) {
+  const int r = threadIdx.x;
+  return r < a.num_ranks && r != skip &&
+         !ll_wait(ll_flag(a.peers[a.rank], a, kind, set, r), arrivals(a, epoch), epoch, a, r, op,
+                  wait_kind);
 }
 
-// Waits (threads 0..R-1) for flag `kind` of set `set` from every peer to reach `epoch`; counts
-// (the flag's low 16 bits) into s_n when given. False in every thread once the group stopped.
-EP_DEVICE bool wait_all(const LLArgs& a, int kind, int set, unsigned long long epoch, int op,
-                        int wait_kind, int* s_n, int* s_fail) {
-  if (threadIdx.x < a.num_ranks) {
-    unsigned long long seen = 0;
-    if (!ll_wait(ll_flag(a.peers[a.rank], a, kind, set, threadIdx.x), epoch, &seen, a,
-                 threadIdx.x, op, wait_kind))
-      *s_fail = 1;
-    else if (s_n != nullptr)
-      s_n[threadIdx.x] = (int)(seen & 0xffffu);
-  }
+// After a phase's writes, by every thread of every CTA: this CTA's arrival at flag `kind` of set
+// `set` of every peer (this rank's slot). The barrier orders the CTA's writes before each
+// release, which is cumulative over them.
+EP_DEVICE void arrive(const LLArgs& a, int kind, int set) {
   __syncthreads();
-  return *s_fail == 0;
-}
-
-// Releases flag `kind` of set `set` at every peer (this rank's slot) with epoch and count.
-EP_DEVICE void publish(const LLArgs& a, int kind, int set, unsigned long long epoch,
-                       const int* counts) {
   if (threadIdx.x < a.num_ranks)
-    st_release_sys(ll_flag(a.peers[threadIdx.x], a, kind, set, a.rank),
-                   (epoch << 32) | (counts != nullptr ? (unsigned)counts[threadIdx.x] : 0u));
+    red_add_release_sys(ll_flag(a.peers[threadIdx.x], a, kind, set, a.rank), 1ull);
+}
+
+// The op's epoch at its start: a send advances this CTA's own count, a receive-only launch
+// (ncclEpComplete) takes the one its send recorded in the handle.
+EP_DEVICE unsigned long long op_epoch(const LLArgs& a, int kind) {
+  return a.send ? ld_volatile_u64(&a.state->ll_epoch[kind][blockIdx.x]) + 1
+                : ld_volatile_u64(&a.h.epochs[kind]);
+}
+
+// After the send phase: the CTA's count advances; the handle records the epoch (every CTA
+// writes the same value) for ncclEpComplete.
+EP_DEVICE void sent(const LLArgs& a, int kind, unsigned long long epoch) {
+  if (threadIdx.x == 0) {
+    a.state->ll_epoch[kind][blockIdx.x] = epoch;
+    a.h.epochs[kind] = epoch;
+  }
 }
 
 // Message of source s, slot j <- (s, j) of the flat message index m, from the sources' first

@@ -14,36 +14,66 @@ template <typename T, bool kFp8>
 struct DispatchOp {
   static constexpr int kIn = 8 * sizeof(T);      // bytes of an input pack
   static constexpr int kOut = kFp8 ? 8 : kIn;    // bytes of a payload / output pack
+  static constexpr int kSteps = kChunkGroups / 32;  // packs per lane of a work item
 
-  // One (token, chunk): loaded once, cast once, stored into the message of every destination.
-  static EP_DEVICE void send_item(const LLDispatchArgs& d, int set, int t, int c, int lane) {
+  // What one (token, chunk) reads, all independent of each other: the chunk and the token's
+  // slots (their ids and message slots; with the chunk 0, what its header needs). A warp loads
+  // its first item before the op's start checks, so those loads and the checks overlap.
+  struct Loaded {
+    Raw<kIn> in[kSteps];
+    int e, jslot, pos, dpos;
+    float w;
+  };
+
+  static EP_DEVICE void load_item(const LLDispatchArgs& d, int t, int c, int lane, Loaded& l) {
     const LLArgs& a = d.a;
     const int Km = a.max_topk, H8 = a.hidden / kLLGroupElems;
-    int dest = -1;
-    if (lane < a.topk) {
-      const int e = a.h.ids[t * Km + lane];
-      dest = e >= 0 ? e / a.num_local : -1;
+    const char* xrow = reinterpret_cast<const char*>(d.x) + (size_t)t * a.hidden * sizeof(T);
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+      const int g = c * kChunkGroups + step * 32 + lane;
+      if (g < H8) l.in[step] = ld_raw<kIn, false>(xrow + (size_t)g * kIn);
     }
+    l.e = l.jslot = l.pos = l.dpos = -1;
+    l.w = 0.f;
+    if (lane < a.topk) {
+      const int i = t * Km + lane;
+      l.e = a.h.ids[i];
+      l.jslot = a.h.jslot[i];
+      if (c == 0) {
+        l.pos = a.h.pos[i];
+        l.dpos = a.h.dpos[i];
+        if (d.w != nullptr) l.w = d.w[(size_t)t * a.topk + lane];
+      }
+    }
+  }
+
+  // One loaded (token, chunk): cast once, stored into the message of every destination; the
+  // peers' window bases come from shared memory (s_peers).
+  static EP_DEVICE void send_item(const LLDispatchArgs& d, int set, int t, int c, int lane,
+                                  const Loaded& l, void* const* s_peers) {
+    const LLArgs& a = d.a;
+    const int Km = a.max_topk, H8 = a.hidden / kLLGroupElems;
+    const size_t hdr = a.win.ll.hdr_bytes;
+    const Raw<kIn>(&in)[kSteps] = l.in;
+    const int e = l.e;
+    const int dest = e >= 0 ? e / a.num_local : -1;
     const unsigned same = __match_any_sync(0xffffffffu, dest);
     const bool first = dest >= 0 && (int)(__ffs(same) - 1) == lane;
     const unsigned firsts = __ballot_sync(0xffffffffu, first);
     if (firsts == 0) return;  // warp-uniform: every slot masked
     unsigned long long mine = 0;  // lane f's destination message
     if (first)
-      mine = reinterpret_cast<unsigned long long>(
-          ll_msg(a.peers[dest], a, set, a.rank, a.h.jslot[t * Km + lane]));
-    const size_t hdr = a.win.ll.hdr_bytes;
-    const char* xrow = reinterpret_cast<const char*>(d.x) + (size_t)t * a.hidden * sizeof(T);
+      mine = reinterpret_cast<unsigned long long>(ll_msg(s_peers[dest], a, set, a.rank, l.jslot));
+    if constexpr (kFp8) {
+      Raw<8> q8[kSteps];
+      float scale[kSteps];
 #pragma unroll
-    for (int step = 0; step < kChunkGroups / 32; ++step) {
-      const int g = c * kChunkGroups + step * 32 + lane;
-      const bool valid = g < H8;
-      Raw<kIn> in;
-      if (valid) in = ld_raw<kIn, false>(xrow + (size_t)g * kIn);
-      if constexpr (kFp8) {
+      for (int step = 0; step < kSteps; ++step) {
+        const bool valid = c * kChunkGroups + step * 32 + lane < H8;
         float f[8];
         if (valid) {
-          raw_to_float<T>(in, f);
+          raw_to_float<T>(in[step], f);
         } else {
 #pragma unroll
           for (int q = 0; q < 8; ++q) f[q] = 0.f;
@@ -55,26 +85,32 @@ struct DispatchOp {
 #pragma unroll
         for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
         const float floor_amax = fmaxf(amax, 1e-4f);
-        const float scale = __fdiv_rn(floor_amax, 448.0f);
+        scale[step] = __fdiv_rn(floor_amax, 448.0f);
         const float factor = __fdiv_rn(448.0f, floor_amax);
-        Raw<8> q8;
-        unsigned char* qb = reinterpret_cast<unsigned char*>(&q8);
+        unsigned char* qb = reinterpret_cast<unsigned char*>(&q8[step]);
 #pragma unroll
         for (int q = 0; q < 8; ++q)
           qb[q] = (unsigned char)__nv_cvt_float_to_fp8(__fmul_rn(f[q], factor), __NV_SATFINITE,
                                                        __NV_E4M3);
-        EP_FOR_EACH_LANE(firsts, f_lane) {
-          char* msg = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, mine, f_lane));
-          if (valid) {
-            st_raw<8>(msg + hdr + (size_t)g * 8, q8);
-            if ((lane & 15) == 0)
-              *reinterpret_cast<float*>(msg + hdr + a.hidden + (size_t)(g / 16) * 4) = scale;
-          }
+      }
+      EP_FOR_EACH_LANE(firsts, f_lane) {
+        char* msg = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, mine, f_lane));
+#pragma unroll
+        for (int step = 0; step < kSteps; ++step) {
+          const int g = c * kChunkGroups + step * 32 + lane;
+          if (g >= H8) continue;
+          st_raw<8>(msg + hdr + (size_t)g * 8, q8[step]);
+          if ((lane & 15) == 0)
+            *reinterpret_cast<float*>(msg + hdr + a.hidden + (size_t)(g / 16) * 4) = scale[step];
         }
-      } else {
-        EP_FOR_EACH_LANE(firsts, f_lane) {
-          char* msg = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, mine, f_lane));
-          if (valid) st_raw<kOut>(msg + hdr + (size_t)g * kOut, in);
+      }
+    } else {
+      EP_FOR_EACH_LANE(firsts, f_lane) {
+        char* msg = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, mine, f_lane));
+#pragma unroll
+        for (int step = 0; step < kSteps; ++step) {
+          const int g = c * kChunkGroups + step * 32 + lane;
+          if (g < H8) st_raw<kOut>(msg + hdr + (size_t)g * kOut, in[step]);
         }
       }
     }
@@ -83,18 +119,17 @@ struct DispatchOp {
     EP_FOR_EACH_LANE(firsts, f_lane) {
       char* msg = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, mine, f_lane));
       const int dest_f = __shfl_sync(0xffffffffu, dest, f_lane);
+      const int dest_pos = __shfl_sync(0xffffffffu, l.dpos, f_lane);
       int* ids = reinterpret_cast<int*>(msg + sizeof(LLHeader));
       if (lane < Km) {
-        const bool live = lane < a.topk;
-        ids[lane] = live ? a.h.ids[t * Km + lane] : -1;
-        ids[Km + lane] = live && dest == dest_f ? a.h.pos[t * Km + lane] : -1;
-        reinterpret_cast<float*>(ids + 2 * Km)[lane] =
-            live && d.w != nullptr ? d.w[(size_t)t * a.topk + lane] : 0.f;
+        ids[lane] = e;
+        ids[Km + lane] = e >= 0 && dest == dest_f ? l.pos : -1;
+        reinterpret_cast<float*>(ids + 2 * Km)[lane] = l.w;
       }
       if (lane == 0) {
         LLHeader hd;
         hd.token = t;
-        hd.dest_pos = a.h.dpos[t * Km + f_lane];
+        hd.dest_pos = dest_pos;
         hd.topk = a.topk;
         hd.pad = 0;
         *reinterpret_cast<LLHeader*>(msg) = hd;
@@ -104,11 +139,19 @@ struct DispatchOp {
 
   // One (message, chunk) into its rows: expert-major every slot of this rank, rank-major one row.
   static EP_DEVICE void recv_item(const LLDispatchArgs& d, int set, int s, int j, int c, int lane,
-                                  const int* s_off, const int* s_moff) {
+                                  const int* s_off, const int* s_moff, void* const* s_peers) {
     const LLArgs& a = d.a;
     const int Km = a.max_topk, H8 = a.hidden / kLLGroupElems, me = a.rank;
     const long long RT = (long long)a.num_ranks * a.max_tokens;
-    const char* msg = ll_msg(a.peers[me], a, set, s, j);
+    const char* msg = ll_msg(s_peers[me], a, set, s, j);
+    // The payload's loads first: they do not wait for the header's.
+    const size_t hdr = a.win.ll.hdr_bytes;
+    Raw<kOut> v[kSteps];
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+      const int g = c * kChunkGroups + step * 32 + lane;
+      if (g < H8) v[step] = ld_raw<kOut, true>(msg + hdr + (size_t)g * kOut);
+    }
     const int* ids = reinterpret_cast<const int*>(msg + sizeof(LLHeader));
     const int t = __ldcg(&reinterpret_cast<const LLHeader*>(msg)->token);
     int id = -1, row = -1;
@@ -125,18 +168,14 @@ struct DispatchOp {
       row = s_moff[s] + j;
     }
     const unsigned rows = __ballot_sync(0xffffffffu, row >= 0);
-    const size_t hdr = a.win.ll.hdr_bytes;
     const size_t out_row = (size_t)a.hidden * (kFp8 ? 1 : sizeof(T));
     char* out = reinterpret_cast<char*>(d.recv_x);
+    EP_FOR_EACH_LANE(rows, f_lane) {
+      const int r = __shfl_sync(0xffffffffu, row, f_lane);
 #pragma unroll
-    for (int step = 0; step < kChunkGroups / 32; ++step) {
-      const int g = c * kChunkGroups + step * 32 + lane;
-      const bool valid = g < H8;
-      Raw<kOut> v;
-      if (valid) v = ld_raw<kOut, true>(msg + hdr + (size_t)g * kOut);
-      EP_FOR_EACH_LANE(rows, f_lane) {
-        const int r = __shfl_sync(0xffffffffu, row, f_lane);
-        if (valid) st_raw<kOut>(out + (size_t)r * out_row + (size_t)g * kOut, v);
+      for (int step = 0; step < kSteps; ++step) {
+        const int g = c * kChunkGroups + step * 32 + lane;
+        if (g < H8) st_raw<kOut>(out + (size_t)r * out_row + (size_t)g * kOut, v[step]);
       }
     }
     if constexpr (kFp8) {
@@ -187,64 +226,80 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(const LLDispat
   using Op = DispatchOp<T, kFp8>;
   const LLArgs& a = d.a;
   extern __shared__ int s_off[];  // expert-major: [L][R] first row of (local expert, source)
-  __shared__ int s_fail, s_last;
-  __shared__ int s_n[kMaxRanks];
   __shared__ int s_moff[kMaxRanks + 1];
+  __shared__ void* s_peers[kMaxRanks];
   const int R = a.num_ranks, L = a.num_local, me = a.rank;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int H8 = a.hidden / kLLGroupElems;
   const int nchunks = (H8 + kChunkGroups - 1) / kChunkGroups;
-  const unsigned long long epoch =
-      a.send ? ld_volatile_u64(&a.state->ll_epoch[0]) + 1 : ld_volatile_u64(&a.h.epochs[0]);
+  const unsigned long long epoch = op_epoch(a, 0);
   const int set = (int)(epoch & 1);
-  if (threadIdx.x == 0) s_fail = ld_volatile_u64(&a.state->failed) != 0;
-  __syncthreads();
-  if (s_fail) return poison_dispatch(d);
+  // A stopped group; for a send, set `set` is free at every destination once it consumed op
+  // epoch - 2 (the group's state and the credits are read together).
+  if (threadIdx.x < R) s_peers[threadIdx.x] = a.peers[threadIdx.x];
+  // The counts each destination gets (its tokens per local expert, then its messages: [R][L + 1]
+  // over the grid's threads) and this warp's first item, loaded ahead of the checks.
+  const int send_items = a.send ? a.tokens * nchunks : 0;
+  const int count_first = blockIdx.x * blockDim.x + threadIdx.x, counts = R * (L + 1);
+  int count = 0;
+  if (a.send && count_first < counts) {
+    const int dst = count_first / (L + 1), l = count_first - dst * (L + 1);
+    count = l < L ? a.h.cnt[dst * L + l] : a.h.ndest[dst];
+  }
+  int item = blockIdx.x * kWarps + warp;
+  typename Op::Loaded loaded;
+  if (item < send_items) Op::load_item(d, item / nchunks, item % nchunks, lane, loaded);
+  bool bad = threadIdx.x == 0 && ld_volatile_u64(&a.state->failed) != 0;
+  if (a.send && epoch > 2)
+    bad |= wait_peers(a, kLLDispCredit, set, epoch - 2, kOpLLDispatch, kWaitCredit, me);
+  if (__syncthreads_or(bad)) return poison_dispatch(d);
 
   if (a.send) {
-    // Set `set` is free at every destination once it consumed op epoch - 2.
-    if (epoch > 2 &&
-        !wait_all(a, kLLDispCredit, set, epoch - 2, kOpLLDispatch, kWaitCredit, nullptr, &s_fail))
-      return poison_dispatch(d);
-    const int items = a.tokens * nchunks;
-    for (int i = blockIdx.x * kWarps + warp; i < items; i += gridDim.x * kWarps)
-      Op::send_item(d, set, i / nchunks, i % nchunks, lane);
-    if (blockIdx.x == 0)
-      for (int i = threadIdx.x; i < R * L; i += blockDim.x)
-        ll_counts(a.peers[i / L], a, set, me)[i % L] = a.h.cnt[i];
-    if (last_cta(&a.state->ll_done[0], &s_last)) {
-      publish(a, kLLDispReady, set, epoch, a.h.ndest);
-      if (threadIdx.x == 0) {
-        a.state->ll_epoch[0] = epoch;
-        a.h.epochs[0] = epoch;
-      }
+    for (bool first = true; item < send_items; item += gridDim.x * kWarps, first = false) {
+      if (!first) Op::load_item(d, item / nchunks, item % nchunks, lane, loaded);
+      Op::send_item(d, set, item / nchunks, item % nchunks, lane, loaded, s_peers);
     }
+    for (int i = count_first; i < counts; i += gridDim.x * blockDim.x) {
+      const int dst = i / (L + 1), l = i - dst * (L + 1);
+      if (i != count_first) count = l < L ? a.h.cnt[dst * L + l] : a.h.ndest[dst];
+      ll_counts(s_peers[dst], a, set, me)[l] = count;
+    }
+    sent(a, 0, epoch);
+    arrive(a, kLLDispReady, set);
   }
   if (!a.recv) return;
 
-  if (!wait_all(a, kLLDispReady, set, epoch, kOpLLDispatch, kWaitReady, s_n, &s_fail))
+  if (__syncthreads_or(wait_peers(a, kLLDispReady, set, epoch, kOpLLDispatch, kWaitReady)))
     return poison_dispatch(d);
-  if (threadIdx.x == 0) {
-    int m = 0;
-    for (int s = 0; s < R; ++s) {
-      s_moff[s] = m;
-      m += s_n[s];
+  if (warp == 0) {  // the sources' first message indices: a scan of their counts
+    int run = 0;
+    for (int s0 = 0; s0 < R; s0 += 32) {
+      const int s = s0 + lane;
+      const int n = s < R ? __ldcg(ll_counts(s_peers[me], a, set, s) + L) : 0;
+      int incl = n;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      if (s < R) s_moff[s] = run + incl - n;
+      run += __shfl_sync(0xffffffffu, incl, 31);
     }
-    s_moff[R] = m;
+    if (lane == 0) s_moff[R] = run;
   }
   if (!a.rank_major) {
     for (int l = threadIdx.x; l < L; l += blockDim.x) {
       int run = 0;
       for (int s = 0; s < R; ++s) {
         s_off[l * R + s] = run;
-        run += __ldcg(ll_counts(a.peers[me], a, set, s) + l);
+        run += __ldcg(ll_counts(s_peers[me], a, set, s) + l);
       }
       if (blockIdx.x == 0) d.recv_count[l] = run;
     }
   }
   __syncthreads();
   if (blockIdx.x == 0) {
-    if (threadIdx.x < R) a.h.rn[threadIdx.x] = s_n[threadIdx.x];
+    if (threadIdx.x < R) a.h.rn[threadIdx.x] = s_moff[threadIdx.x + 1] - s_moff[threadIdx.x];
     if (a.rank_major && threadIdx.x <= R) a.h.roff[threadIdx.x] = s_moff[threadIdx.x];
     if (a.rank_major && threadIdx.x == 0) d.recv_count[0] = s_moff[R];
   }
@@ -252,7 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(const LLDispat
   for (int i = blockIdx.x * kWarps + warp; i < items; i += gridDim.x * kWarps) {
     int s, j;
     message_of(i / nchunks, s_moff, &s, &j);
-    Op::recv_item(d, set, s, j, i % nchunks, lane, s_off, s_moff);
+    Op::recv_item(d, set, s, j, i % nchunks, lane, s_off, s_moff, s_peers);
   }
   if (a.rank_major) {  // rows past the count: no routing
     const long long Km = a.max_topk, rows = (long long)R * a.max_tokens;
@@ -262,9 +317,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(const LLDispat
       if (d.recv_topk_w != nullptr) d.recv_topk_w[i] = 0.f;
     }
   }
-  if (last_cta(&a.state->ll_done[1], &s_last)) publish(a, kLLDispCredit, set, epoch, nullptr);
+  arrive(a, kLLDispCredit, set);
 }
-
 
 template <typename T, bool kFp8>
 cudaError_t launch_dispatch_as(const LLDispatchArgs& d, cudaStream_t stream) {

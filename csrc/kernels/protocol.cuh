@@ -30,6 +30,7 @@
 namespace nccl_ep {
 
 constexpr int kMaxRanks = 64;     // barrier flags and per-token destination masks (uint64)
+constexpr int kMaxChannels = 1024;  // num_sms: the CTAs of one op
 // Slots of one token on one rank, min(top-k, local experts): one lane each in the warp-level
 // kernels (top-k itself may be larger: they take a token's slots 32 a pass).
 constexpr int kMaxTopk = 32;
@@ -103,15 +104,18 @@ struct ChannelFlags {
 };
 
 // LL groups (docs/design.md section 9): the window past the sync area. Flags u64
-// [kLLFlagKinds][2 sets][R]: in the receiver's window kLLDispReady[b][s] (written by source s:
-// ready_word(epoch, call, messages)) and kLLCombCredit[b][s] (source s consumed its combine set b
-// of that epoch); in the source's window kLLDispCredit[b][d] (d consumed its dispatch set b) and
-// kLLCombReady[b][d] (d's combine rows for this source are in set b). Then, per set b:
-//   counts   int32 [2][R][count_stride]: source s's tokens per local expert of this rank
+// [kLLFlagKinds][2 sets][R], each a count of arrivals: every CTA of a phase adds 1 to the flag
+// of each peer it worked for, so set b's flag from rank p holds channels x (p's set-b ops done).
+// In the receiver's window kLLDispReady[b][s] (source s's dispatch sends of set b are in) and
+// kLLCombCredit[b][s] (source s consumed its combine set b); in the source's window
+// kLLDispCredit[b][d] (d consumed its dispatch set b) and kLLCombReady[b][d] (d's combine rows
+// for this source are in set b). Then, per set b:
+//   counts   int32 [2][R][count_stride]: source s's tokens per local expert of this rank, then
+//            (at [L]) its messages to this rank
 //   messages [2][R][Tmax] of msg_bytes: header (LLHeader + ids, positions, weights [Kmax]) and
 //            the payload (token row, or FP8 row + its scales)
 //   combine  [2][Tmax][Kmax] rows of comb_row bytes, at the source
-// Flag epochs count each kind's ops on the group (device-side: a replayed graph counts on).
+// Flags only grow (device-side counts: a replayed graph counts on).
 enum LLFlagKind : int { kLLDispReady = 0, kLLDispCredit = 1, kLLCombReady = 2, kLLCombCredit = 3 };
 constexpr int kLLFlagKinds = 4;
 constexpr int kLLGroupElems = 8;  // elements per lane access (a 16-byte bf16 pack)
@@ -131,7 +135,7 @@ struct LLWindow {
   size_t msg_bytes;   // header + payload, a multiple of 16
   size_t hdr_bytes;   // LLHeader and its three [Kmax] arrays, rounded up to 16
   size_t comb_row;    // bytes of a combine row (hidden x token element), rounded up to 16
-  int count_stride;   // local experts rounded up to 4
+  int count_stride;   // local experts + 1 (the message count), rounded up to 4
   int max_tokens;     // T_max
 };
 
@@ -167,8 +171,9 @@ struct DeviceState {
   unsigned int start_verdict;         // the op's start check of the host-mapped error word, read
                                      // by one CTA per op (exchange.cuh start_verdict): (epoch +
                                      // 1) tag << 2 | 1 claimed, 2 no error, 3 an error
-  unsigned long long ll_epoch[2];    // LL: dispatches, combines run so far (their sends)
-  unsigned int ll_done[2];           // LL: CTAs past the send / receive phase (the last resets)
+  // LL: per CTA of an op, the dispatches / combines it sent so far (each CTA reads and advances
+  // its own: no CTA waits for the others to have read it).
+  unsigned long long ll_epoch[2][kMaxChannels];
 };
 
 enum ErrorCode : int {

@@ -69,7 +69,7 @@ static WindowLayout plan_ll_window(const ncclEpGroupConfig_t& c, int nranks) {
   w.channels = default_channels(c);
   LLWindow& l = w.ll;
   l.max_tokens = c.max_tokens_per_rank;
-  l.count_stride = (int)align_up((size_t)(c.num_experts / nranks), 4);
+  l.count_stride = (int)align_up((size_t)(c.num_experts / nranks) + 1, 4);
   l.hdr_bytes = align_up(sizeof(LLHeader) + 3 * sizeof(int) * Km, 16);
   const size_t payload = c.dispatch_fp8 ? H + H / kFp8Block * sizeof(float) : H * elt;
   l.msg_bytes = l.hdr_bytes + align_up(payload, 16);
@@ -208,9 +208,9 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
   EP_CHECK(c->expert_alignment >= 1 && c->expert_alignment <= (1 << 20), ncclInvalidArgument,
            "ncclEpCreateGroup: expert_alignment must be in [1, 2^20], got %d",
            c->expert_alignment);
-  EP_CHECK(c->num_sms >= 0 && c->num_sms <= 1024, ncclInvalidArgument,
-           "ncclEpCreateGroup: num_sms must be in [0, 1024] (0 = default %d), got %d",
-           kDefaultSms, c->num_sms);
+  EP_CHECK(c->num_sms >= 0 && c->num_sms <= kMaxChannels, ncclInvalidArgument,
+           "ncclEpCreateGroup: num_sms must be in [0, %d] (0 = default %d), got %d",
+           kMaxChannels, kDefaultSms, c->num_sms);
   EP_CHECK(c->timeout_ms > 0, ncclInvalidArgument,
            "ncclEpCreateGroup: timeout_ms must be > 0, got %lld", (long long)c->timeout_ms);
   // depth >= 2: the combine sends chunk j while it sums chunk j - 1 (exchange.cuh).
