@@ -64,7 +64,8 @@ def build_model(args, torch):
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         ffn_hidden_size=args.ffn, moe_ffn_hidden_size=args.ffn, num_moe_experts=args.experts,
-        moe_router_topk=args.topk, moe_router_dtype="fp32", moe_grouped_gemm=True,
+        moe_router_topk=args.topk, moe_router_pre_softmax=args.topk == 1,
+        moe_router_dtype="fp32", moe_grouped_gemm=True,
         expert_model_parallel_size=world, transformer_impl="inference_optimized",
         inference_moe_token_dispatcher_type="nccl_ep", inference_grouped_gemm_backend="torch",
         activation_func=squared_relu(), gated_linear_unit=False, normalization="RMSNorm",

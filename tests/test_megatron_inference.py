@@ -48,6 +48,7 @@ def inference_config(num_experts: int, topk: int, backend: str, dispatcher_type=
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=2,
         num_moe_experts=num_experts, moe_router_topk=topk, use_cpu_initialization=True,
+        moe_router_pre_softmax=topk == 1,  # Megatron requires it at top-k 1
         add_bias_linear=False, inference_moe_token_dispatcher_type=dispatcher_type)
     config.nccl_ep_options = NcclEpOptions(backend=backend, max_tokens_per_rank=T_MAX,
                                            timeout_s=30.0)
