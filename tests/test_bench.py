@@ -555,10 +555,10 @@ def test_ll_gpu_report_floors_ratio_targets_proxy_and_memory():
     assert re.search(r"^\s+8 PROXY skipped: 8 ranks need CUDA_DEVICE_MAX_CONNECTIONS >= 16",
                      table, re.M)
     targets = next(line for line in table.splitlines() if line.startswith("LL targets"))
-    assert "expert_major dispatch 8.0 us (target <= 10 us: met)" in targets
-    assert "expert_major combine 12.0 us (target <= 10 us: MISSED)" in targets
-    assert "expert_major graph h+d+c 20.0 us (target <= 25 us: met)" in targets
-    assert "expert_major HT / graph 5.0 (target >= 3: met)" in targets
+    assert "expert_major, 24 SMs: dispatch 8.0 us (target <= 10 us: met)" in targets
+    assert "expert_major, 24 SMs: combine 12.0 us (target <= 10 us: MISSED)" in targets
+    assert "expert_major, 24 SMs: graph h+d+c 20.0 us (target <= 25 us: met)" in targets
+    assert "expert_major, 24 SMs: HT / graph 5.0 (target >= 3: met)" in targets
     assert "LL memory EP=8 expert_major" in table and "DeepEP V1 LL buffer 2048.0 (2.7 x)" in table
     assert "LL memory EP=64 expert_major: query failed: RuntimeError: no" in table
     assert "LL checks: 1 of 2 ok" in table and "MISMATCH x" in table
@@ -570,18 +570,19 @@ def test_ll_gpu_report_floors_ratio_targets_proxy_and_memory():
            "5.0 | 2.0 | 1.0 |" in text
     assert "| 2 PROXY | 24 | 128 |" in text
     assert "HBM copy rate of this run, 4000.0 GB/s" in text
-    assert "- expert_major combine 12.0 us (target <= 10 us: MISSED)" in text
+    assert "- expert_major, 24 SMs: combine 12.0 us (target <= 10 us: MISSED)" in text
     assert "| 8 | expert_major | 512.0 | 256.0 | 1.0 | 768.0 | 2048.0 | 2.7 |" in text
     assert "- EP=64 expert_major: the query failed: RuntimeError: no" in text
 
 
 def test_ll_team_sms_fit_the_gpu_and_cpu_skips_teams():
     args = cli.parse_args(["--device", "cpu", "--sections", "ll"])
-    assert ll.point_sms(args, 1, None) is None
+    assert ll.point_sms(args, 1, None) == [None]
     assert "needs a GPU" in ll.team_skip_reason(2, None, "cpu", None)
-    gpu = argparse.Namespace(device="cuda", ll_num_sms=24)
-    # EP=8 on 132 SMs: 16 CTAs a rank, so every rank's are resident at once.
-    assert [ll.point_sms(gpu, world, 132) for world in (1, 2, 4, 8)] == [24, 24, 24, 16]
+    gpu = argparse.Namespace(device="cuda", ll_num_sms=[24, "all"])
+    # EP=8 on 132 SMs: 16 CTAs a rank, so every rank's are resident at once (one point, not two).
+    assert [ll.point_sms(gpu, world, 132) for world in (1, 2, 4, 8)] == [
+        [24, 132], [24, 66], [24, 33], [16]]
     assert (cli.LL_LAYOUTS, ll.FP8_BLOCK) == (config.LL_LAYOUTS, config.FP8_BLOCK)
 
 

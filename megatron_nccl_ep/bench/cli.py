@@ -20,7 +20,7 @@ DEVICE_DEFAULTS = {
              "iters": 40, "rotate": 4, "copy_mib": 1024, "num_sms": 24,
              "sections": "ceilings,kernels,megatron", "megatron_dispatchers": "nccl_ep,alltoall",
              "team_sizes": [2, 4], "ll_tokens": [1, 8, 32, 128, 256], "ll_sizes": [1, 2, 4, 8],
-             "ll_num_sms": 24},
+             "ll_num_sms": [24]},
     "cpu": {"tokens": 256, "hidden": 256, "topk": 2, "experts": 16, "warmup": 2, "iters": 10,
             "rotate": 2, "copy_mib": 64, "num_sms": None, "sections": "kernels,megatron",
             "megatron_dispatchers": "nccl_ep", "team_sizes": [],
@@ -117,9 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the ll section's EP sizes: 1 a single-rank Group, more a local team on "
                         "GPU 0 (a proxy; skipped, saying why, where it cannot run); default "
                         f"{','.join(map(str, DEVICE_DEFAULTS['cuda']['ll_sizes']))}")
-    p.add_argument("--ll-num-sms", type=int, default=None,
-                   help="CTAs of each LL kernel at EP=1, and per rank of a local team at most "
-                        "the GPU's SMs / ranks; default 24 (GPUs only)")
+    p.add_argument("--ll-num-sms", type=_int_list(1, allow_all=True), default=None,
+                   metavar="24,...,all",
+                   help="CTAs of each LL kernel, a point per value ('all': the GPU's SMs); in a "
+                        "local team at most the GPU's SMs / ranks; default 24 (GPUs only)")
     p.add_argument("--ll-payloads", type=_word_list(tuple(DTYPES) + (LL_FP8,)), default=None,
                    metavar="bf16,fp8",
                    help="the ll section's dispatch payloads: the token dtype (--dtype) and/or "
@@ -271,8 +272,6 @@ def _check_ll(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 f"of {uneven})")
     if max(args.ll_tokens) > LL_MAX_TOKENS:
         p.error(f"--ll-tokens: an LL group takes at most {LL_MAX_TOKENS} tokens per rank")
-    if args.ll_num_sms is not None and args.ll_num_sms < 1:
-        p.error("--ll-num-sms must be >= 1")
 
 
 def sweep_points(args: argparse.Namespace) -> "list[tuple[int, int | None]]":

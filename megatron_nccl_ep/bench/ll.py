@@ -639,12 +639,14 @@ def team_skip_reason(world: int, num_sms: Optional[int], device: str,
     return skip_reason(world, num_sms, sm_count, connections)
 
 
-def point_sms(args, world: int, sm_count: Optional[int]) -> Optional[int]:
-    """CTAs per LL kernel of a rank: --ll-num-sms, in a team at most the GPU's SMs / ranks (every
-    CTA of every rank resident at once); None on cpu."""
+def point_sms(args, world: int, sm_count: Optional[int]) -> list:
+    """The CTAs per LL kernel of a rank of each point at EP=``world``: each --ll-num-sms value
+    ('all': the GPU's SMs), in a team at most the GPU's SMs / ranks (every CTA of every rank
+    resident at once), without repeats; [None] on cpu."""
     if args.device != "cuda":
-        return None
-    return args.ll_num_sms if world == 1 else min(args.ll_num_sms, sm_count // world)
+        return [None]
+    wanted = [sm_count if value == "all" else value for value in args.ll_num_sms]
+    return list(dict.fromkeys(v if world == 1 else min(v, sm_count // world) for v in wanted))
 
 
 def run(result: dict, args: argparse.Namespace, budget_end: float) -> None:
@@ -656,19 +658,20 @@ def run(result: dict, args: argparse.Namespace, budget_end: float) -> None:
                           "layouts": list(args.ll_layouts), "points": [],
                           "memory": memory_query()}
     for world in args.ll_sizes:
-        sms = point_sms(args, world, sm_count)
-        point = {"world": world, "num_sms": sms, "proxy": world > 1}
-        reason = team_skip_reason(world, sms, args.device, sm_count) if world > 1 else ""
-        if reason:
-            out["points"].append({**point, "skipped": reason})
-            continue
-        if not cuda:
-            point["skipped_items"] = {op: "CUDA graphs need a GPU" for op in GRAPH_OPS}
-        point_args = argparse.Namespace(**{**vars(args), "nproc": 1, "ll_world": world,
-                                           "ll_sms": sms})
-        items, checks, _ = run_into(result, f"ll(EP={world})", section, point_args, budget_end,
-                                    process_groups=False)
-        out["points"].append({**point, "items": items, "checks": checks})
+        for sms in point_sms(args, world, sm_count):
+            point = {"world": world, "num_sms": sms, "proxy": world > 1}
+            reason = team_skip_reason(world, sms, args.device, sm_count) if world > 1 else ""
+            if reason:
+                out["points"].append({**point, "skipped": reason})
+                continue
+            if not cuda:
+                point["skipped_items"] = {op: "CUDA graphs need a GPU" for op in GRAPH_OPS}
+            point_args = argparse.Namespace(**{**vars(args), "nproc": 1, "ll_world": world,
+                                               "ll_sms": sms})
+            label = f"ll(EP={world})" if sms is None else f"ll(EP={world}, {sms} SMs)"
+            items, checks, _ = run_into(result, label, section, point_args, budget_end,
+                                        process_groups=False)
+            out["points"].append({**point, "items": items, "checks": checks})
 
 
 def points(result: dict) -> list:

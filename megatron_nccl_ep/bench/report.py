@@ -257,13 +257,13 @@ def ll_rows(result: dict) -> tuple:
 
 
 def ll_targets(result: dict) -> list:
-    """(layout, what, value, relation, bound, met or None) of LL_TARGETS at EP=1, bf16 payload,
-    LL_TARGET_TOKENS (GPUs only: host wall times say nothing of them)."""
+    """(layout, SMs, what, value, relation, bound, met or None) of LL_TARGETS at EP=1, bf16
+    payload, LL_TARGET_TOKENS (GPUs only: host wall times say nothing of them)."""
     if result["meta"]["device"] != "cuda":
         return []
     columns, rows, _ = ll_rows(result)
     found = []
-    for ep, _, tokens, payload, layout, *values in rows:
+    for ep, sms, tokens, payload, layout, *values in rows:
         if ep != "1" or tokens != LL_TARGET_TOKENS or payload != "bf16":
             continue
         by_name = dict(zip(columns, values))
@@ -271,16 +271,17 @@ def ll_targets(result: dict) -> list:
             value = by_name.get(what)
             met = None if value is None else (value <= bound if relation == "<=" else
                                               value >= bound)
-            found.append((layout, what, value, relation, bound, met))
+            found.append((layout, sms, what, value, relation, bound, met))
     return found
 
 
 def ll_target_text(target: tuple) -> str:
-    layout, what, value, relation, bound, met = target
+    layout, sms, what, value, relation, bound, met = target
     unit = "" if what == "HT / graph" else " us"
     shown = "-" if value is None else f"{value:.1f}"
     verdict = {True: "met", False: "MISSED", None: "not measured"}[met]
-    return f"{layout} {what} {shown}{unit} (target {relation} {bound:g}{unit}: {verdict})"
+    return (f"{layout}, {sms} SMs: {what} {shown}{unit} (target {relation} {bound:g}{unit}: "
+            f"{verdict})")
 
 
 def ll_memory_rows(result: dict) -> tuple:
