@@ -4,8 +4,10 @@
 A handle is made without communication; ``dispatch`` and ``combine`` are collective and
 stream-ordered, never read anything back to the host, and with ``send_only=True`` only send:
 ``complete()`` receives. Ops of one kind (dispatches, combines) alternate between two buffer sets,
-so at most two of a kind may be in flight on a group; a third is refused here, on every rank
-alike (the calls are collective), before anything is enqueued.
+so at most two of a kind may be in flight on a group, and an op is refused while one of its kind
+issued two or more ops before it is pending (a third op, or one after a fused op or an
+out-of-order ``complete()``): here, on every rank alike (the calls are collective), before
+anything is enqueued.
 """
 
 from __future__ import annotations
@@ -40,10 +42,14 @@ class LLDispatchOutput:
 
 
 class InFlight:
-    """A group's LL ops sent with ``send_only`` and not completed yet, by kind."""
+    """A group's LL ops by kind: how many were issued, and the number of each sent with
+    ``send_only`` and not completed. The i-th op of a kind uses buffer set i mod 2, so an op may
+    not be issued while one of its kind issued two or more ops before it is pending: it would
+    write the set that op still holds (a third op while two are in flight is one such case)."""
 
     def __init__(self):
-        self.pending = {kind: [] for kind in _KINDS}
+        self.issued = {kind: 0 for kind in _KINDS}
+        self.pending = {kind: {} for kind in _KINDS}  # handle -> the number of its op
 
     def check_room(self, kind: str) -> None:
         ops = self.pending[kind]
@@ -52,12 +58,21 @@ class InFlight:
                 f"LL {kind}: two {_PLURAL[kind]} are already in flight on this group (sent with "
                 f"send_only=True, not completed); their two buffer sets are taken: call "
                 f"complete() on the older handle first")
+        behind = [self.issued[kind] - op for op in ops.values() if op + 2 <= self.issued[kind]]
+        if behind:
+            raise RuntimeError(
+                f"LL {kind}: the {kind} sent with send_only=True {behind[0]} {_PLURAL[kind]} "
+                f"before this one is not completed, and this one would write the buffer set it "
+                f"still holds (the ops of a kind alternate between two): call complete() on "
+                f"that handle first")
 
-    def add(self, kind: str, handle: "LLHandle") -> None:
-        self.pending[kind].append(handle)
+    def issue(self, kind: str, handle: "LLHandle", send_only: bool) -> None:
+        if send_only:
+            self.pending[kind][handle] = self.issued[kind]
+        self.issued[kind] += 1
 
     def finish(self, kind: str, handle: "LLHandle") -> None:
-        self.pending[kind].remove(handle)
+        del self.pending[kind][handle]
 
 
 class LLHandle:
@@ -161,7 +176,7 @@ class LLHandle:
     def _after_send(self, kind: str, send_only: bool) -> None:
         if send_only:
             self._pending = kind
-            self._in_flight().add(kind, self)
+        self._in_flight().issue(kind, self, send_only)
 
     # -- lifetime ----------------------------------------------------------------------------------
     def destroy(self) -> None:

@@ -455,6 +455,43 @@ def test_ll_send_only_two_micro_batches(layout, use_fp8, world_size, seed):
     dist.run(world_size, check_two_micro_batches, layout, use_fp8, seed)
 
 
+def check_op_two_behind_a_pending_one(layout: str, seed: int) -> None:
+    """An op may not write the buffer set a pending op of its kind still holds: after a fused
+    op, and after an out-of-order complete(), the next op is refused (on every rank) until the
+    older one completes; then the group gives the oracle's bits."""
+    rank, world = ep_cases.rank_and_size()
+    ps = [ll_cases.make_ll_problem(world, (5, 6), 128, 8, 3, torch.bfloat16, seed=seed + i)
+          for i in range(3)]
+    group = ep.Group(backend="torch", device="cpu", **ps[0].group_fields(layout, False))
+    hs = [group.create_handle(p.topk_idx[rank]) for p in ps]
+
+    def dispatch(i, **kw):
+        return hs[i].dispatch(ps[i].x[rank], ps[i].weights[rank], **kw)
+
+    stale = r"the dispatch sent with send_only=True 2 dispatches before this one is not completed"
+    dispatch(0, send_only=True)
+    dispatch(1)  # one op behind the pending one: the other set
+    with pytest.raises(RuntimeError, match=stale):
+        dispatch(2)
+    hs[0].complete()
+    dispatch(0, send_only=True)
+    dispatch(1, send_only=True)
+    hs[1].complete()  # out of order: hs[0]'s op is still pending
+    with pytest.raises(RuntimeError, match=stale):
+        dispatch(2, send_only=True)
+    hs[0].complete()
+    out = dispatch(2)
+    p = ps[2]
+    assert not ll_cases.dispatch_mismatches(out, ll_reference.ll_dispatch_all(
+        group.config, world, p.topk_idx, p.x, p.weights)[rank], layout)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
+def test_ll_op_two_behind_a_pending_one_is_refused(layout, world_size, seed):
+    dist.run(world_size, check_op_two_behind_a_pending_one, layout, seed)
+
+
 # ------------------------------------------------------------------------------------------------
 # errors, on every rank
 # ------------------------------------------------------------------------------------------------

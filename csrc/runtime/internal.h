@@ -91,7 +91,10 @@ struct ncclEpGroup {
   std::vector<nccl_ep::HandleSlot*> all_slots;
   std::vector<ncclEpHandle*> live;
   unsigned handles_created = 0;  // the next handle's creation number (ncclEpHandle::seq)
-  int ll_in_flight[2] = {0, 0};  // LL: dispatches, combines sent with send_only, not completed
+  // LL (ll.cc): dispatches, combines issued so far, and the number of each sent with send_only
+  // and not completed (at most two of a kind).
+  unsigned long long ll_issued[2] = {0, 0};
+  std::vector<unsigned long long> ll_pending_ops[2];
 };
 
 struct ncclEpHandle {
@@ -108,6 +111,7 @@ struct ncclEpHandle {
   // LL (ll.cc): the op sent with send_only that ncclEpComplete finishes (-1: none, 0: dispatch,
   // 1: combine), with its launch arguments; whether the handle dispatched (its combine's rows).
   int ll_pending = -1;
+  unsigned long long ll_op = 0;  // the pending op's number among its kind's (ncclEpGroup)
   bool ll_dispatched = false;
   nccl_ep::LLDispatchArgs ll_dispatch{};
   nccl_ep::LLCombineArgs ll_combine{};

@@ -5,14 +5,19 @@
  *
  * NOTES:
  *  - Ops of one kind alternate between two buffer sets by a device-side epoch, and a send waits
- *    on the device until every peer consumed the set's op of two epochs before. So at most two
- *    ops of a kind may be pending (sent with send_only, not completed) on a group: a third would
- *    wait for a receive that only a later call can start. It is refused here, before anything
- *    is enqueued; the calls are collective, so every rank refuses it alike.
+ *    on the device until every peer consumed the set's op of two epochs before (a rank's own
+ *    consumption is ordered by its stream). So an op may not be issued while one of its kind
+ *    issued two or more ops before it is pending (sent with send_only, not completed): it would
+ *    wait for a receive that only a later call can start, and overwrite this rank's own rows of
+ *    it. That covers a third op while two are pending, an op after a fused one, and one after
+ *    an out-of-order ncclEpComplete. It is refused here, before anything is enqueued; the calls
+ *    are collective, so every rank refuses it alike.
  *  - send_only keeps the op's launch arguments in the handle: ncclEpComplete relaunches the
  *    kernel with only its receive phase.
  */
 #include <stdint.h>
+
+#include <algorithm>
 
 #include "internal.h"
 #include "pool.h"
@@ -122,18 +127,30 @@ ncclResult_t check_op(ncclEpHandle* h, const ncclEpOpConfig_t* config, int kind,
            "ncclEpCombine: this LL handle has not dispatched (the combine returns the rows its "
            "dispatch placed)");
   std::lock_guard<std::mutex> lock(g->mu);
-  EP_CHECK(g->ll_in_flight[kind] < 2, ncclInvalidUsage,
+  const char* ops = kind == 0 ? "dispatche" : "combine";
+  EP_CHECK(g->ll_pending_ops[kind].size() < 2, ncclInvalidUsage,
            "%s: two LL %ss are already in flight on this group (sent with send_only, not "
            "completed); both buffer sets are taken: complete the older one first",
-           fn, kind == 0 ? "dispatche" : "combine");
+           fn, ops);
+  for (const unsigned long long op : g->ll_pending_ops[kind])
+    EP_CHECK(op + 2 > g->ll_issued[kind], ncclInvalidUsage,
+             "%s: the LL %s sent with send_only %llu %ss before this one is not completed, and "
+             "this one would write the buffer set it still holds (the ops of a kind alternate "
+             "between two): call ncclEpComplete on that handle first",
+             fn, kind == 0 ? "dispatch" : "combine", g->ll_issued[kind] - op, ops);
   return ncclSuccess;
 }
 
+// After a launch: the op's number; a send_only op is pending until ncclEpComplete.
 void mark_sent(ncclEpHandle* h, int kind, bool send_only) {
-  if (!send_only) return;
-  std::lock_guard<std::mutex> lock(h->group->mu);
-  h->ll_pending = kind;
-  ++h->group->ll_in_flight[kind];
+  ncclEpGroup* g = h->group;
+  std::lock_guard<std::mutex> lock(g->mu);
+  if (send_only) {
+    h->ll_pending = kind;
+    h->ll_op = g->ll_issued[kind];
+    g->ll_pending_ops[kind].push_back(h->ll_op);
+  }
+  ++g->ll_issued[kind];
 }
 
 }  // namespace
@@ -284,7 +301,10 @@ ncclResult_t ll_complete(ncclEpHandle* h, cudaStream_t stream) {
 }
 
 void ll_forget(ncclEpHandle* h) {
-  if (h->ll_pending >= 0) --h->group->ll_in_flight[h->ll_pending];
+  if (h->ll_pending >= 0) {
+    std::vector<unsigned long long>& ops = h->group->ll_pending_ops[h->ll_pending];
+    ops.erase(std::find(ops.begin(), ops.end(), h->ll_op));
+  }
   h->ll_pending = -1;
 }
 

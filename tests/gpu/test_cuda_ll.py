@@ -274,7 +274,8 @@ def test_ll_two_micro_batches_send_only(world, layout, fp8, seed):
 
 def test_ll_library_refuses_a_third_op_in_flight(seed):
     """The C library's own rule (the Python front end refuses first): the backend called
-    directly, a third send-only dispatch is ncclInvalidUsage with the reason."""
+    directly, a third send-only dispatch, and a dispatch two ops behind a pending one, are
+    ncclInvalidUsage with the reason."""
     problem = ll_cases.make_ll_problem(1, tokens=4, hidden=128, num_experts=4, topk=2,
                                        dtype=BF16, seed=seed)
     (g,) = team(1, problem, "expert_major", False)
@@ -292,6 +293,13 @@ def test_ll_library_refuses_a_third_op_in_flight(seed):
             backend.ll_complete(s)
         with pytest.raises(ValueError, match="no dispatch or combine sent with send_only"):
             backend.ll_complete(states[0])
+        backend.ll_dispatch(states[2], x, None, False)
+        # After a fused op, the next one would write the pending op's buffer set.
+        backend.ll_dispatch(states[0], x, None, True)
+        backend.ll_dispatch(states[1], x, None, False)
+        with pytest.raises(ValueError, match="2 dispatches before this one is not completed"):
+            backend.ll_dispatch(states[2], x, None, False)
+        backend.ll_complete(states[0])
         backend.ll_dispatch(states[2], x, None, False)
         g.check_errors()
     finally:
