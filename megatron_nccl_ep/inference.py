@@ -46,6 +46,16 @@ def destroy_inference_groups() -> None:
         _groups.popitem()[1].destroy()
 
 
+def ll_num_sms(options, device: torch.device) -> int:
+    """The LL group's SM budget: ``options.ll_num_sms``, or with 0 every SM of a CUDA device
+    (on other devices the reference backend, which has no SM budget: ``options.num_sms``)."""
+    if options.ll_num_sms:
+        return options.ll_num_sms
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return options.num_sms
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -132,8 +142,9 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
     def _group(self, tokens: torch.Tensor, dtype: torch.dtype) -> Group:
         options = self.options()
         max_tokens = self.max_tokens_per_rank()
+        num_sms = ll_num_sms(options, tokens.device)
         key = (self.ep_group, self.num_experts, self.topk, tokens.shape[1], dtype, tokens.device,
-               max_tokens, options.backend, options.num_sms, options.timeout_s)
+               max_tokens, options.backend, num_sms, options.timeout_s)
         group = _groups.get(key)
         if group is None:
             if _capturing(tokens.device):
@@ -145,7 +156,7 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
                           num_experts=self.num_experts, hidden=tokens.shape[1],
                           max_tokens_per_rank=max_tokens, max_topk=self.topk, dtype=dtype,
                           backend=options.backend, device=tokens.device,
-                          num_sms=options.num_sms, timeout_s=options.timeout_s)
+                          num_sms=num_sms, timeout_s=options.timeout_s)
             _groups[key] = group
         return group
 

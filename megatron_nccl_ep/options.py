@@ -20,6 +20,9 @@ class NcclEpOptions:
     # Capacity mode: rows per rank = factor * tokens per rank * top-k (the balanced share).
     capacity_factor: float = 2.0
     num_sms: int = 24
+    # SM budget of the inference dispatcher's LL kernels (decode): 0, every SM of the GPU (the
+    # LL ops are latency-bound and run alone); the reference backend has no SM budget.
+    ll_num_sms: int = 0
     # Tokens per rank the group is sized for. None: from Megatron's training arguments when they
     # are parsed (seq_length x micro_batch_size, divided by the tensor-parallel size under sequence
     # parallelism), else the next power of two of the batch's token count, which needs equal
@@ -42,6 +45,9 @@ class NcclEpOptions:
             raise ValueError(f"nccl_ep capacity_factor must be > 0, got {self.capacity_factor}")
         if self.num_sms < 1:
             raise ValueError(f"nccl_ep num_sms must be >= 1, got {self.num_sms}")
+        if self.ll_num_sms < 0:
+            raise ValueError(f"nccl_ep ll_num_sms must be >= 0 (0: every SM), got "
+                             f"{self.ll_num_sms}")
         if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
             raise ValueError(
                 f"nccl_ep max_tokens_per_rank must be >= 1 or None, got {self.max_tokens_per_rank}")
@@ -66,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "(default: %(default)s).")
     group.add_argument("--nccl-ep-num-sms", type=int, default=defaults.num_sms,
                        help="SM budget of each dispatch/combine kernel (default: %(default)s).")
+    group.add_argument("--nccl-ep-ll-num-sms", type=int, default=defaults.ll_num_sms,
+                       help="SM budget of each LL kernel of the inference dispatcher (decode; "
+                            "0: every SM of the GPU; default: %(default)s).")
     group.add_argument("--nccl-ep-max-tokens-per-rank", type=int,
                        default=defaults.max_tokens_per_rank,
                        help="tokens per rank the groups are sized for; a batch above it raises on "

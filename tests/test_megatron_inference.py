@@ -330,6 +330,19 @@ def test_config_and_argparse_take_nccl_ep():
     assert "PARSED nccl_ep" in result.stdout
 
 
+def test_ll_sm_budget_option():
+    """--nccl-ep-ll-num-sms: the LL group's CTAs; 0 (the default) every SM of a CUDA device (the
+    GPU variant checks that branch); off CUDA the reference has no SM budget."""
+    from megatron_nccl_ep.inference import ll_num_sms
+
+    cpu = torch.device("cpu")
+    assert NcclEpOptions().ll_num_sms == 0
+    assert ll_num_sms(NcclEpOptions(ll_num_sms=12), cpu) == 12
+    assert ll_num_sms(NcclEpOptions(num_sms=20), cpu) == 20
+    with pytest.raises(ValueError, match="ll_num_sms must be >= 0"):
+        NcclEpOptions(ll_num_sms=-1)
+
+
 def setup_case(dispatcher_type: str) -> str:
     """MoELayer._setup_inference_mode on a stand-in layer: the inference dispatcher it builds."""
     from megatron.core.process_groups_config import ProcessGroupCollection

@@ -69,8 +69,8 @@ def test_launcher_help_lists_our_flags_without_importing_torch_or_megatron():
     result = run_python("-c", code)
     assert result.returncode == 0, result.stdout + result.stderr
     for flag in ("--nccl-ep-backend", "--nccl-ep-recv-mode", "--nccl-ep-capacity-factor",
-                 "--nccl-ep-num-sms", "--nccl-ep-max-tokens-per-rank", "--nccl-ep-ranks-per-node",
-                 "--nccl-ep-timeout-s"):
+                 "--nccl-ep-num-sms", "--nccl-ep-ll-num-sms", "--nccl-ep-max-tokens-per-rank",
+                 "--nccl-ep-ranks-per-node", "--nccl-ep-timeout-s"):
         assert flag in result.stdout, flag
     assert "github.com/NVIDIA/Megatron-LM" in result.stdout
     assert "IMPORTED []" in result.stdout, result.stdout
