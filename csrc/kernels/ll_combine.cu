@@ -18,18 +18,29 @@ struct CombineOp {
   static constexpr int kBatch = sizeof(T) == 4 ? 2 : 4;
   static constexpr int kSteps = kChunkGroups / 32;
 
-  // Copies chunk c of up to kBatch rows (token dtype) from src[b] to dst[b] (b < n): every load
-  // issued before the first store.
-  static EP_DEVICE void copy_chunks(char* const (&dst)[kBatch], const char* const (&src)[kBatch],
-                                    int n, int c, int H8, int lane) {
-    Raw<kB> v[kBatch][kSteps];
+  // Loads chunk c of the rows src[b] that `take` names (from the window, through L2, where
+  // `window` says so), every load issued before any is used.
+  template <typename Take, typename Window>
+  static EP_DEVICE void load_chunks(Raw<kB> (&v)[kBatch][kSteps],
+                                    const char* const (&src)[kBatch], Take take, Window window,
+                                    int c, int H8, int lane) {
 #pragma unroll
     for (int b = 0; b < kBatch; ++b)
 #pragma unroll
       for (int step = 0; step < kSteps; ++step) {
         const int g = c * kChunkGroups + step * 32 + lane;
-        if (b < n && g < H8) v[b][step] = ld_raw<kB, false>(src[b] + (size_t)g * kB);
+        if (take(b) && g < H8)
+          v[b][step] = window(b) ? ld_raw<kB, true>(src[b] + (size_t)g * kB)
+                                 : ld_raw<kB, false>(src[b] + (size_t)g * kB);
       }
+  }
+
+  // Copies chunk c of up to kBatch rows (token dtype) from src[b] to dst[b] (b < n): every load
+  // issued before the first store.
+  static EP_DEVICE void copy_chunks(char* const (&dst)[kBatch], const char* const (&src)[kBatch],
+                                    int n, int c, int H8, int lane) {
+    Raw<kB> v[kBatch][kSteps];
+    load_chunks(v, src, [&](int b) { return b < n; }, [](int) { return false; }, c, H8, lane);
 #pragma unroll
     for (int b = 0; b < kBatch; ++b)
 #pragma unroll
@@ -118,15 +129,8 @@ struct CombineOp {
                                 : out + (size_t)orow[b] * row_bytes;
       }
       Raw<kB> v[kBatch][kSteps];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b)
-#pragma unroll
-        for (int step = 0; step < kSteps; ++step) {
-          const int g = c * kChunkGroups + step * 32 + lane;
-          if (live[b] && g < H8)
-            v[b][step] = from_window[b] ? ld_raw<kB, true>(src[b] + (size_t)g * kB)
-                                        : ld_raw<kB, false>(src[b] + (size_t)g * kB);
-        }
+      load_chunks(v, src, [&](int b) { return live[b]; }, [&](int b) { return from_window[b]; },
+                  c, H8, lane);
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         if (!live[b]) continue;

@@ -234,21 +234,22 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(const LLDispat
   const int nchunks = (H8 + kChunkGroups - 1) / kChunkGroups;
   const unsigned long long epoch = op_epoch(a, 0);
   const int set = (int)(epoch & 1);
-  // A stopped group; for a send, set `set` is free at every destination once it consumed op
-  // epoch - 2 (the group's state and the credits are read together).
   if (threadIdx.x < R) s_peers[threadIdx.x] = a.peers[threadIdx.x];
-  // The counts each destination gets (its tokens per local expert, then its messages: [R][L + 1]
-  // over the grid's threads) and this warp's first item, loaded ahead of the checks.
+  // The counts each destination gets, [R][L + 1] over the grid's threads (its tokens per local
+  // expert, then its messages), and this warp's first item, loaded ahead of the checks.
   const int send_items = a.send ? a.tokens * nchunks : 0;
   const int count_first = blockIdx.x * blockDim.x + threadIdx.x, counts = R * (L + 1);
+  auto count_of = [&](int dst, int l) { return l < L ? a.h.cnt[dst * L + l] : a.h.ndest[dst]; };
   int count = 0;
   if (a.send && count_first < counts) {
-    const int dst = count_first / (L + 1), l = count_first - dst * (L + 1);
-    count = l < L ? a.h.cnt[dst * L + l] : a.h.ndest[dst];
+    const int dst = count_first / (L + 1);
+    count = count_of(dst, count_first - dst * (L + 1));
   }
   int item = blockIdx.x * kWarps + warp;
   typename Op::Loaded loaded;
   if (item < send_items) Op::load_item(d, item / nchunks, item % nchunks, lane, loaded);
+  // A stopped group; for a send, set `set` is free at every destination once it consumed op
+  // epoch - 2 (the group's state and the credits are read together).
   bool bad = threadIdx.x == 0 && ld_volatile_u64(&a.state->failed) != 0;
   if (a.send && epoch > 2)
     bad |= wait_peers(a, kLLDispCredit, set, epoch - 2, kOpLLDispatch, kWaitCredit, me);
@@ -261,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(const LLDispat
     }
     for (int i = count_first; i < counts; i += gridDim.x * blockDim.x) {
       const int dst = i / (L + 1), l = i - dst * (L + 1);
-      if (i != count_first) count = l < L ? a.h.cnt[dst * L + l] : a.h.ndest[dst];
+      if (i != count_first) count = count_of(dst, l);
       ll_counts(s_peers[dst], a, set, me)[l] = count;
     }
     sent(a, 0, epoch);
