@@ -28,6 +28,7 @@ from . import rendezvous
 from .backend import Backend
 from .config import INDEX_DTYPES, PROB_DTYPES, GroupConfig
 from .errors import NcclEpError  # noqa: F401  (re-exported: megatron_nccl_ep.NcclEpError)
+from .handle_lifetime import BackendHandle
 from .ll import InFlight, LLHandle, check_ll_routing
 
 def _resolve_device(device) -> torch.device:
@@ -298,7 +299,7 @@ class Group:
             pass
 
 
-class Handle:
+class Handle(BackendHandle):
     """The routing of one forward pass (one layer, one micro-batch); reused by the backward pass.
 
     ``num_recv_tokens``: rows of this rank's dispatch output. ``tokens_per_expert``: int64 ``[L]``
@@ -308,8 +309,7 @@ class Handle:
     """
 
     def __init__(self, group: Group, state, num_tokens: int, topk: int):
-        self.group, self._state = group, state
-        self.num_tokens, self.topk = num_tokens, topk
+        super().__init__(group, state, num_tokens, topk)
         self._topk_idx = None
         self._num_recv_tokens: Optional[int] = None  # kept once read (also after destroy)
         self._tokens_per_expert: Optional[torch.Tensor] = None
@@ -403,22 +403,6 @@ class Handle:
             "grad_recv_probs", grad_recv_probs, 1, PROB_DTYPES, (self.num_recv_tokens,)))
         return self.group._backend.combine_probs(self._state, grad_recv_probs.contiguous(),
                                                  dense)
-
-    def destroy(self) -> None:
-        if self._state is not None and self.group._backend is not None:
-            self.group._backend.destroy_handle(self._state)
-        self._state = None
-
-    def _require_alive(self) -> None:
-        if self._state is None:
-            raise RuntimeError("this Handle was destroyed")
-        self.group._require_alive()
-
-    def __del__(self):
-        try:
-            self.destroy()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 def run_local_team(groups: "list[Group]", fn, *, prepare=None, timeout_s: float = 300.0) -> list:

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from .config import INDEX_DTYPES, PROB_DTYPES
+from .handle_lifetime import BackendHandle
 
 _KINDS = ("dispatch", "combine")
 _PLURAL = {"dispatch": "dispatches", "combine": "combines"}
@@ -75,13 +76,12 @@ class InFlight:
         del self.pending[kind][handle]
 
 
-class LLHandle:
+class LLHandle(BackendHandle):
     """The routing of one LL step (one layer, one micro-batch): ``topk_idx [T, K]``. Serves one
     dispatch and the matching combine (the latest dispatch's rows are the ones combined)."""
 
     def __init__(self, group, state, num_tokens: int, topk: int):
-        self.group, self._state = group, state
-        self.num_tokens, self.topk = num_tokens, topk
+        super().__init__(group, state, num_tokens, topk)
         self._pending: Optional[str] = None  # the kind sent with send_only, not completed
         self._dispatched = False
 
@@ -179,24 +179,10 @@ class LLHandle:
         self._in_flight().issue(kind, self, send_only)
 
     # -- lifetime ----------------------------------------------------------------------------------
-    def destroy(self) -> None:
-        if self._pending is not None and self.group._backend is not None:
+    def _before_destroy(self) -> None:
+        if self._pending is not None:
             self._in_flight().finish(self._pending, self)
             self._pending = None
-        if self._state is not None and self.group._backend is not None:
-            self.group._backend.destroy_handle(self._state)
-        self._state = None
-
-    def _require_alive(self) -> None:
-        if self._state is None:
-            raise RuntimeError("this LLHandle was destroyed")
-        self.group._require_alive()
-
-    def __del__(self):
-        try:
-            self.destroy()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 def check_ll_routing(group, topk_idx: torch.Tensor) -> None:
