@@ -236,14 +236,13 @@ def routing_case(seed: int, tokens: list, num_experts: int, topk: int, payload_f
         by_rank = all_ranks_rows(partial)
         rounded = [q if payload_fp32 else q.to(torch.bfloat16).float() for q in by_rank]
         assert_rounded_sum(y.view(count, HIDDEN), rounded, [mine_rows] * ep)
-        assert_rounded_sum(want.view(count, HIDDEN), all_ranks_rows(out_theirs),
-                           [mine_rows] * ep)
+        theirs_by_rank = all_ranks_rows(out_theirs)
+        assert_rounded_sum(want.view(count, HIDDEN), theirs_by_rank, [mine_rows] * ep)
         # Against NCCLAllGatherDispatcher's output: both are bf16 roundings (half an ulp each) of
         # sums of the same partials, which differ by the grouped GEMM's fp32 rounding and, with a
         # bf16 payload, by each partial's bf16 rounding (half an ulp of that partial, which can be
         # far larger than the sum's when partials cancel).
-        theirs_terms = torch.stack([q[mine_rows].double() for q in all_ranks_rows(out_theirs)])
-        magnitude = theirs_terms.abs().sum(0)
+        magnitude = torch.stack([q[mine_rows].double() for q in theirs_by_rank]).abs().sum(0)
         per_partial = (torch.finfo(torch.float32).eps * ep if payload_fp32 else 2 ** -8) + 1e-5
         bound = (2 ** -8 * (y.double().abs() + want.double().abs()).view(count, HIDDEN)
                  + per_partial * magnitude + 1e-6 * ep)
