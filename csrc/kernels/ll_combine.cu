@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(const LLCombine
            i += gridDim.x * blockDim.x)
         a.h.weights[i] = cb.w[i];
     sent(a, 1, epoch);
-    arrive(a, kLLCombReady, set);
+    arrive(a, kLLCombReady, set, direct ? kOwnCountOnly : kOwnRelease);
   }
   if (!a.recv) return;
 
@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(const LLCombine
   const int items = a.tokens * nchunks;
   for (int i = blockIdx.x * kWarps + warp; i < items; i += gridDim.x * kWarps)
     Op::recv_item(cb, set, i / nchunks, i % nchunks, lane, direct, s_peers);
-  arrive(a, kLLCombCredit, set);
+  arrive(a, kLLCombCredit, set, kOwnNone);
 }
 
 template <typename T>

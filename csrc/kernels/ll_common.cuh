@@ -12,8 +12,11 @@
  *    barrier): ready flags after the sends, credits after the receives. A waiter needs the
  *    arrivals of all of the peer's CTAs (every CTA of an op is resident: channels x ranks on a
  *    GPU <= its SMs); no CTA counts for the others.
- *  - A rank never waits for its own credit: its ops are ordered on its stream, and at most two
- *    of a kind are in flight (ll.cc), so op i - 2's receive is done before op i's send starts.
+ *  - A rank never waits for its own credit, so none is added: its ops are ordered on its
+ *    stream, and at most two of a kind are in flight (ll.cc), so op i - 2's receive is done
+ *    before op i's send starts.
+ *  - A receive knows each source's message count with its ready flag: the source writes it,
+ *    tagged with the op's epoch, before its sends, and the wait polls both.
  *  - Rows never depend on arrival order or atomics: positions come from the handle's layout (the
  *    sender's per-expert runs, in token order) and the per-source counts; sums run in a fixed
  *    order with one rounding per operation (__fmul_rn / __fadd_rn: never contracted).
@@ -52,6 +55,14 @@ EP_DEVICE unsigned long long* ll_flag(void* base, const LLArgs& a, int kind, int
 EP_DEVICE char* ll_msg(void* base, const LLArgs& a, int set, int src, int j) {
   return reinterpret_cast<char*>(base) + a.win.ll.msg_off +
          (((size_t)set * a.num_ranks + src) * a.max_tokens + j) * a.win.ll.msg_bytes;
+}
+EP_DEVICE unsigned long long* ll_sent(void* base, const LLArgs& a, int set, int src) {
+  return reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(base) +
+                                               a.win.ll.sent_off) +
+         (size_t)set * a.num_ranks + src;
+}
+EP_DEVICE unsigned long long sent_word(unsigned long long epoch, int messages) {
+  return ((unsigned long long)(unsigned)epoch << 32) | (unsigned)messages;
 }
 EP_DEVICE int* ll_counts(void* base, const LLArgs& a, int set, int src) {
   return reinterpret_cast<int*>(reinterpret_cast<char*>(base) + a.win.ll.count_off) +
@@ -119,17 +130,29 @@ EP_DEVICE unsigned long long arrivals(const LLArgs& a, unsigned long long epoch)
   return (unsigned long long)a.win.channels * ((epoch + 1) / 2);
 }
 
-// Waits until *flag reaches `target` arrivals; false once the group stopped (a peer's abort, or
-// this wait's timeout, which stops the group itself). `epoch` names the op in the error.
+// Waits until *flag reaches `target` arrivals and, where `word` is given, until the sent word
+// there names `epoch` (its message count into *messages); false once the group stopped (a
+// peer's abort, or this wait's timeout, which stops the group itself). `epoch` names the op in
+// the error. The word's load goes first, so the flag's acquire does not hold it back: both are
+// in flight together, and a word read before its writer's store is an older epoch's, read again.
 EP_DEVICE bool ll_wait(const unsigned long long* flag, unsigned long long target,
-                       unsigned long long epoch, const LLArgs& a, int peer, int op, int kind) {
-  if (ld_acquire_sys(flag) >= target) return true;
+                       unsigned long long epoch, const LLArgs& a, int peer, int op, int kind,
+                       const unsigned long long* word = nullptr, int* messages = nullptr) {
+  auto ready = [&]() {
+    const unsigned long long w = word != nullptr ? ld_relaxed_sys(word) : 0;
+    if (ld_acquire_sys(flag) < target) return false;
+    if (word == nullptr) return true;
+    if ((unsigned)(w >> 32) != (unsigned)epoch) return false;
+    *messages = (int)(unsigned)w;
+    return true;
+  };
+  if (ready()) return true;
   const unsigned long long* abort_slot =
       reinterpret_cast<const unsigned long long*>(reinterpret_cast<char*>(a.peers[a.rank]) +
                                                   a.win.sync_off) + kAbortSlot;
   const unsigned long long start = global_timer_ns();
   int spins = 0;
-  while (ld_acquire_sys(flag) < target) {
+  while (!ready()) {
     if (++spins < 256) continue;
     spins = 0;
     const unsigned long long by = ld_acquire_sys(abort_slot);
@@ -150,22 +173,35 @@ EP_DEVICE bool ll_wait(const unsigned long long* flag, unsigned long long target
 }
 
 // Threads 0..R-1 (but `skip`) wait for flag `kind` of set `set` from every peer to hold op
-// `epoch`'s arrivals; true in a thread whose wait ended on a stopped group.
+// `epoch`'s arrivals; true in a thread whose wait ended on a stopped group. With `messages`,
+// thread r also waits for source r's sent word of the op and returns its count there.
 EP_DEVICE bool wait_peers(const LLArgs& a, int kind, int set, unsigned long long epoch, int op,
-                          int wait_kind, int skip = -1) {
+                          int wait_kind, int skip = -1, int* messages = nullptr) {
   const int r = threadIdx.x;
-  return r < a.num_ranks && r != skip &&
-         !ll_wait(ll_flag(a.peers[a.rank], a, kind, set, r), arrivals(a, epoch), epoch, a, r, op,
-                  wait_kind);
+  if (r >= a.num_ranks || r == skip) return false;
+  void* mine = a.peers[a.rank];
+  return !ll_wait(ll_flag(mine, a, kind, set, r), arrivals(a, epoch), epoch, a, r, op, wait_kind,
+                  messages != nullptr ? ll_sent(mine, a, set, r) : nullptr, messages);
 }
+
+// How a phase end counts this rank's own slot: as every peer's (a release the receive waits
+// for), as a count only (an arrival no read of this op depends on, which later ops' targets
+// still count: a fused combine's own ready flag), or not at all (a rank's own credit: never
+// waited for).
+enum OwnArrival : int { kOwnRelease, kOwnCountOnly, kOwnNone };
 
 // After a phase's writes, by every thread of every CTA: this CTA's arrival at flag `kind` of set
 // `set` of every peer (this rank's slot). The barrier orders the CTA's writes before each
-// release, which is cumulative over them.
-EP_DEVICE void arrive(const LLArgs& a, int kind, int set) {
-  __syncthreads();
-  if (threadIdx.x < a.num_ranks)
-    red_add_release_sys(ll_flag(a.peers[threadIdx.x], a, kind, set, a.rank), 1ull);
+// release, which is cumulative over them; with no release to make it is left out.
+EP_DEVICE void arrive(const LLArgs& a, int kind, int set, OwnArrival own = kOwnRelease) {
+  const int r = threadIdx.x, me = a.rank;
+  if (a.num_ranks > 1 || own == kOwnRelease) __syncthreads();
+  if (r >= a.num_ranks) return;
+  unsigned long long* flag = ll_flag(a.peers[r], a, kind, set, me);
+  if (r != me || own == kOwnRelease)
+    red_add_release_sys(flag, 1ull);
+  else if (own == kOwnCountOnly)
+    red_add_relaxed_sys(flag, 1ull);
 }
 
 // The op's epoch at its start: a send advances this CTA's own count, a receive-only launch

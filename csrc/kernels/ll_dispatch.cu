@@ -1,8 +1,9 @@
 /*
- * ll_dispatch.cu: the LL dispatch (docs/design.md section 9). Send: each (token, column chunk)
- * loaded once (cast to FP8 per 128 columns with dispatch_fp8) and stored into its message at
- * every destination rank, then the counts and one ready flag per destination. Receive: every
- * source's flag, the rows' offsets from the counts, each (message, chunk) into its rows.
+ * ll_dispatch.cu: the LL dispatch (docs/design.md section 9). Send: each destination's message
+ * count (its sent word), then each (token, column chunk) loaded once (cast to FP8 per 128
+ * columns with dispatch_fp8) and stored into its message at every destination rank, then the
+ * per-expert counts (expert-major) and one ready flag per destination. Receive: every source's
+ * flag and sent word, the rows' offsets from the counts, each (message, chunk) into its rows.
  */
 #include "ll_common.cuh"
 
@@ -235,16 +236,15 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(const LLDispat
   const unsigned long long epoch = op_epoch(a, 0);
   const int set = (int)(epoch & 1);
   if (threadIdx.x < R) s_peers[threadIdx.x] = a.peers[threadIdx.x];
-  // The counts each destination gets, [R][L + 1] over the grid's threads (its tokens per local
-  // expert, then its messages), and this warp's first item, loaded ahead of the checks.
+  // What each destination gets told, loaded ahead of the checks with this warp's first item:
+  // expert-major its tokens per local expert, [R][L] over the grid's threads; from CTA 0's
+  // thread d, destination d's message count (its sent word).
   const int send_items = a.send ? a.tokens * nchunks : 0;
-  const int count_first = blockIdx.x * blockDim.x + threadIdx.x, counts = R * (L + 1);
-  auto count_of = [&](int dst, int l) { return l < L ? a.h.cnt[dst * L + l] : a.h.ndest[dst]; };
-  int count = 0;
-  if (a.send && count_first < counts) {
-    const int dst = count_first / (L + 1);
-    count = count_of(dst, count_first - dst * (L + 1));
-  }
+  const int count_first = blockIdx.x * blockDim.x + threadIdx.x;
+  const int counts = a.send && !a.rank_major ? R * L : 0;
+  int count = count_first < counts ? a.h.cnt[count_first] : 0;
+  const bool tells = a.send && blockIdx.x == 0 && threadIdx.x < R;
+  const int messages = tells ? a.h.ndest[threadIdx.x] : 0;
   int item = blockIdx.x * kWarps + warp;
   typename Op::Loaded loaded;
   if (item < send_items) Op::load_item(d, item / nchunks, item % nchunks, lane, loaded);
@@ -256,27 +256,32 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(const LLDispat
   if (__syncthreads_or(bad)) return poison_dispatch(d);
 
   if (a.send) {
+    if (tells)
+      st_relaxed_sys(ll_sent(s_peers[threadIdx.x], a, set, me), sent_word(epoch, messages));
     for (bool first = true; item < send_items; item += gridDim.x * kWarps, first = false) {
       if (!first) Op::load_item(d, item / nchunks, item % nchunks, lane, loaded);
       Op::send_item(d, set, item / nchunks, item % nchunks, lane, loaded, s_peers);
     }
     for (int i = count_first; i < counts; i += gridDim.x * blockDim.x) {
-      const int dst = i / (L + 1), l = i - dst * (L + 1);
-      if (i != count_first) count = count_of(dst, l);
-      ll_counts(s_peers[dst], a, set, me)[l] = count;
+      const int dst = i / L;
+      if (i != count_first) count = a.h.cnt[i];
+      ll_counts(s_peers[dst], a, set, me)[i - dst * L] = count;
     }
     sent(a, 0, epoch);
     arrive(a, kLLDispReady, set);
   }
   if (!a.recv) return;
 
-  if (__syncthreads_or(wait_peers(a, kLLDispReady, set, epoch, kOpLLDispatch, kWaitReady)))
-    return poison_dispatch(d);
-  if (warp == 0) {  // the sources' first message indices: a scan of their counts
+  int received = 0;  // thread s: source s's messages
+  const bool stopped =
+      wait_peers(a, kLLDispReady, set, epoch, kOpLLDispatch, kWaitReady, -1, &received);
+  if (threadIdx.x < R) s_moff[threadIdx.x] = received;
+  if (__syncthreads_or(stopped)) return poison_dispatch(d);
+  if (warp == 0) {  // the sources' first message indices: a scan of their counts, in place
     int run = 0;
     for (int s0 = 0; s0 < R; s0 += 32) {
       const int s = s0 + lane;
-      const int n = s < R ? __ldcg(ll_counts(s_peers[me], a, set, s) + L) : 0;
+      const int n = s < R ? s_moff[s] : 0;
       int incl = n;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
@@ -318,7 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(const LLDispat
       if (d.recv_topk_w != nullptr) d.recv_topk_w[i] = 0.f;
     }
   }
-  arrive(a, kLLDispCredit, set);
+  arrive(a, kLLDispCredit, set, kOwnNone);
 }
 
 template <typename T, bool kFp8>

@@ -110,8 +110,11 @@ struct ChannelFlags {
 // kLLCombCredit[b][s] (source s consumed its combine set b); in the source's window
 // kLLDispCredit[b][d] (d consumed its dispatch set b) and kLLCombReady[b][d] (d's combine rows
 // for this source are in set b). Then, per set b:
-//   counts   int32 [2][R][count_stride]: source s's tokens per local expert of this rank, then
-//            (at [L]) its messages to this rank
+//   sent     u64 [2][R]: (epoch << 32) | the messages source s sent this rank in set b's latest
+//            dispatch, written before its sends: a receiver polls it with the ready flag (in
+//            flight together) and takes it once its epoch is the op's
+//   counts   int32 [2][R][count_stride]: source s's tokens per local expert of this rank
+//            (expert-major only)
 //   messages [2][R][Tmax] of msg_bytes: header (LLHeader + ids, positions, weights [Kmax]) and
 //            the payload (token row, or FP8 row + its scales)
 //   combine  [2][Tmax][Kmax] rows of comb_row bytes, at the source
@@ -131,11 +134,11 @@ struct LLHeader {
 };
 
 struct LLWindow {
-  size_t flag_off, count_off, msg_off, comb_off;
+  size_t flag_off, sent_off, count_off, msg_off, comb_off;
   size_t msg_bytes;   // header + payload, a multiple of 16
   size_t hdr_bytes;   // LLHeader and its three [Kmax] arrays, rounded up to 16
   size_t comb_row;    // bytes of a combine row (hidden x token element), rounded up to 16
-  int count_stride;   // local experts + 1 (the message count), rounded up to 4
+  int count_stride;   // local experts, rounded up to 4
   int max_tokens;     // T_max
 };
 

@@ -69,7 +69,7 @@ static WindowLayout plan_ll_window(const ncclEpGroupConfig_t& c, int nranks) {
   w.channels = default_channels(c);
   LLWindow& l = w.ll;
   l.max_tokens = c.max_tokens_per_rank;
-  l.count_stride = (int)align_up((size_t)(c.num_experts / nranks) + 1, 4);
+  l.count_stride = (int)align_up((size_t)(c.num_experts / nranks), 4);
   l.hdr_bytes = align_up(sizeof(LLHeader) + 3 * sizeof(int) * Km, 16);
   const size_t payload = c.dispatch_fp8 ? H + H / kFp8Block * sizeof(float) : H * elt;
   l.msg_bytes = l.hdr_bytes + align_up(payload, 16);
@@ -79,6 +79,8 @@ static WindowLayout plan_ll_window(const ncclEpGroupConfig_t& c, int nranks) {
   o += kSyncBytes;
   l.flag_off = o;
   o = align_up(o + sizeof(unsigned long long) * kLLFlagKinds * 2 * R, 256);
+  l.sent_off = o;
+  o = align_up(o + sizeof(unsigned long long) * 2 * R, 256);
   l.count_off = o;
   o = align_up(o + sizeof(int) * 2 * R * l.count_stride, 256);
   l.msg_off = o;
