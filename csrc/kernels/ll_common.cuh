@@ -9,7 +9,8 @@
  *  - Work items are (message, column chunk): a row is split into chunks of kChunkGroups packs of
  *    8 elements, so that a few tokens still spread over every warp of the grid.
  *  - A phase ends with every CTA's arrival at each peer's flag (a release add of 1, after a
- *    barrier): ready flags after the sends, credits after the receives. A waiter needs the
+ *    barrier; a rank's own slot as OwnArrival says): ready flags after the sends, credits
+ *    after the receives. A waiter needs the
  *    arrivals of all of the peer's CTAs (every CTA of an op is resident: channels x ranks on a
  *    GPU <= its SMs); no CTA counts for the others.
  *  - A rank never waits for its own credit, so none is added: its ops are ordered on its
@@ -56,12 +57,12 @@ EP_DEVICE char* ll_msg(void* base, const LLArgs& a, int set, int src, int j) {
   return reinterpret_cast<char*>(base) + a.win.ll.msg_off +
          (((size_t)set * a.num_ranks + src) * a.max_tokens + j) * a.win.ll.msg_bytes;
 }
-EP_DEVICE unsigned long long* ll_sent(void* base, const LLArgs& a, int set, int src) {
+EP_DEVICE unsigned long long* ll_count_word(void* base, const LLArgs& a, int set, int src) {
   return reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(base) +
-                                               a.win.ll.sent_off) +
+                                               a.win.ll.count_word_off) +
          (size_t)set * a.num_ranks + src;
 }
-EP_DEVICE unsigned long long sent_word(unsigned long long epoch, int messages) {
+EP_DEVICE unsigned long long count_word(unsigned long long epoch, int messages) {
   return ((unsigned long long)(unsigned)epoch << 32) | (unsigned)messages;
 }
 EP_DEVICE int* ll_counts(void* base, const LLArgs& a, int set, int src) {
@@ -130,11 +131,13 @@ EP_DEVICE unsigned long long arrivals(const LLArgs& a, unsigned long long epoch)
   return (unsigned long long)a.win.channels * ((epoch + 1) / 2);
 }
 
-// Waits until *flag reaches `target` arrivals and, where `word` is given, until the sent word
+// Waits until *flag reaches `target` arrivals and, where `word` is given, until the count word
 // there names `epoch` (its message count into *messages); false once the group stopped (a
 // peer's abort, or this wait's timeout, which stops the group itself). `epoch` names the op in
 // the error. The word's load goes first, so the flag's acquire does not hold it back: both are
-// in flight together, and a word read before its writer's store is an older epoch's, read again.
+// in flight together. A word read before its writer's store names an older epoch; the next
+// read follows the acquire that saw the writer's release (its CTA 0 stores the word before its
+// arrival), so it holds the op's.
 EP_DEVICE bool ll_wait(const unsigned long long* flag, unsigned long long target,
                        unsigned long long epoch, const LLArgs& a, int peer, int op, int kind,
                        const unsigned long long* word = nullptr, int* messages = nullptr) {
@@ -174,14 +177,14 @@ EP_DEVICE bool ll_wait(const unsigned long long* flag, unsigned long long target
 
 // Threads 0..R-1 (but `skip`) wait for flag `kind` of set `set` from every peer to hold op
 // `epoch`'s arrivals; true in a thread whose wait ended on a stopped group. With `messages`,
-// thread r also waits for source r's sent word of the op and returns its count there.
+// thread r also waits for source r's count word of the op and returns its count there.
 EP_DEVICE bool wait_peers(const LLArgs& a, int kind, int set, unsigned long long epoch, int op,
                           int wait_kind, int skip = -1, int* messages = nullptr) {
   const int r = threadIdx.x;
   if (r >= a.num_ranks || r == skip) return false;
   void* mine = a.peers[a.rank];
   return !ll_wait(ll_flag(mine, a, kind, set, r), arrivals(a, epoch), epoch, a, r, op, wait_kind,
-                  messages != nullptr ? ll_sent(mine, a, set, r) : nullptr, messages);
+                  messages != nullptr ? ll_count_word(mine, a, set, r) : nullptr, messages);
 }
 
 // How a phase end counts this rank's own slot: as every peer's (a release the receive waits

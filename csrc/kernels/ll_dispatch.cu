@@ -1,9 +1,9 @@
 /*
  * ll_dispatch.cu: the LL dispatch (docs/design.md section 9). Send: each destination's message
- * count (its sent word), then each (token, column chunk) loaded once (cast to FP8 per 128
+ * count (its count word), then each (token, column chunk) loaded once (cast to FP8 per 128
  * columns with dispatch_fp8) and stored into its message at every destination rank, then the
  * per-expert counts (expert-major) and one ready flag per destination. Receive: every source's
- * flag and sent word, the rows' offsets from the counts, each (message, chunk) into its rows.
+ * flag and count word, the rows' offsets from the counts, each (message, chunk) into its rows.
  */
 #include "ll_common.cuh"
 
@@ -238,13 +238,13 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(const LLDispat
   if (threadIdx.x < R) s_peers[threadIdx.x] = a.peers[threadIdx.x];
   // What each destination gets told, loaded ahead of the checks with this warp's first item:
   // expert-major its tokens per local expert, [R][L] over the grid's threads; from CTA 0's
-  // thread d, destination d's message count (its sent word).
+  // thread d, destination d's message count (its count word).
   const int send_items = a.send ? a.tokens * nchunks : 0;
   const int count_first = blockIdx.x * blockDim.x + threadIdx.x;
   const int counts = a.send && !a.rank_major ? R * L : 0;
   int count = count_first < counts ? a.h.cnt[count_first] : 0;
-  const bool tells = a.send && blockIdx.x == 0 && threadIdx.x < R;
-  const int messages = tells ? a.h.ndest[threadIdx.x] : 0;
+  const bool announces = a.send && blockIdx.x == 0 && threadIdx.x < R;
+  const int messages = announces ? a.h.ndest[threadIdx.x] : 0;
   int item = blockIdx.x * kWarps + warp;
   typename Op::Loaded loaded;
   if (item < send_items) Op::load_item(d, item / nchunks, item % nchunks, lane, loaded);
@@ -256,8 +256,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(const LLDispat
   if (__syncthreads_or(bad)) return poison_dispatch(d);
 
   if (a.send) {
-    if (tells)
-      st_relaxed_sys(ll_sent(s_peers[threadIdx.x], a, set, me), sent_word(epoch, messages));
+    if (announces)
+      st_relaxed_sys(ll_count_word(s_peers[threadIdx.x], a, set, me), count_word(epoch, messages));
     for (bool first = true; item < send_items; item += gridDim.x * kWarps, first = false) {
       if (!first) Op::load_item(d, item / nchunks, item % nchunks, lane, loaded);
       Op::send_item(d, set, item / nchunks, item % nchunks, lane, loaded, s_peers);
@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(const LLDispat
       ll_counts(s_peers[dst], a, set, me)[i - dst * L] = count;
     }
     sent(a, 0, epoch);
-    arrive(a, kLLDispReady, set);
+    arrive(a, kLLDispReady, set, kOwnRelease);
   }
   if (!a.recv) return;
 

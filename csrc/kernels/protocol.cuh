@@ -105,13 +105,16 @@ struct ChannelFlags {
 
 // LL groups (docs/design.md section 9): the window past the sync area. Flags u64
 // [kLLFlagKinds][2 sets][R], each a count of arrivals: every CTA of a phase adds 1 to the flag
-// of each peer it worked for, so set b's flag from rank p holds channels x (p's set-b ops done).
+// of each peer it worked for, so set b's flag from rank p holds channels x (p's set-b ops done);
+// a rank's own slot of a credit flag gets no adds (it is never waited for), and its own combine
+// ready slot a relaxed add from a fused combine (ll_common.cuh, OwnArrival).
 // In the receiver's window kLLDispReady[b][s] (source s's dispatch sends of set b are in) and
 // kLLCombCredit[b][s] (source s consumed its combine set b); in the source's window
 // kLLDispCredit[b][d] (d consumed its dispatch set b) and kLLCombReady[b][d] (d's combine rows
 // for this source are in set b). Then, per set b:
-//   sent     u64 [2][R]: (epoch << 32) | the messages source s sent this rank in set b's latest
-//            dispatch, written before its sends: a receiver polls it with the ready flag (in
+//   count words u64 [2][R]: (epoch << 32) | the messages source s sent this rank in set b's
+//            latest dispatch, written after the source's credit wait (so op epoch - 2's receive
+//            has read it) and before its sends: a receiver polls it with the ready flag (in
 //            flight together) and takes it once its epoch is the op's
 //   counts   int32 [2][R][count_stride]: source s's tokens per local expert of this rank
 //            (expert-major only)
@@ -134,7 +137,7 @@ struct LLHeader {
 };
 
 struct LLWindow {
-  size_t flag_off, sent_off, count_off, msg_off, comb_off;
+  size_t flag_off, count_word_off, count_off, msg_off, comb_off;
   size_t msg_bytes;   // header + payload, a multiple of 16
   size_t hdr_bytes;   // LLHeader and its three [Kmax] arrays, rounded up to 16
   size_t comb_row;    // bytes of a combine row (hidden x token element), rounded up to 16

@@ -58,8 +58,8 @@ int default_channels(const ncclEpGroupConfig_t& c) {
   return c.num_sms > 0 ? c.num_sms : kDefaultSms;
 }
 
-// LL (protocol.cuh, LLWindow): sync area, flags, counts, two sets of R x T_max messages and of
-// T_max x max_topk combine rows. The HT fields stay 0.
+// LL (protocol.cuh, LLWindow): sync area, flags, count words, per-expert counts (expert-major),
+// two sets of R x T_max messages and of T_max x max_topk combine rows. The HT fields stay 0.
 static WindowLayout plan_ll_window(const ncclEpGroupConfig_t& c, int nranks) {
   WindowLayout w{};
   const size_t elt = dtype_bytes(c.token_dtype), H = c.hidden, R = nranks;
@@ -79,10 +79,11 @@ static WindowLayout plan_ll_window(const ncclEpGroupConfig_t& c, int nranks) {
   o += kSyncBytes;
   l.flag_off = o;
   o = align_up(o + sizeof(unsigned long long) * kLLFlagKinds * 2 * R, 256);
-  l.sent_off = o;
+  l.count_word_off = o;
   o = align_up(o + sizeof(unsigned long long) * 2 * R, 256);
   l.count_off = o;
-  o = align_up(o + sizeof(int) * 2 * R * l.count_stride, 256);
+  if (c.layout != ncclEpLayoutRankMajor)
+    o = align_up(o + sizeof(int) * 2 * R * l.count_stride, 256);
   l.msg_off = o;
   o = align_up(o + 2 * R * Tm * l.msg_bytes, 256);
   l.comb_off = o;
