@@ -9,10 +9,9 @@
  *  - Work items are (message, column chunk): a row is split into chunks of kChunkGroups packs of
  *    8 elements, so that a few tokens still spread over every warp of the grid.
  *  - A phase ends with every CTA's arrival at each peer's flag (a release add of 1, after a
- *    barrier; a rank's own slot as OwnArrival says): ready flags after the sends, credits
- *    after the receives. A waiter needs the
- *    arrivals of all of the peer's CTAs (every CTA of an op is resident: channels x ranks on a
- *    GPU <= its SMs); no CTA counts for the others.
+ *    barrier; a rank's own slot as OwnArrival says): ready flags after the sends, credits after
+ *    the receives. A waiter needs the arrivals of all of the peer's CTAs (every CTA of an op is
+ *    resident: channels x ranks on a GPU <= its SMs); no CTA counts for the others.
  *  - A rank never waits for its own credit, so none is added: its ops are ordered on its
  *    stream, and at most two of a kind are in flight (ll.cc), so op i - 2's receive is done
  *    before op i's send starts.
@@ -196,7 +195,7 @@ enum OwnArrival : int { kOwnRelease, kOwnCountOnly, kOwnNone };
 // After a phase's writes, by every thread of every CTA: this CTA's arrival at flag `kind` of set
 // `set` of every peer (this rank's slot). The barrier orders the CTA's writes before each
 // release, which is cumulative over them; with no release to make it is left out.
-EP_DEVICE void arrive(const LLArgs& a, int kind, int set, OwnArrival own = kOwnRelease) {
+EP_DEVICE void arrive(const LLArgs& a, int kind, int set, OwnArrival own) {
   const int r = threadIdx.x, me = a.rank;
   if (a.num_ranks > 1 || own == kOwnRelease) __syncthreads();
   if (r >= a.num_ranks) return;
