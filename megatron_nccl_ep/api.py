@@ -194,6 +194,12 @@ class Group:
             groups.append(group)
         return groups
 
+    @property
+    def is_local_team(self) -> bool:
+        """True for a member of a ``local_team`` of two or more ranks: its collective calls pass
+        the team's gate, so every rank's calls must come from that rank's own thread."""
+        return self.process_group is None and self.world_size > 1
+
     def info(self) -> dict:
         """What the backend allocated and chose (the cuda backend: staging bytes, channels,
         chunk, depth, ranks per node); an empty dict for the reference backend."""
@@ -409,12 +415,14 @@ def run_local_team(groups: "list[Group]", fn, *, prepare=None, timeout_s: float 
     """Runs ``fn(rank, group)`` for every member of a ``Group.local_team`` at once, each rank on
     its own thread and CUDA stream, and returns the results by rank.
 
-    The ranks' kernels wait for each other inside this process, so nothing may wait for the whole
-    device while a rank is inside a call, and an allocation that reaches ``cudaMalloc`` can.
-    ``prepare(rank, group)`` runs on the rank's stream before the ranks meet for their first
-    call: take the stream's memory there (the caching allocator keeps freed blocks per stream,
-    so later tensors of that stream come from its cache). Raises RuntimeError naming the ranks
-    still running after ``timeout_s``, else the lowest failing rank (its exception chained)."""
+    The members' collective calls pass the team's gate (docs/cuda_backend.md, local teams): a
+    rank's call returns once every rank has enqueued that call, so between calls ``fn`` may do
+    anything, including waits for the whole device. Autograd's backward runs on the rank's
+    thread (``torch.autograd.set_multithreading_enabled(False)``): autograd's worker thread is
+    shared by every rank of the GPU, and the ranks' backward calls would wait there for each
+    other. ``prepare(rank, group)`` runs on the rank's stream before the ranks meet for their
+    first call (NaN-poisoning its memory, say). Raises RuntimeError naming the ranks still
+    running after ``timeout_s``, else the lowest failing rank (its exception chained)."""
     device = groups[0].device
     results, errors = [None] * len(groups), [None] * len(groups)
     meet = threading.Barrier(len(groups))
@@ -423,7 +431,7 @@ def run_local_team(groups: "list[Group]", fn, *, prepare=None, timeout_s: float 
         torch.cuda.set_device(device)
         stream = torch.cuda.Stream(device)
         try:
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), torch.autograd.set_multithreading_enabled(False):
                 if prepare is not None:
                     prepare(rank, groups[rank])
                 meet.wait(timeout=timeout_s)

@@ -6,11 +6,14 @@
 
 The Function's context holds the Handle, so the handle lives exactly as long as the autograd graph
 that needs it. Every rank runs the same collectives in the same order: gradients are materialized
-(zeros) rather than skipped, so no rank skips a collective its peers enter.
+(zeros) rather than skipped, so no rank skips a collective its peers enter. A local team's
+backward must run on the thread of its forward (``run_local_team`` arranges it): autograd's
+worker thread, shared by every rank of a GPU, would make the ranks' calls wait for each other.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -18,11 +21,23 @@ import torch
 from .api import Handle
 
 
+def _check_backward_thread(ctx) -> None:
+    """A local team's backward on another thread than its forward: refused, naming the fix,
+    before any rank waits at the team's gate for calls that the shared thread never makes."""
+    if ctx.handle.group.is_local_team and threading.get_ident() != ctx.thread:
+        raise RuntimeError(
+            "the backward of a local team's dispatch or combine runs on another thread than its "
+            "forward (autograd's worker thread, which every rank of the GPU shares, so the "
+            "ranks' collective calls would wait for each other there): run backward() inside "
+            "run_local_team, or on each rank's thread under "
+            "torch.autograd.set_multithreading_enabled(False)")
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, handle: Handle, x: torch.Tensor, probs: Optional[torch.Tensor],
                 dense: Optional[bool]):
-        ctx.handle = handle
+        ctx.handle, ctx.thread = handle, threading.get_ident()
         ctx.has_probs = probs is not None
         if dense is None:
             dense = probs is not None and handle.probs_are_dense(probs)
@@ -32,6 +47,7 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_probs):
+        _check_backward_thread(ctx)
         grad_x = ctx.handle.combine(grad_recv_x)
         grad_probs = None
         if ctx.has_probs:  # [T, K], or [T, E] (zero where unrouted) for dense probs
@@ -42,11 +58,12 @@ class _Dispatch(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, handle: Handle, expert_out: torch.Tensor):
-        ctx.handle = handle
+        ctx.handle, ctx.thread = handle, threading.get_ident()
         return handle.combine(expert_out)
 
     @staticmethod
     def backward(ctx, grad_y):
+        _check_backward_thread(ctx)
         grad_expert_out, _ = ctx.handle.dispatch(grad_y.contiguous(), None)
         return None, grad_expert_out
 

@@ -407,5 +407,5 @@ PYBIND11_MODULE(_C, m) {
       [](uintptr_t handle, uintptr_t stream) {
         check(ncclEpComplete(as_ptr<ncclEpHandle>(handle), as_stream(stream)), "ncclEpComplete");
       },
-      py::arg("handle"), py::arg("stream"));
+      py::arg("handle"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
 }

@@ -275,14 +275,17 @@ ncclResult_t ncclEpCreateGroup(ncclEpGroup_t* group, ncclComm_t comm,
 /* A whole group of nranks ranks inside this process, on the current device, without NCCL:
  * groups[r] is rank r, and the ranks reach each other's windows through plain device memory.
  * For development and tests on one GPU (every device code path of a one-node multi-rank group
- * runs). Each rank needs its own non-blocking stream and, since exact-mode calls wait for the
- * peers, its own host thread; nranks x the SM budget must fit on the GPU (every CTA must be
- * resident at once), and the streams must reach the GPU on separate hardware queues: set
- * CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts (at least 2 x nranks is checked). While one
- * rank is inside a collective call, no thread may do what waits for the whole device (a
- * blocking-stream or legacy-stream copy, cudaDeviceSynchronize, cudaFree, a device or pinned
- * allocation may): allocate first. Destroy every member; the windows are freed with the last
- * one. */
+ * runs). Each rank needs its own host thread and non-blocking stream; nranks x the SM budget
+ * must fit on the GPU (every CTA must be resident at once), and the streams must reach the GPU on
+ * separate hardware queues: set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts (at least 2 x
+ * nranks is checked). The members' collective calls (HT handle creation, dispatch, combine,
+ * combine of the weights; LL dispatch, combine, complete) pass a host gate: a call enqueues
+ * nothing before every member entered it and returns only when every member has enqueued it
+ * (ncclSystemError naming the missing ranks after timeout_ms). So between calls a thread may do
+ * anything, waits for the whole device included (lazy kernel loads, allocations, cudaFree,
+ * synchronizations). A CUDA graph replays its captured calls without the gate: replay every
+ * rank's graph between two meetings of the ranks' threads. Destroy every member; the windows
+ * are freed with the last one. */
 ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
                                    const ncclEpGroupConfig_t* config, cudaStream_t stream);
 /* What the group allocated and chose (staging sizes, channels). Not collective. */

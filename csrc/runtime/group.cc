@@ -203,10 +203,12 @@ ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGrou
 // Two words (internal.h): the kernels' first, it names the token or peer, unless it only echoes
 // the watchdog's stop (the latch kernel stops the group with this rank as origin, so the next
 // kernels record a peer abort naming this rank itself).
+// A local team's stopped gate (team_gate.h) comes last: a device-side error names its cause.
 ncclResult_t check_group_errors(ncclEpGroup* g) {
   const bool device = __atomic_load_n(&g->h_err->code, __ATOMIC_ACQUIRE) != kErrNone;
   const bool host = __atomic_load_n(&g->h_stop->code, __ATOMIC_ACQUIRE) != kErrNone;
-  if (!device && !host) return ncclSuccess;
+  if (!device && !host)
+    return g->team != nullptr && g->team->gate != nullptr ? g->team->gate->check() : ncclSuccess;
   ErrorInfo word;
   memcpy(&word, device ? g->h_err : g->h_stop, sizeof(word));
   if (device && host && word.code == kErrPeerAbort && word.token == g->node_rank)
@@ -277,6 +279,7 @@ extern "C" ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
   team->free_fn = config->free_fn;
   team->alloc_ctx = config->alloc_ctx;
   team->windows.assign(nranks, nullptr);
+  if (nranks > 1) team->gate = std::make_unique<TeamGate>(nranks);
   ncclResult_t res = ncclSuccess;
   for (int r = 0; r < nranks && res == ncclSuccess; ++r) {
     ncclEpGroup* g = new ncclEpGroup();

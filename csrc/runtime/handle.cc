@@ -224,18 +224,9 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   return ncclSuccess;
 }
 
-}  // namespace nccl_ep
-
-using namespace nccl_ep;
-
-extern "C" ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t group,
-                                           const ncclEpTensor_t* routing,
-                                           const ncclEpOpConfig_t* config, cudaStream_t stream) {
-  EP_CHECK(handle != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: handle is NULL");
-  *handle = nullptr;
-  EP_CHECK(group != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: group is NULL");
-  EP_CHECK(routing != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: routing is NULL");
-  EP_RETURN_IF(check_op_config(config, "ncclEpCreateHandle"));
+// A new handle of `group` from `routing`, or an error with nothing left behind.
+static ncclResult_t new_handle(ncclEpHandle_t* handle, ncclEpGroup_t group,
+                               const ncclEpTensor_t* routing, cudaStream_t stream) {
   // A group that spans nodes makes its NCCL calls also after a device-side error
   // (DeferredError) and returns the error after them.
   DeferredError sticky;
@@ -260,6 +251,30 @@ extern "C" ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t
   }
   *handle = h;
   return ncclSuccess;
+}
+
+}  // namespace nccl_ep
+
+using namespace nccl_ep;
+
+extern "C" ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t group,
+                                           const ncclEpTensor_t* routing,
+                                           const ncclEpOpConfig_t* config, cudaStream_t stream) {
+  EP_CHECK(handle != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: handle is NULL");
+  *handle = nullptr;
+  EP_CHECK(group != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: group is NULL");
+  EP_CHECK(routing != nullptr, ncclInvalidArgument, "ncclEpCreateHandle: routing is NULL");
+  EP_RETURN_IF(check_op_config(config, "ncclEpCreateHandle"));
+  // An LL handle is made without communication; an HT handle's creation is collective. Its slot
+  // exists before a local team's gate: a new slot is a device allocation, which may wait for
+  // the whole device, so it never happens between the gate's meetings (team_gate.h).
+  if (is_ll(group)) return new_handle(handle, group, routing, stream);
+  {
+    std::lock_guard<std::mutex> lock(group->mu);
+    EP_RETURN_IF(reserve_slot(group));
+  }
+  return gated_call(group, "handle creation",
+                    [&] { return new_handle(handle, group, routing, stream); });
 }
 
 extern "C" ncclResult_t ncclEpHandleDestroy(ncclEpHandle_t handle) {

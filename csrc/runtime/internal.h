@@ -21,15 +21,18 @@
 #include "../kernels/api.cuh"
 #include "buffer_plan.h"
 #include "errors.h"
+#include "team_gate.h"
 
 namespace nccl_ep {
 
 struct HandleSlot;    // pool.h
 class NcclWatchdog;   // watchdog.h
 
-// Windows of a local team (ncclEpCreateLocalTeam): freed when the last member goes.
+// Windows of a local team (ncclEpCreateLocalTeam): freed when the last member goes. A team of
+// several members has a gate that its collective calls pass (team_gate.h).
 struct LocalTeam {
   std::vector<void*> windows;
+  std::unique_ptr<TeamGate> gate;
   ncclEpAllocFn_t alloc_fn = nullptr;
   ncclEpFreeFn_t free_fn = nullptr;
   void* alloc_ctx = nullptr;
@@ -144,6 +147,20 @@ void close_window(ncclEpGroup* g);
 ncclResult_t check_group_errors(ncclEpGroup* g);
 // The handle-creation barrier; `call` is its call_signature().
 ncclResult_t barrier(ncclEpGroup* g, unsigned call, cudaStream_t stream);
+
+// A collective call of group g: `body` (its checks and launches) between the two meetings of a
+// local team's gate (team_gate.h); on any other group, `body` alone. `call` names it in errors.
+template <class Body>
+ncclResult_t gated_call(ncclEpGroup* g, const char* call, Body&& body) {
+  TeamGate* gate = g->team != nullptr ? g->team->gate.get() : nullptr;
+  if (gate == nullptr) return body();
+  EP_RETURN_IF(gate->meet(g->rank, call, g->cfg.timeout_ms, false));
+  const ncclResult_t res = body();
+  // Whatever the body did, this member leaves with the others. If it failed before enqueuing,
+  // its peers' kernels time out on the device naming it, as across processes.
+  const ncclResult_t left = gate->meet(g->rank, call, g->cfg.timeout_ms, res != ncclSuccess);
+  return res != ncclSuccess ? res : left;
+}
 
 // handle.cc
 ncclResult_t check_op_config(const ncclEpOpConfig_t* config, const char* fn);

@@ -81,7 +81,6 @@ int send_warps(OpKind op, int num_ranks) {
 // their outputs, and no rail peer is left waiting for this rank's messages.
 ncclResult_t check_entry(ncclEpHandle_t handle, const ncclEpOpConfig_t* config, const char* fn,
                          DeferredError* sticky) {
-  EP_CHECK(handle != nullptr, ncclInvalidArgument, "%s: handle is NULL", fn);
   EP_RETURN_IF(check_op_config(config, fn));
   if (handle->group->num_nodes == 1) {
     EP_RETURN_IF(check_group_errors(handle->group));
@@ -137,13 +136,12 @@ ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, int prob_bytes, boo
 
 using namespace nccl_ep;
 
-extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispatchInputs_t* inputs,
-                                       ncclEpDispatchOutputs_t* outputs,
-                                       const ncclEpOpConfig_t* config, cudaStream_t stream) {
-  EP_CHECK(handle == nullptr || (inputs != nullptr && outputs != nullptr), ncclInvalidArgument,
-           "ncclEpDispatch: inputs or outputs is NULL");
-  if (handle != nullptr && is_ll(handle->group))  // ll_: docs/design.md section 9
-    return ll_dispatch(handle, inputs, outputs, config, stream);
+namespace {
+
+// The HT ops behind the entry points below (LL: ll.cc), inside a local team's gate.
+ncclResult_t ht_dispatch(ncclEpHandle_t handle, const ncclEpDispatchInputs_t* inputs,
+                         ncclEpDispatchOutputs_t* outputs, const ncclEpOpConfig_t* config,
+                         cudaStream_t stream) {
   DeferredError sticky;
   EP_RETURN_IF(check_entry(handle, config, "ncclEpDispatch", &sticky));
   ncclEpGroup* g = handle->group;
@@ -180,13 +178,9 @@ extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispat
   return ncclSuccess;
 }
 
-extern "C" ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombineInputs_t* inputs,
-                                      ncclEpCombineOutputs_t* outputs,
-                                      const ncclEpOpConfig_t* config, cudaStream_t stream) {
-  EP_CHECK(handle == nullptr || (inputs != nullptr && outputs != nullptr), ncclInvalidArgument,
-           "ncclEpCombine: inputs or outputs is NULL");
-  if (handle != nullptr && is_ll(handle->group))  // ll_: docs/design.md section 9
-    return ll_combine(handle, inputs, outputs, config, stream);
+ncclResult_t ht_combine(ncclEpHandle_t handle, const ncclEpCombineInputs_t* inputs,
+                        ncclEpCombineOutputs_t* outputs, const ncclEpOpConfig_t* config,
+                        cudaStream_t stream) {
   DeferredError sticky;
   EP_RETURN_IF(check_entry(handle, config, "ncclEpCombine", &sticky));
   ncclEpGroup* g = handle->group;
@@ -208,11 +202,9 @@ extern "C" ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombine
   return ncclSuccess;
 }
 
-extern "C" ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
-                                                 const ncclEpTensor_t* grad_recv_topk_weights,
-                                                 ncclEpTensor_t* grad_topk_weights,
-                                                 cudaStream_t stream) {
-  if (handle != nullptr) EP_RETURN_IF(check_ht_handle(handle, "ncclEpCombineTopkWeights"));
+ncclResult_t ht_combine_probs(ncclEpHandle_t handle,
+                              const ncclEpTensor_t* grad_recv_topk_weights,
+                              ncclEpTensor_t* grad_topk_weights, cudaStream_t stream) {
   DeferredError sticky;
   EP_RETURN_IF(check_entry(handle, nullptr, "ncclEpCombineTopkWeights", &sticky));
   EP_CHECK(grad_recv_topk_weights != nullptr && grad_topk_weights != nullptr,
@@ -240,4 +232,41 @@ extern "C" ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
   }
   EP_CUDA(launch_combine_probs(a, stream));
   return ncclSuccess;
+}
+
+}  // namespace
+
+extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispatchInputs_t* inputs,
+                                       ncclEpDispatchOutputs_t* outputs,
+                                       const ncclEpOpConfig_t* config, cudaStream_t stream) {
+  EP_CHECK(handle != nullptr, ncclInvalidArgument, "ncclEpDispatch: handle is NULL");
+  EP_CHECK(inputs != nullptr && outputs != nullptr, ncclInvalidArgument,
+           "ncclEpDispatch: inputs or outputs is NULL");
+  if (is_ll(handle->group))  // ll_: docs/design.md section 9
+    return ll_dispatch(handle, inputs, outputs, config, stream);
+  return gated_call(handle->group, "dispatch",
+                    [&] { return ht_dispatch(handle, inputs, outputs, config, stream); });
+}
+
+extern "C" ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombineInputs_t* inputs,
+                                      ncclEpCombineOutputs_t* outputs,
+                                      const ncclEpOpConfig_t* config, cudaStream_t stream) {
+  EP_CHECK(handle != nullptr, ncclInvalidArgument, "ncclEpCombine: handle is NULL");
+  EP_CHECK(inputs != nullptr && outputs != nullptr, ncclInvalidArgument,
+           "ncclEpCombine: inputs or outputs is NULL");
+  if (is_ll(handle->group))  // ll_: docs/design.md section 9
+    return ll_combine(handle, inputs, outputs, config, stream);
+  return gated_call(handle->group, "combine",
+                    [&] { return ht_combine(handle, inputs, outputs, config, stream); });
+}
+
+extern "C" ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
+                                                 const ncclEpTensor_t* grad_recv_topk_weights,
+                                                 ncclEpTensor_t* grad_topk_weights,
+                                                 cudaStream_t stream) {
+  EP_CHECK(handle != nullptr, ncclInvalidArgument, "ncclEpCombineTopkWeights: handle is NULL");
+  EP_RETURN_IF(check_ht_handle(handle, "ncclEpCombineTopkWeights"));
+  return gated_call(handle->group, "combine_probs", [&] {
+    return ht_combine_probs(handle, grad_recv_topk_weights, grad_topk_weights, stream);
+  });
 }

@@ -145,6 +145,14 @@ ncclResult_t acquire_slot(ncclEpGroup* g, HandleSlot** out) {
   return ncclSuccess;
 }
 
+ncclResult_t reserve_slot(ncclEpGroup* g) {
+  if (!g->free_slots.empty()) return ncclSuccess;
+  HandleSlot* s = nullptr;
+  EP_RETURN_IF(acquire_slot(g, &s));
+  release_slot(g, s);
+  return ncclSuccess;
+}
+
 void release_slot(ncclEpGroup* g, HandleSlot* slot) {
   if (slot != nullptr) g->free_slots.push_back(slot);
 }

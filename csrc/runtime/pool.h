@@ -57,6 +57,8 @@ ncclResult_t alloc_device(ncclEpGroup* g, void** ptr, size_t bytes);
 void free_device(ncclEpGroup* g, void* ptr);
 // A free slot of the pool, or a new one.
 ncclResult_t acquire_slot(ncclEpGroup* g, HandleSlot** out);
+// Makes sure the next acquire_slot allocates nothing (a free slot exists). Caller holds g->mu.
+ncclResult_t reserve_slot(ncclEpGroup* g);
 void release_slot(ncclEpGroup* g, HandleSlot* slot);
 void free_slots(ncclEpGroup* g);  // every slot of the group (group destroy)
 size_t slot_device_bytes(const ncclEpGroup* g);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU script (docs/gpu_tests.md: stages, outputs, time limits, environment). From the
 # repository root of a GPU machine:
-#   bash tests/gpu/run.sh [build] [tests] [bench] [example] [faults] [pretrain] [micro]
+#   bash tests/gpu/run.sh [build] [tests] [bench] [stress] [example] [faults] [pretrain] [micro]
 #                                                   (no argument: build tests bench)
 # It builds the library, runs the GPU tests bitwise against the reference and runs the benchmark,
 # leaving its logs and results under $OUT (default ./out). Every stage's limit is clamped to what
@@ -27,9 +27,9 @@ STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(build tests bench)
 for stage in "${STAGES[@]}"; do
     case "$stage" in
-        build|tests|bench|example|faults|pretrain|micro) ;;
-        *) echo "unknown stage '$stage' (choose from: build tests bench example faults pretrain" \
-               "micro)" >&2
+        build|tests|bench|stress|example|faults|pretrain|micro) ;;
+        *) echo "unknown stage '$stage' (choose from: build tests bench stress example faults" \
+               "pretrain micro)" >&2
            exit 2 ;;
     esac
 done
@@ -186,12 +186,11 @@ if wants tests; then
     CUDA_DEVICE_MAX_CONNECTIONS=32 PER_TEST_TIMEOUT=70 \
         run_pytest "tests (Megatron on GPUs: 1F1B EP overlap, drop-and-pad)" \
         "$(limit "${MEGATRON_TESTS_TIMEOUT:-80}")" "$OUT/gpu_tests.log" "${MEGATRON_TESTS[@]}"
-    # Local teams run every rank's kernels in one process, where they wait for each other: no
-    # kernel may be loaded lazily while another spins (a lazy load may wait for the device).
-    CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PER_TEST_TIMEOUT=90 \
+    # Local teams: every rank's stream in one process, under CUDA's default module loading.
+    CUDA_DEVICE_MAX_CONNECTIONS=32 PER_TEST_TIMEOUT=90 \
         run_pytest "tests (local teams: EP 2/4/8 on one GPU)" \
         "$(limit "${TEAM_TIMEOUT:-200}")" "$OUT/gpu_tests.log" tests/gpu/test_cuda_local_team.py
-    CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PER_TEST_TIMEOUT=90 \
+    CUDA_DEVICE_MAX_CONNECTIONS=32 PER_TEST_TIMEOUT=90 \
         run_pytest "tests (LL: EP=1 and local teams EP 2/4/8 on one GPU)" \
         "$(limit "${LL_TIMEOUT:-150}")" "$OUT/gpu_tests.log" "${LL_TESTS[@]}"
     run_pytest "tests (LL over NVLink: one process per GPU, EP 2/4/8)" \
@@ -239,6 +238,21 @@ if wants bench; then
         note "- bench, baseline ${BASELINES[$i]}: rc $rc ($((SECONDS - start)) s)"
         bench_table <<<"$log" >>"$SUMMARY"
     done
+fi
+
+if wants stress; then
+    # Local teams under fresh-process stress (tests/gpu/stress_teams.py: each configuration first
+    # in a fresh process, then repeated), under CUDA's default (lazy) module loading.
+    start=$SECONDS
+    # shellcheck disable=SC2086 # STRESS_ARGS is a list of flags
+    env -u CUDA_MODULE_LOADING CUDA_DEVICE_MAX_CONNECTIONS=32 timeout -k 10 \
+        "$(limit "${STRESS_TIMEOUT:-480}")" "$PY" tests/gpu/stress_teams.py ${STRESS_ARGS:-} \
+        >"$OUT/stress.log" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || STATUS=1
+    note "- stress (local teams, fresh processes): rc $rc ($((SECONDS - start)) s; 124 = timed out)"
+    sed -n '/^== stress: configuration/,$p' "$OUT/stress.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+    [ $rc -eq 0 ] || { echo '```'; tail -n 20 "$OUT/stress.log"; echo '```'; } | tee -a "$SUMMARY"
 fi
 
 if wants example; then

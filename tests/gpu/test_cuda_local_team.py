@@ -34,8 +34,7 @@ def sms_available() -> int:
 
 def poison_stream(device, large_bytes: int = 1 << 30, small_blocks: int = 16) -> None:
     """``poison_allocator`` for the current stream only (the caching allocator keeps freed blocks
-    per stream), waiting for this stream alone: a device-wide synchronize would wait for a
-    peer's kernel, which waits for this rank."""
+    per stream)."""
     big = torch.empty(large_bytes // 4, dtype=torch.float32, device=device).fill_(math.nan)
     small = [torch.empty(128 * 1024, dtype=torch.float32, device=device).fill_(math.nan)
              for _ in range(small_blocks)]
@@ -372,8 +371,8 @@ def test_local_team_call_mismatch_raises_on_both_ranks(seed):
 
 
 def test_local_team_rank_that_never_calls_times_out(seed):
-    """Rank 1 skips a dispatch: rank 0 raises a timeout naming rank 1 after timeout_s (not a
-    hang); rank 1's next call raises that rank 0 stopped the group."""
+    """Rank 1 skips a dispatch: rank 0's dispatch raises after timeout_s at the team's gate,
+    naming rank 1 (not a hang); rank 1's next call raises that rank 0 stopped the group."""
     case = dict(resolve("ep2_no_probs_top1"), tokens=64, max_tokens=64)
     problem = dense.make_problem(seed, 2, 64, case["hidden"], case["experts"], case["topk"],
                                  case["dtype"])
@@ -389,15 +388,81 @@ def test_local_team_rank_that_never_calls_times_out(seed):
     start = time.monotonic()
     stream = torch.cuda.Stream(device)
     with torch.cuda.stream(stream):
-        handles[0].dispatch(problem.x[0].to(device))
-        with pytest.raises(ep.NcclEpError, match=r"timed out .* rank 0 waited for rank 1"):
-            groups[0].check_errors()
+        x0 = problem.x[0].to(device)
+        with pytest.raises(ep.NcclEpError, match=r"timed out .* rank 0 waited for rank 1 .*"
+                                                 r"dispatch call"):
+            handles[0].dispatch(x0)
     took = time.monotonic() - start
     assert 1.5 < took < 15.0, f"timeout after {took:.1f} s, configured 2 s"
+    with pytest.raises(ep.NcclEpError, match="rank 0 stopped this group"):
+        groups[0].check_errors()
     with torch.cuda.stream(torch.cuda.Stream(device)):
         with pytest.raises(ep.NcclEpError, match="rank 0 stopped this group"):
             handles[1].dispatch(problem.x[1].to(device))
-            groups[1].check_errors()
+    destroy_team(groups)
+
+
+def test_local_team_calls_complete_around_device_wide_waits(seed):
+    """The team's gate: while rank 1 already waits in its dispatch, rank 0 (Python work first)
+    synchronizes the device, frees the allocator's cache (cudaFree), allocates, and launches
+    kernels, then dispatches; later rank 1 does the same before its combine. Every call completes
+    and the outputs equal the oracle's. Without the gate a rank's kernel would spin for its peer
+    while that peer's thread waits for the whole device: a deadlock until the timeout."""
+    case = dict(resolve("ep2_no_probs_top1"), tokens=64, max_tokens=64)
+    problem = dense.make_problem(seed, 2, 64, case["hidden"], case["experts"], case["topk"],
+                                 case["dtype"])
+    device = torch.device("cuda", torch.cuda.current_device())
+    groups = make_team(2, case, timeout_s=10.0)
+
+    def wait_for_everything(rank, r):
+        if rank == r:
+            time.sleep(0.3)  # the peer is inside its call by now
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            scratch = torch.empty(96 << 20, dtype=torch.uint8, device=device)
+            scratch.fill_(7)
+            torch.cuda.synchronize(device)
+
+    def body(r, g):
+        h = g.create_handle(problem.topk_idx[r].to(device))
+        x = problem.x[r].to(device)
+        wait_for_everything(0, r)
+        recv_x, _ = h.dispatch(x)
+        wait_for_everything(1, r)
+        y = h.combine(recv_x)
+        return recv_x, y
+
+    got = run_ranks(groups, body)
+    want = [dense.dispatch(problem, d)[0] for d in range(2)]
+    for r in range(2):
+        dense.assert_bitwise_equal(got[r][0], want[r], f"rank {r}: recv_x")
+        dense.assert_bitwise_equal(got[r][1], dense.combine(problem, want, r), f"rank {r}: y")
+    destroy_team(groups)
+
+
+def test_local_team_backward_on_autograd_worker_thread_is_refused(seed):
+    """A local team's backward on autograd's shared worker thread (multithreaded backward on):
+    every rank raises at once, naming the fix, instead of its calls waiting at the gate for
+    calls that thread never makes."""
+    case = dict(resolve("ep2_no_probs_top1"), tokens=64, max_tokens=64)
+    problem = dense.make_problem(seed, 2, 64, case["hidden"], case["experts"], case["topk"],
+                                 case["dtype"])
+    device = torch.device("cuda", torch.cuda.current_device())
+    groups = make_team(2, case)
+
+    def body(r, g):
+        x = problem.x[r].to(device).requires_grad_(True)
+        h = g.create_handle(problem.topk_idx[r].to(device))
+        recv_x, _ = ep.dispatch(h, x)
+        y = ep.combine(h, recv_x * 2)
+        start = time.monotonic()
+        with torch.autograd.set_multithreading_enabled(True):
+            with pytest.raises(RuntimeError, match=r"set_multithreading_enabled\(False\)"):
+                y.sum().backward()
+        return time.monotonic() - start
+
+    for r, took in enumerate(run_ranks(groups, body)):
+        assert took < 5.0, f"rank {r} took {took:.1f} s to refuse"
     destroy_team(groups)
 
 
