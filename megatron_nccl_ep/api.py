@@ -175,8 +175,8 @@ class Group:
         backend and no NCCL (the C library's ``ncclEpCreateLocalTeam``): element ``r`` is rank
         ``r``; the configuration as for ``Group`` (one node: ``ranks_per_node`` 0). Every device
         code path of a multi-rank group runs, so one GPU can develop and test it. Use each rank
-        from its own thread with its own CUDA stream (exact-mode calls wait for the peers):
-        ``run_local_team`` does that. Keep ``world_size * num_sms`` within the GPU's SM count
+        from its own thread with its own CUDA stream (every collective call waits at the team's
+        gate for the peers' calls): ``run_local_team`` does that. Keep ``world_size * num_sms`` within the GPU's SM count
         (every CTA of every rank must be resident at once). Destroy every member."""
         device = _resolve_device(device)
         if device.type != "cuda":

@@ -281,11 +281,13 @@ ncclResult_t ncclEpCreateGroup(ncclEpGroup_t* group, ncclComm_t comm,
  * nranks is checked). The members' collective calls (HT handle creation, dispatch, combine,
  * combine of the weights; LL dispatch, combine, complete) pass a host gate: a call enqueues
  * nothing before every member entered it and returns only when every member has enqueued it
- * (ncclSystemError naming the missing ranks after timeout_ms). So between calls a thread may do
- * anything, waits for the whole device included (lazy kernel loads, allocations, cudaFree,
- * synchronizations). A CUDA graph replays its captured calls without the gate: replay every
- * rank's graph between two meetings of the ranks' threads. Destroy every member; the windows
- * are freed with the last one. */
+ * (ncclSystemError naming the missing ranks after timeout_ms, counted on the host from the
+ * caller's entry). So each member's thread may do anything between its calls, waits for the
+ * whole device included (lazy kernel loads, allocations, cudaFree, synchronizations); another
+ * thread of the process may not wait for the whole device while members are inside a call. A
+ * CUDA graph replays its captured calls without the gate: replay every rank's graph between two
+ * meetings of the ranks' threads. Destroy every member; the windows are freed with the last
+ * one. */
 ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
                                    const ncclEpGroupConfig_t* config, cudaStream_t stream);
 /* What the group allocated and chose (staging sizes, channels). Not collective. */

@@ -273,8 +273,14 @@ extern "C" ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t
     std::lock_guard<std::mutex> lock(group->mu);
     EP_RETURN_IF(reserve_slot(group));
   }
-  return gated_call(group, "handle creation",
-                    [&] { return new_handle(handle, group, routing, stream); });
+  const ncclResult_t res = gated_call(group, "handle creation",
+                                      [&] { return new_handle(handle, group, routing, stream); });
+  if (res != ncclSuccess && *handle != nullptr) {  // made, but the gate stopped as it left
+    std::lock_guard<std::mutex> lock(group->mu);
+    destroy_handle_state(*handle);
+    *handle = nullptr;
+  }
+  return res;
 }
 
 extern "C" ncclResult_t ncclEpHandleDestroy(ncclEpHandle_t handle) {

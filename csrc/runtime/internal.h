@@ -154,11 +154,11 @@ template <class Body>
 ncclResult_t gated_call(ncclEpGroup* g, const char* call, Body&& body) {
   TeamGate* gate = g->team != nullptr ? g->team->gate.get() : nullptr;
   if (gate == nullptr) return body();
-  EP_RETURN_IF(gate->meet(g->rank, call, g->cfg.timeout_ms, false));
+  EP_RETURN_IF(gate->meet(g->rank, call, g->cfg.timeout_ms, false, false));
   const ncclResult_t res = body();
   // Whatever the body did, this member leaves with the others. If it failed before enqueuing,
   // its peers' kernels time out on the device naming it, as across processes.
-  const ncclResult_t left = gate->meet(g->rank, call, g->cfg.timeout_ms, res != ncclSuccess);
+  const ncclResult_t left = gate->meet(g->rank, call, g->cfg.timeout_ms, true, res != ncclSuccess);
   return res != ncclSuccess ? res : left;
 }
 

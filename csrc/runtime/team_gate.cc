@@ -5,6 +5,7 @@
 
 #include <stdio.h>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -17,10 +18,13 @@ namespace {
 // The last member usually arrives within microseconds: spin that long before sleeping, so that
 // a call pays no wake-up latency in the common case.
 constexpr auto kSpin = std::chrono::microseconds(50);
+// Longer waits are waits without end (timeout_ms is a 64-bit count; a day fits any real call).
+constexpr long long kLongestWaitMs = 24ll * 3600 * 1000;
 
 }  // namespace
 
-ncclResult_t TeamGate::meet(int rank, const char* call, int timeout_ms, bool quiet) {
+ncclResult_t TeamGate::meet(int rank, const char* call, long long timeout_ms, bool leaving,
+                           bool quiet) {
   std::unique_lock<std::mutex> lock(mu_);
   if (stopped_) {
     if (!quiet) set_error("%s", why_.c_str());
@@ -40,7 +44,8 @@ ncclResult_t TeamGate::meet(int rank, const char* call, int timeout_ms, bool qui
     std::this_thread::yield();
   }
   lock.lock();
-  const auto deadline = start + std::chrono::milliseconds(timeout_ms);
+  const auto deadline =
+      start + std::chrono::milliseconds(std::min(std::max(timeout_ms, 1ll), kLongestWaitMs));
   cv_.wait_until(lock, deadline, [&] { return done_.load() >= mine || stopped_; });
   if (done_.load() >= mine) return ncclSuccess;
   if (!stopped_) {
@@ -51,21 +56,24 @@ ncclResult_t TeamGate::meet(int rank, const char* call, int timeout_ms, bool qui
       missing += (n++ ? ", " : "") + std::to_string(r);
     }
     const char* ranks = n == 1 ? "rank" : "ranks";
+    // The first meeting waits for ranks that have not entered the call; the second for ranks
+    // inside it that have not finished enqueuing (a wait of theirs did not end).
+    const char* what = leaving ? "finish enqueuing" : "enter";
     char why[512];
     snprintf(why, sizeof(why),
-             "rank %d stopped this group: it timed out after %d ms waiting for %s %s of its "
-             "local team to make the %s call (every member enters a collective call together); "
+             "rank %d stopped this group: it timed out after %lld ms waiting for %s %s of its "
+             "local team to %s the %s call (every member enters a collective call together); "
              "the ranks can no longer synchronize: destroy the group and create a new one",
-             rank, timeout_ms, ranks, missing.c_str(), call);
+             rank, timeout_ms, ranks, missing.c_str(), what, call);
     why_ = why;
     stopped_ = true;
     cv_.notify_all();
     if (!quiet)
-      set_error("timed out after %d ms on the host: rank %d waited for %s %s of its local team "
-                "to enter the %s call (every member of a local team enters a collective call "
+      set_error("timed out after %lld ms on the host: rank %d waited for %s %s of its local "
+                "team to %s the %s call (every member of a local team enters a collective call "
                 "together; %s %s may have failed, returned early or be blocked). The group is "
                 "stopped: destroy it and create a new one",
-                timeout_ms, rank, ranks, missing.c_str(), call, ranks, missing.c_str());
+                timeout_ms, rank, ranks, missing.c_str(), what, call, ranks, missing.c_str());
     return ncclSystemError;
   }
   if (!quiet) set_error("%s", why_.c_str());

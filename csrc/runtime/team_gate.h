@@ -35,10 +35,11 @@ class TeamGate {
  public:
   explicit TeamGate(int size) : size_(size), meetings_(size, 0) {}
 
-  // Returns once every member reached its next meeting. ncclSystemError naming the missing
-  // members after timeout_ms, or at once when the gate stopped. `quiet`: the thread's error
-  // message is left alone (the call failed already and reports its own).
-  ncclResult_t meet(int rank, const char* call, int timeout_ms, bool quiet);
+  // Returns once every member reached its next meeting: a call's first (`leaving` false: the
+  // members enter it) or its second (`leaving`: they have enqueued it). ncclSystemError naming
+  // the missing members after timeout_ms, or at once when the gate stopped. `quiet`: the
+  // thread's error message is left alone (the call failed already and reports its own).
+  ncclResult_t meet(int rank, const char* call, long long timeout_ms, bool leaving, bool quiet);
   // ncclSystemError with the stop's reason once the gate stopped, else ncclSuccess.
   ncclResult_t check();
 

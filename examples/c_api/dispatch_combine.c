@@ -101,9 +101,10 @@ static void* run_rank(void* arg) {
   Rank* r = (Rank*)arg;
   const int E = kExpertsPerRank * r->nranks;
   CHECK_CUDA(cudaSetDevice(r->device));
-  /* NOTES: a local team's ranks wait for each other inside one process, so nothing here may
-   * synchronize the device while a peer is inside a collective call: non-blocking streams,
-   * stream-ordered copies, and every buffer allocated before the first collective. */
+  /* NOTES: a local team's ranks wait for each other inside one process: each rank makes its
+   * collective calls from its own thread (the team's gate lets every rank's call enqueue before
+   * any returns, so what a thread does between its calls cannot block a peer), on its own
+   * non-blocking stream. */
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   ncclComm_t comm = NULL;

@@ -16,6 +16,8 @@ STARTED=$SECONDS
 # NVLink multicast stays off in every process started from here: on shared GPU hosts a program
 # that uses it can take the host's GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# CUDA's default (lazy) module loading in every stage, as users run: nothing may depend on EAGER.
+unset CUDA_MODULE_LOADING
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}  # the machine's python3, with PyTorch and CUDA
@@ -245,7 +247,7 @@ if wants stress; then
     # in a fresh process, then repeated), under CUDA's default (lazy) module loading.
     start=$SECONDS
     # shellcheck disable=SC2086 # STRESS_ARGS is a list of flags
-    env -u CUDA_MODULE_LOADING CUDA_DEVICE_MAX_CONNECTIONS=32 timeout -k 10 \
+    CUDA_DEVICE_MAX_CONNECTIONS=32 timeout -k 10 \
         "$(limit "${STRESS_TIMEOUT:-480}")" "$PY" tests/gpu/stress_teams.py ${STRESS_ARGS:-} \
         >"$OUT/stress.log" 2>&1
     rc=$?

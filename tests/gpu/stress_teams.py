@@ -6,11 +6,14 @@ module loading, then repeats in that process with fresh routing and inputs each 
 uneven token counts, one rank with no tokens, masked slots, and the torch work an expert does
 between dispatch and combine (casts to and from the payload dtype, elementwise math, a new
 allocation of a random size, now and then a stream or device synchronization). Every output is
-compared bitwise with the reference arithmetic (LL: megatron_nccl_ep.ll_reference's whole-group
-oracle; HT: tests/dense.py, the oracle the reference backend is tested against), the combine on
+compared bitwise with the reference arithmetic (LL: the whole-group oracle over
+megatron_nccl_ep.ll_reference's steps; HT: tests/dense.py, the oracle the reference backend is
+tested against), the combine on
 the expert outputs the GPU computed. Timeouts are the groups' (``--timeout-s``, 6 s).
 
     python tests/gpu/stress_teams.py [--processes 2] [--reps 50] [--only SUBSTRING]
+
+(CUDA_DEVICE_MAX_CONNECTIONS defaults to 32 here: a local team needs a hardware queue per rank.)
 
 Prints one line per configuration: processes, repetitions, timeouts, mismatching elements (and
 the first error, if any); exits non-zero if any configuration timed out, mismatched, or did not
@@ -163,12 +166,7 @@ def run_ll(cfg: dict, seed: int, reps: int, timeout_s: float, device) -> dict:
         except Exception as exc:  # noqa: BLE001 - counted and reported by the parent
             return done, f"{type(exc).__name__}: {exc}"
 
-    try:
-        results = ep.run_local_team(groups, body, prepare=poison,
-                                    timeout_s=team_limit(reps))
-    finally:
-        for g in groups:
-            g.destroy()
+    results = run_team(ep, groups, body, reps)
     return score(results, reps, lambda rep, per_rank: ll_mismatches(
         groups[0].config, problems[rep], weights[rep] if em else None, per_rank, layout))
 
@@ -245,12 +243,7 @@ def run_ht(cfg: dict, seed: int, reps: int, timeout_s: float, device) -> dict:
         except Exception as exc:  # noqa: BLE001 - counted and reported by the parent
             return done, f"{type(exc).__name__}: {exc}"
 
-    try:
-        results = ep.run_local_team(groups, body, prepare=poison,
-                                    timeout_s=team_limit(reps))
-    finally:
-        for g in groups:
-            g.destroy()
+    results = run_team(ep, groups, body, reps)
 
     def mismatches(rep, per_rank) -> int:
         from ep_cases import count_mismatches
@@ -264,6 +257,25 @@ def run_ht(cfg: dict, seed: int, reps: int, timeout_s: float, device) -> dict:
         return bad
 
     return score(results, reps, mismatches)
+
+
+class Hung(Exception):
+    """Ranks still running after team_limit: their groups are left alone (destroying a group
+    under a rank's call would turn the report into a crash)."""
+
+
+def run_team(ep, groups, body, reps: int) -> list:
+    try:
+        results = ep.run_local_team(groups, body, prepare=poison, timeout_s=team_limit(reps))
+    except RuntimeError as exc:
+        if "still running" in str(exc):
+            raise Hung(str(exc)) from None
+        for g in groups:
+            g.destroy()
+        raise
+    for g in groups:
+        g.destroy()
+    return results
 
 
 def score(results: list, reps: int, mismatches) -> dict:
@@ -288,8 +300,13 @@ def child(cfg: dict, seed: int, reps: int, timeout_s: float, conn) -> None:
         result = run(cfg, seed, reps, timeout_s, device)
         result["seconds"] = time.monotonic() - start
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
-        result = dict(reps=0, timeouts=int("timed out" in str(exc)), mismatches=0,
+        hung = isinstance(exc, Hung)
+        result = dict(reps=0, timeouts=int(hung or "timed out" in str(exc)), mismatches=0,
                       error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
+        if hung:  # ranks are still inside calls: report, then leave without tearing down
+            conn.send(result)
+            conn.close()
+            os._exit(1)
     conn.send(result)
     conn.close()
 
@@ -302,6 +319,7 @@ def main() -> int:
     parser.add_argument("--only", default="", help="configurations whose name has this")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     configs = [c for c in configurations() if args.only in c["name"]]
     # Each child is forked from a server that imported torch but never touched CUDA: a fresh
     # CUDA context and fresh module loading, without paying the imports each time.
