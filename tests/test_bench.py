@@ -17,9 +17,9 @@ import pytest
 
 import torch
 
+from benchmarks import cli, kernels, ll, markdown, plot, report, runner, sweeps, team
+from benchmarks.__main__ import main
 from megatron_nccl_ep import config
-from megatron_nccl_ep.bench import cli, kernels, ll, markdown, plot, report, runner, sweeps, team
-from megatron_nccl_ep.bench.__main__ import main
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEP_TOKENS = (64,)
@@ -38,7 +38,7 @@ def cpu_run(tmp_path_factory):
     flags = ["--json", str(out), "--markdown", str(md), "--iters", "2",
              "--sweep-tokens", ",".join(map(str, SWEEP_TOKENS)),
              "--staging-chunk-tokens", str(STAGING_CHUNK), "--staging-depth", str(STAGING_DEPTH)]
-    proc = subprocess.run([sys.executable, "-m", "megatron_nccl_ep.bench", *flags],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", *flags],
                           capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
@@ -130,7 +130,7 @@ def test_markdown_names_the_sources_the_command_and_every_table(cpu_run):
     sha = meta["source"]["sources_sha256"]
     assert re.fullmatch(r"[0-9a-f]{16}", sha)
     assert f"`{sha}`" in text
-    assert meta["command"].endswith("-m megatron_nccl_ep.bench " + shlex.join(cpu_run["flags"]))
+    assert meta["command"].endswith("-m benchmarks " + shlex.join(cpu_run["flags"]))
     assert f"`{meta['command']}`" in text
     assert "256 tokens per rank, hidden 256, top-2 of 16 experts, bf16, no SM budget" in text
     for heading in ("## Kernels", "### Rank-major layout", "## Megatron dispatchers",
@@ -207,7 +207,7 @@ def _gpu_result() -> dict:
         "meta": {"device": "cuda", "gpu_count": 1, "device_name": "GPU-X", "sm_count": 132,
                  "gpu_memory_gib": 140.0, "driver": "1.2.3", "torch": "T", "cuda_runtime": "C",
                  "nccl": "N", "source": {"sources_sha256": "0123456789abcdef", "git": None},
-                 "command": "python3 -m megatron_nccl_ep.bench --json b.json"},
+                 "command": "python3 -m benchmarks --json b.json"},
         "shape": {"tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "dtype": "bf16",
                   "num_sms": 24, "ranks": 1, "backend": "cuda", "recv_mode": "exact"},
         "args": {"iters": 40, "warmup": 5, "rotate": 4, "sweep_tokens": [], "sweep_sms": []},
@@ -338,8 +338,8 @@ def test_dry_run_starts_nothing_and_sets_no_environment(capsys):
     assert "kernels(64 tokens)" in out and report.TABLE_MARKER in out
 
 
-def test_source_version_is_importable_from_the_package():
-    from megatron_nccl_ep.bench import source_version
+def test_source_version_is_importable_from_the_bench():
+    from benchmarks import source_version
 
     version = source_version()
     assert re.fullmatch(r"[0-9a-f]{16}", version["sources_sha256"])
@@ -347,7 +347,7 @@ def test_source_version_is_importable_from_the_package():
 
 
 # ------------------------------------------------------------------------------------------------
-# the LL section (bench/ll.py)
+# the LL section (benchmarks/ll.py)
 
 LL_TOKENS = (1, 8)
 
@@ -369,7 +369,7 @@ def ll_cpu_run(tmp_path_factory):
         pytest.skip(_ll_ready())
     import time
 
-    from megatron_nccl_ep.bench.__main__ import new_result
+    from benchmarks.__main__ import new_result
 
     argv = ["--device", "cpu", "--sections", "ll", "--iters", "2",
             "--ll-tokens", ",".join(map(str, LL_TOKENS))]

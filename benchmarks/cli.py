@@ -60,7 +60,7 @@ def _word_list(choices: tuple):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m megatron_nccl_ep.bench",
+        prog="python -m benchmarks",
         description="Benchmark of megatron_nccl_ep: link and memory ceilings, our dispatch and "
                     "combine, Megatron's dispatcher interface, EP>1 as a local team on one GPU, "
                     "and sweeps over tokens per rank and SM budget. One process per GPU, each "
@@ -192,7 +192,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     # the team section may run.
     problem = ""
     if args.device == "cuda" and ("team" in args.sections or (not sections_given and gpus == 1)):
-        from .. import cuda_backend
+        from megatron_nccl_ep import cuda_backend
 
         problem = cuda_backend.unavailable_reason()
     if not sections_given and gpus == 1 and not problem:
@@ -253,7 +253,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _check_ll(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from ..config import LL_MAX_TOKENS
+    from megatron_nccl_ep.config import LL_MAX_TOKENS
 
     if args.ll_payloads is None:
         args.ll_payloads = [args.dtype, LL_FP8]

@@ -101,7 +101,7 @@ def _summarize(iterations: list) -> tuple:
 
 def section(me: Rank) -> None:
     """Runs in a worker of its own (no process group): the whole team is this process."""
-    from ..api import Group, run_local_team
+    from megatron_nccl_ep.api import Group, run_local_team
 
     args = me.args
     world = args.team_world

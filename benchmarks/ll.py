@@ -96,8 +96,8 @@ def memory_query() -> dict:
     try:
         import torch
 
-        from .. import cuda_backend
-        from ..config import GroupConfig
+        from megatron_nccl_ep import cuda_backend
+        from megatron_nccl_ep.config import GroupConfig
     except Exception as exc:  # noqa: BLE001 - the bench reports it instead of failing
         return {"skipped": f"megatron_nccl_ep.cuda_backend not importable: {exc}"}
     query = getattr(cuda_backend, "ll_memory_size", None)
@@ -407,7 +407,7 @@ class _One:
         self.me = me
 
     def groups(self, fields: dict) -> list:
-        from ..api import Group
+        from megatron_nccl_ep.api import Group
 
         return [Group(backend=self.me.args.backend, device=self.me.device, dtype=self.me.dtype,
                       **fields)]
@@ -430,7 +430,7 @@ class _Team(_One):
     """EP>1: a local team on GPU 0, every rank a thread with its own stream (run_local_team)."""
 
     def groups(self, fields: dict) -> list:
-        from ..api import Group
+        from megatron_nccl_ep.api import Group
 
         return Group.local_team(self.me.args.ll_world, dtype=self.me.dtype, device=self.me.device,
                                 **fields)
@@ -457,7 +457,7 @@ def _run_team(groups: list, body, reserve: int):
     idle here): each call's streams are new to the allocator, which keeps blocks per stream."""
     import torch
 
-    from ..api import run_local_team
+    from megatron_nccl_ep.api import run_local_team
 
     torch.cuda.empty_cache()
     meet = threading.Barrier(len(groups))
@@ -628,7 +628,7 @@ def team_skip_reason(world: int, num_sms: Optional[int], device: str,
     """Why EP=``world`` cannot run as a local team here ('' when it can)."""
     if device != "cuda":
         return "a local team needs a GPU (Group.local_team runs the cuda backend)"
-    from .. import cuda_backend
+    from megatron_nccl_ep import cuda_backend
 
     problem = cuda_backend.unavailable_reason()
     if problem:
