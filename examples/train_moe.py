@@ -47,13 +47,17 @@ logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
 # by batch noise only (a few hundredths).
 MIN_LOSS_DROP = 0.25
 
-# Runs from a checkout whether or not the package is installed.
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Runs from a checkout whether or not the package is installed, however it is loaded (a script, or
+# a module from its path: the router stand-in sits beside it).
+EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(EXAMPLES_DIR)
 sys.path.insert(0, REPO_ROOT)
+if EXAMPLES_DIR not in sys.path:
+    sys.path.insert(0, EXAMPLES_DIR)
 
 import megatron_nccl_ep  # noqa: E402
+from device_local_router import DeviceLocalTopKRouter  # noqa: E402
 from megatron_nccl_ep.dispatcher import NcclEpOptions  # noqa: E402
-from megatron_nccl_ep.router import DeviceLocalTopKRouter  # noqa: E402
 
 
 def parse_args(argv=None):

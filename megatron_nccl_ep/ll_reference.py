@@ -1,7 +1,7 @@
-"""The LL arithmetic of docs/design.md §9 as pure functions: the reference backend's LL path
-(``reference.ReferenceBackend.ll_*``, one rank over torch.distributed) and a one-process oracle of
-a whole group (``ll_dispatch_all`` / ``ll_combine_all``, every rank's outputs at once, for the
-CUDA tests of local teams). Both run the same steps:
+"""The LL arithmetic of docs/design.md §9 as pure functions, one rank's steps: the reference
+backend's LL path (``reference.ReferenceBackend.ll_*``, one rank over torch.distributed) runs
+them, and so does the tests' one-process oracle of a whole group (tests/ll_oracle.py, every
+rank's outputs at once). The steps:
 
 1. the source (``send_plan``, ``pack_dispatch``): one message per (token, destination rank that
    holds one of its experts), in token order per destination: token index, the top-k ids padded
@@ -28,7 +28,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .config import FP8_BLOCK, GroupConfig, routing_error
+from .config import FP8_BLOCK, GroupConfig
 from .fp8 import FP8_DTYPE, fp8_cast
 from .ll import LLDispatchOutput
 
@@ -267,77 +267,3 @@ def finish_combine(y: torch.Tensor, config: GroupConfig, world_size: int,
             product = weights[:, k:k + 1] * out[:, k]  # one rounded fp32 product
             acc = torch.where((owner[:, k] >= 0).unsqueeze(1), acc + product, acc)
     y.copy_(acc.to(y.dtype))
-
-
-# -- one process, every rank ------------------------------------------------------------------
-def _weights_agreed(config: GroupConfig, weights_list) -> bool:
-    given = [w is not None for w in (weights_list or [])]
-    if any(given) and not all(given):
-        raise ValueError(f"topk_weights given on ranks {[r for r, g in enumerate(given) if g]} "
-                         "but not on the others: every rank passes them or none does")
-    return bool(given) and all(given) and config.ll_layout == "rank_major"
-
-
-def _check_routing_all(config: GroupConfig, topk_idx_list) -> None:
-    for r, idx in enumerate(topk_idx_list):
-        error = routing_error(idx.to(torch.int64), config.num_experts)
-        if error is not None:
-            raise ValueError(f"{error} (rank {r})")
-
-
-def ll_dispatch_all(config: GroupConfig, world_size: int, topk_idx_list, x_list,
-                    weights_list=None) -> List[LLDispatchOutput]:
-    """Every rank's dispatch outputs (element d: rank d's) from every rank's ``topk_idx [T_s,
-    K_s]``, ``x [T_s, H]`` and optional ``weights [T_s, K_s]`` (fp32; every rank's or none),
-    on the inputs' device."""
-    _check_routing_all(config, topk_idx_list)
-    with_weights = _weights_agreed(config, weights_list)
-    R = world_size
-    sent = []
-    for s, (idx, x) in enumerate(zip(topk_idx_list, x_list)):
-        plan = send_plan(idx, config.num_experts, R)
-        w = weights_list[s].to(torch.float32) if with_weights else None
-        sent.append(torch.split(pack_dispatch(config, x, idx, w, plan), [len(p) for p in plan]))
-    outs = []
-    for d in range(R):
-        messages = torch.cat([sent[s][d] for s in range(R)])
-        out = empty_dispatch_output(config, R, x_list[0].device, with_weights)
-        fill_dispatch(out, config, R, d, messages, [len(sent[s][d]) for s in range(R)],
-                      with_weights)
-        outs.append(out)
-    return outs
-
-
-def ll_combine_all(config: GroupConfig, world_size: int, topk_idx_list, expert_out_list,
-                   weights_list=None) -> List[torch.Tensor]:
-    """Every rank's combine output ``y [T_s, H]`` (token dtype) from every rank's routing (the
-    layout is a function of it), every rank's ``expert_out`` in the group's layout, and (expert-
-    major) every rank's ``weights [T_s, K_s]``."""
-    _check_routing_all(config, topk_idx_list)
-    R, K = world_size, config.max_topk
-    plans = [send_plan(idx, config.num_experts, R) for idx in topk_idx_list]
-    back = []  # back[d][s]: rows destination d returns to source s
-    for d in range(R):
-        src, token, ids = [], [], []
-        for s, idx in enumerate(topk_idx_list):
-            tokens = plans[s][d]
-            padded = torch.full((len(tokens), K), -1, dtype=torch.int64, device=idx.device)
-            padded[:, :idx.shape[1]] = idx[tokens]
-            src.append(torch.full_like(tokens, s))
-            token.append(tokens)
-            ids.append(padded)
-        record = receive_record(config, R, d, torch.cat(src), torch.cat(token), torch.cat(ids))
-        rows, counts = pack_combine(config, R, record, expert_out_list[d])
-        back.append(torch.split(rows, counts))
-    ys = []
-    for s, idx in enumerate(topk_idx_list):
-        y = torch.empty((idx.shape[0], config.hidden), dtype=config.dtype,
-                        device=expert_out_list[0].device)
-        w = None
-        if config.ll_layout == "expert_major":
-            w = weights_list[s].to(torch.float32)
-        parts = [back[d][s] for d in range(R)]
-        finish_combine(y, config, R, idx, w, plans[s], torch.cat(parts),
-                       [len(p) for p in parts])
-        ys.append(y)
-    return ys

@@ -8,9 +8,11 @@ import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
+EXAMPLES_DIR = os.path.join(REPO_ROOT, "examples")
 # The helpers (dist.py, dense.py, ep_cases.py) are imported by plain name from every test module,
-# including tests/gpu/, whatever import mode pytest runs with.
-for path in (REPO_ROOT, TESTS_DIR):
+# including tests/gpu/, whatever import mode pytest runs with; so are the examples' modules
+# (device_local_router.py).
+for path in (EXAMPLES_DIR, REPO_ROOT, TESTS_DIR):
     if path not in sys.path:
         sys.path.insert(0, path)
 

@@ -17,9 +17,9 @@ import pytest
 
 import torch
 
+from benchmarks import cli, kernels, ll, markdown, plot, report, runner, sweeps, team
+from benchmarks.__main__ import main
 from megatron_nccl_ep import config
-from megatron_nccl_ep.bench import cli, kernels, ll, markdown, plot, report, runner, sweeps, team
-from megatron_nccl_ep.bench.__main__ import main
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEP_TOKENS = (64,)
@@ -38,7 +38,7 @@ def cpu_run(tmp_path_factory):
     flags = ["--json", str(out), "--markdown", str(md), "--iters", "2",
              "--sweep-tokens", ",".join(map(str, SWEEP_TOKENS)),
              "--staging-chunk-tokens", str(STAGING_CHUNK), "--staging-depth", str(STAGING_DEPTH)]
-    proc = subprocess.run([sys.executable, "-m", "megatron_nccl_ep.bench", *flags],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", *flags],
                           capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
@@ -130,7 +130,7 @@ def test_markdown_names_the_sources_the_command_and_every_table(cpu_run):
     sha = meta["source"]["sources_sha256"]
     assert re.fullmatch(r"[0-9a-f]{16}", sha)
     assert f"`{sha}`" in text
-    assert meta["command"].endswith("-m megatron_nccl_ep.bench " + shlex.join(cpu_run["flags"]))
+    assert meta["command"].endswith("-m benchmarks " + shlex.join(cpu_run["flags"]))
     assert f"`{meta['command']}`" in text
     assert "256 tokens per rank, hidden 256, top-2 of 16 experts, bf16, no SM budget" in text
     for heading in ("## Kernels", "### Rank-major layout", "## Megatron dispatchers",
@@ -207,7 +207,7 @@ def _gpu_result() -> dict:
         "meta": {"device": "cuda", "gpu_count": 1, "device_name": "GPU-X", "sm_count": 132,
                  "gpu_memory_gib": 140.0, "driver": "1.2.3", "torch": "T", "cuda_runtime": "C",
                  "nccl": "N", "source": {"sources_sha256": "0123456789abcdef", "git": None},
-                 "command": "python3 -m megatron_nccl_ep.bench --json b.json"},
+                 "command": "python3 -m benchmarks --json b.json"},
         "shape": {"tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "dtype": "bf16",
                   "num_sms": 24, "ranks": 1, "backend": "cuda", "recv_mode": "exact"},
         "args": {"iters": 40, "warmup": 5, "rotate": 4, "sweep_tokens": [], "sweep_sms": []},
@@ -292,9 +292,56 @@ def test_team_skips_what_cannot_be_resident_or_queued():
 
 def test_team_time_runs_from_the_last_rank_in_to_the_last_rank_out():
     # Two iterations of two ranks, (start, end) in ms on one clock.
-    collective, busy = team._summarize([[(0.0, 5.0), (2.0, 6.0)], [(1.0, 3.0), (0.0, 4.0)]])
+    collective, busy = team.summarize([[(0.0, 5.0), (2.0, 6.0)], [(1.0, 3.0), (0.0, 4.0)]])
     assert collective == [4.0, 3.0]
     assert busy == pytest.approx(4.0)  # median of 5, 4, 2, 4
+
+
+def test_team_runner_breaks_the_meeting_and_cleans_up_every_rank(monkeypatch):
+    """team.run_team, the runner of the team and ll sections' local teams: a rank that raises
+    breaks the ranks' meeting (its peers stop waiting), and every rank's cleanup runs, on its own
+    thread. run_local_team is stood in for by plain threads (no GPU here)."""
+    import threading
+
+    from megatron_nccl_ep import api
+
+    def threads_for_ranks(groups, fn, *, prepare=None):
+        outcome = [None] * len(groups)
+
+        def one(rank):
+            try:
+                prepare(rank, groups[rank])
+                outcome[rank] = fn(rank, groups[rank])
+            except BaseException as exc:  # noqa: BLE001 - the test reads it
+                outcome[rank] = exc
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(len(groups))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        return outcome
+
+    monkeypatch.setattr(api, "run_local_team", threads_for_ranks)
+    prepared, cleaned = [], []
+
+    def body(rank, group, meet):
+        if rank == 1:
+            raise ValueError("rank 1 failed")
+        meet.wait(timeout=30)
+        return group
+
+    cleanup = lambda rank: cleaned.append((rank, threading.current_thread().name))  # noqa: E731
+    outcome = team.run_team(["g0", "g1", "g2"], body,
+                            prepare=lambda rank, group: prepared.append(rank), cleanup=cleanup)
+    assert isinstance(outcome[1], ValueError)
+    assert all(isinstance(outcome[r], threading.BrokenBarrierError) for r in (0, 2)), outcome
+    assert sorted(prepared) == [0, 1, 2]
+    assert sorted(rank for rank, _ in cleaned) == [0, 1, 2]
+    assert threading.current_thread().name not in {name for _, name in cleaned}
+    # Ranks that all meet get through, with their results in rank order.
+    assert team.run_team(["g0", "g1"], lambda rank, group, meet: (meet.wait(timeout=30), group)[1],
+                         prepare=lambda rank, group: None) == ["g0", "g1"]
 
 
 def test_explicit_flags_win_over_cpu_defaults():
@@ -338,8 +385,8 @@ def test_dry_run_starts_nothing_and_sets_no_environment(capsys):
     assert "kernels(64 tokens)" in out and report.TABLE_MARKER in out
 
 
-def test_source_version_is_importable_from_the_package():
-    from megatron_nccl_ep.bench import source_version
+def test_source_version_is_importable_from_the_bench():
+    from benchmarks import source_version
 
     version = source_version()
     assert re.fullmatch(r"[0-9a-f]{16}", version["sources_sha256"])
@@ -347,7 +394,7 @@ def test_source_version_is_importable_from_the_package():
 
 
 # ------------------------------------------------------------------------------------------------
-# the LL section (bench/ll.py)
+# the LL section (benchmarks/ll.py)
 
 LL_TOKENS = (1, 8)
 
@@ -369,7 +416,7 @@ def ll_cpu_run(tmp_path_factory):
         pytest.skip(_ll_ready())
     import time
 
-    from megatron_nccl_ep.bench.__main__ import new_result
+    from benchmarks.__main__ import new_result
 
     argv = ["--device", "cpu", "--sections", "ll", "--iters", "2",
             "--ll-tokens", ",".join(map(str, LL_TOKENS))]
@@ -393,7 +440,7 @@ def _ll_point(result: dict, world: int) -> dict:
 def test_ll_cpu_section_times_every_configuration_and_checks_it(ll_cpu_run):
     result, args = ll_cpu_run["result"], ll_cpu_run["args"]
     assert result["errors"] == [], result["errors"]
-    assert (args.ll_payloads, args.ll_layouts) == (["bf16", "fp8"], list(cli.LL_LAYOUTS))
+    assert (args.ll_payloads, args.ll_layouts) == (["bf16", "fp8"], list(config.LL_LAYOUTS))
     point = _ll_point(result, 1)
     assert (point["proxy"], point["num_sms"]) == (False, None)
     assert point["skipped_items"] == {op: "CUDA graphs need a GPU" for op in ll.GRAPH_OPS}
@@ -403,7 +450,7 @@ def test_ll_cpu_section_times_every_configuration_and_checks_it(ll_cpu_run):
         for op in ll.HT_OPS:
             _positive_median(items, ll.ht_item(tokens, op))
         for payload in ("bf16", "fp8"):
-            for layout in cli.LL_LAYOUTS:
+            for layout in config.LL_LAYOUTS:
                 for op in ll.LL_OPS[:3]:
                     name = ll.ll_item(tokens, payload, layout, op)
                     _positive_median(items, name)
@@ -470,7 +517,7 @@ def test_ll_memory_query_next_to_deepep(ll_cpu_run):
                                                                                     256, 8)
     rows = memory["rows"]
     assert [(r["world"], r["layout"]) for r in rows] == [
-        (world, layout) for world in (8, 64) for layout in cli.LL_LAYOUTS]
+        (world, layout) for world in (8, 64) for layout in config.LL_LAYOUTS]
     deepep = ll.deepep_ll_buffer_bytes(128, 7168, 256)
     for row in rows:
         assert row["deepep_bytes"] == deepep
@@ -583,7 +630,6 @@ def test_ll_team_sms_fit_the_gpu_and_cpu_skips_teams():
     # EP=8 on 132 SMs: 16 CTAs a rank, so every rank's are resident at once (one point, not two).
     assert [ll.point_sms(gpu, world, 132) for world in (1, 2, 4, 8)] == [
         [24, 132], [24, 66], [24, 33], [16]]
-    assert (cli.LL_LAYOUTS, ll.FP8_BLOCK) == (config.LL_LAYOUTS, config.FP8_BLOCK)
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -633,7 +679,7 @@ def test_ll_team_times_come_from_every_rank_that_finished():
     # Rank 1 finished one iteration of the combine only (its run failed): no combine row.
     ranks = [Mine({"dispatch": [(0.0, 5.0), (10.0, 12.0)], "combine": [(0, 1), (2, 3)]}),
              Mine({"dispatch": [(1.0, 6.0), (9.0, 13.0)], "combine": [(0, 1)]})]
-    ll._emit_team(me, ranks, {"dispatch": ("d", 1e6), "combine": ("c", None)})
+    team.emit_team_times(me, ranks, {"dispatch": ("d", 1e6), "combine": ("c", None)})
     (kind, item, fields), = sent
     assert (kind, item, fields["extra"]["hbm_bytes"]) == ("times", "d", 1e6)
     assert fields["times_ms"] == [5.0, 3.0]  # last start to last end, per iteration

@@ -1,8 +1,8 @@
 """docs/design.md §9 on the reference backend: LL dispatch (both layouts, FP8 or not) and combine,
 bitwise against an independent per-token computation written here from the contract, on 1, 2
-and 4 gloo ranks; the one-process oracle (ll_reference.ll_dispatch_all / ll_combine_all) equal to
-the distributed backend; the FP8 cast against an e4m3 table decoded here; staging (send_only,
-complete) and every contract error, raised on every rank."""
+and 4 gloo ranks; the one-process oracle (tests/ll_oracle.py: ll_dispatch_all / ll_combine_all)
+equal to the distributed backend; the FP8 cast against an e4m3 table decoded here; staging
+(send_only, complete) and every contract error, raised on every rank."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import torch
 import dist
 import ep_cases
 import ll_cases
+import ll_oracle
 import megatron_nccl_ep as ep
-from megatron_nccl_ep import fp8, ll_reference
+from megatron_nccl_ep import fp8
 from megatron_nccl_ep.ll import LLDispatchOutput
 
 # ------------------------------------------------------------------------------------------------
@@ -334,11 +335,11 @@ def check_ll_case(case_name: str, layout: str, dtype, use_fp8: bool, seed: int) 
 
     # The one-process oracle of the whole group gives this rank's bits too.
     cfg = group.config
-    all_out = ll_reference.ll_dispatch_all(cfg, world, problem.topk_idx, problem.x,
-                                           problem.weights)
+    all_out = ll_oracle.ll_dispatch_all(cfg, world, problem.topk_idx, problem.x,
+                                        problem.weights)
     assert not ll_cases.dispatch_mismatches(all_out[rank], out, layout)
-    all_y = ll_reference.ll_combine_all(cfg, world, problem.topk_idx, expert_out,
-                                        cw if layout == "expert_major" else None)
+    all_y = ll_oracle.ll_combine_all(cfg, world, problem.topk_idx, expert_out,
+                                     cw if layout == "expert_major" else None)
     assert bits_equal(all_y[rank], y)
     group.destroy()
 
@@ -441,10 +442,10 @@ def check_two_micro_batches(layout: str, use_fp8: bool, seed: int) -> None:
         h3.combine(eo2, cw2)
     # The group still works after all of it, with the oracle's bits.
     cfg = group.config
-    assert not ll_cases.dispatch_mismatches(o2, ll_reference.ll_dispatch_all(
+    assert not ll_cases.dispatch_mismatches(o2, ll_oracle.ll_dispatch_all(
         cfg, world, p2.topk_idx, p2.x, p2.weights)[rank], layout)
     y2 = h2.combine(eo2, cw2)
-    assert bits_equal(y2, ll_reference.ll_combine_all(
+    assert bits_equal(y2, ll_oracle.ll_combine_all(
         cfg, world, p2.topk_idx, ll_cases.expert_outputs(p2, layout, counts2, seed + 22),
         ll_cases.fresh_weights(p2, seed + 32) if em else None)[rank])
 
@@ -482,7 +483,7 @@ def check_op_two_behind_a_pending_one(layout: str, seed: int) -> None:
     hs[0].complete()
     out = dispatch(2)
     p = ps[2]
-    assert not ll_cases.dispatch_mismatches(out, ll_reference.ll_dispatch_all(
+    assert not ll_cases.dispatch_mismatches(out, ll_oracle.ll_dispatch_all(
         group.config, world, p.topk_idx, p.x, p.weights)[rank], layout)
 
 
@@ -513,12 +514,12 @@ def check_still_usable(group, problem, rank: int, world: int, layout: str, seed:
     handle = group.create_handle(problem.topk_idx[rank])
     out = handle.dispatch(problem.x[rank], problem.weights[rank])
     cfg = group.config
-    want = ll_reference.ll_dispatch_all(cfg, world, problem.topk_idx, problem.x, problem.weights)
+    want = ll_oracle.ll_dispatch_all(cfg, world, problem.topk_idx, problem.x, problem.weights)
     assert not ll_cases.dispatch_mismatches(out, want[rank], layout)
     eo = ll_cases.expert_outputs(problem, layout, [w.count for w in want], seed + 5)
     cw = ll_cases.fresh_weights(problem, seed + 6) if layout == "expert_major" else None
     y = handle.combine(eo[rank], None if cw is None else cw[rank])
-    assert bits_equal(y, ll_reference.ll_combine_all(cfg, world, problem.topk_idx, eo, cw)[rank])
+    assert bits_equal(y, ll_oracle.ll_combine_all(cfg, world, problem.topk_idx, eo, cw)[rank])
 
 
 def edited_routing(kind: str, idx: torch.Tensor) -> torch.Tensor:
@@ -700,7 +701,7 @@ def test_one_process_oracle_checks_its_inputs(seed):
     cfg = ep.GroupConfig(**{k: v for k, v in problem.group_fields("rank_major", False).items()})
     idx = [problem.topk_idx[0], edited_routing("repeated", problem.topk_idx[1])]
     with pytest.raises(ValueError, match=r"names expert \d+ twice.*\(rank 1\)"):
-        ll_reference.ll_dispatch_all(cfg, 2, idx, problem.x, problem.weights)
+        ll_oracle.ll_dispatch_all(cfg, 2, idx, problem.x, problem.weights)
     with pytest.raises(ValueError, match=r"topk_weights given on ranks \[1\]"):
-        ll_reference.ll_dispatch_all(cfg, 2, problem.topk_idx, problem.x,
-                                     [None, problem.weights[1]])
+        ll_oracle.ll_dispatch_all(cfg, 2, problem.topk_idx, problem.x,
+                                  [None, problem.weights[1]])

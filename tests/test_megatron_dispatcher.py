@@ -19,9 +19,9 @@ from megatron.core.transformer import TransformerConfig
 
 import dist
 import megatron_nccl_ep
+from device_local_router import DeviceLocalTopKRouter
 from megatron_nccl_ep.dispatcher import NcclEpTokenDispatcher, destroy_groups
 from megatron_nccl_ep.options import NcclEpOptions
-from megatron_nccl_ep.router import DeviceLocalTopKRouter
 
 megatron_nccl_ep.register()
 

@@ -60,7 +60,7 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
     "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
 "nccl", ".".join(map(str, torch.cuda.nccl.version())), "gpus", torch.cuda.device_count())'
     # The copy's .git may be older than its files: the sources' digest names the code that ran.
-    "$PY" -c 'from megatron_nccl_ep.bench import source_version; print("source", source_version())'
+    "$PY" -c 'from benchmarks import source_version; print("source", source_version())'
     echo "## CUDA / NCCL environment"; env | grep -E '^(CUDA|NCCL|TORCH)_' | sort
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
@@ -116,7 +116,8 @@ if wants build; then
 fi
 
 # The baselines (BENCH_BASELINE) build in the background while the tests run, tree i in
-# /tmp/baseline_i.
+# /tmp/baseline_i: its library, and its bench where that is a tool of the tree (benchmarks/; older
+# trees have it inside the package, megatron_nccl_ep/bench/).
 read -r -a BASELINES <<<"${BENCH_BASELINE:-}"
 BASELINE_PIDS=()
 if wants bench; then
@@ -124,7 +125,10 @@ if wants bench; then
         tree=${BASELINES[$i]} dir=/tmp/baseline_$i
         if [ -f "$tree/setup.py" ]; then
             rm -rf "$dir" && mkdir -p "$dir" &&
-                cp -r "$tree/setup.py" "$tree/csrc" "$tree/megatron_nccl_ep" "$dir/"
+                cp -r "$tree/setup.py" "$tree/csrc" "$tree/megatron_nccl_ep" "$dir/" &&
+                if [ -f "$tree/benchmarks/__main__.py" ]; then
+                    mkdir "$dir/benchmarks" && cp "$tree"/benchmarks/*.py "$dir/benchmarks/"
+                fi
             build_tree "$dir" "$dir/build.log" "${BUILD_TIMEOUT:-120}" &
             BASELINE_PIDS[$i]=$!
         else
@@ -212,7 +216,7 @@ if wants bench; then
     budget=$(limit "${BENCH_TIMEOUT:-170}")
     # Local teams (the team section) need a hardware queue per rank, as in the tests.
     # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
-    CUDA_DEVICE_MAX_CONNECTIONS=32 timeout -k 10 "$budget" "$PY" -m megatron_nccl_ep.bench \
+    CUDA_DEVICE_MAX_CONNECTIONS=32 timeout -k 10 "$budget" "$PY" -m benchmarks \
         --json "$OUT/results.json" --markdown "$OUT/RESULTS.md" --plot "$OUT/results.png" \
         --time-budget $((budget - 15)) $BENCH_ARGS >"$OUT/bench.log" 2>&1
     rc=$?
@@ -230,9 +234,12 @@ if wants bench; then
         fi
         start=$SECONDS
         budget=$(limit "${BENCH_TIMEOUT:-170}")
+        # The baseline's own bench: benchmarks/ where the tree has it, else the package's.
+        bench=megatron_nccl_ep.bench
+        [ -f "$dir/benchmarks/__main__.py" ] && bench=benchmarks
         # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
         log=$(cd "$dir" && PYTHONPATH="$dir:$PYTHONPATH" CUDA_DEVICE_MAX_CONNECTIONS=32 \
-            timeout -k 10 "$budget" "$PY" -m megatron_nccl_ep.bench $BENCH_ARGS \
+            timeout -k 10 "$budget" "$PY" -m "$bench" $BENCH_ARGS \
             --sections "${BASELINE_SECTIONS:-kernels}" --time-budget $((budget - 15)) 2>&1)
         rc=$?
         [ $rc -eq 0 ] || STATUS=1

@@ -173,7 +173,7 @@ def run_ll(cfg: dict, seed: int, reps: int, timeout_s: float, device) -> dict:
 
 def ll_mismatches(config, problem, cw, per_rank, layout) -> int:
     from ep_cases import count_mismatches
-    from megatron_nccl_ep import ll_reference
+    import ll_oracle as ll_reference
 
     world = problem.world_size
     want = ll_reference.ll_dispatch_all(config, world, problem.topk_idx, problem.x,

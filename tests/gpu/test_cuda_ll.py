@@ -1,5 +1,5 @@
 """LL mode (docs/design.md §9) on the GPU: the cuda backend against the reference's one-process
-oracle (megatron_nccl_ep.ll_reference, itself checked against an independent dense computation
+oracle (tests/ll_oracle.py, itself checked against an independent dense computation
 by tests/test_ll_reference.py), BITWISE, at EP=1 and as local teams of 2, 4 and 8 ranks on one
 GPU (every rank in this process, its windows plain device memory: the device code paths of a
 multi-rank group, not NVLink); CUDA-graph replay with changing routing; the two-micro-batch
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import ll_cases
+import ll_oracle
 import megatron_nccl_ep as ep
-from megatron_nccl_ep import ll_reference
 from megatron_nccl_ep.ll import LLDispatchOutput
 from test_cuda_local_team import run_ranks
 
@@ -60,11 +60,11 @@ def destroy(groups) -> None:
 def expected(problem, layout: str, groups, seed: int):
     """The oracle's dispatch outputs, expert outputs for them, combine weights and y, by rank."""
     config, world = groups[0].config, problem.world_size
-    want = ll_reference.ll_dispatch_all(config, world, problem.topk_idx, problem.x,
-                                        problem.weights)
+    want = ll_oracle.ll_dispatch_all(config, world, problem.topk_idx, problem.x,
+                                     problem.weights)
     expert_out = ll_cases.expert_outputs(problem, layout, [w.count for w in want], seed)
     cw = ll_cases.fresh_weights(problem, seed + 1) if layout == "expert_major" else None
-    want_y = ll_reference.ll_combine_all(config, world, problem.topk_idx, expert_out, cw)
+    want_y = ll_oracle.ll_combine_all(config, world, problem.topk_idx, expert_out, cw)
     return want, expert_out, cw, want_y
 
 
@@ -211,10 +211,10 @@ def test_ll_graph_replay_with_new_routing_equals_eager(world, layout, fp8, seed)
                    for rank in run_ranks(groups, body)]
         config = groups[0].config
         for i, p in enumerate(rounds):
-            want = ll_reference.ll_dispatch_all(config, world, p.topk_idx, p.x, p.weights)
+            want = ll_oracle.ll_dispatch_all(config, world, p.topk_idx, p.x, p.weights)
             eo = [expert_fn(o, layout, BF16) for o in want]
-            want_y = ll_reference.ll_combine_all(config, world, p.topk_idx, eo,
-                                                 cws[i] if layout == "expert_major" else None)
+            want_y = ll_oracle.ll_combine_all(config, world, p.topk_idx, eo,
+                                              cws[i] if layout == "expert_major" else None)
             for r in range(world):
                 (got, y), (got_e, y_e) = results[r][0][i], results[r][1][i]
                 assert not ll_cases.dispatch_mismatches(got, want[r], layout), (i, r)
@@ -264,10 +264,10 @@ def test_ll_two_micro_batches_send_only(world, layout, fp8, seed):
         config = groups[0].config
         for i in range(2):
             p = mbs[i]
-            want = ll_reference.ll_dispatch_all(config, world, p.topk_idx, p.x, p.weights)
+            want = ll_oracle.ll_dispatch_all(config, world, p.topk_idx, p.x, p.weights)
             eo = [expert_fn(o, layout, BF16) for o in want]
-            want_y = ll_reference.ll_combine_all(config, world, p.topk_idx, eo,
-                                                 cws[i] if em else None)
+            want_y = ll_oracle.ll_combine_all(config, world, p.topk_idx, eo,
+                                              cws[i] if em else None)
             for r in range(world):
                 got, y = results[r][i]
                 assert not ll_cases.dispatch_mismatches(got, want[r], layout), (i, r)

@@ -1,6 +1,6 @@
 """LL over NVLink (docs/design.md §9): one process per GPU, the library's own NCCL communicator and
 symmetric windows (not a local team), each rank's outputs BITWISE against the one-process oracle
-(megatron_nccl_ep.ll_reference), which every rank computes from the same seed. The cases of
+(tests/ll_oracle.py), which every rank computes from the same seed. The cases of
 tests/gpu/test_cuda_ll.py at EP 2, 4 and 8, the decode shape, the two-micro-batch ``send_only``
 order and CUDA-graph replay with new routing. Runs where the machine has that many GPUs (the
 multi-GPU run); skips otherwise, naming why."""
@@ -13,9 +13,9 @@ import torch.distributed as tdist
 
 import dist
 import ll_cases
+import ll_oracle
 import megatron_nccl_ep as ep
 from gpu_common import gpu_count, poison_allocator, requires_gpus, this_device
-from megatron_nccl_ep import ll_reference
 from test_cuda_ll import CASES, LAYOUTS, expert_fn, to_cpu
 
 pytestmark = requires_gpus
@@ -37,15 +37,15 @@ def group_of(problem, layout: str, fp8: bool):
 def oracle(problem, config, layout: str, seed: int, expert=None):
     """Every rank's dispatch outputs, this step's expert outputs, combine weights and y."""
     world = problem.world_size
-    want = ll_reference.ll_dispatch_all(config, world, problem.topk_idx, problem.x,
-                                        problem.weights)
+    want = ll_oracle.ll_dispatch_all(config, world, problem.topk_idx, problem.x,
+                                     problem.weights)
     if expert is None:
         expert_out = ll_cases.expert_outputs(problem, layout, [w.count for w in want], seed)
     else:
         expert_out = [expert(o) for o in want]
     cw = ll_cases.fresh_weights(problem, seed + 1) if layout == "expert_major" else None
-    return want, expert_out, cw, ll_reference.ll_combine_all(config, world, problem.topk_idx,
-                                                             expert_out, cw)
+    return want, expert_out, cw, ll_oracle.ll_combine_all(config, world, problem.topk_idx,
+                                                          expert_out, cw)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -7,9 +7,10 @@ import os
 
 SECTIONS = ("ceilings", "kernels", "megatron", "team", "ll")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-# The LL section's payloads (the token dtype, or FP8: dispatch_fp8) and layouts (config.LL_LAYOUTS).
+# The LL section's payloads: the token dtype, or FP8 (dispatch_fp8). Its layouts are the library's
+# (megatron_nccl_ep.config.LL_LAYOUTS, read where used: config imports torch, which parsing the
+# flags leaves until a value needs it).
 LL_FP8 = "fp8"
-LL_LAYOUTS = ("expert_major", "rank_major")
 LL_FLAGS = ("ll_tokens", "ll_sizes", "ll_num_sms", "ll_payloads", "ll_layouts")
 
 # Flags left out take their device's value. On CPU the reference backend runs over gloo, so the
@@ -47,20 +48,28 @@ def _int_list(minimum: int, allow_all: bool):
     return parse
 
 
-def _word_list(choices: tuple):
-    """An argparse type: 'a,b' -> ['a', 'b'], every word one of ``choices``."""
+def _word_list(choices):
+    """An argparse type: 'a,b' -> ['a', 'b'], every word one of ``choices`` (a tuple, or a
+    function that returns it, called when a value is parsed)."""
     def parse(text: str) -> list:
+        allowed = choices() if callable(choices) else choices
         words = [word for word in text.split(",") if word]
-        if not words or any(w not in choices for w in words):
+        if not words or any(w not in allowed for w in words):
             raise argparse.ArgumentTypeError(
-                f"expected comma-separated words of {','.join(choices)}: {text!r}")
+                f"expected comma-separated words of {','.join(allowed)}: {text!r}")
         return list(dict.fromkeys(words))
     return parse
 
 
+def _ll_layouts() -> tuple:
+    from megatron_nccl_ep.config import LL_LAYOUTS
+
+    return LL_LAYOUTS
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m megatron_nccl_ep.bench",
+        prog="python -m benchmarks",
         description="Benchmark of megatron_nccl_ep: link and memory ceilings, our dispatch and "
                     "combine, Megatron's dispatcher interface, EP>1 as a local team on one GPU, "
                     "and sweeps over tokens per rank and SM budget. One process per GPU, each "
@@ -125,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="bf16,fp8",
                    help="the ll section's dispatch payloads: the token dtype (--dtype) and/or "
                         "fp8 (dispatch_fp8); default both")
-    p.add_argument("--ll-layouts", type=_word_list(LL_LAYOUTS), default=None,
+    p.add_argument("--ll-layouts", type=_word_list(_ll_layouts), default=None,
                    metavar="expert_major,rank_major",
                    help="the ll section's dispatch layouts; default both")
     p.add_argument("--sweep-sms", type=_int_list(1, allow_all=True), default=[],
@@ -192,7 +201,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     # the team section may run.
     problem = ""
     if args.device == "cuda" and ("team" in args.sections or (not sections_given and gpus == 1)):
-        from .. import cuda_backend
+        from megatron_nccl_ep import cuda_backend
 
         problem = cuda_backend.unavailable_reason()
     if not sections_given and gpus == 1 and not problem:
@@ -253,7 +262,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _check_ll(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from ..config import LL_MAX_TOKENS
+    from megatron_nccl_ep.config import FP8_BLOCK, LL_LAYOUTS, LL_MAX_TOKENS
 
     if args.ll_payloads is None:
         args.ll_payloads = [args.dtype, LL_FP8]
@@ -263,9 +272,9 @@ def _check_ll(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if other:
         p.error(f"--ll-payloads: {other} is neither the token dtype (--dtype {args.dtype}) nor "
                 f"{LL_FP8}")
-    if LL_FP8 in args.ll_payloads and args.hidden % 128:
-        p.error(f"--ll-payloads {LL_FP8} casts blocks of 128 columns: --hidden ({args.hidden}) "
-                "must be a multiple of 128")
+    if LL_FP8 in args.ll_payloads and args.hidden % FP8_BLOCK:
+        p.error(f"--ll-payloads {LL_FP8} casts blocks of {FP8_BLOCK} columns: --hidden "
+                f"({args.hidden}) must be a multiple of {FP8_BLOCK}")
     uneven = [w for w in args.ll_sizes if args.experts % w]
     if uneven:
         p.error(f"--experts ({args.experts}) must be a multiple of every --ll-sizes value (not "

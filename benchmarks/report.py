@@ -5,7 +5,7 @@ Each dispatch/combine row that carries ``hbm_bytes`` (kernels section and sweep 
 **floor** from the ceilings of the same run: the larger of the HBM floor (``hbm_bytes`` / the HBM
 copy's read+write rate) and the link floor (physical bytes / the peer copy's rate, every GPU
 copying where measured); "floor %" is floor / time. The LL section's items get their HBM floor
-(bench/ll.py's add_floors). Without the ceilings section there is no floor.
+(benchmarks/ll.py's add_floors). Without the ceilings section there is no floor.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import os
 import subprocess
 
-from ..build_info import PACKAGE_DIR
+from megatron_nccl_ep.build_info import PACKAGE_DIR
 from .ceilings import HBM_COPY, PEER_COPY_ALL, PEER_COPY_ONE
 from .ll import LL_OPS, ht_item, ll_item
 from .ll import add_floors as ll_add_floors
@@ -37,9 +37,11 @@ FLOOR_CEILINGS = {
 def source_version() -> dict:
     """What code ran: ``git describe --dirty`` of the tree (a copy of the tree may carry an older
     .git: "-dirty" then says the files differ from that commit) and a SHA-256 over the library's
-    sources (csrc/, the package's .py files), which names the code whatever the .git says."""
+    sources (csrc/, the package's .py files) and the bench's own .py files, which names the code
+    whatever the .git says."""
     package = PACKAGE_DIR
     root = os.path.dirname(package)
+    bench = os.path.dirname(os.path.abspath(__file__))
     try:
         git = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty", "--abbrev=40"],
                              capture_output=True, text=True, timeout=5).stdout.strip() or None
@@ -49,6 +51,7 @@ def source_version() -> dict:
     paths = [os.path.join(d, f) for top in (os.path.join(root, "csrc"), package)
              for d, _, files in os.walk(top) for f in files
              if f.endswith((".py", ".cu", ".cuh", ".cc", ".h"))]
+    paths += [os.path.join(bench, f) for f in os.listdir(bench) if f.endswith(".py")]
     for path in sorted(paths):
         digest.update(os.path.relpath(path, root).encode() + b"\0")
         with open(path, "rb") as f:

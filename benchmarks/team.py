@@ -1,4 +1,6 @@
-"""The team section: EP = N on ONE GPU, as a local team (``Group.local_team``).
+"""The team section: EP = N on ONE GPU, as a local team (``Group.local_team``); and the
+local-team runner that the ll section's teams use too (``run_team``, ``team_loop``,
+``emit_team_times``).
 
 Every rank of the group lives in one process on GPU 0, each on its own thread and CUDA stream with
 its own SM budget (``run_local_team``). A proxy for N GPUs, not a substitute: the peers' rings
@@ -30,7 +32,7 @@ OPS = ("handle: create", "dispatch", "combine")
 PROXY_NOTE = "a proxy (one GPU: no NVLink, one HBM shared by every rank)"
 # Every rank's host thread enqueues its op within this many sleep cycles of its stream.
 HEAD_START_CYCLES = 1_000_000
-MEET_TIMEOUT_S = 60.0
+MEET_TIMEOUT_S = 60.0  # how long a rank waits for its peers at an iteration's meeting
 DEFAULT_CONNECTIONS = 8  # CUDA's hardware queues per context when the variable is unset
 
 
@@ -70,38 +72,35 @@ class _TeamRank:
         self.rows, self.tokens_per_expert = rows[0], self.handles[0].tokens_per_expert.clone()
         self.expert_out = [h.dispatch(x)[0] for h, x in zip(self.handles, self.x)]
 
-    def timed(self, op: str, i: int):
-        import torch
+    def items(self) -> dict:
+        """{op: (setup, fn, after)} as team_loop takes them; iteration i on input set i mod
+        --rotate."""
+        n = self.args.rotate
 
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(HEAD_START_CYCLES)
-        start.record()
-        if op == "handle: create":
-            handle = self.group.create_handle(self.routings[i])
-        elif op == "dispatch":
-            self.handles[i].dispatch(self.x[i])
-        else:
-            self.handles[i].combine(self.expert_out[i])
-        end.record()
-        if op == "handle: create":
+        def create(i):
+            return self.group.create_handle(self.routings[i % n])
+
+        def created(i, handle):
             handle.num_recv_tokens  # waits for the peers' layouts (each rank its own stream)
             handle.destroy()
-        torch.cuda.current_stream().synchronize()
-        return start, end
 
+        def dispatch(i):
+            self.handles[i % n].dispatch(self.x[i % n])
 
-def _summarize(iterations: list) -> tuple:
-    """Per iteration, every rank's (start, end) in ms on one clock -> per iteration the
-    collective time (the last start to the last end), and the median of every rank's busy time
-    (its own start to its own end)."""
-    collective = [max(e for _, e in it) - max(s for s, _ in it) for it in iterations]
-    busy = [e - s for it in iterations for s, e in it]
-    return collective, statistics.median(busy)
+        def combine(i):
+            self.handles[i % n].combine(self.expert_out[i % n])
+
+        return {"handle: create": (None, create, created), "dispatch": (None, dispatch, None),
+                "combine": (None, combine, None)}
+
+    def release(self) -> None:
+        for handle in self.handles:
+            handle.destroy()
 
 
 def section(me: Rank) -> None:
     """Runs in a worker of its own (no process group): the whole team is this process."""
-    from ..api import Group, run_local_team
+    from megatron_nccl_ep.api import Group
 
     args = me.args
     world = args.team_world
@@ -110,29 +109,19 @@ def section(me: Rank) -> None:
                               capacity_factor=args.capacity_factor, **group_fields(args))
     try:
         ranks = [_TeamRank(r, g, args, me.dtype, me.elt) for r, g in enumerate(groups)]
-        meet = threading.Barrier(world)
 
-        def body(rank: int, group) -> None:
+        def body(rank: int, group, meet) -> None:
             import torch
 
             mine = ranks[rank]
-            try:
-                mine.start()
-                for op in OPS:
-                    for it in range(args.warmup + args.iters):
-                        meet.wait(timeout=MEET_TIMEOUT_S)
-                        pair = mine.timed(op, it % args.rotate)
-                        if it >= args.warmup:
-                            mine.pairs[op].append(pair)
-                torch.cuda.current_stream().synchronize()
-            except BaseException:
-                meet.abort()  # the peers stop waiting for this rank
-                raise
-            finally:
-                for handle in mine.handles:
-                    handle.destroy()
+            mine.start()
+            items = mine.items()
+            for op in OPS:
+                mine.pairs[op] = team_loop(meet, args, *items[op])
+            torch.cuda.current_stream().synchronize()
 
-        run_local_team(groups, body, prepare=lambda rank, group: ranks[rank].prepare())
+        run_team(groups, body, prepare=lambda rank, group: ranks[rank].prepare(),
+                 cleanup=lambda rank: ranks[rank].release())
         info = groups[0].info()  # the library's staging choices: facts of this point
         me.emit("point", data={key: int(info[key]) for key in ("staging_chunk_tokens",
                                                                "staging_depth") if key in info})
@@ -146,16 +135,86 @@ def section(me: Rank) -> None:
                  f"{'ok' if ok else 'MISMATCH'} "
                  + " ".join(f"{rows}/{counts}/{want}" for (rows, counts), want
                             in zip(got, expected)))
-        for op in OPS:
-            ref = ranks[0].pairs[op][0][0]  # one clock for every rank: rank 0's first start
-            iterations = [[(ref.elapsed_time(mine.pairs[op][it][0]),
-                            ref.elapsed_time(mine.pairs[op][it][1])) for mine in ranks]
-                          for it in range(args.iters)]
-            collective, busy = _summarize(iterations)
-            me.emit("times", op, times_ms=collective, extra={"busy_ms": busy})
+        emit_team_times(me, ranks, {op: (op, None) for op in OPS})
     finally:
         for group in groups:
             group.destroy()
+
+
+# ------------------------------------------------------------------------------------------------
+# the local-team runner: this section's teams and the ll section's
+
+
+def run_team(groups: list, body, *, prepare=None, cleanup=None) -> list:
+    """``body(rank, group, meet)`` on every rank of a local team at once (api.run_local_team,
+    which runs ``prepare(rank, group)`` on each rank's stream before the ranks meet), ``meet`` a
+    fresh barrier of the ranks (``team_loop``'s). A rank that raises breaks it, so that its peers
+    stop waiting for it; then ``cleanup(rank)`` runs on the rank's thread, whatever happened."""
+    from megatron_nccl_ep.api import run_local_team
+
+    meet = threading.Barrier(len(groups))
+
+    def guarded(rank, group):
+        try:
+            return body(rank, group, meet)
+        except BaseException:
+            meet.abort()  # the peers stop waiting for this rank
+            raise
+        finally:
+            if cleanup is not None:
+                cleanup(rank)
+
+    return run_local_team(groups, guarded, prepare=prepare)
+
+
+def team_loop(meet, args, setup, fn, after) -> list:
+    """One rank's (start, end) events of one timed op: per iteration the ranks meet, ``setup``
+    runs untimed, the stream is held while every rank enqueues, then ``fn`` between the events
+    (``after`` on its result, untimed)."""
+    import torch
+
+    pairs = []
+    for it in range(args.warmup + args.iters):
+        meet.wait(timeout=MEET_TIMEOUT_S)
+        if setup is not None:
+            setup(it)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(HEAD_START_CYCLES)
+        start.record()
+        out = fn(it)
+        end.record()
+        if after is not None:
+            after(it, out)
+        del out
+        torch.cuda.current_stream().synchronize()
+        if it >= args.warmup:
+            pairs.append((start, end))
+    return pairs
+
+
+def summarize(iterations: list) -> tuple:
+    """Per iteration, every rank's (start, end) in ms on one clock -> per iteration the
+    collective time (the last start to the last end), and the median of every rank's busy time
+    (its own start to its own end)."""
+    collective = [max(e for _, e in it) - max(s for s, _ in it) for it in iterations]
+    busy = [e - s for it in iterations for s, e in it]
+    return collective, statistics.median(busy)
+
+
+def emit_team_times(me: Rank, ranks: list, names: dict) -> None:
+    """Per op of ``names`` ({op: (item, HBM bytes or None)}) that every rank timed in full (a
+    rank's ``pairs[op]``, from ``team_loop``): per iteration the last start to the last end on
+    rank 0's clock (one GPU), and a rank's median busy time (``summarize``)."""
+    for op, (item, nbytes) in names.items():
+        if not all(len(mine.pairs.get(op, ())) == me.args.iters for mine in ranks):
+            continue
+        ref = ranks[0].pairs[op][0][0]  # one clock for every rank: rank 0's first start
+        iterations = [[(ref.elapsed_time(mine.pairs[op][it][0]),
+                        ref.elapsed_time(mine.pairs[op][it][1])) for mine in ranks]
+                      for it in range(me.args.iters)]
+        collective, busy = summarize(iterations)
+        extra = {"busy_ms": busy, **({"hbm_bytes": nbytes} if nbytes else {})}
+        me.emit("times", item, times_ms=collective, extra=extra)
 
 
 # ------------------------------------------------------------------------------------------------

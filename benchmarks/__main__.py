@@ -1,4 +1,5 @@
-"""``python -m megatron_nccl_ep.bench``: runs the sections, then the sweeps, and reports.
+"""``python -m benchmarks`` (from the repository root): runs the sections, then the sweeps, and
+reports.
 
 Each section (``ceilings``, ``kernels``, ``megatron``), each team world size and each sweep point
 runs in its own fresh set of processes with its own deadline within ``--time-budget``; the table
@@ -35,8 +36,7 @@ def new_result(args, argv: list) -> dict:
              "capacity_factor": args.capacity_factor,
              "staging_chunk_tokens": args.staging_chunk_tokens,
              "staging_depth": args.staging_depth, "ranks_per_node": args.ranks_per_node}
-    command = shlex.join([os.path.basename(sys.executable), "-m", "megatron_nccl_ep.bench",
-                          *argv])
+    command = shlex.join([os.path.basename(sys.executable), "-m", "benchmarks", *argv])
     result = {
         "meta": {"torch": torch.__version__, "python": sys.version.split()[0],
                  "source": report.source_version(), "device": args.device, "command": command,

@@ -3,7 +3,8 @@
 Megatron-Core 0.19's ``Router.gating`` moves a CPU weight to ``torch.cuda.current_device()`` on
 every forward, which fails on machines without a GPU. This subclass computes the same logits with
 the weight left in place; everything else (score function, top-k, aux losses) is Megatron's.
-Use it through ``MoESubmodules(router=DeviceLocalTopKRouter, ...)``.
+Use it through ``MoESubmodules(router=DeviceLocalTopKRouter, ...)``. A stand-in of the examples
+and the tests (examples/train_moe.py, tests/test_megatron_dispatcher.py), not part of the package.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The benchmark: ``python -m megatron_nccl_ep.bench --help``.
+"""The benchmark, a tool of the repository (not installed): ``python -m benchmarks --help``.
 
 Bottom to top: ``machine`` (the machine's facts, read once by the parent), ``cli`` (flags and
 per-device defaults), ``runner`` (process supervisor, per-rank worker, timing and inputs), the

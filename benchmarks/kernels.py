@@ -73,7 +73,7 @@ def _traffic_bytes(me: Rank, counts: list, rows: int) -> dict:
 
 def section(me: Rank) -> None:
     args = me.args
-    from ..api import Group
+    from megatron_nccl_ep.api import Group
 
     fields = group_fields(args)
     group = Group(num_experts=args.experts, max_topk=args.topk, dtype=me.dtype,

@@ -32,7 +32,7 @@ def _dispatcher(me: Rank, name: str, pg_collection):
         import megatron_nccl_ep
 
         megatron_nccl_ep.register()
-        from ..options import NcclEpOptions
+        from megatron_nccl_ep.options import NcclEpOptions
 
         # The flags our own groups take (kernels.group_fields) where the plugin has them.
         options = {"backend": args.backend, "recv_mode": args.recv_mode,
@@ -142,7 +142,7 @@ def section(me: Rank) -> None:
         state.clear()
         dispatcher = None  # noqa: F841 - drop it (and its handles) before the next one
     if "nccl_ep" in args.megatron_dispatchers:
-        from ..dispatcher import destroy_groups
+        from megatron_nccl_ep.dispatcher import destroy_groups
 
         destroy_groups()  # collective, while every rank is still here
     parallel_state.destroy_model_parallel()

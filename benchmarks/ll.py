@@ -34,20 +34,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import threading
 from typing import Optional
 
-from .cli import LL_LAYOUTS
 from .kernels import rows_per_rank
 from .machine import machine_info
 from .runner import Rank, kernel_mode, random_tokens, random_topk, run_into
-from .team import DEFAULT_CONNECTIONS, _summarize, skip_reason
+from .team import DEFAULT_CONNECTIONS, emit_team_times, run_team, skip_reason, team_loop
 
 LL_OPS = ("handle", "dispatch", "combine", "graph h+d+c", "graph d+c")
 GRAPH_OPS = LL_OPS[3:]
 HT_OPS = ("handle + count read", "dispatch", "combine", "h+d+c")
-# Columns per FP8 scale: config.FP8_BLOCK (config imports torch, which importing the bench avoids).
-FP8_BLOCK = 128
 # Check tolerances of combine(dispatch(x)) against x (the weights sum to 1): bf16 rounding of the
 # weighted sum, and FP8 e4m3's 3 mantissa bits.
 CHECK_TOLERANCE = {"fp8": 0.1}
@@ -55,8 +51,7 @@ CHECK_TOLERANCE_TOKENS = 1e-2
 # The size query's configuration (docs/design.md §9 ncclEpGetMemorySize), at EP=8 and EP=64.
 MEMORY_SHAPE = {"tokens": 128, "hidden": 7168, "experts": 256, "topk": 8, "dtype": "bf16"}
 MEMORY_WORLDS = (8, 64)
-HEAD_START_CYCLES = 1_000_000  # a team's threads enqueue within this many sleep cycles (team.py)
-MEET_TIMEOUT_S = 60.0
+DEEPEP_FP8_BLOCK = 128  # columns per scale of DeepEP's FP8 rows (its own; ours: config.FP8_BLOCK)
 
 
 def ll_item(tokens: int, payload: str, layout: str, op: str) -> str:
@@ -80,7 +75,7 @@ def deepep_ll_buffer_bytes(tokens: int, hidden: int, experts: int) -> int:
     ``tokens`` dispatch or ``experts x tokens`` combine messages), signals one int per expert
     rounded up to 128 bytes; the total then gains up to 128 bytes of alignment. It does not depend
     on the EP size."""
-    scales = hidden // FP8_BLOCK
+    scales = hidden // DEEPEP_FP8_BLOCK
     dispatch_msg = 16 + max(2 * hidden, hidden + 4 * scales)
     combine_msg = 4 * scales + 2 * hidden
     send = max(tokens * dispatch_msg, experts * tokens * combine_msg)
@@ -96,8 +91,8 @@ def memory_query() -> dict:
     try:
         import torch
 
-        from .. import cuda_backend
-        from ..config import GroupConfig
+        from megatron_nccl_ep import cuda_backend
+        from megatron_nccl_ep.config import LL_LAYOUTS, GroupConfig
     except Exception as exc:  # noqa: BLE001 - the bench reports it instead of failing
         return {"skipped": f"megatron_nccl_ep.cuda_backend not importable: {exc}"}
     query = getattr(cuda_backend, "ll_memory_size", None)
@@ -161,6 +156,8 @@ def received(routings: list, experts: int, world: int) -> tuple:
 def hbm_bytes(args, tokens: int, elt: int, everyone: list) -> dict:
     """The HBM floors' bytes (module doc), summed over the ranks (``everyone``'s inputs) and
     averaged over input sets: {(payload, layout, op) or ("ht", op): bytes}."""
+    from megatron_nccl_ep.config import FP8_BLOCK
+
     world = len(everyone)
     token_row = args.hidden * elt
     payload_row = {"fp8": args.hidden + 4 * (args.hidden // FP8_BLOCK)}
@@ -247,6 +244,8 @@ class _LLOps:
         expert-major the rows, rank-major each row times its weights' sum on this rank. No peer
         waits on it: in a team it runs between the team's calls."""
         import torch
+
+        from megatron_nccl_ep.config import FP8_BLOCK
 
         out = self.check_out
         valid = torch.arange(out.x.shape[-2], device=out.x.device) < out.count.unsqueeze(-1)
@@ -397,7 +396,7 @@ def _configs(args) -> list:
 
 
 # ------------------------------------------------------------------------------------------------
-# how a point calls its ranks: EP=1 on this thread, EP>1 a local team (team.py)
+# how a point calls its ranks: EP=1 on this thread, EP>1 a local team (team.py's runner)
 
 
 class _One:
@@ -407,7 +406,7 @@ class _One:
         self.me = me
 
     def groups(self, fields: dict) -> list:
-        from ..api import Group
+        from megatron_nccl_ep.api import Group
 
         return [Group(backend=self.me.args.backend, device=self.me.device, dtype=self.me.dtype,
                       **fields)]
@@ -427,16 +426,16 @@ class _One:
 
 
 class _Team(_One):
-    """EP>1: a local team on GPU 0, every rank a thread with its own stream (run_local_team)."""
+    """EP>1: a local team on GPU 0, every rank a thread with its own stream (team.run_team)."""
 
     def groups(self, fields: dict) -> list:
-        from ..api import Group
+        from megatron_nccl_ep.api import Group
 
         return Group.local_team(self.me.args.ll_world, dtype=self.me.dtype, device=self.me.device,
                                 **fields)
 
     def together(self, groups, fn, reserve: int) -> None:
-        _run_team(groups, lambda rank, group, meet: fn(rank), reserve)
+        _run_reserved(groups, lambda rank, group, meet: fn(rank), reserve)
 
     def time(self, groups, names: dict, items, ranks, reserve: int) -> None:
         def body(rank, group, meet):
@@ -444,23 +443,20 @@ class _Team(_One):
                 ranks[rank].pairs[op] = team_loop(meet, self.me.args, *items(rank, op))
 
         try:
-            _run_team(groups, body, reserve)
+            _run_reserved(groups, body, reserve)
         finally:  # what every rank finished still counts
-            _emit_team(self.me, ranks, names)
+            emit_team_times(self.me, ranks, names)
 
 
-def _run_team(groups: list, body, reserve: int):
-    """``body(rank, group, meet)`` on every rank of the team at once (api.run_local_team), a
-    fresh barrier per call. Before the ranks meet, each stream takes ``reserve`` bytes (and some
-    small blocks) into its allocator cache, so that no call inside waits for a cudaMalloc, and
-    torch's sleep kernel is loaded. The cache's free blocks are released first (the device is
-    idle here): each call's streams are new to the allocator, which keeps blocks per stream."""
+def _run_reserved(groups: list, body, reserve: int):
+    """``team.run_team(groups, body)`` with the ranks' memory reserved: before the ranks meet,
+    each stream takes ``reserve`` bytes (and some small blocks) into its allocator cache, so that
+    no call inside waits for a cudaMalloc, and torch's sleep kernel is loaded. The cache's free
+    blocks are released first (the device is idle here): each call's streams are new to the
+    allocator, which keeps blocks per stream."""
     import torch
 
-    from ..api import run_local_team
-
     torch.cuda.empty_cache()
-    meet = threading.Barrier(len(groups))
 
     def prepare(rank, group):
         import torch
@@ -470,53 +466,7 @@ def _run_team(groups: list, body, reserve: int):
         del held
         torch.cuda._sleep(1)
 
-    def guarded(rank, group):
-        try:
-            return body(rank, group, meet)
-        except BaseException:
-            meet.abort()  # the peers stop waiting for this rank
-            raise
-
-    return run_local_team(groups, guarded, prepare=prepare)
-
-
-def team_loop(meet, args, setup, fn, after) -> list:
-    """One rank's (start, end) events of one timed op: per iteration the ranks meet, ``setup``
-    runs untimed, the stream is held while every rank enqueues, then ``fn`` between the events."""
-    import torch
-
-    pairs = []
-    for it in range(args.warmup + args.iters):
-        meet.wait(timeout=MEET_TIMEOUT_S)
-        if setup is not None:
-            setup(it)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(HEAD_START_CYCLES)
-        start.record()
-        out = fn(it)
-        end.record()
-        if after is not None:
-            after(it, out)
-        del out
-        torch.cuda.current_stream().synchronize()
-        if it >= args.warmup:
-            pairs.append((start, end))
-    return pairs
-
-
-def _emit_team(me: Rank, ranks: list, names: dict) -> None:
-    """Per op of ``names`` that every rank timed in full: per iteration the last start to the
-    last end on rank 0's clock (one GPU), and a rank's median busy time (team._summarize)."""
-    for op, (item, nbytes) in names.items():
-        if not all(len(mine.pairs.get(op, ())) == me.args.iters for mine in ranks):
-            continue
-        ref = ranks[0].pairs[op][0][0]
-        iterations = [[(ref.elapsed_time(mine.pairs[op][it][0]),
-                        ref.elapsed_time(mine.pairs[op][it][1])) for mine in ranks]
-                      for it in range(me.args.iters)]
-        collective, busy = _summarize(iterations)
-        extra = {"busy_ms": busy, **({"hbm_bytes": nbytes} if nbytes else {})}
-        me.emit("times", item, times_ms=collective, extra=extra)
+    return run_team(groups, body, prepare=prepare)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -628,7 +578,7 @@ def team_skip_reason(world: int, num_sms: Optional[int], device: str,
     """Why EP=``world`` cannot run as a local team here ('' when it can)."""
     if device != "cuda":
         return "a local team needs a GPU (Group.local_team runs the cuda backend)"
-    from .. import cuda_backend
+    from megatron_nccl_ep import cuda_backend
 
     problem = cuda_backend.unavailable_reason()
     if problem:
