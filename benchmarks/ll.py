@@ -318,15 +318,16 @@ class _LLOps:
 
 def capture(step) -> tuple:
     """(graph, what ``step()`` returned while captured), on a side stream after the current
-    stream's work. Not ``torch.cuda.graph``: that synchronizes the device and empties the
-    allocator's cache, which a local team's streams keep their memory in."""
+    stream's work, capturing this thread's calls only (a local team's ranks capture at once).
+    Not ``torch.cuda.graph``: that synchronizes the device and empties the allocator's cache,
+    which a local team's streams keep their memory in."""
     import torch
 
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        graph.capture_begin()
+        graph.capture_begin(capture_error_mode="thread_local")
         try:
             kept = step()
         except BaseException:
@@ -534,8 +535,8 @@ def _ll_point(me: Rank, drive: _One, tokens: int, payload: str, layout: str, eve
             return
         drive.together(groups, lambda r: ranks[r].graph_references(), reserve)
         _sync(me)
-        for mine in ranks:  # on this thread, one rank at a time: no device work while captured
-            mine.capture()
+        # Every rank captures on its own thread at once: the captured calls pass the team's gate.
+        drive.together(groups, lambda r: ranks[r].capture(), reserve)
         drive.time(groups, names(GRAPH_OPS), lambda r, op: (None, ranks[r].replay(op), None),
                    ranks, reserve)
         _report_check(me, ll_item(tokens, payload, layout, "graphs"),
