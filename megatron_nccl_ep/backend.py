@@ -14,7 +14,7 @@ from typing import Optional, Protocol
 import torch
 
 from .config import GroupConfig
-from .ll import LLDispatchOutput
+from .outputs import LLDispatchOutput
 
 
 class HandleState(Protocol):

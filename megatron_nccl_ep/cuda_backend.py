@@ -26,7 +26,7 @@ import torch.distributed as dist
 from . import build_info
 from .config import GroupConfig
 from .errors import NcclEpError
-from .ll import LLDispatchOutput
+from .outputs import LLDispatchOutput
 
 try:
     from . import _C  # type: ignore[attr-defined]

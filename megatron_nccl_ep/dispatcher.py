@@ -5,14 +5,12 @@ step: ``dispatch_postprocess`` hands the received rows to Megatron's experts as 
 combine is the unweighted sum of docs/design.md §4 (Megatron's experts apply the probs themselves).
 
 Plugin options (``NcclEpOptions``) come from ``config.nccl_ep_options`` when a TransformerConfig
-carries one, else from the process-wide options set by ``set_options()``, else from the
-``--nccl-ep-*`` flags in Megatron's parsed training arguments (``megatron.training.get_args``,
-``--yaml-cfg`` included), else the defaults.
+carries one, else from ``options.get_options()`` (``set_options()``'s, the ``--nccl-ep-*``
+flags, the defaults; re-exported here).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import List, Optional
 
 import torch
@@ -22,64 +20,14 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .api import Group
 from .autograd import combine, dispatch
-from .options import NcclEpOptions, options_from_args
-
-_options: Optional[NcclEpOptions] = None  # set_options()'s; None: never called
-
-
-def set_options(options: Optional[NcclEpOptions] = None, **fields) -> NcclEpOptions:
-    """Sets the process-wide options: a whole ``NcclEpOptions``, or some fields of the current
-    ones. Dispatchers read them at each forward, so set them before training starts."""
-    global _options
-    _options = dataclasses.replace(options or get_options(), **fields)
-    return _options
-
-
-_DEFAULT_OPTIONS = NcclEpOptions()
-# The options of the last training arguments read: every forward of every layer asks (a per-layer
-# host path), and Megatron parses its arguments once.
-_args_options: tuple = (None, _DEFAULT_OPTIONS)
-
-
-def get_options() -> NcclEpOptions:
-    """``set_options()``'s, else the ``--nccl-ep-*`` flags of Megatron's parsed training
-    arguments (read once per arguments object), else the defaults."""
-    global _args_options
-    if _options is not None:
-        return _options
-    args = _training_args()
-    if args is None:
-        return _DEFAULT_OPTIONS
-    if _args_options[0] is not args:
-        _args_options = (args, options_from_args(args))
-    return _args_options[1]
-
+from .options import NcclEpOptions, get_options, set_options, training_args  # noqa: F401
 
 # One Group per EP process group and shape class, shared by every layer of that class.
 _groups: dict = {}
-_get_args = None  # megatron.training's get_args once imported; False: not importable
-
-
-def _training_args():
-    """Megatron's parsed training arguments, or None outside Megatron training."""
-    global _get_args
-    if _get_args is None:
-        try:
-            from megatron.training.global_vars import get_args as _get_args
-        except ImportError:
-            _get_args = False
-    if _get_args is False:
-        return None
-    try:
-        return _get_args()
-    except AssertionError:  # not parsed yet
-        return None
-
-
 def _training_tokens_per_rank() -> Optional[int]:
     """Tokens per rank entering an MoE layer in Megatron training, when its arguments are parsed:
     the same on every rank, so every rank picks the same group without communicating."""
-    args = _training_args()
+    args = training_args()
     if args is None:
         return None
     tokens = args.seq_length * args.micro_batch_size

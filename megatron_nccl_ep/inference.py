@@ -34,7 +34,7 @@ from megatron.core.transformer.moe.token_dispatcher_inference import (
 
 from .api import Group
 from .config import LL_MAX_TOKENS
-from .dispatcher import get_options
+from .options import get_options
 
 # One LL group per (EP process group, shape), shared by every MoE layer of that shape.
 _groups: dict = {}

@@ -1,5 +1,5 @@
 """The LL (low-latency) front end: ``LLHandle``, what ``Group.create_handle`` returns on a group of
-``mode="ll"`` (docs/design.md §9), and ``LLDispatchOutput``, what its dispatch returns.
+``mode="ll"`` (docs/design.md §9); its dispatch returns an ``outputs.LLDispatchOutput``.
 
 A handle is made without communication; ``dispatch`` and ``combine`` are collective and
 stream-ordered, never read anything back to the host, and with ``send_only=True`` only send:
@@ -12,34 +12,16 @@ anything is enqueued.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
 
 from .config import INDEX_DTYPES, PROB_DTYPES
 from .handle_lifetime import BackendHandle
+from .outputs import LLDispatchOutput
 
 _KINDS = ("dispatch", "combine")
 _PLURAL = {"dispatch": "dispatches", "combine": "combines"}
-
-
-@dataclasses.dataclass
-class LLDispatchOutput:
-    """One LL dispatch's outputs, all on the group's device (docs/design.md §9).
-
-    Expert-major: ``x [L, R*T_max, H]``, ``count [L]`` int32, ``src [L, R*T_max]`` int32
-    (``s * T_max + t``). Rank-major: ``x [R*T_max, H]``, ``count [1]`` int32, ``topk_idx
-    [R*T_max, max_topk]`` int32 and ``topk_weights`` fp32 (None without dispatched weights).
-    With ``dispatch_fp8``: ``x`` is float8_e4m3fn and ``scales [..., H/128]`` fp32. Rows at and after
-    the count are not part of the result."""
-
-    x: torch.Tensor
-    count: torch.Tensor
-    scales: Optional[torch.Tensor] = None
-    src: Optional[torch.Tensor] = None
-    topk_idx: Optional[torch.Tensor] = None
-    topk_weights: Optional[torch.Tensor] = None
 
 
 class InFlight:

@@ -30,7 +30,7 @@ import torch
 
 from .config import FP8_BLOCK, GroupConfig
 from .fp8 import FP8_DTYPE, fp8_cast
-from .ll import LLDispatchOutput
+from .outputs import LLDispatchOutput
 
 FP8_POISON_BYTE = 0x7F  # a NaN of float8_e4m3fn
 _INT32_POISON = torch.iinfo(torch.int32).min

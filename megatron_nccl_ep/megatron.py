@@ -10,7 +10,7 @@ Megatron is patched in memory only (its files on disk are never touched):
 * ``MoELayer.__init__``'s dispatcher chain gains an ``nccl_ep`` branch that builds
   ``NcclEpTokenDispatcher`` (the config is never modified);
 * ``megatron.training.arguments`` gets the ``--nccl-ep-*`` flags; the dispatcher reads their
-  values from the parsed training arguments (``dispatcher.get_options``);
+  values from the parsed training arguments (``options.get_options``);
 * inference (``transformer_impl="inference_optimized"``):
   ``TransformerConfig.inference_moe_token_dispatcher_type``'s Literal gains ``"nccl_ep"``,
   ``MoELayer._setup_inference_mode`` builds ``NcclEpInferenceDispatcher`` for it, and

@@ -1,5 +1,7 @@
-"""The plugin's options (``NcclEpOptions``) and their ``--nccl-ep-*`` flags. Imports neither torch
-nor Megatron, so that ``python -m megatron_nccl_ep.launch --help`` answers at once."""
+"""The plugin's options (``NcclEpOptions``), their ``--nccl-ep-*`` flags, and the process-wide
+options both Megatron dispatchers read (``get_options``: ``set_options()``'s, else the flags of
+Megatron's parsed training arguments, else the defaults). Imports neither torch nor Megatron at
+import time, so that ``python -m megatron_nccl_ep.launch --help`` answers at once."""
 
 from __future__ import annotations
 
@@ -99,3 +101,54 @@ def options_from_args(args) -> NcclEpOptions:
     from ``--yaml-cfg`` (top-level ``nccl_ep_*`` keys; absent ones take the defaults)."""
     return NcclEpOptions(**{field.name: getattr(args, f"nccl_ep_{field.name}", field.default)
                             for field in dataclasses.fields(NcclEpOptions)})
+
+
+# -- the process-wide options ----------------------------------------------------------------
+_get_args = None  # megatron.training's get_args once imported; False: not importable
+
+
+def training_args():
+    """Megatron's parsed training arguments, or None outside Megatron training."""
+    global _get_args
+    if _get_args is None:
+        try:
+            from megatron.training.global_vars import get_args as _get_args
+        except ImportError:
+            _get_args = False
+    if _get_args is False:
+        return None
+    try:
+        return _get_args()
+    except AssertionError:  # not parsed yet
+        return None
+
+
+_options: Optional[NcclEpOptions] = None  # set_options()'s; None: never called
+
+
+def set_options(options: Optional[NcclEpOptions] = None, **fields) -> NcclEpOptions:
+    """Sets the process-wide options: a whole ``NcclEpOptions``, or some fields of the current
+    ones. Dispatchers read them at each forward, so set them before training starts."""
+    global _options
+    _options = dataclasses.replace(options or get_options(), **fields)
+    return _options
+
+
+_DEFAULT_OPTIONS = NcclEpOptions()
+# The options of the last training arguments read: every forward of every layer asks (a per-layer
+# host path), and Megatron parses its arguments once.
+_args_options: tuple = (None, _DEFAULT_OPTIONS)
+
+
+def get_options() -> NcclEpOptions:
+    """``set_options()``'s, else the ``--nccl-ep-*`` flags of Megatron's parsed training
+    arguments (read once per arguments object), else the defaults."""
+    global _args_options
+    if _options is not None:
+        return _options
+    args = training_args()
+    if args is None:
+        return _DEFAULT_OPTIONS
+    if _args_options[0] is not args:
+        _args_options = (args, options_from_args(args))
+    return _args_options[1]

@@ -29,7 +29,7 @@ from . import ll_reference as llr
 from . import rendezvous
 from .config import GroupConfig, routing_error, shape_error
 from .errors import NcclEpError
-from .ll import LLDispatchOutput
+from .outputs import LLDispatchOutput
 
 
 def _bytes_as(byte_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

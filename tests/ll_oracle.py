@@ -12,7 +12,7 @@ from typing import List
 import torch
 
 from megatron_nccl_ep.config import GroupConfig, routing_error
-from megatron_nccl_ep.ll import LLDispatchOutput
+from megatron_nccl_ep.outputs import LLDispatchOutput
 from megatron_nccl_ep.ll_reference import (empty_dispatch_output, fill_dispatch, finish_combine,
                                            pack_combine, pack_dispatch, receive_record, send_plan)
 

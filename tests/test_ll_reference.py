@@ -19,7 +19,7 @@ import ll_cases
 import ll_oracle
 import megatron_nccl_ep as ep
 from megatron_nccl_ep import fp8
-from megatron_nccl_ep.ll import LLDispatchOutput
+from megatron_nccl_ep.outputs import LLDispatchOutput
 
 # ------------------------------------------------------------------------------------------------
 # the independent FP8 cast: e4m3fn decoded from its bit patterns, nearest value, ties to even

@@ -83,7 +83,7 @@ def test_register_is_idempotent_and_sets_options_from_flags():
         from megatron.core.transformer import TransformerConfig
         from megatron.core.transformer.moe.moe_layer import MoELayer
         from megatron.training import arguments
-        from megatron_nccl_ep.dispatcher import get_options
+        from megatron_nccl_ep.options import get_options
 
         parse_args = arguments.parse_args  # imported before register(): still sees our flags
         megatron_nccl_ep.register()
@@ -163,20 +163,20 @@ def test_options_follow_each_new_training_arguments_object(monkeypatch):
 
     from megatron.training.global_vars import set_args
 
-    from megatron_nccl_ep import dispatcher
+    from megatron_nccl_ep import options
     from megatron_nccl_ep.options import NcclEpOptions
 
-    monkeypatch.setattr(dispatcher, "_options", None)  # no set_options() in force
+    monkeypatch.setattr(options, "_options", None)  # no set_options() in force
     try:
         set_args(argparse.Namespace(nccl_ep_num_sms=16))
-        first = dispatcher.get_options()
-        assert first.num_sms == 16 and dispatcher.get_options() is first
+        first = options.get_options()
+        assert first.num_sms == 16 and options.get_options() is first
         set_args(argparse.Namespace(nccl_ep_num_sms=32, nccl_ep_recv_mode="capacity"))
-        second = dispatcher.get_options()
+        second = options.get_options()
         assert (second.num_sms, second.recv_mode) == (32, "capacity"), second
     finally:
         set_args(None)
-    assert dispatcher.get_options() == NcclEpOptions()  # arguments gone: the defaults
+    assert options.get_options() == NcclEpOptions()  # arguments gone: the defaults
 
 
 def test_documented_flags_and_defaults_are_the_launchers():

@@ -99,8 +99,6 @@ def between(rng: random.Random, device) -> None:
 
 def ll_expert(out, layout: str, dtype, fp8: bool):
     """Dequantize (FP8), widen, scale, cast back to the payload dtype."""
-    import torch
-
     x = out.x.float()
     if fp8:
         x = x * out.scales.repeat_interleave(128, dim=-1)
@@ -132,7 +130,7 @@ def run_ll(cfg: dict, seed: int, reps: int, timeout_s: float, device) -> dict:
 
     import ll_cases
     import megatron_nccl_ep as ep
-    from megatron_nccl_ep.ll import LLDispatchOutput
+    from megatron_nccl_ep.outputs import LLDispatchOutput
 
     dtype_name, fp8 = PAYLOADS[cfg["payload"]]
     dtype, layout, world = getattr(torch, dtype_name), cfg["layout"], cfg["world"]

@@ -21,7 +21,7 @@ import torch
 import ll_cases
 import ll_oracle
 import megatron_nccl_ep as ep
-from megatron_nccl_ep.ll import LLDispatchOutput
+from megatron_nccl_ep.outputs import LLDispatchOutput
 from test_cuda_local_team import run_ranks
 
 from gpu_common import requires_gpus
