@@ -10,7 +10,8 @@ import importlib
 
 # name -> the submodule that defines it
 _WHERE = {"Group": "api", "GroupConfig": "config", "Handle": "api", "run_local_team": "api",
-          "NcclEpError": "errors", "LLHandle": "ll", "LLDispatchOutput": "outputs", "ll_memory_size": "cuda_backend",
+          "NcclEpError": "errors", "LLHandle": "ll", "LLDispatchOutput": "outputs",
+          "ll_memory_size": "cuda_backend",
           "dispatch": "autograd", "combine": "autograd",
           "NcclEpTokenDispatcher": "dispatcher", "register": "megatron"}
 

@@ -20,10 +20,13 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .api import Group
 from .autograd import combine, dispatch
+from .dispatcher_common import GroupCache, check_owned_experts, layer_options
 from .options import NcclEpOptions, get_options, set_options, training_args  # noqa: F401
 
 # One Group per EP process group and shape class, shared by every layer of that class.
-_groups: dict = {}
+_groups = GroupCache()
+
+
 def _training_tokens_per_rank() -> Optional[int]:
     """Tokens per rank entering an MoE layer in Megatron training, when its arguments are parsed:
     the same on every rank, so every rank picks the same group without communicating."""
@@ -43,25 +46,17 @@ def _group_for(ep_group, num_experts: int, topk: int, tokens: torch.Tensor,
                   or 1 << max(num_tokens - 1, 0).bit_length())
     key = (ep_group, num_experts, topk, tokens.shape[1], tokens.dtype, tokens.device, max_tokens,
            options, alignment, expert_capacity)
-    group = _groups.get(key)
-    if group is None:
-        group = Group(ep_group, num_experts=num_experts, hidden=tokens.shape[1],
-                      max_tokens_per_rank=max_tokens, max_topk=topk, dtype=tokens.dtype,
-                      backend=options.backend, device=tokens.device, recv_mode=options.recv_mode,
-                      capacity_factor=(options.capacity_factor
-                                       if options.recv_mode == "capacity" else None),
-                      expert_alignment=alignment, num_sms=options.num_sms,
-                      ranks_per_node=options.ranks_per_node, expert_capacity=expert_capacity,
-                      timeout_s=options.timeout_s)
-        _groups[key] = group
-    return group
+    return _groups.get(key, lambda: Group(
+        ep_group, num_experts=num_experts, hidden=tokens.shape[1], max_tokens_per_rank=max_tokens,
+        max_topk=topk, dtype=tokens.dtype, backend=options.backend, device=tokens.device,
+        recv_mode=options.recv_mode,
+        capacity_factor=options.capacity_factor if options.recv_mode == "capacity" else None,
+        expert_alignment=alignment, num_sms=options.num_sms,
+        ranks_per_node=options.ranks_per_node, expert_capacity=expert_capacity,
+        timeout_s=options.timeout_s))
 
 
-def destroy_groups() -> None:
-    """Destroys every cached Group (collective over each group's ranks), e.g. before
-    ``torch.distributed.destroy_process_group``."""
-    while _groups:
-        _groups.popitem()[1].destroy()
+destroy_groups = _groups.destroy
 
 
 class NcclEpTokenDispatcher(MoETokenDispatcher):
@@ -105,12 +100,8 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
                 "step's routing needs its own handle. Capture attn, moe_router and "
                 "moe_preprocess instead")
         num_experts = config.num_moe_experts
-        if num_local_experts * self.ep_size != num_experts or list(local_expert_indices) != list(
-                range(self.ep_rank * num_local_experts, (self.ep_rank + 1) * num_local_experts)):
-            raise ValueError(
-                f"nccl_ep dispatcher: rank {self.ep_rank} of {self.ep_size} must own experts "
-                f"[{self.ep_rank * num_local_experts}, {(self.ep_rank + 1) * num_local_experts}) "
-                f"of {num_experts}, got {list(local_expert_indices)}")
+        check_owned_experts("nccl_ep dispatcher", self.ep_rank, self.ep_size, num_local_experts,
+                            local_expert_indices, num_experts)
         self.num_local_experts = num_local_experts
         self.local_expert_indices = local_expert_indices
         self.num_experts = num_experts
@@ -140,7 +131,7 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         self.cudagraph_attrs.append("shared_experts.cached_fc1_input")
 
     def options(self) -> NcclEpOptions:
-        return getattr(self.config, "nccl_ep_options", None) or get_options()
+        return layer_options(self.config)
 
     def expert_alignment(self) -> int:
         """Rows per local expert are padded to a multiple of this (the layout's alignment

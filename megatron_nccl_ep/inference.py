@@ -34,16 +34,11 @@ from megatron.core.transformer.moe.token_dispatcher_inference import (
 
 from .api import Group
 from .config import LL_MAX_TOKENS
-from .options import get_options
+from .dispatcher_common import GroupCache, check_owned_experts, layer_options
 
 # One LL group per (EP process group, shape), shared by every MoE layer of that shape.
-_groups: dict = {}
-
-
-def destroy_inference_groups() -> None:
-    """Destroys every cached inference Group (collective over each group's ranks)."""
-    while _groups:
-        _groups.popitem()[1].destroy()
+_groups = GroupCache()
+destroy_inference_groups = _groups.destroy
 
 
 def ll_num_sms(options, device: torch.device) -> int:
@@ -92,17 +87,11 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
             raise ValueError(f"nccl_ep inference dispatcher: expert tensor parallelism is not "
                              f"supported (expert TP size {self.tp_size}, expected 1)")
         num_experts = config.num_moe_experts
-        first = self.ep_rank * num_local_experts
-        if num_local_experts * self.ep_size != num_experts or list(local_expert_indices) != list(
-                range(first, first + num_local_experts)):
-            raise ValueError(
-                f"nccl_ep inference dispatcher: rank {self.ep_rank} of {self.ep_size} must own "
-                f"experts [{first}, {first + num_local_experts}) of {num_experts}, got "
-                f"{list(local_expert_indices)}")
+        check_owned_experts("nccl_ep inference dispatcher", self.ep_rank, self.ep_size,
+                            num_local_experts, local_expert_indices, num_experts)
         self.num_experts = num_experts
         self.topk = config.moe_router_topk
         self._handle = None
-        self._out_dtype = None
         # Handles made while a CUDA graph was being captured: the graph replays their kernels
         # on their buffers, so they live as long as this dispatcher.
         self._captured_handles: list = []
@@ -119,7 +108,7 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         cls._token_budget = tokens_per_rank
 
     def options(self):
-        return getattr(self.config, "nccl_ep_options", None) or get_options()
+        return layer_options(self.config)
 
     def max_tokens_per_rank(self) -> int:
         """T_max of this dispatcher's groups (see the module's docstring)."""
@@ -145,20 +134,20 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         num_sms = ll_num_sms(options, tokens.device)
         key = (self.ep_group, self.num_experts, self.topk, tokens.shape[1], dtype, tokens.device,
                max_tokens, options.backend, num_sms, options.timeout_s)
-        group = _groups.get(key)
-        if group is None:
+
+        def make() -> Group:
             if _capturing(tokens.device):
                 raise RuntimeError(
                     "nccl_ep inference dispatcher: its LL group would be created during CUDA "
                     "graph capture (group creation is collective and allocates): run one eager "
                     "step (Megatron's graph warmup) before capturing")
-            group = Group(self.ep_group, mode="ll", ll_layout="rank_major",
-                          num_experts=self.num_experts, hidden=tokens.shape[1],
-                          max_tokens_per_rank=max_tokens, max_topk=self.topk, dtype=dtype,
-                          backend=options.backend, device=tokens.device,
-                          num_sms=num_sms, timeout_s=options.timeout_s)
-            _groups[key] = group
-        return group
+            return Group(self.ep_group, mode="ll", ll_layout="rank_major",
+                         num_experts=self.num_experts, hidden=tokens.shape[1],
+                         max_tokens_per_rank=max_tokens, max_topk=self.topk, dtype=dtype,
+                         backend=options.backend, device=tokens.device, num_sms=num_sms,
+                         timeout_s=options.timeout_s)
+
+        return _groups.get(key, make)
 
     # -- Megatron's inference dispatcher interface -------------------------------------------
     def update_metadata(self, local_tokens: int) -> None:
@@ -181,7 +170,6 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
                 f"nccl_ep inference dispatcher: expected the router's top-k ids [{tokens}, "
                 f"{self.topk}] from dispatch_preprocess, got "
                 f"{None if self.routing_map is None else tuple(self.routing_map.shape)}")
-        self._out_dtype = hidden_states.dtype
         dtype = self.payload_dtype or hidden_states.dtype
         group = self._group(hidden_states, dtype)
         handle = group.create_handle(topk_idx=self.routing_map)

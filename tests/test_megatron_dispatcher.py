@@ -213,7 +213,7 @@ def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact"
 
         # The options reached the group the layer used.
         assert {(g.config.ranks_per_node, g.config.timeout_s)
-                for g in dispatcher_module._groups.values()} == {(ranks_per_node, TIMEOUT_S)}
+                for g in dispatcher_module._groups.groups.values()} == {(ranks_per_node, TIMEOUT_S)}
         for rows, tokens_per_expert in counts:  # FP8 alignment: 16 rows per expert block
             assert all(n % 16 == 0 for n in tokens_per_expert), tokens_per_expert
             assert sum(tokens_per_expert) == rows, (rows, tokens_per_expert)

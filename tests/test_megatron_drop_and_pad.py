@@ -209,7 +209,8 @@ def check_layout(ours, x, seen, seen_base, policy, ep, etp, baseline_type) -> di
     # group the dispatcher used.
     from megatron_nccl_ep import dispatcher as dispatcher_module
 
-    assert {g.config.expert_capacity for g in dispatcher_module._groups.values()} == {capacity}
+    cached = dispatcher_module._groups.groups.values()
+    assert {g.config.expert_capacity for g in cached} == {capacity}
     # Counts: the constant R * C on the host, as alltoall's.
     tpe = seen["tokens_per_expert"]
     assert tpe.device.type == "cpu" and tpe.dtype == torch.int64

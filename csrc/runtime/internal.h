@@ -89,7 +89,6 @@ struct ncclEpGroup {
   nccl_ep::ErrorInfo* h_stop = nullptr;  // h_err + 1
   nccl_ep::ErrorInfo* d_stop = nullptr;  // its device alias (read by the latch kernel)
   // handle pool
-  size_t slot_bytes = 0;
   std::vector<nccl_ep::HandleSlot*> free_slots;
   std::vector<nccl_ep::HandleSlot*> all_slots;
   std::vector<ncclEpHandle*> live;

@@ -49,7 +49,7 @@ def configurations() -> list:
     return configs
 
 
-# -- inputs (host, one repetition) ------------------------------------------------------------------
+# -- inputs (host, one repetition) ----------------------------------------------------------
 def token_counts(rng: random.Random, world: int, max_tokens: int, rep: int) -> list:
     """Uneven counts in [1, max_tokens], one rank (a different one each repetition) with none."""
     counts = [rng.randint(1, max_tokens) for _ in range(world)]
@@ -81,7 +81,7 @@ def ht_problem(cfg: dict, seed: int, rep: int):
                               torch.bfloat16, routing="masked" if rep % 2 else "random")
 
 
-# -- the torch work between dispatch and combine --------------------------------------------------
+# -- the torch work between dispatch and combine ---------------------------------------------
 def between(rng: random.Random, device) -> None:
     """A new allocation of a random size (NaN-filled: later outputs may reuse its memory), and
     now and then a stream or a device synchronization."""
@@ -124,7 +124,7 @@ def poison(rank, group) -> None:
     torch.cuda.current_stream(group.device).synchronize()
 
 
-# -- one process: one configuration, all its repetitions -----------------------------------------------
+# -- one process: one configuration, all its repetitions -------------------------------------
 def run_ll(cfg: dict, seed: int, reps: int, timeout_s: float, device) -> dict:
     import torch
 

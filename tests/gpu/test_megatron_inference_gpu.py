@@ -92,7 +92,7 @@ def graph_case(seed: int, num_experts: int, topk: int, payload_fp32: bool) -> di
         from megatron_nccl_ep import inference
 
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        assert [g.config.num_sms for g in inference._groups.values()] == [sms]  # every SM
+        assert [g.config.num_sms for g in inference._groups.groups.values()] == [sms]  # every SM
         return {"replays": 3, "max_diff_vs_eager": worst,
                 "captured_handles": len(ours._captured_handles)}
 
