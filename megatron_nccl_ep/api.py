@@ -177,7 +177,8 @@ class Group:
         code path of a multi-rank group runs, so one GPU can develop and test it. Use each rank
         from its own thread with its own CUDA stream (every collective call waits at the team's
         gate for the peers' calls): ``run_local_team`` does that. Keep ``world_size * num_sms``
-        within the GPU's SM count (every CTA of every rank must be resident at once). Destroy every member."""
+        within the GPU's SM count (every CTA of every rank must be resident at once). Destroy
+        every member."""
         device = _resolve_device(device)
         if device.type != "cuda":
             raise RuntimeError(f"Group.local_team needs a CUDA device, got {device}")
