@@ -284,10 +284,11 @@ ncclResult_t ncclEpCreateGroup(ncclEpGroup_t* group, ncclComm_t comm,
  * (ncclSystemError naming the missing ranks after timeout_ms, counted on the host from the
  * caller's entry). So each member's thread may do anything between its calls, waits for the
  * whole device included (lazy kernel loads, allocations, cudaFree, synchronizations); another
- * thread of the process may not wait for the whole device while members are inside a call. A
- * CUDA graph replays its captured calls without the gate: replay every rank's graph between two
- * meetings of the ranks' threads. Destroy every member; the windows are freed with the last
- * one. */
+ * thread of the process may not wait for the whole device while members are inside a call. CUDA
+ * graphs: every rank captures its calls at once, in thread-local capture mode, with no wait for
+ * the whole device while a peer captures; a replay runs the calls without the gate, so replay
+ * every rank's graph between two meetings of the ranks' threads. Destroy every member; the
+ * windows are freed with the last one. */
 ncclResult_t ncclEpCreateLocalTeam(ncclEpGroup_t* groups, int nranks,
                                    const ncclEpGroupConfig_t* config, cudaStream_t stream);
 /* What the group allocated and chose (staging sizes, channels). Not collective. */

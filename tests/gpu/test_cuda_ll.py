@@ -183,12 +183,18 @@ def test_ll_graph_replay_with_new_routing_equals_eager(world, layout, fp8, seed)
         # One eager step first (outside the capture), then the capture.
         h0 = g.create_handle(idx)
         h0.combine(expert_fn(h0.dispatch(x, w), layout, BF16), cw if em else None)
+        # The ranks capture at once, each its own calls (thread-local mode), and none waits
+        # for the whole device while a peer captures: torch.cuda.graph's entry synchronizes the
+        # device and empties the allocator's cache, a wait that a peer's capture can hold up.
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=torch.cuda.current_stream(dev),
-                              capture_error_mode="thread_local"):
+        meet.wait(timeout=60)
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
             h = g.create_handle(idx)
             out = h.dispatch(x, w)
             y = h.combine(expert_fn(out, layout, BF16), cw if em else None)
+        finally:
+            graph.capture_end()
         replayed, eager = [], []
         for i in range(len(rounds)):
             ri, rx, rw, rcw = (v[r] for v in inputs[i])
