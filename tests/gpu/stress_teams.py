@@ -140,31 +140,24 @@ def run_ll(cfg: dict, seed: int, reps: int, timeout_s: float, device) -> dict:
     groups = ep.Group.local_team(world, **problems[0].group_fields(layout, fp8), num_sms=16,
                                  timeout_s=timeout_s, device=device)
 
-    def body(r, g):
-        rng, done = random.Random(seed * 31 + r), []
-        try:
-            for rep, p in enumerate(problems):
-                idx, x, w = (t[r].to(device) for t in (p.topk_idx, p.x, p.weights))
-                cw = weights[rep][r].to(device) if em else None
-                h = g.create_handle(idx)
-                send_only = rep % 3 == 2  # a staged dispatch now and then
-                out = h.dispatch(x, w, send_only=send_only)
-                if send_only:
-                    between(rng, device)
-                    h.complete()
-                expert_out = ll_expert(out, layout, dtype, fp8)
-                between(rng, device)
-                y = h.combine(expert_out, cw)
-                done.append((LLDispatchOutput(**{k: None if v is None else v.cpu()
-                                                 for k, v in vars(out).items()}),
-                             expert_out.cpu(), y.cpu()))
-                h.destroy()
-            g.check_errors()
-            return done, None
-        except Exception as exc:  # noqa: BLE001 - counted and reported by the parent
-            return done, f"{type(exc).__name__}: {exc}"
+    def step(r, g, rep, rng):
+        p = problems[rep]
+        idx, x, w = (t[r].to(device) for t in (p.topk_idx, p.x, p.weights))
+        cw = weights[rep][r].to(device) if em else None
+        h = g.create_handle(idx)
+        send_only = rep % 3 == 2  # a staged dispatch now and then
+        out = h.dispatch(x, w, send_only=send_only)
+        if send_only:
+            between(rng, device)
+            h.complete()
+        expert_out = ll_expert(out, layout, dtype, fp8)
+        between(rng, device)
+        y = h.combine(expert_out, cw)
+        h.destroy()
+        return (LLDispatchOutput(**{k: None if v is None else v.cpu()
+                                    for k, v in vars(out).items()}), expert_out.cpu(), y.cpu())
 
-    results = run_team(ep, groups, body, reps)
+    results = run_team(ep, groups, rank_body(step, reps, seed), reps)
     return score(results, reps, lambda rep, per_rank: ll_mismatches(
         groups[0].config, problems[rep], weights[rep] if em else None, per_rank, layout))
 
@@ -224,24 +217,18 @@ def run_ht(cfg: dict, seed: int, reps: int, timeout_s: float, device) -> dict:
                                  expert_alignment=alignment, num_sms=16, timeout_s=timeout_s,
                                  device=device, **extra)
 
-    def body(r, g):
-        rng, done = random.Random(seed * 31 + r), []
-        try:
-            for p in problems:
-                idx, x, probs = (t[r].to(device) for t in (p.topk_idx, p.x, p.probs))
-                h = g.create_handle(idx)
-                recv_x, recv_p = h.dispatch(x, probs)
-                expert_out = (recv_x.float() * recv_p[:, None] + 0.5).to(recv_x.dtype)
-                between(rng, device)
-                y = h.combine(expert_out)
-                done.append((recv_x.cpu(), recv_p.cpu(), expert_out.cpu(), y.cpu()))
-                h.destroy()
-            g.check_errors()
-            return done, None
-        except Exception as exc:  # noqa: BLE001 - counted and reported by the parent
-            return done, f"{type(exc).__name__}: {exc}"
+    def step(r, g, rep, rng):
+        p = problems[rep]
+        idx, x, probs = (t[r].to(device) for t in (p.topk_idx, p.x, p.probs))
+        h = g.create_handle(idx)
+        recv_x, recv_p = h.dispatch(x, probs)
+        expert_out = (recv_x.float() * recv_p[:, None] + 0.5).to(recv_x.dtype)
+        between(rng, device)
+        y = h.combine(expert_out)
+        h.destroy()
+        return recv_x.cpu(), recv_p.cpu(), expert_out.cpu(), y.cpu()
 
-    results = run_team(ep, groups, body, reps)
+    results = run_team(ep, groups, rank_body(step, reps, seed), reps)
 
     def mismatches(rep, per_rank) -> int:
         from ep_cases import count_mismatches
@@ -255,6 +242,23 @@ def run_ht(cfg: dict, seed: int, reps: int, timeout_s: float, device) -> dict:
         return bad
 
     return score(results, reps, mismatches)
+
+
+def rank_body(step, reps: int, seed: int):
+    """A rank's function for run_local_team: ``step(rank, group, rep, rng)`` for every
+    repetition, its results kept; an error ends the rank's repetitions and comes back with them
+    (the parent counts it)."""
+    def body(r, g):
+        rng, done = random.Random(seed * 31 + r), []
+        try:
+            for rep in range(reps):
+                done.append(step(r, g, rep, rng))
+            g.check_errors()
+            return done, None
+        except Exception as exc:  # noqa: BLE001 - counted and reported by the parent
+            return done, f"{type(exc).__name__}: {exc}"
+
+    return body
 
 
 class Hung(Exception):
