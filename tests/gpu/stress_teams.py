@@ -8,8 +8,7 @@ between dispatch and combine (casts to and from the payload dtype, elementwise m
 allocation of a random size, now and then a stream or device synchronization). Every output is
 compared bitwise with the reference arithmetic (LL: tests/ll_oracle.py, the whole group over
 megatron_nccl_ep.ll_reference's steps; HT: tests/dense.py, the oracle the reference backend is
-tested against), the combine on
-the expert outputs the GPU computed. Timeouts are the groups' (``--timeout-s``, 6 s).
+tested against), the combine on the expert outputs the GPU computed. Timeouts are the groups' (``--timeout-s``, 6 s).
 
     python tests/gpu/stress_teams.py [--processes 2] [--reps 50] [--only SUBSTRING]
 
@@ -163,14 +162,13 @@ def run_ll(cfg: dict, seed: int, reps: int, timeout_s: float, device) -> dict:
 
 
 def ll_mismatches(config, problem, cw, per_rank, layout) -> int:
-    from ep_cases import count_mismatches
     import ll_oracle
+    from ep_cases import count_mismatches
 
     world = problem.world_size
-    want = ll_oracle.ll_dispatch_all(config, world, problem.topk_idx, problem.x,
-                                        problem.weights)
+    want = ll_oracle.ll_dispatch_all(config, world, problem.topk_idx, problem.x, problem.weights)
     want_y = ll_oracle.ll_combine_all(config, world, problem.topk_idx,
-                                         [expert for _, expert, _ in per_rank], cw)
+                                      [expert for _, expert, _ in per_rank], cw)
     bad = 0
     for r, (got, _, y) in enumerate(per_rank):
         bad += dispatch_mismatches(got, want[r], layout, count_mismatches)
