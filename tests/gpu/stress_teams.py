@@ -8,7 +8,8 @@ between dispatch and combine (casts to and from the payload dtype, elementwise m
 allocation of a random size, now and then a stream or device synchronization). Every output is
 compared bitwise with the reference arithmetic (LL: tests/ll_oracle.py, the whole group over
 megatron_nccl_ep.ll_reference's steps; HT: tests/dense.py, the oracle the reference backend is
-tested against), the combine on the expert outputs the GPU computed. Timeouts are the groups' (``--timeout-s``, 6 s).
+tested against), the combine on the expert outputs the GPU computed. Timeouts are the groups'
+(``--timeout-s``, 6 s).
 
     python tests/gpu/stress_teams.py [--processes 2] [--reps 50] [--only SUBSTRING]
 
