@@ -207,8 +207,7 @@ ncclResult_t create_nccl_group(ncclEpGroup* g, ncclComm_t comm, const ncclEpGrou
 ncclResult_t check_group_errors(ncclEpGroup* g) {
   const bool device = __atomic_load_n(&g->h_err->code, __ATOMIC_ACQUIRE) != kErrNone;
   const bool host = __atomic_load_n(&g->h_stop->code, __ATOMIC_ACQUIRE) != kErrNone;
-  if (!device && !host)
-    return g->team != nullptr && g->team->gate != nullptr ? g->team->gate->check() : ncclSuccess;
+  if (!device && !host) return team_gate(g) != nullptr ? team_gate(g)->check() : ncclSuccess;
   ErrorInfo word;
   memcpy(&word, device ? g->h_err : g->h_stop, sizeof(word));
   if (device && host && word.code == kErrPeerAbort && word.token == g->node_rank)

@@ -353,6 +353,6 @@ extern "C" ncclResult_t ncclEpHandleGetTopkIdx(ncclEpHandle_t handle, ncclEpTens
 
 extern "C" ncclResult_t ncclEpComplete(ncclEpHandle_t handle, cudaStream_t stream) {
   EP_CHECK(handle != nullptr, ncclInvalidArgument, "ncclEpComplete: handle is NULL");
-  if (is_ll(handle->group)) return ll_complete(handle, stream);
-  return ncclSuccess;
+  if (!is_ll(handle->group)) return ncclSuccess;
+  return gated_call(handle->group, "LL complete", [&] { return ll_complete(handle, stream); });
 }

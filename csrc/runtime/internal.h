@@ -147,11 +147,17 @@ ncclResult_t check_group_errors(ncclEpGroup* g);
 // The handle-creation barrier; `call` is its call_signature().
 ncclResult_t barrier(ncclEpGroup* g, unsigned call, cudaStream_t stream);
 
+// The gate of g's local team; null for any other group.
+inline TeamGate* team_gate(const ncclEpGroup* g) {
+  return g->team != nullptr ? g->team->gate.get() : nullptr;
+}
+
 // A collective call of group g: `body` (its checks and launches) between the two meetings of a
 // local team's gate (team_gate.h); on any other group, `body` alone. `call` names it in errors.
+// The C entry points (ops.cc, handle.cc) wrap every collective call, HT and LL, in it.
 template <class Body>
 ncclResult_t gated_call(ncclEpGroup* g, const char* call, Body&& body) {
-  TeamGate* gate = g->team != nullptr ? g->team->gate.get() : nullptr;
+  TeamGate* gate = team_gate(g);
   if (gate == nullptr) return body();
   EP_RETURN_IF(gate->meet(g->rank, call, g->cfg.timeout_ms, false, false));
   const ncclResult_t res = body();

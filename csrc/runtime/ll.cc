@@ -193,11 +193,9 @@ ncclResult_t ll_create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing,
   return ncclSuccess;
 }
 
-namespace {
-
-ncclResult_t dispatch(ncclEpHandle* h, const ncclEpDispatchInputs_t* in,
-                      ncclEpDispatchOutputs_t* out, const ncclEpOpConfig_t* config,
-                      cudaStream_t stream) {
+ncclResult_t ll_dispatch(ncclEpHandle* h, const ncclEpDispatchInputs_t* in,
+                         ncclEpDispatchOutputs_t* out, const ncclEpOpConfig_t* config,
+                         cudaStream_t stream) {
   bool send_only = false;
   EP_RETURN_IF(check_op(h, config, 0, &send_only));
   const ncclEpGroup* g = h->group;
@@ -248,9 +246,9 @@ ncclResult_t dispatch(ncclEpHandle* h, const ncclEpDispatchInputs_t* in,
   return ncclSuccess;
 }
 
-ncclResult_t combine(ncclEpHandle* h, const ncclEpCombineInputs_t* in,
-                     ncclEpCombineOutputs_t* out, const ncclEpOpConfig_t* config,
-                     cudaStream_t stream) {
+ncclResult_t ll_combine(ncclEpHandle* h, const ncclEpCombineInputs_t* in,
+                        ncclEpCombineOutputs_t* out, const ncclEpOpConfig_t* config,
+                        cudaStream_t stream) {
   bool send_only = false;
   EP_RETURN_IF(check_op(h, config, 1, &send_only));
   const ncclEpGroup* g = h->group;
@@ -280,7 +278,7 @@ ncclResult_t combine(ncclEpHandle* h, const ncclEpCombineInputs_t* in,
   return ncclSuccess;
 }
 
-ncclResult_t complete(ncclEpHandle* h, cudaStream_t stream) {
+ncclResult_t ll_complete(ncclEpHandle* h, cudaStream_t stream) {
   EP_CHECK(h->ll_pending >= 0, ncclInvalidUsage,
            "ncclEpComplete: this LL handle has no dispatch or combine sent with send_only "
            "pending");
@@ -300,25 +298,6 @@ ncclResult_t complete(ncclEpHandle* h, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(h->group->mu);
   ll_forget(h);
   return ncclSuccess;
-}
-
-}  // namespace
-
-// The collective calls, inside a local team's gate.
-ncclResult_t ll_dispatch(ncclEpHandle* h, const ncclEpDispatchInputs_t* in,
-                         ncclEpDispatchOutputs_t* out, const ncclEpOpConfig_t* config,
-                         cudaStream_t stream) {
-  return gated_call(h->group, "LL dispatch", [&] { return dispatch(h, in, out, config, stream); });
-}
-
-ncclResult_t ll_combine(ncclEpHandle* h, const ncclEpCombineInputs_t* in,
-                        ncclEpCombineOutputs_t* out, const ncclEpOpConfig_t* config,
-                        cudaStream_t stream) {
-  return gated_call(h->group, "LL combine", [&] { return combine(h, in, out, config, stream); });
-}
-
-ncclResult_t ll_complete(ncclEpHandle* h, cudaStream_t stream) {
-  return gated_call(h->group, "LL complete", [&] { return complete(h, stream); });
 }
 
 void ll_forget(ncclEpHandle* h) {

@@ -138,7 +138,8 @@ using namespace nccl_ep;
 
 namespace {
 
-// The HT ops behind the entry points below (LL: ll.cc), inside a local team's gate.
+// The HT ops behind the entry points below (LL: ll.cc); the entry points put them inside a
+// local team's gate.
 ncclResult_t ht_dispatch(ncclEpHandle_t handle, const ncclEpDispatchInputs_t* inputs,
                          ncclEpDispatchOutputs_t* outputs, const ncclEpOpConfig_t* config,
                          cudaStream_t stream) {
@@ -242,10 +243,11 @@ extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispat
   EP_CHECK(handle != nullptr, ncclInvalidArgument, "ncclEpDispatch: handle is NULL");
   EP_CHECK(inputs != nullptr && outputs != nullptr, ncclInvalidArgument,
            "ncclEpDispatch: inputs or outputs is NULL");
-  if (is_ll(handle->group))  // ll_: docs/design.md section 9
-    return ll_dispatch(handle, inputs, outputs, config, stream);
-  return gated_call(handle->group, "dispatch",
-                    [&] { return ht_dispatch(handle, inputs, outputs, config, stream); });
+  const bool ll = is_ll(handle->group);  // ll_: docs/design.md section 9
+  return gated_call(handle->group, ll ? "LL dispatch" : "dispatch", [&] {
+    return ll ? ll_dispatch(handle, inputs, outputs, config, stream)
+              : ht_dispatch(handle, inputs, outputs, config, stream);
+  });
 }
 
 extern "C" ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombineInputs_t* inputs,
@@ -254,10 +256,11 @@ extern "C" ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombine
   EP_CHECK(handle != nullptr, ncclInvalidArgument, "ncclEpCombine: handle is NULL");
   EP_CHECK(inputs != nullptr && outputs != nullptr, ncclInvalidArgument,
            "ncclEpCombine: inputs or outputs is NULL");
-  if (is_ll(handle->group))  // ll_: docs/design.md section 9
-    return ll_combine(handle, inputs, outputs, config, stream);
-  return gated_call(handle->group, "combine",
-                    [&] { return ht_combine(handle, inputs, outputs, config, stream); });
+  const bool ll = is_ll(handle->group);  // ll_: docs/design.md section 9
+  return gated_call(handle->group, ll ? "LL combine" : "combine", [&] {
+    return ll ? ll_combine(handle, inputs, outputs, config, stream)
+              : ht_combine(handle, inputs, outputs, config, stream);
+  });
 }
 
 extern "C" ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
