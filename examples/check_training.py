@@ -13,6 +13,18 @@
   (e) CUDA graphs: --cuda-graph-impl local of the moe_router and moe_preprocess scopes trains
       with the bits of the nccl_ep run without graphs.
 
+Whole MoE layers in CUDA graphs, on a larger model (GRAPH_MODEL: 4 layers, hidden 1024, 32
+experts top-4, sequence 1024, micro-batch 4, global batch 16, bf16), GRAPH_ITERATIONS iterations:
+
+  (f) drop-and-pad with --cuda-graph-impl local --cuda-graph-modules moe, bitwise the same run
+      without graphs;
+  (g) drop-and-pad with --cuda-graph-impl full_iteration, bitwise the same run without graphs;
+  (h) capacity mode (dropless within its budget) with --cuda-graph-impl full_iteration, bitwise
+      the same run without graphs;
+  (t) step times against Megatron's alltoall with the same settings: (g) within 1.05x of
+      alltoall's full-iteration step, (h) within 1.10x of it, (f) no slower than alltoall's moe
+      module graphs.
+
     python examples/check_training.py [--gpus 2] [--checks abcde] [--workdir DIR] [-- FLAGS]
 
 e.g. ``-- --nccl-ep-backend cuda`` to fail rather than fall back when the CUDA kernels are not
@@ -48,11 +60,30 @@ SHOWN = 5
 SHARED_EXPERTS = ["--moe-shared-expert-intermediate-size", "512"]
 ROUTER_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe_router",
                  "moe_preprocess"]
+GRAPH_ITERATIONS = 40
+GRAPH_MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--ffn-hidden-size", "1024",
+               "--num-attention-heads", "16", "--seq-length", "1024",
+               "--max-position-embeddings", "1024", "--num-experts", "32", "--moe-router-topk", "4",
+               "--micro-batch-size", "4", "--global-batch-size", "16", "--bf16",
+               "--deterministic-mode", "--train-iters", str(GRAPH_ITERATIONS),
+               "--no-check-for-nan-in-loss-and-grad"]
+DROP_AND_PAD = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
+CAPACITY_MODE = ["--nccl-ep-recv-mode", "capacity"]
+MOE_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"]
+FULL_ITERATION = ["--cuda-graph-impl", "full_iteration"]
+# The step-time targets of check (t): run -> (alltoall's run, largest ratio to its time).
+TIME_TARGETS = {"drop_and_pad_moe_graphs": ("alltoall_drop_and_pad_moe_graphs", 1.0),
+                "drop_and_pad_full_iteration": ("alltoall_drop_and_pad_full_iteration", 1.05),
+                "capacity_full_iteration": ("alltoall_drop_and_pad_full_iteration", 1.10)}
 # Each check and the runs it compares (the first is its reference).
 CHECK_RUNS = {"a": ("nccl_ep", "nccl_ep_again"), "b": ("nccl_ep", "alltoall"),
               "c": ("nccl_ep", "until_save", "resumed"),
               "d": ("shared_expert_overlap_alltoall", "shared_expert_overlap"),
-              "e": ("nccl_ep", "router_graphs")}
+              "e": ("nccl_ep", "router_graphs"),
+              "f": ("drop_and_pad", "drop_and_pad_moe_graphs"),
+              "g": ("drop_and_pad", "drop_and_pad_full_iteration"),
+              "h": ("capacity", "capacity_full_iteration"),
+              "t": (*TIME_TARGETS, *sorted({run for run, _ in TIME_TARGETS.values()}))}
 # Megatron's log: its arguments at start-up, the iteration time every --log-interval.
 ARGUMENT = re.compile(r"^\s*(global_batch_size|seq_length) \.+ (\d+)\s*$", re.MULTILINE)
 ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
@@ -72,6 +103,15 @@ def run_arguments(checkpoint_dir: str) -> dict:
         "shared_expert_overlap_alltoall": [*common, *SHARED_EXPERTS, "--moe-shared-expert-overlap",
                                            "--moe-token-dispatcher-type", "alltoall"],
         "router_graphs": [*common, *ROUTER_GRAPHS],
+        "drop_and_pad": [*GRAPH_MODEL, *DROP_AND_PAD],
+        "drop_and_pad_moe_graphs": [*GRAPH_MODEL, *DROP_AND_PAD, *MOE_GRAPHS],
+        "drop_and_pad_full_iteration": [*GRAPH_MODEL, *DROP_AND_PAD, *FULL_ITERATION],
+        "capacity": [*GRAPH_MODEL, *CAPACITY_MODE],
+        "capacity_full_iteration": [*GRAPH_MODEL, *CAPACITY_MODE, *FULL_ITERATION],
+        "alltoall_drop_and_pad_moe_graphs": [*GRAPH_MODEL, *DROP_AND_PAD, *MOE_GRAPHS,
+                                             "--moe-token-dispatcher-type", "alltoall"],
+        "alltoall_drop_and_pad_full_iteration": [*GRAPH_MODEL, *DROP_AND_PAD, *FULL_ITERATION,
+                                                 "--moe-token-dispatcher-type", "alltoall"],
     }
 
 
@@ -132,9 +172,25 @@ def speed(log: str) -> Optional[dict]:
     return {"ms": ms, "tokens": tokens, "tokens_per_s": tokens / ms * 1000.0}
 
 
-def checks(runs: dict, tolerance: float) -> list:
+def time_problems(times: dict) -> tuple:
+    """Check (t): (problems, detail) from each run's step time in ms (None: not measured)."""
+    problems, parts = [], []
+    for run, (baseline, most) in TIME_TARGETS.items():
+        ours, theirs = times.get(run), times.get(baseline)
+        if ours is None or theirs is None:
+            problems.append(f"no step time for {run if ours is None else baseline}")
+            continue
+        ratio = ours / theirs
+        parts.append(f"{run} {ours:.1f} ms = {ratio:.3f}x {baseline} {theirs:.1f} ms "
+                     f"(target <= {most:g}x)")
+        if ratio > most:
+            problems.append(parts[-1])
+    return problems, "; ".join(parts)
+
+
+def checks(runs: dict, tolerance: float, times: Optional[dict] = None) -> list:
     """(label, passed, detail) for each check whose runs are all in ``runs``: name -> (exit
-    status, steps)."""
+    status, steps); ``times``: name -> step time in ms (check t)."""
     steps = {name: found for name, (_, found) in runs.items()}
     reference = steps.get("nccl_ep")
     results = []
@@ -184,6 +240,21 @@ def checks(runs: dict, tolerance: float) -> list:
     if "e" in wanted:
         add("(e) moe_router + moe_preprocess CUDA graphs against none, bitwise", CHECK_RUNS["e"],
             bitwise_differences(reference, steps["router_graphs"], every), same_bits)
+
+    graph_iterations = range(1, GRAPH_ITERATIONS + 1)
+    graph_bits = f"loss and grad norm bits equal at all {GRAPH_ITERATIONS} iterations"
+    for check, label in (("f", "(f) drop-and-pad, moe module CUDA graphs against none"),
+                         ("g", "(g) drop-and-pad, full-iteration CUDA graph against none"),
+                         ("h", "(h) capacity mode, full-iteration CUDA graph against none")):
+        if check in wanted:
+            reference_run, graphed = CHECK_RUNS[check]
+            add(f"{label}, bitwise", CHECK_RUNS[check],
+                bitwise_differences(steps[reference_run], steps[graphed], graph_iterations),
+                graph_bits)
+    if "t" in wanted:
+        problems, detail = time_problems(times or {})
+        add("(t) step times against alltoall with the same graphs", CHECK_RUNS["t"], problems,
+            detail)
     return results
 
 
@@ -237,10 +308,12 @@ def main(argv=None) -> int:
                         options.run_timeout)
             for name, arguments in run_arguments(checkpoint_dir).items() if name in needed}
     results = checks({name: (status, steps) for name, (status, steps, _) in runs.items()},
-                     options.alltoall_tolerance)
+                     options.alltoall_tolerance,
+                     {name: measured["ms"] for name, (_, _, measured) in runs.items()
+                      if measured is not None})
     for label, passed, detail in results:
         print(f"{'PASS' if passed else 'FAIL'} {label}: {detail}", flush=True)
-    for name in ("nccl_ep", "alltoall"):
+    for name in ("nccl_ep", "alltoall", "drop_and_pad", "capacity", *CHECK_RUNS["t"]):
         measured = runs[name][2] if name in runs else None
         if measured is not None:
             print(f"SPEED {name}: {measured['ms']:.1f} ms per iteration, "

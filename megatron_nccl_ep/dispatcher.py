@@ -11,6 +11,7 @@ flags, the defaults; re-exported here).
 
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional
 
 import torch
@@ -21,10 +22,44 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from .api import Group
 from .autograd import combine, dispatch
 from .dispatcher_common import GroupCache, check_owned_experts, layer_options
+from .errors import NcclEpError
 from .options import NcclEpOptions, get_options, set_options, training_args  # noqa: F401
 
 # One Group per EP process group and shape class, shared by every layer of that class.
 _groups = GroupCache()
+# Capacity-mode dispatchers (weak references, in the order of their first dispatch: the same on
+# every rank), whose budgets check_budgets() checks.
+_budgeted: list = []
+
+
+def graph_captures_dispatch(config) -> bool:
+    """Whether Megatron's CUDA graph settings put token_dispatch inside a graph: the whole
+    iteration, whole layers (an empty module list) or the ``moe`` module."""
+    impl = getattr(config, "cuda_graph_impl", "none")
+    if impl == "full_iteration":
+        return True
+    modules = {getattr(m, "name", str(m)) for m in getattr(config, "cuda_graph_modules", None)
+               or []}
+    return impl != "none" and (not modules or "moe" in modules)
+
+
+def check_graph_settings(config, options: NcclEpOptions) -> None:
+    """A graph that holds token_dispatch replays it without the host: exact mode, which reads
+    each handle's receive count on the host, is refused there; drop-and-pad and capacity mode
+    (static layouts) are captured."""
+    if not graph_captures_dispatch(config) or options.recv_mode == "capacity" or getattr(
+            config, "moe_pad_expert_input_to_capacity", False):
+        return
+    modules = sorted(getattr(m, "name", str(m))
+                     for m in getattr(config, "cuda_graph_modules", None) or [])
+    raise ValueError(
+        f"nccl_ep dispatcher: cuda_graph_impl={config.cuda_graph_impl!r} with "
+        f"cuda_graph_modules={modules} captures token_dispatch, and the exact receive mode reads "
+        "each layer's receive count on the host, which a graph cannot replay. Use "
+        "--nccl-ep-recv-mode capacity (dropless within a static budget per expert, "
+        "--nccl-ep-capacity-factor), or drop-and-pad (--moe-expert-capacity-factor with "
+        "--moe-pad-expert-input-to-capacity), or capture only attn, moe_router and "
+        "moe_preprocess")
 
 
 def _training_tokens_per_rank() -> Optional[int]:
@@ -41,22 +76,63 @@ def _training_tokens_per_rank() -> Optional[int]:
 
 def _group_for(ep_group, num_experts: int, topk: int, tokens: torch.Tensor,
                options: NcclEpOptions, alignment: int, expert_capacity: int = 0) -> Group:
+    """The layer's Group. With ``expert_capacity`` (drop-and-pad, capacity mode) every dispatch
+    output has the same fixed layout, so the group runs in capacity mode: nothing is read on the
+    host."""
     num_tokens = tokens.shape[0]
     max_tokens = (options.max_tokens_per_rank or _training_tokens_per_rank()
                   or 1 << max(num_tokens - 1, 0).bit_length())
     key = (ep_group, num_experts, topk, tokens.shape[1], tokens.dtype, tokens.device, max_tokens,
            options, alignment, expert_capacity)
-    return _groups.get(key, lambda: Group(
-        ep_group, num_experts=num_experts, hidden=tokens.shape[1], max_tokens_per_rank=max_tokens,
-        max_topk=topk, dtype=tokens.dtype, backend=options.backend, device=tokens.device,
-        recv_mode=options.recv_mode,
-        capacity_factor=options.capacity_factor if options.recv_mode == "capacity" else None,
-        expert_alignment=alignment, num_sms=options.num_sms,
-        ranks_per_node=options.ranks_per_node, expert_capacity=expert_capacity,
-        timeout_s=options.timeout_s))
+
+    def make() -> Group:
+        if tokens.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "nccl_ep dispatcher: this layer's communication group would be created inside a "
+                "CUDA graph capture (group creation is collective and allocates): run at least "
+                "one step eagerly before capturing (--cuda-graph-warmup-steps >= 1)")
+        return Group(
+            ep_group, num_experts=num_experts, hidden=tokens.shape[1],
+            max_tokens_per_rank=max_tokens, max_topk=topk, dtype=tokens.dtype,
+            backend=options.backend, device=tokens.device,
+            recv_mode="capacity" if expert_capacity else options.recv_mode,
+            expert_alignment=alignment, num_sms=options.num_sms,
+            ranks_per_node=options.ranks_per_node, expert_capacity=expert_capacity,
+            timeout_s=options.timeout_s)
+
+    return _groups.get(key, make)
 
 
 destroy_groups = _groups.destroy
+
+
+def check_budgets() -> None:
+    """Capacity mode: raises ``NcclEpError`` on every rank when, since the last check, a layer's
+    rank sent one expert more tokens than that layer's static budget (the tokens past it were
+    dropped), naming the layer, the rows needed and the capacity factor that would hold them;
+    also raises the groups' pending device-side errors. Collective over each EP group (one
+    all-reduce of every layer's count), with one host read: after a step, where the host waits
+    for the GPU anyway (``register()`` calls it after each Megatron ``train_step``), also when
+    CUDA graphs replayed the step."""
+    for group in list(_groups.groups.values()):
+        group.check_errors()
+    layers = [d for d in (ref() for ref in _budgeted) if d is not None and d._needed is not None]
+    _budgeted[:] = [ref for ref in _budgeted if ref() is not None]
+    by_group: dict = {}
+    for d in layers:
+        by_group.setdefault(d.comm_group, []).append(d)
+    for process_group, members in by_group.items():
+        needed = torch.stack([d._needed for d in members])
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size(
+                process_group) > 1:
+            torch.distributed.all_reduce(needed, op=torch.distributed.ReduceOp.MAX,
+                                         group=process_group)
+        counts = needed.tolist()
+        for d in members:
+            d._needed.zero_()
+        over = [(d, n) for d, n in zip(members, counts) if n > d._budget[0]]
+        if over:
+            raise NcclEpError("; ".join(d._over_budget_message(n) for d, n in over))
 
 
 class NcclEpTokenDispatcher(MoETokenDispatcher):
@@ -85,20 +161,10 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         if self.drop_and_pad and config.moe_expert_capacity_factor is None:
             raise ValueError("nccl_ep dispatcher: moe_pad_expert_input_to_capacity needs "
                              "moe_expert_capacity_factor")
-        # dispatch_preprocess is local (no communication, no host read), so the moe_router and
-        # moe_preprocess scopes can be captured; the routing exchange and, in exact mode, the
-        # host read of the receive count happen in token_dispatch, which a graph of the whole
-        # layer would replay with the handle of the captured step. (An empty module list
-        # captures whole layers.)
-        graph_impl = getattr(config, "cuda_graph_impl", "none")
-        modules = {getattr(m, "name", str(m)) for m in getattr(config, "cuda_graph_modules", [])}
-        if graph_impl == "full_iteration" or (graph_impl != "none" and (
-                not modules or "moe" in modules)):
-            raise NotImplementedError(
-                f"nccl_ep dispatcher: CUDA graph capture of whole MoE layers is not supported "
-                f"(cuda_graph_impl={graph_impl!r}, cuda_graph_modules={sorted(modules)}): each "
-                "step's routing needs its own handle. Capture attn, moe_router and "
-                "moe_preprocess instead")
+        # dispatch_preprocess is local (no communication, no host read): the moe_router and
+        # moe_preprocess scopes capture it. Graphs that hold token_dispatch (the moe module,
+        # whole layers, the whole iteration) need a static layout (docs/megatron.md).
+        check_graph_settings(config, self.options())
         num_experts = config.num_moe_experts
         check_owned_experts("nccl_ep dispatcher", self.ep_rank, self.ep_size, num_local_experts,
                             local_expert_indices, num_experts)
@@ -116,6 +182,12 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         self.routing_map = None
         self.shared_experts = None  # set by MoELayer with moe_shared_expert_overlap
         self._handle = None
+        # Capacity mode: the most tokens this rank sent one expert since the last check (a device
+        # scalar, also updated by graph replays), and the budget (rows, factor, tokens) it is held
+        # to; check_budgets() reads them. The MoELayer (weakly), for the layer number.
+        self._needed: Optional[torch.Tensor] = None
+        self._budget = (0, 0.0, 0)
+        self.moe_layer = None
         # What dispatch_preprocess leaves for token_dispatch: a graph of the moe_preprocess scope
         # returns it as an output and sets it back on replay.
         self.cudagraph_attrs = ["routing_map"]
@@ -144,13 +216,39 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         return max(1, get_align_size_for_quantization(self.config))
 
     def expert_capacity(self, num_tokens: int) -> int:
-        """Drop-and-pad: the rows each source rank gets in each expert, Megatron's capacity for
-        this rank's ``num_tokens`` (as its alltoall dispatcher computes it: every rank of the EP
-        group must have the same token count); 0 otherwise."""
-        if not self.drop_and_pad:
+        """The rows each source rank gets in each local expert's block of the fixed layout
+        (docs/design.md §3), computed as Megatron's alltoall computes its capacity for this
+        rank's ``num_tokens`` (every rank of the EP group must have the same token count).
+        Drop-and-pad: Megatron's capacity (its router drops the rest). Capacity mode: the static
+        budget ``--nccl-ep-capacity-factor`` x tokens x top-k / experts, dropless within it
+        (check_budgets raises after a step that needed more); 0 in exact mode (rows as routed)."""
+        if self.drop_and_pad:
+            factor = self.config.moe_expert_capacity_factor
+        elif self.options().recv_mode == "capacity":
+            factor = self.options().capacity_factor
+        else:
             return 0
         return get_capacity(num_tokens=num_tokens * self.topk, num_experts=self.num_experts,
-                            capacity_factor=self.config.moe_expert_capacity_factor)
+                            capacity_factor=factor)
+
+    def check_over_budget(self) -> Optional[torch.Tensor]:
+        """Capacity mode: whether this rank sent one expert more tokens than the budget since the
+        last check_budgets() (a device bool, no host read; Megatron's name for the question);
+        None otherwise."""
+        if self._needed is None:
+            return None
+        return self._needed > self._budget[0]
+
+    def _over_budget_message(self, needed: int) -> str:
+        rows, factor, tokens = self._budget
+        layer = getattr(self.moe_layer() if self.moe_layer else None, "layer_number", None)
+        fits = needed * self.num_experts / (tokens * self.topk)
+        return (f"nccl_ep capacity mode: MoE layer {layer if layer is not None else '?'} needed "
+                f"{needed} rows for one expert from one rank, over its static budget of {rows} "
+                f"rows (--nccl-ep-capacity-factor {factor:g} x {tokens} tokens x top-"
+                f"{self.topk} / {self.num_experts} experts); the tokens past it were dropped in "
+                f"that step. Raise --nccl-ep-capacity-factor to at least {fits:.3g} and resume "
+                "from the last checkpoint")
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
                             probs: torch.Tensor):
@@ -184,10 +282,19 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         # Drop-and-pad: Megatron's router pads every expert's column to its capacity with
         # zero-probability tokens, so a token may be routed to every expert (max_topk = E).
         topk = self.num_experts if self.drop_and_pad else self.topk
+        options, num_tokens = self.options(), hidden_states.shape[0]
+        capacity = self.expert_capacity(num_tokens)
         group = _group_for(self.comm_group, self.tp_size * self.num_experts,
-                           self.tp_size * topk, hidden_states, self.options(),
-                           self.expert_alignment(), self.expert_capacity(hidden_states.shape[0]))
+                           self.tp_size * topk, hidden_states, options,
+                           self.expert_alignment(), capacity)
         routing_map, self.routing_map = self.routing_map, None
+        if capacity and not self.drop_and_pad:  # the budget's use, on the device
+            self._budget = (capacity, options.capacity_factor, num_tokens)
+            needed = routing_map.sum(0).max()
+            if self._needed is None:
+                self._needed = torch.zeros_like(needed)
+                _budgeted.append(weakref.ref(self))
+            torch.maximum(self._needed, needed, out=self._needed)
         self._handle = group.create_handle(routing_map=routing_map)
         try:
             # The router's probs are dense [T, E] (said explicitly: with E == K they would be
@@ -206,26 +313,19 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """The rows are already expert-major: (rows, tokens_per_expert, 1-D probs).
 
-        Capacity mode: the counts stay on the device, and the buffer's unused tail (zero rows with
-        prob 0, ignored by combine) is counted as part of the last local expert, so that experts
-        which split their input by the counts (Megatron's SequentialMLP, grouped GEMMs) cover the
-        whole fixed-size buffer. Those rows contribute nothing to outputs or gradients.
-
-        Drop-and-pad: every local expert has R runs of C rows (one per source rank of the group,
-        in rank order; a run's unused rows are zero, prob 0), so the counts are the constant
-        R * C (rounded up to the FP8 alignment with ``moe_router_padding_for_quantization``), a
-        host tensor built here without reading the device, as Megatron's alltoall returns."""
-        if self.drop_and_pad:
-            config = self._handle.group.config
+        Drop-and-pad and capacity mode (the fixed layout): every local expert has R runs of C rows
+        (one per source rank of the group, in rank order; a run's unused rows are zero, prob 0,
+        and combine never reads them), so the counts are the constant R * C (rounded up to the
+        FP8 alignment with ``moe_router_padding_for_quantization``), a host tensor built here
+        without reading the device, as Megatron's alltoall returns with drop-and-pad: experts
+        that split their input on the host (SequentialMLP) make no host read either, so whole
+        layers and iterations can be captured. Exact mode: the counts read at dispatch."""
+        config = self._handle.group.config
+        if config.expert_capacity:
             block = config.expert_block_rows(self._handle.group.world_size)
             return hidden_states, torch.full((self.num_local_experts,), block,
                                              dtype=torch.long), probs
-        tokens_per_expert = self._handle.tokens_per_expert
-        if self._handle.group.config.recv_mode == "capacity":
-            unused_rows = hidden_states.shape[0] - tokens_per_expert.sum()
-            tokens_per_expert = tokens_per_expert.clone()
-            tokens_per_expert[-1] += unused_rows
-        return hidden_states, tokens_per_expert, probs
+        return hidden_states, self._handle.tokens_per_expert, probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
         return hidden_states

@@ -24,10 +24,12 @@ import functools
 import inspect
 import textwrap
 import typing
+import weakref
 
-from .dispatcher import NcclEpTokenDispatcher
+from .dispatcher import NcclEpTokenDispatcher, check_budgets, check_graph_settings
+from .dispatcher_common import layer_options
 from .inference import NcclEpInferenceDispatcher
-from .options import add_arguments
+from .options import add_arguments, training_args
 
 DISPATCHER_TYPE = "nccl_ep"
 
@@ -73,14 +75,20 @@ def _allow_overlaps() -> None:
 
     @functools.wraps(original)
     def post_init(self):
-        if self.moe_token_dispatcher_type != DISPATCHER_TYPE or not (
-                self.moe_shared_expert_overlap or self.overlap_moe_expert_parallel_comm):
+        if self.moe_token_dispatcher_type != DISPATCHER_TYPE:
             return original(self)
-        self.moe_token_dispatcher_type = "alltoall"
-        try:
+        if self.moe_shared_expert_overlap or self.overlap_moe_expert_parallel_comm:
+            self.moe_token_dispatcher_type = "alltoall"
+            try:
+                original(self)
+            finally:
+                self.moe_token_dispatcher_type = DISPATCHER_TYPE
+        else:
             original(self)
-        finally:
-            self.moe_token_dispatcher_type = DISPATCHER_TYPE
+        # Megatron training: the --nccl-ep-* flags are parsed, so graph settings that need a
+        # static layout are refused here, with the arguments (the dispatcher checks again).
+        if training_args() is not None:
+            check_graph_settings(self, layer_options(self))
 
     TransformerConfig.__post_init__ = post_init
 
@@ -110,8 +118,10 @@ def _patch_free_input_policy() -> None:
 
 def _build_dispatcher(layer, config, pg_collection):
     """The ``nccl_ep`` branch of MoELayer.__init__'s dispatcher choice (see _patch_moe_layer)."""
-    return NcclEpTokenDispatcher(layer.num_local_experts, layer.local_expert_indices,
-                                 config=layer.config, pg_collection=pg_collection)
+    dispatcher = NcclEpTokenDispatcher(layer.num_local_experts, layer.local_expert_indices,
+                                       config=layer.config, pg_collection=pg_collection)
+    dispatcher.moe_layer = weakref.ref(layer)  # its layer number names it in budget errors
+    return dispatcher
 
 
 def _is_dispatcher_test(node, value: str) -> bool:
@@ -239,6 +249,24 @@ def _patch_arguments() -> None:
     arguments.add_megatron_arguments = add_all_arguments
 
 
+def _patch_train_step() -> None:
+    """Capacity mode's budgets (and the groups' device-side errors) are checked after each
+    Megatron training step (dispatcher.check_budgets): where the host waits for the GPU anyway,
+    also when CUDA graphs replayed the step, and before the step's checkpoint could be saved.
+    train() looks train_step up in its module at call time."""
+    from megatron.training import training
+
+    original = training.train_step
+
+    @functools.wraps(original)
+    def train_step(*args, **kwargs):
+        result = original(*args, **kwargs)
+        check_budgets()
+        return result
+
+    training.train_step = train_step
+
+
 def register() -> None:
     """Idempotent. Patches Megatron-Core (in memory) to know ``nccl_ep``; ``megatron.training``
     is patched too when it can be imported (it is optional for users of megatron.core alone)."""
@@ -254,8 +282,10 @@ def register() -> None:
     _patch_inference_context()
     try:
         import megatron.training.arguments  # noqa: F401
+        import megatron.training.training  # noqa: F401
     except ImportError:
         pass
     else:
         _patch_arguments()
+        _patch_train_step()
     _registered = True

@@ -20,8 +20,10 @@ from megatron.core.transformer import TransformerConfig
 import dist
 import megatron_nccl_ep
 from device_local_router import DeviceLocalTopKRouter
-from megatron_nccl_ep.dispatcher import NcclEpTokenDispatcher, destroy_groups
-from megatron_nccl_ep.options import NcclEpOptions
+from megatron_nccl_ep import options as options_module
+from megatron_nccl_ep.dispatcher import NcclEpTokenDispatcher, check_budgets, destroy_groups
+from megatron_nccl_ep.errors import NcclEpError
+from megatron_nccl_ep.options import NcclEpOptions, set_options
 
 megatron_nccl_ep.register()
 
@@ -239,8 +241,8 @@ def test_parity_with_tensor_and_sequence_parallel(ep, seed):
 
 @pytest.mark.parametrize("num_experts", [2, 4])
 def test_parity_capacity_mode(num_experts, seed):
-    # Megatron's SequentialMLP takes the whole fixed-size buffer; its unused tail rows (prob 0)
-    # count as the last local expert's.
+    # The fixed layout: every local expert a block of R runs of its static budget (zero rows,
+    # prob 0, past each run's tokens), the counts a host constant SequentialMLP splits by.
     assert all(dist.run(2, parity_case, num_experts, 2, seed, recv_mode="capacity"))
 
 
@@ -360,9 +362,13 @@ def test_preprocess_routes_from_the_dense_map(seed):
     assert all(dist.run(1, preprocess_case, seed))
 
 
-def build_graphed_layer(impl: str, modules) -> bool:
+def build_graphed_layer(impl: str, modules, recv_mode: str = "exact", **fields) -> bool:
     with megatron_on_cpu(1):
-        moe_layer("nccl_ep", 4, 2, cuda_graph_impl=impl, cuda_graph_modules=modules)
+        set_options(NcclEpOptions(backend="torch", recv_mode=recv_mode))
+        try:
+            moe_layer("nccl_ep", 4, 2, cuda_graph_impl=impl, cuda_graph_modules=modules, **fields)
+        finally:
+            options_module._options = None
     return True
 
 
@@ -374,12 +380,87 @@ def test_cuda_graph_scopes_up_to_preprocess_are_accepted(impl, modules):
     assert all(dist.run(1, build_graphed_layer, impl, modules))
 
 
-@pytest.mark.parametrize("impl,modules", [("local", []), ("transformer_engine", []),
-                                          ("full_iteration", [])])
-def test_cuda_graph_capture_of_whole_moe_layers_is_rejected(impl, modules):
-    with pytest.raises(Exception, match="CUDA graph capture of whole MoE layers is not supported"
-                                        ".*Capture attn, moe_router and moe_preprocess"):
+DROP_AND_PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+WHOLE_LAYER_GRAPHS = [("local", []), ("transformer_engine", []), ("full_iteration", [])]
+
+
+@pytest.mark.parametrize("impl,modules", WHOLE_LAYER_GRAPHS + [("local", ["moe"]),
+                                                               ("local", ["attn", "moe"])])
+def test_graphs_of_whole_moe_layers_are_accepted_with_drop_and_pad(impl, modules):
+    assert all(dist.run(1, build_graphed_layer, impl, modules, **DROP_AND_PAD))
+
+
+@pytest.mark.parametrize("impl,modules", WHOLE_LAYER_GRAPHS)
+def test_graphs_of_whole_moe_layers_are_accepted_in_capacity_mode(impl, modules):
+    # (Megatron itself refuses the moe module without drop-and-pad.)
+    assert all(dist.run(1, build_graphed_layer, impl, modules, "capacity"))
+
+
+@pytest.mark.parametrize("impl,modules", WHOLE_LAYER_GRAPHS)
+def test_graphs_of_whole_moe_layers_are_refused_in_exact_mode(impl, modules):
+    with pytest.raises(Exception, match=(
+            f"cuda_graph_impl='{impl}' with cuda_graph_modules=\\[\\] captures token_dispatch, and "
+            "the exact receive mode reads each layer's receive count on the host.*"
+            "--nccl-ep-recv-mode capacity.*--moe-pad-expert-input-to-capacity.*"
+            "capture only attn, moe_router and moe_preprocess")):
         dist.run(1, build_graphed_layer, impl, modules)
+
+
+def over_budget_case(factor: float, seed: int) -> str:
+    """Capacity mode at EP 2: rank 0 routes every token to expert 0 (more than its budget of
+    tokens x top-k / experts x factor), rank 1 spreads its tokens. check_budgets() raises on
+    both ranks naming the layer, the rows needed and the factor that holds them; the counts reset,
+    so a check after a step within the budget passes."""
+    rank = torch.distributed.get_rank()
+    tokens = SEQ * BATCH
+    with megatron_on_cpu(2):
+        torch.manual_seed(seed)
+        layer = moe_layer("nccl_ep", 4, 2)
+        layer.layer_number = 3
+        dispatcher = layer.token_dispatcher
+        dispatcher.moe_layer = weakref.ref(layer)
+        layer.config.nccl_ep_options = NcclEpOptions(backend="torch", recv_mode="capacity",
+                                                     capacity_factor=factor)
+        hidden = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64)
+
+        def step(skewed: bool) -> None:
+            routing_map = torch.zeros(tokens, 4, dtype=torch.bool)
+            if skewed:
+                routing_map[:, :2] = True  # every token to experts 0 and 1
+            else:
+                routing_map[torch.arange(tokens), torch.arange(tokens) % 4] = True
+                routing_map[torch.arange(tokens), (torch.arange(tokens) + 2) % 4] = True
+            probs = routing_map.double() / 2
+            h, p = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
+            rows, counts, _ = dispatcher.dispatch_postprocess(*dispatcher.token_dispatch(h, p))
+            assert counts.device.type == "cpu" and rows.shape[0] == int(counts.sum())
+            dispatcher.combine_postprocess(dispatcher.token_combine(
+                dispatcher.combine_preprocess(rows)))
+
+        step(skewed=rank == 0)
+        assert bool(dispatcher.check_over_budget()) == (rank == 0), (rank, dispatcher._needed, dispatcher._budget)
+        try:
+            check_budgets()
+        except NcclEpError as e:
+            message = str(e)
+        else:
+            raise AssertionError("check_budgets() did not raise")
+        step(skewed=False)
+        check_budgets()  # within the budget: nothing to raise
+        destroy_groups()
+    return message
+
+
+def test_capacity_budget_overflow_raises_on_every_rank_naming_the_layer(seed):
+    # 4 experts, top-2: the budget is ceil(tokens x 2 / 4 x 1.0) = tokens / 2 rows per expert,
+    # and rank 0 sends all its tokens to expert 0.
+    tokens = SEQ * BATCH
+    messages = dist.run(2, over_budget_case, 1.0, seed)
+    assert messages[0] == messages[1], messages
+    assert (f"MoE layer 3 needed {tokens} rows for one expert from one rank, over its static "
+            f"budget of {tokens // 2} rows (--nccl-ep-capacity-factor 1 x {tokens} tokens x "
+            "top-2 / 4 experts)") in messages[0], messages[0]
+    assert "Raise --nccl-ep-capacity-factor to at least 2 " in messages[0], messages[0]
 
 
 def local_preprocess_case(seed: int) -> bool:

@@ -49,7 +49,12 @@ struct PackArgs {
   int tokens, topk, num_experts;
   int header_tokens, header_topk;  // the caller's real shape (may exceed the bounds: kErrShape)
   void* const* peers;     // device [R] window bases, or nullptr: the record goes to own_record
-  size_t record_off;      // this rank's record in every window (routing area, the parity's half)
+  size_t record_off;      // this rank's record in half 0 of every window's routing area
+  // The half is chosen on the device (so a replayed graph alternates too): half 1 when the
+  // handle-creation barriers run so far are odd; nullptr: half 0 (one rank, or records
+  // all-gathered over nodes).
+  const unsigned long long* barrier_epoch;
+  size_t half_bytes;
   void* own_record;       // groups that span nodes: this rank's place in the all-gather buffer
   int num_ranks;
   int* own_routing;       // the handle's own copy [tokens * topk]
@@ -75,7 +80,10 @@ __host__ __device__ inline int layout_tiles(long long max_tokens, int max_topk) 
 }
 
 struct LayoutArgs {
-  const int* gathered;    // [R][rec_ints]: every rank's record, in this rank's window
+  const int* gathered;    // [R][rec_ints]: every rank's record (half 0 of this rank's window)
+  // As PackArgs: the half that this creation's pack wrote, read after its barrier counted it.
+  const unsigned long long* barrier_epoch;
+  size_t half_ints;
   int rec_ints;
   int num_ranks, rank, num_experts, num_local, max_tokens, max_topk, topk, align;
   long long capacity;     // rows of the dispatch output in capacity mode, -1 in exact mode

@@ -61,25 +61,31 @@ constexpr int kTileTokens = 1024;  // tokens per tile of the drop pass's scans
 constexpr int kFlatTopk = 32;      // longer (routing-map) rows are searched token by token
 constexpr int kScanLoads = 8;      // 16-byte loads per thread in flight in a scan (top-k 8: a tile)
 
-// This rank's record in window d (or its place in the all-gather buffer).
-__device__ __forceinline__ int* record_in(const PackArgs& a, int d) {
-  return a.peers == nullptr ? reinterpret_cast<int*>(a.own_record)
-                            : reinterpret_cast<int*>(reinterpret_cast<char*>(a.peers[d]) +
-                                                     a.record_off);
+// This rank's record's offset in every window: creation n (counted by the barriers before it)
+// writes half n mod 2 (handle.cc NOTES).
+__device__ __forceinline__ size_t record_offset(const PackArgs& a) {
+  return a.record_off + (a.barrier_epoch != nullptr && (*a.barrier_epoch & 1ull) ? a.half_bytes : 0);
+}
+
+// This rank's record in window d at offset `off` (or its place in the all-gather buffer).
+__device__ __forceinline__ int* record_in(const PackArgs& a, size_t off, int d) {
+  return a.peers == nullptr
+             ? reinterpret_cast<int*>(a.own_record)
+             : reinterpret_cast<int*>(reinterpret_cast<char*>(a.peers[d]) + off);
 }
 
 // Writes id `v` of entry i (token-major, i < tokens * topk) to every window and to the handle.
-__device__ __forceinline__ void put_id(const PackArgs& a, long long i, int v) {
+__device__ __forceinline__ void put_id(const PackArgs& a, size_t off, long long i, int v) {
   a.own_routing[i] = v;
   if (a.kept_routing != nullptr) a.kept_routing[i] = v;
-  for (int d = 0; d < a.num_ranks; ++d) record_in(a, d)[kRecordHeader + i] = v;
+  for (int d = 0; d < a.num_ranks; ++d) record_in(a, off, d)[kRecordHeader + i] = v;
 }
 
 // The header and the layout's scratch, by thread 0 / the first threads of block 0.
-__device__ __forceinline__ void pack_header(const PackArgs& a) {
+__device__ __forceinline__ void pack_header(const PackArgs& a, size_t off) {
   if (blockIdx.x != 0) return;
   if (threadIdx.x < a.num_ranks) {
-    int* rec = record_in(a, threadIdx.x);
+    int* rec = record_in(a, off, threadIdx.x);
     rec[0] = a.header_tokens;
     rec[1] = a.header_topk;
     rec[2] = a.kind;
@@ -100,7 +106,8 @@ __device__ __forceinline__ void pack_header(const PackArgs& a) {
 
 template <typename IdxT>
 __global__ void pack_topk_kernel(PackArgs a) {
-  pack_header(a);
+  const size_t off = record_offset(a);
+  pack_header(a, off);
   const IdxT* idx = reinterpret_cast<const IdxT*>(a.routing);
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < (long long)a.tokens * a.topk) {
@@ -109,13 +116,14 @@ __global__ void pack_topk_kernel(PackArgs a) {
     // Values that do not fit int32 are out of range anyway; clamp so they stay invalid.
     if (v > 0x7fffffffll) v = 0x7fffffffll;
     if (v < -0x7fffffffll) v = -0x7fffffffll;
-    put_id(a, i, (int)v);
+    put_id(a, off, i, (int)v);
   }
 }
 
 // One warp per token: a ballot and a prefix count over each 32 experts give the ascending slots.
 __global__ void pack_map_kernel(PackArgs a) {
-  pack_header(a);
+  const size_t off = record_offset(a);
+  pack_header(a, off);
   const unsigned char* map = reinterpret_cast<const unsigned char*>(a.routing);
   const int lane = threadIdx.x & 31;
   const long long t = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -128,12 +136,12 @@ __global__ void pack_map_kernel(PackArgs a) {
     const bool routed = e < a.num_experts && row[(long long)e * a.stride1] != 0;
     const unsigned m = __ballot_sync(0xffffffffu, routed);
     const int slot = n + __popc(m & ((1u << lane) - 1u));
-    if (routed && slot < a.topk) put_id(a, first + slot, e);
+    if (routed && slot < a.topk) put_id(a, off, first + slot, e);
     n += __popc(m);
   }
-  for (int k = n + lane; k < a.topk; k += 32) put_id(a, first + k, -1);
+  for (int k = n + lane; k < a.topk; k += 32) put_id(a, off, first + k, -1);
   __syncwarp();  // a token with too many experts: its last slot holds -1 - n instead
-  if (n > a.topk && lane == 0) put_id(a, first + a.topk - 1, -1 - n);
+  if (n > a.topk && lane == 0) put_id(a, off, first + a.topk - 1, -1 - n);
 }
 
 cudaError_t launch_pack(const PackArgs& a, cudaStream_t stream) {
@@ -454,7 +462,15 @@ EP_DEVICE void set_bases(const LayoutArgs& a) {
   }
 }
 
+// The records this creation's pack wrote: after its barrier the count of barriers is n + 1 for
+// creation n, which wrote half n mod 2.
+__device__ __forceinline__ const int* routing_records(const LayoutArgs& a) {
+  if (a.barrier_epoch == nullptr) return a.gathered;
+  return a.gathered + ((*a.barrier_epoch & 1ull) ? 0 : a.half_ints);
+}
+
 __global__ void __launch_bounds__(kLayoutThreads) validate_kernel(LayoutArgs a, int tabled) {
+  a.gathered = routing_records(a);
   extern __shared__ int table[];  // cnt of s per local expert [L], then hist per expert [E]
   count_slots(a, tabled ? table : nullptr);
   // The last block to finish sets the bases (threadFenceReduction's pattern: each block's
@@ -560,6 +576,7 @@ __device__ __forceinline__ void for_tokens_naming(const int* rec, int tokens, in
 // first[s][tile][l] + (its rank among the tile's such slots of l) among s's tokens naming l, by a
 // stable sort of the tile's slots by l. Reads every id once (a scan per expert read them L times).
 __global__ void __launch_bounds__(kLayoutThreads) scatter_kernel(LayoutArgs a) {
+  a.gathered = routing_records(a);
   using Sort = cub::BlockRadixSort<unsigned, kLayoutThreads, kSlotsPerThread, int>;
   using MaxScan = cub::BlockScan<int, kLayoutThreads>;
   __shared__ union {
@@ -627,6 +644,7 @@ __global__ void __launch_bounds__(kLayoutThreads) scatter_kernel(LayoutArgs a) {
 // NOTES: blocks of other experts read the ids this one masks; an id turned to -1 never equals
 // theirs, so none of them sees a change.
 __global__ void __launch_bounds__(kLayoutThreads) drop_kernel(LayoutArgs a) {
+  a.gathered = routing_records(a);
   const int s = blockIdx.y * a.node_size + a.node_rank;
   const int* rec = a.gathered + (size_t)s * a.rec_ints;
   const int ts = rec[1] == a.topk ? record_tokens(rec, a.max_tokens, a.max_topk) : 0;

@@ -36,6 +36,7 @@ void destroy_group_state(ncclEpGroup* g) {
   // The watchdog's thread first: it may abort (and free) the communicators below.
   debug_log("rank %d: group destroy: stopping the watchdog", g->rank);
   stop_watchdog(g);
+  forget_graph_slots(g);  // graphs that outlive the group give nothing back
   {
     std::lock_guard<std::mutex> lock(g->mu);
     for (ncclEpHandle* h : g->live) delete h;

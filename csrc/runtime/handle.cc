@@ -15,10 +15,14 @@
  * NOTES:
  *  - Every rank validates the routing of every rank (it has them all after the exchange), so in
  *    exact mode all ranks return the same error together: nobody is left in a collective.
- *  - Records are double buffered by the parity of the handle's number: creation n writes half
- *    n mod 2 of the peers' routing areas right away, because every peer finished reading that
- *    half (creation n - 2's layout) before it entered creation n - 1's barrier, which this rank
- *    passed.
+ *  - Records are double buffered by the parity of the creation's number, counted on the device
+ *    (the barriers run so far, DeviceState::barrier_epoch), so that a CUDA graph replays the
+ *    alternation whatever number of creations it holds: creation n writes half n mod 2 of the
+ *    peers' routing areas right away, because every peer finished reading that half (creation
+ *    n - 2's layout) before it entered creation n - 1's barrier, which this rank passed.
+ *  - Inside a stream capture (a CUDA graph): exact mode is refused (its count is read on the
+ *    host); a handle's slot is kept out of the pool while any graph that replays into it exists
+ *    (pool.h, retain_slot_for_graph), also after the handle is destroyed.
  */
 #include <string.h>
 
@@ -123,6 +127,15 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   // NOTES: T or K beyond the group's bounds still joins the exchange, with an empty record
   // whose header holds the real shape, so every rank reports the error together (kErrShape)
   // instead of leaving its peers in the collective.
+  if (g->capacity < 0) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    EP_CUDA(cudaStreamIsCapturing(stream, &capture));
+    EP_CHECK(capture == cudaStreamCaptureStatusNone, ncclInvalidUsage,
+             "ncclEpCreateHandle: a handle of an exact-mode group cannot be created inside a CUDA "
+             "graph capture (its receive count is read on the host); use capacity mode "
+             "(recv_count_mode = ncclEpRecvCountCapacity, recv_mode=\"capacity\" in Python), "
+             "whose handles, dispatch and combine capture and replay");
+  }
   const bool fits = T <= c.max_tokens_per_rank && K >= 1 && K <= c.max_topk;
   h->num_tokens = fits ? (int)T : 0;
   h->topk = fits ? (int)K : 1;
@@ -135,8 +148,10 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   HandleSlot* s = h->slot;
   const int R = g->nranks, G = g->node_size;
   const size_t half = sizeof(int) * (size_t)G * g->win.rec_ints;
-  const size_t area = g->win.routing_off + (h->seq & 1u) * half;
+  const size_t area = g->win.routing_off;  // half 0; the kernels pick the creation's half
   const bool one_node = g->num_nodes == 1;
+  // One rank reads its own record in stream order: half 0 always (no barrier counts).
+  const unsigned long long* barriers = one_node && G > 1 ? &g->d_state->barrier_epoch : nullptr;
 
   PackArgs p;
   p.routing = routing->data;
@@ -152,6 +167,8 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   int* own_record = s->records.ptr + (size_t)g->rank * g->win.rec_ints;
   p.peers = one_node ? g->d_peers : nullptr;
   p.record_off = area + sizeof(int) * (size_t)g->node_rank * g->win.rec_ints;
+  p.barrier_epoch = barriers;
+  p.half_bytes = half;
   p.own_record = one_node ? nullptr : own_record;
   p.num_ranks = one_node ? G : 1;
   p.own_routing = s->own_routing.ptr;
@@ -176,6 +193,8 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
 
   LayoutArgs a;
   a.gathered = gathered;
+  a.barrier_epoch = barriers;
+  a.half_ints = half / sizeof(int);
   a.rec_ints = g->win.rec_ints;
   a.num_ranks = R;
   a.rank = g->rank;
@@ -244,6 +263,7 @@ static ncclResult_t new_handle(ncclEpHandle_t* handle, ncclEpGroup_t group,
   ncclResult_t res =
       is_ll(group) ? ll_create_handle(h, routing, stream) : create_handle(h, routing, stream);
   if (res == ncclSuccess) res = sticky.result();
+  if (res == ncclSuccess) res = retain_slot_for_graph(group, h->slot, stream);
   if (res != ncclSuccess) {
     std::lock_guard<std::mutex> lock(group->mu);
     destroy_handle_state(h);

@@ -26,6 +26,7 @@
 namespace nccl_ep {
 
 struct HandleSlot;    // pool.h
+struct GraphSlotOwner;  // pool.h
 class NcclWatchdog;   // watchdog.h
 
 // Windows of a local team (ncclEpCreateLocalTeam): freed when the last member goes. A team of
@@ -92,6 +93,8 @@ struct ncclEpGroup {
   std::vector<nccl_ep::HandleSlot*> free_slots;
   std::vector<nccl_ep::HandleSlot*> all_slots;
   std::vector<ncclEpHandle*> live;
+  // Created by the first handle made during a stream capture (pool.h, retain_slot_for_graph).
+  std::shared_ptr<nccl_ep::GraphSlotOwner> graph_owner;
   unsigned handles_created = 0;  // the next handle's creation number (ncclEpHandle::seq)
   // LL (ll.cc): dispatches, combines issued so far, and the number of each sent with send_only
   // and not completed (at most two of a kind).

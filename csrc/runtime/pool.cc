@@ -9,6 +9,7 @@
  *    they read (layout.cu).
  */
 #include <cstdint>
+#include <memory>
 
 #include "internal.h"
 #include "pool.h"
@@ -126,8 +127,12 @@ ncclResult_t acquire_slot(ncclEpGroup* g, HandleSlot** out) {
     plan_slot(g, s, s->base);  // LL reads nothing back to the host
   } else if (res == ncclSuccess) {
     plan_slot(g, s, s->base);
+    // Relaxed capture mode, as for cudaMalloc (alloc_device): a handle made during a capture.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
     cudaError_t ce = cudaHostAlloc(reinterpret_cast<void**>(&s->host_meta),
                                    layout_meta_bytes(g->num_local), cudaHostAllocMapped);
+    cudaThreadExchangeStreamCaptureMode(&mode);
     if (ce == cudaSuccess)
       ce = cudaHostGetDevicePointer(reinterpret_cast<void**>(&s->host_meta_dev), s->host_meta, 0);
     if (ce == cudaSuccess) ce = cudaEventCreateWithFlags(&s->meta_ready, cudaEventDisableTiming);
@@ -154,7 +159,75 @@ ncclResult_t reserve_slot(ncclEpGroup* g) {
 }
 
 void release_slot(ncclEpGroup* g, HandleSlot* slot) {
-  if (slot != nullptr) g->free_slots.push_back(slot);
+  if (slot == nullptr) return;
+  if (slot->graph_refs > 0) {
+    slot->handle_gone = true;  // the last graph's destructor gives it back
+    return;
+  }
+  g->free_slots.push_back(slot);
+}
+
+namespace {
+
+struct GraphSlotRef {
+  std::shared_ptr<GraphSlotOwner> owner;
+  HandleSlot* slot;
+};
+
+// A graph's reference is gone (CUDA calls this when the graph and its executables are destroyed
+// and their launches have finished; it may call no CUDA API).
+void release_graph_ref(void* p) {
+  std::unique_ptr<GraphSlotRef> ref(static_cast<GraphSlotRef*>(p));
+  std::lock_guard<std::mutex> owner(ref->owner->mu);
+  ncclEpGroup* g = ref->owner->group;
+  if (g == nullptr) return;  // the group was destroyed, its slots with it
+  std::lock_guard<std::mutex> lock(g->mu);
+  HandleSlot* s = ref->slot;
+  if (--s->graph_refs == 0 && s->handle_gone) {
+    s->handle_gone = false;
+    g->free_slots.push_back(s);
+  }
+}
+
+}  // namespace
+
+ncclResult_t retain_slot_for_graph(ncclEpGroup* g, HandleSlot* slot, cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaGraph_t graph = nullptr;
+  EP_CUDA(cudaStreamGetCaptureInfo(stream, &capture, nullptr, &graph));
+  if (capture != cudaStreamCaptureStatusActive) return ncclSuccess;
+  auto* ref = new GraphSlotRef{nullptr, slot};
+  {
+    std::lock_guard<std::mutex> lock(g->mu);
+    if (g->graph_owner == nullptr) {
+      g->graph_owner = std::make_shared<GraphSlotOwner>();
+      g->graph_owner->group = g;
+    }
+    ref->owner = g->graph_owner;
+    ++slot->graph_refs;
+  }
+  cudaUserObject_t object = nullptr;
+  cudaError_t ce =
+      cudaUserObjectCreate(&object, ref, release_graph_ref, 1, cudaUserObjectNoDestructorSync);
+  if (ce != cudaSuccess) {
+    release_graph_ref(ref);  // takes the count back
+    EP_CUDA(ce);
+  }
+  ce = cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove);
+  if (ce != cudaSuccess) cudaUserObjectRelease(object, 1);  // its destructor takes it back
+  EP_CUDA(ce);
+  return ncclSuccess;
+}
+
+void forget_graph_slots(ncclEpGroup* g) {
+  std::shared_ptr<GraphSlotOwner> owner;
+  {
+    std::lock_guard<std::mutex> lock(g->mu);
+    owner = g->graph_owner;
+  }
+  if (owner == nullptr) return;
+  std::lock_guard<std::mutex> lock(owner->mu);
+  owner->group = nullptr;
 }
 
 void free_slots(ncclEpGroup* g) {

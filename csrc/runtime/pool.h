@@ -9,10 +9,15 @@
  *    ncclEpHandleDestroy is reused by the next handle in stream order: handles of one group must
  *    be used on one stream (or the caller orders the streams).
  *  - The pool's functions that take or return slots run under the group's mutex (g->mu).
+ *  - A slot that CUDA graphs replay into (its handle was created during a capture) belongs to
+ *    them too: it returns to the pool when its handle and those graphs are all destroyed, so no
+ *    later handle, eager or captured, writes the buffers a graph replays.
  */
 #pragma once
 
 #include <stddef.h>
+
+#include <mutex>
 
 #include "../include/nccl_ep.h"
 #include "../kernels/api.cuh"
@@ -47,8 +52,21 @@ struct HandleSlot {
   View<unsigned long long> ll_epochs;
   View<float> ll_weights;
 
+  // CUDA graphs that replay into this slot (their handle was created during a capture), and
+  // whether its handle was destroyed while some did: the slot returns to the pool when both are
+  // gone (g->mu).
+  int graph_refs = 0;
+  bool handle_gone = false;
+
   // This rank's routing as the ops follow it (its dropped slots masked under expert_capacity).
   int* op_routing() const { return kept_routing.count > 0 ? kept_routing.ptr : own_routing.ptr; }
+};
+
+// The group as the graphs' references to its slots see it: cleared at group destroy (which
+// frees every slot), so a graph destroyed later has nothing to give back.
+struct GraphSlotOwner {
+  std::mutex mu;
+  ncclEpGroup* group = nullptr;
 };
 
 // Device memory of the group: alloc_fn/free_fn when given (alloc_fn's must be 256-byte
@@ -59,7 +77,14 @@ void free_device(ncclEpGroup* g, void* ptr);
 ncclResult_t acquire_slot(ncclEpGroup* g, HandleSlot** out);
 // Makes sure the next acquire_slot allocates nothing (a free slot exists). Caller holds g->mu.
 ncclResult_t reserve_slot(ncclEpGroup* g);
+// Back to the pool, or (a graph still replays into it) once the last such graph is destroyed.
 void release_slot(ncclEpGroup* g, HandleSlot* slot);
+// When `stream` is capturing a CUDA graph: the graph keeps `slot` out of the pool until the graph
+// (and every executable made from it) is destroyed, through a CUDA user object whose destructor
+// gives the slot back. Caller does not hold g->mu. Nothing to do outside a capture.
+ncclResult_t retain_slot_for_graph(ncclEpGroup* g, HandleSlot* slot, cudaStream_t stream);
+// Group destroy: graphs destroyed from now on leave the group's slots alone.
+void forget_graph_slots(ncclEpGroup* g);
 void free_slots(ncclEpGroup* g);  // every slot of the group (group destroy)
 size_t slot_device_bytes(const ncclEpGroup* g);
 

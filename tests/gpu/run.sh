@@ -169,7 +169,7 @@ FAULT_TESTS=(tests/gpu/test_cuda_faults.py tests/gpu/test_cuda_stress.py
              tests/gpu/test_cuda_soak.py)
 # Megatron on GPUs: a run of their own, so that one stuck there leaves the other summaries whole.
 MEGATRON_TESTS=(tests/gpu/test_megatron_overlap.py tests/gpu/test_megatron_fixed_capacity.py
-                tests/gpu/test_megatron_inference_gpu.py)
+                tests/gpu/test_megatron_inference_gpu.py tests/gpu/test_megatron_graphs.py)
 # Groups that span nodes (emulated: the group option and NCCL_HOSTID): a run of their own too.
 NODES_TESTS=(tests/gpu/test_cuda_nodes.py)
 # LL mode (EP=1 and local teams): with the team tests' environment.
@@ -190,7 +190,7 @@ if wants tests; then
         "$(limit "${NODES_TESTS_TIMEOUT:-90}")" "$OUT/gpu_tests.log" "${NODES_TESTS[@]}"
     # Megatron asks the 1F1B EP overlap for more than one hardware queue, as the runs above have.
     CUDA_DEVICE_MAX_CONNECTIONS=32 PER_TEST_TIMEOUT=70 \
-        run_pytest "tests (Megatron on GPUs: 1F1B EP overlap, drop-and-pad)" \
+        run_pytest "tests (Megatron on GPUs: 1F1B EP overlap, drop-and-pad, graphs)" \
         "$(limit "${MEGATRON_TESTS_TIMEOUT:-80}")" "$OUT/gpu_tests.log" "${MEGATRON_TESTS[@]}"
     # Local teams: every rank's stream in one process, under CUDA's default module loading.
     CUDA_DEVICE_MAX_CONNECTIONS=32 PER_TEST_TIMEOUT=90 \

@@ -1,0 +1,144 @@
+"""HT mode inside CUDA graphs (capacity mode and the fixed layout): handle creation, dispatch,
+combine and combine_probs captured once per rank, replayed with new routing and inputs copied
+into the captured tensors. Every replay's outputs are compared bitwise with eager calls on the
+same inputs (themselves checked against the oracle by the parity suites), the outputs
+NaN-poisoned before each replay. A graph holds three handles (an odd number: consecutive replays
+must alternate the routing records' halves on the device), its handles are destroyed right after
+the capture and eager handles made between replays (their slots must not be the graph's), and
+at EP 2 the ranks are a local team that captures at once. Exact mode is refused inside a capture.
+
+The Megatron layer: a MoE layer in capacity mode captured forward and backward, replayed; a
+replay whose routing overflows the static budget raises at check_budgets(), naming the layer and
+the rows needed; with a larger capacity factor the next captured step runs, bitwise equal to its
+eager step."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import megatron_nccl_ep as ep
+from gpu_common import requires_gpus
+
+pytestmark = requires_gpus
+
+BF16 = torch.bfloat16
+TOKENS, HIDDEN, EXPERTS, TOPK, HANDLES = 96, 256, 16, 4, 3
+
+
+def routing(gen: torch.Generator, device) -> torch.Tensor:
+    """Random top-k ids with no duplicate expert per token, some slots masked (-1)."""
+    idx = torch.rand(TOKENS, EXPERTS, generator=gen).argsort(dim=1)[:, :TOPK]
+    idx[torch.rand(TOKENS, TOPK, generator=gen) < 0.1] = -1
+    return idx.to(device)
+
+
+def inputs(seed: int, rank: int, device) -> list:
+    """One step's inputs of every handle: (topk_idx, x, probs, combine gradient)."""
+    gen = torch.Generator().manual_seed(seed * 131 + rank)
+    return [(routing(gen, device),
+             torch.randn(TOKENS, HIDDEN, generator=gen).to(device, BF16),
+             torch.rand(TOKENS, TOPK, generator=gen).to(device),
+             torch.rand(TOKENS, HIDDEN, generator=gen).to(device, BF16))
+            for _ in range(HANDLES)]
+
+
+def step(group, handle_inputs, keep: list) -> list:
+    """HANDLES handles, each: dispatch (with probs), experts (x 3), combine, and the backward's
+    combine_probs. Returns the outputs; ``keep`` receives the handles."""
+    outputs = []
+    for idx, x, probs, _ in handle_inputs:
+        h = group.create_handle(idx)
+        keep.append(h)
+        recv_x, recv_probs = h.dispatch(x, probs)
+        y = h.combine(recv_x * 3)
+        grad_probs = h.combine_probs(recv_probs * 2)
+        outputs.append((recv_x, recv_probs, y, grad_probs))
+    return outputs
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                              b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("layout", ["capacity", "fixed"])
+def test_ht_graph_replays_equal_eager_calls(world, layout, seed):
+    extra = (dict(recv_mode="capacity", capacity_factor=2.0) if layout == "capacity"
+             else dict(expert_capacity=TOKENS))
+    kwargs = dict(num_experts=EXPERTS, hidden=HIDDEN, max_tokens_per_rank=TOKENS, max_topk=TOPK,
+                  dtype=BF16, num_sms=8, timeout_s=20.0, **extra)
+    groups = ep.Group.local_team(world, **kwargs)
+    meet = threading.Barrier(world)
+    rounds = 4
+
+    def body(rank, group):
+        device = group.device
+        static = inputs(seed, rank, device)
+        captured: list = []
+        step(group, static, [])  # an eager step first: lazy loads, the pool's slots
+        graph = torch.cuda.CUDAGraph()
+        meet.wait(timeout=60)
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            outputs = step(group, static, captured)
+        finally:
+            graph.capture_end()
+        for h in captured:  # the graph keeps their slots
+            h.destroy()
+        mismatches = []
+        for i in range(rounds):
+            fresh = inputs(seed + 1 + i, rank, device)
+            for dst, src in zip(static, fresh):
+                for d, s in zip(dst, src):
+                    d.copy_(s)
+            for out in outputs:
+                for t in out:
+                    t.fill_(float("nan"))
+            meet.wait(timeout=60)
+            graph.replay()
+            meet.wait(timeout=60)
+            replayed = [[t.clone() for t in out] for out in outputs]
+            kept: list = []
+            eager = step(group, fresh, kept)  # new handles, maybe in freed slots
+            for h in kept:
+                h.destroy()
+            for j, (got, want) in enumerate(zip(replayed, eager)):
+                for name, a, b in zip(("recv_x", "recv_probs", "y", "grad_probs"), got, want):
+                    if not same_bits(a, b):
+                        mismatches.append(f"round {i} handle {j} {name}")
+        group.check_errors()
+        del graph
+        return mismatches
+
+    try:
+        results = ep.run_local_team(groups, body)
+    finally:
+        for g in groups:
+            g.destroy()
+    assert results == [[]] * world, results
+
+
+def test_exact_mode_handle_is_refused_inside_a_capture():
+    [group] = ep.Group.local_team(1, num_experts=EXPERTS, hidden=HIDDEN,
+                                  max_tokens_per_rank=TOKENS, max_topk=TOPK, dtype=BF16)
+
+    def body(rank, group):
+        idx = routing(torch.Generator().manual_seed(0), group.device)
+        x = torch.zeros(TOKENS, HIDDEN, dtype=BF16, device=group.device)
+        group.create_handle(idx).dispatch(x)
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(ep.NcclEpError, match="exact-mode group cannot be created inside a "
+                                                 "CUDA graph capture.*use capacity mode"):
+            with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
+                group.create_handle(idx)
+        group.create_handle(idx).dispatch(x)  # eager calls go on
+        group.check_errors()
+
+    try:
+        ep.run_local_team([group], body)
+    finally:
+        group.destroy()
