@@ -204,3 +204,45 @@ def test_documented_flags_and_defaults_are_the_launchers():
     for flag, default in defaults.items():
         if default is not None:
             assert f"default: {default}" in " ".join(help_text.split()), flag
+
+
+def test_graph_settings_refused_with_the_arguments_and_budgets_checked_after_each_step():
+    """In Megatron training (arguments parsed), a TransformerConfig whose CUDA graphs hold
+    token_dispatch is refused in exact mode and accepted in capacity mode; Megatron's train_step
+    is followed by check_budgets() (stand-ins for both, called through Megatron's module)."""
+    code = textwrap.dedent(f"""
+        import sys
+        from megatron.training import training
+        training.train_step = lambda *args, **kwargs: ("train_step's result", args, kwargs)
+        import megatron_nccl_ep
+        from megatron_nccl_ep import megatron as registration
+        from megatron.core.transformer import TransformerConfig
+        from megatron.training import arguments
+        from megatron.training.global_vars import set_args
+
+        megatron_nccl_ep.register()
+        checked = []
+        registration.check_budgets = lambda: checked.append("check_budgets")
+        assert training.train_step(1, x=2) == ("train_step's result", (1,), {{"x": 2}})
+        assert checked == ["check_budgets"], checked
+
+        def config():
+            return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                     num_moe_experts=4, moe_token_dispatcher_type="nccl_ep",
+                                     cuda_graph_impl="full_iteration")
+
+        for mode in ("exact", "capacity"):
+            sys.argv = ["train"] + {MEGATRON_ARGS!r} + ["--nccl-ep-recv-mode", mode]
+            set_args(arguments.parse_args())
+            try:
+                config()
+            except ValueError as e:
+                print("REFUSED", mode, e)
+            else:
+                print("ACCEPTED", mode)
+    """)
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ("REFUSED exact nccl_ep dispatcher: cuda_graph_impl='full_iteration' with "
+            "cuda_graph_modules=[] captures token_dispatch") in result.stdout, result.stdout
+    assert "ACCEPTED capacity" in result.stdout, result.stdout

@@ -32,7 +32,11 @@ RUNS = check_training.run_arguments(CHECKPOINT_DIR)
 PARSED = ("moe_token_dispatcher_type", "deterministic_mode", "train_iters", "save", "load",
           "save_interval", "exit_interval", "expert_model_parallel_size", "data_parallel_size",
           "transformer_impl", "nccl_ep_backend", "moe_shared_expert_intermediate_size",
-          "moe_shared_expert_overlap", "cuda_graph_impl", "cuda_graph_modules")
+          "moe_shared_expert_overlap", "cuda_graph_impl", "cuda_graph_modules", "num_experts",
+          "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "nccl_ep_recv_mode",
+          "bf16", "check_for_nan_in_loss_and_grad")
+# The runs of checks f, g, h and t: the larger model, graphs of whole MoE layers.
+GRAPH_RUNS = {name for check in "fght" for name in check_training.CHECK_RUNS[check]}
 LOSS = float(torch.tensor(2.718281828, dtype=torch.float32))  # the loss Megatron logs is float32
 GRAD_NORM = 0.1234567890123
 DETERMINISM_ENV = ("NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG")
@@ -119,11 +123,14 @@ def test_check_script_arguments_parse_with_nccl_ep_registered(on_cpu):
         parsed = found["parsed"]
         assert parsed.keys() == RUNS.keys()
         for name, args in parsed.items():
-            assert args["deterministic_mode"] and args["train_iters"] == 100, name
+            iterations = check_training.GRAPH_ITERATIONS if name in GRAPH_RUNS else 100
+            assert args["deterministic_mode"] and args["train_iters"] == iterations, name
+            assert (args["num_experts"], args["bf16"]) == (
+                (32, True) if name in GRAPH_RUNS else (4, False)), name
             assert args["transformer_impl"] == "local", name
             assert args["expert_model_parallel_size"] == 2, name
             assert args["data_parallel_size"] == 2, name
-            dispatcher = "alltoall" if name.endswith("alltoall") else "nccl_ep"
+            dispatcher = "alltoall" if "alltoall" in name else "nccl_ep"
             assert args["moe_token_dispatcher_type"] == dispatcher, name
             assert args["nccl_ep_backend"] == "auto", name
         for name in ("shared_expert_overlap", "shared_expert_overlap_alltoall"):
@@ -135,6 +142,17 @@ def test_check_script_arguments_parse_with_nccl_ep_registered(on_cpu):
             == ("none", "local")
         assert [str(getattr(m, "name", m)) for m in parsed["router_graphs"]["cuda_graph_modules"]] \
             == ["moe_router", "moe_preprocess"], parsed["router_graphs"]["cuda_graph_modules"]
+        for name in GRAPH_RUNS:  # the settings each graph check compares
+            args = parsed[name]
+            modules = [str(getattr(m, "name", m)) for m in args["cuda_graph_modules"]]
+            graphs = ("local", ["moe"]) if name.endswith("moe_graphs") else (
+                ("full_iteration", []) if name.endswith("full_iteration") else ("none", []))
+            assert (args["cuda_graph_impl"], modules) == graphs, (name, args)
+            drop_and_pad = "drop_and_pad" in name
+            assert (args["moe_expert_capacity_factor"], args["moe_pad_expert_input_to_capacity"],
+                    args["nccl_ep_recv_mode"]) == ((1.0, True, "exact") if drop_and_pad
+                                                   else (None, False, "capacity")), (name, args)
+            assert not args["check_for_nan_in_loss_and_grad"], name
         until_save, resumed = parsed["until_save"], parsed["resumed"]
         assert (until_save["save"], until_save["save_interval"], until_save["exit_interval"]) \
             == (CHECKPOINT_DIR, 50, 50)
@@ -314,3 +332,28 @@ def test_speed_from_megatron_log():
     assert measured == {"ms": 41.0, "tokens": 2048, "tokens_per_s": 2048 / 41.0 * 1000.0}
     assert check_training.speed(log.replace("seq_length", "seq_len")) is None
     assert check_training.speed(log.split(" [2026")[0]) is None
+
+
+def test_graph_checks_compare_bits_and_step_times_against_alltoall():
+    graph_steps = fake_steps(range(1, check_training.GRAPH_ITERATIONS + 1))
+    runs = {name: (0, dict(graph_steps)) for check in "fght"
+            for name in check_training.CHECK_RUNS[check]}
+    off = dict(graph_steps)
+    off[7] = (float.fromhex(off[7][0]) * (1 + 2 ** -23)).hex(), off[7][1]
+    runs["capacity_full_iteration"] = (0, off)  # one bit off at iteration 7
+    times = {"alltoall_drop_and_pad_moe_graphs": 500.0, "drop_and_pad_moe_graphs": 480.0,
+             "alltoall_drop_and_pad_full_iteration": 140.0, "drop_and_pad_full_iteration": 150.0,
+             "capacity_full_iteration": 150.0}
+    results = {label[:3]: (passed, detail)
+               for label, passed, detail in check_training.checks(runs, 1e-2, times)}
+    assert [results[c][0] for c in ("(f)", "(g)", "(h)", "(t)")] == [True, True, False, False]
+    assert "iteration 7: loss" in results["(h)"][1]
+    # 150 / 140 = 1.071: over (g)'s 1.05x, within (h)'s 1.10x; 480 < 500 for (f).
+    assert results["(t)"][1] == (
+        "drop_and_pad_full_iteration 150.0 ms = 1.071x alltoall_drop_and_pad_full_iteration "
+        "140.0 ms (target <= 1.05x)"), results["(t)"][1]
+    times["drop_and_pad_full_iteration"] = 145.0
+    assert check_training.checks(runs, 1e-2, times)[-1][1]
+    del times["capacity_full_iteration"]
+    assert "no step time for capacity_full_iteration" in check_training.checks(
+        runs, 1e-2, times)[-1][2]

@@ -315,7 +315,12 @@ ncclResult_t ncclEpGroupDestroy(ncclEpGroup_t group);
  * in a routing-map row) as ncclInvalidArgument on every rank; in capacity mode those are
  * reported by the next call that synchronizes (ncclEpGroupCheckErrors) and stop the group. A
  * routing shape out of bounds (T > max_tokens_per_rank, K outside [1, max_topk]) is an error on
- * every rank the same way; in capacity mode the rank that gave it waits for it and returns it. */
+ * every rank the same way; in capacity mode the rank that gave it waits for it and returns it.
+ * CUDA graphs: in capacity mode (and in LL mode) handle creation and the handle's ops may be
+ * captured and replayed with new routing and inputs; a handle created during a capture keeps its
+ * buffers out of the group's pool until every graph holding it is destroyed, also after
+ * ncclEpHandleDestroy (destroy those graphs before the group). An exact-mode handle inside a
+ * capture is ncclInvalidUsage (its receive count is read on the host). */
 ncclResult_t ncclEpCreateHandle(ncclEpHandle_t* handle, ncclEpGroup_t group,
                                 const ncclEpTensor_t* routing, const ncclEpOpConfig_t* config,
                                 cudaStream_t stream);

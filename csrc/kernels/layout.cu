@@ -64,7 +64,8 @@ constexpr int kScanLoads = 8;      // 16-byte loads per thread in flight in a sc
 // This rank's record's offset in every window: creation n (counted by the barriers before it)
 // writes half n mod 2 (handle.cc NOTES).
 __device__ __forceinline__ size_t record_offset(const PackArgs& a) {
-  return a.record_off + (a.barrier_epoch != nullptr && (*a.barrier_epoch & 1ull) ? a.half_bytes : 0);
+  const bool odd = a.barrier_epoch != nullptr && (*a.barrier_epoch & 1ull) != 0;
+  return a.record_off + (odd ? a.half_bytes : 0);
 }
 
 // This rank's record in window d at offset `off` (or its place in the all-gather buffer).

@@ -233,6 +233,14 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
     h->num_recv = g->capacity;
     h->layout_read = true;
     if (fits) return ncclSuccess;
+    // Inside a capture nothing ran: this rank's own bounds are the error (its peers' replays
+    // time out naming it).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    EP_CUDA(cudaStreamIsCapturing(stream, &capture));
+    EP_CHECK(capture == cudaStreamCaptureStatusNone, ncclInvalidArgument,
+             "%s of shape (%lld, %lld) is out of the group's bounds (max_tokens_per_rank=%d, "
+             "1 <= top-k <= max_topk=%d)",
+             name, T, K, c.max_tokens_per_rank, c.max_topk);
     // This rank knows it failed: an error path may wait for the layout, whose error word holds
     // the error all ranks agree on (the lowest failing rank's, maybe not this one's).
     EP_CUDA(cudaStreamSynchronize(stream));
