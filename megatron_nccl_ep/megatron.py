@@ -5,12 +5,15 @@ Megatron is patched in memory only (its files on disk are never touched):
 * ``TransformerConfig.moe_token_dispatcher_type``'s Literal gains ``"nccl_ep"``; Megatron's
   argparse builds the flag's choices from that annotation;
 * ``TransformerConfig.__post_init__`` admits ``moe_shared_expert_overlap`` and
-  ``overlap_moe_expert_parallel_comm`` with ``nccl_ep``; the 1F1B schedule's
-  ``should_free_input`` keeps the stage inputs our backward needs;
+  ``overlap_moe_expert_parallel_comm`` with ``nccl_ep``, and in Megatron training refuses CUDA
+  graphs that hold ``token_dispatch`` in exact mode (``dispatcher.check_graph_settings``); the
+  1F1B schedule's ``should_free_input`` keeps the stage inputs our backward needs;
 * ``MoELayer.__init__``'s dispatcher chain gains an ``nccl_ep`` branch that builds
   ``NcclEpTokenDispatcher`` (the config is never modified);
 * ``megatron.training.arguments`` gets the ``--nccl-ep-*`` flags; the dispatcher reads their
   values from the parsed training arguments (``options.get_options``);
+* ``megatron.training.training.train_step`` is followed by ``dispatcher.check_budgets()``
+  (capacity mode's budgets and the groups' device-side errors, after every step);
 * inference (``transformer_impl="inference_optimized"``):
   ``TransformerConfig.inference_moe_token_dispatcher_type``'s Literal gains ``"nccl_ep"``,
   ``MoELayer._setup_inference_mode`` builds ``NcclEpInferenceDispatcher`` for it, and
