@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from megatron_nccl_ep.options import NcclEpOptions  # no torch: parsing stays light
+
 SECTIONS = ("ceilings", "kernels", "megatron", "team", "ll")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # The LL section's payloads: the token dtype, or FP8 (dispatch_fp8). Its layouts are the library's
@@ -97,9 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "nodes, tokens between them over NCCL send/receive)")
     p.add_argument("--backend", choices=("cuda", "torch", "auto"), default=None,
                    help="our Group's backend; default: cuda on GPUs, torch on cpu")
-    p.add_argument("--recv-mode", choices=("exact", "capacity"), default="exact")
+    p.add_argument("--recv-mode", choices=("exact", "capacity"), default="exact",
+                   help="our groups' receive mode: exact (the count read on the host once per "
+                        "handle) or capacity (fixed-size outputs, no host read)")
     p.add_argument("--capacity-factor", type=float, default=None,
-                   help="capacity mode: rows = factor x tokens x top-k (default 1.5)")
+                   help="capacity mode: rows = factor x tokens x top-k (default: the plugin's, "
+                        f"{NcclEpOptions.capacity_factor})")
     p.add_argument("--warmup", type=int, help=_by_device("warmup"))
     p.add_argument("--iters", type=int, help=_by_device("iters"))
     p.add_argument("--rotate", type=int, help=f"input sets rotated through; {_by_device('rotate')}")
@@ -256,8 +261,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.plot is None and args.json and sweeping:
         args.plot = os.path.splitext(args.json)[0] + ".png"
     if args.recv_mode == "capacity" and args.capacity_factor is None:
-        # Random routing is balanced in expectation; this leaves room for its spread.
-        args.capacity_factor = 1.5
+        args.capacity_factor = NcclEpOptions.capacity_factor
     return args
 
 

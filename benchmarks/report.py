@@ -111,16 +111,16 @@ def cpu_note(args, sweep_count: int) -> str:
                 for s in args.sections]
     if sweep_count:
         measured.append(f"a kernels sweep of {sweep_count} points")
-    skipped = ["ceilings and team (GPU hardware)"]
+    skipped = ["ceilings and team (they need a GPU)"]
     if "ll" in args.sections:
         skipped.append("the ll section's CUDA graphs and local teams (GPU)")
     others = [d for d in ("alltoall", "allgather") if d not in args.megatron_dispatchers]
     if "megatron" in args.sections and others:
-        skipped.append(f"Megatron's {'/'.join(others)} (GPU comparisons; alltoall needs CUDA "
-                       f"streams)")
-    return (f"host wall time, reference backend ({args.backend}) over gloo, {args.nproc} "
-            f"processes: these times show that the code runs, not GPU speed. Measured "
-            f"{', '.join(measured) or 'nothing'}; skipped {'; '.join(skipped)}.")
+        skipped.append(f"Megatron's {' and '.join(others)} dispatchers (GPU comparisons; "
+                       "alltoall needs CUDA streams)")
+    return (f"host wall time of the reference backend ({args.backend}) over gloo, {args.nproc} "
+            f"processes: it shows that the code runs, not GPU speed. Ran: "
+            f"{', '.join(measured) or 'nothing'}. Not run on a CPU: {'; '.join(skipped)}.")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import faulthandler
+import logging
 import math
 import queue as queue_module
 import socket
@@ -28,6 +29,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from typing import TYPE_CHECKING, Callable, Optional
 
 from .cli import DTYPES
@@ -345,8 +347,21 @@ class Rank:
         self.emit("times", item, times_ms=times, extra=extra or {})
 
 
+def _quiet_dependencies() -> None:
+    """A worker shows the bench's own lines: the notices Megatron and torch print about optional
+    packages (Apex, Transformer Engine, absl, CUDA_HOME), once per process, are hidden unless the
+    user asked for warnings (``python -W ...`` or PYTHONWARNINGS)."""
+    if sys.warnoptions:
+        return
+    import torch  # noqa: F401 - torch sets its loggers' levels when imported: ours come after
+
+    warnings.filterwarnings("ignore", module=r"megatron(\.|$)")
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+
+
 def _worker(rank: int, world: int, label: str, section: Callable, args_dict: dict, port: int,
             process_groups: bool, messages) -> None:
+    _quiet_dependencies()
     args = argparse.Namespace(**args_dict, port=port)
     me = None
     try:

@@ -110,12 +110,14 @@ def check_budgets() -> None:
     """Capacity mode: raises ``NcclEpError`` on every rank when, since the last check, a layer's
     rank sent one expert more tokens than that layer's static budget (the tokens past it were
     dropped), naming the layer, the rows needed and the capacity factor that would hold them;
-    also raises the groups' pending device-side errors. Collective over each EP group (one
-    all-reduce of every layer's count), with one host read: after a step, where the host waits
-    for the GPU anyway (``register()`` calls it after each Megatron ``train_step``), also when
-    CUDA graphs replayed the step."""
+    also raises the pending device-side errors of the groups in capacity receive mode (capacity
+    mode, drop-and-pad), which no call of theirs reads on the host. Collective over each EP
+    group (one all-reduce of every layer's count), with one host wait: after a step, where the
+    host waits for the GPU anyway (``register()`` calls it after each Megatron ``train_step``),
+    also when CUDA graphs replayed the step."""
     for group in list(_groups.groups.values()):
-        group.check_errors()
+        if group.config.recv_mode == "capacity":
+            group.check_errors()
     layers = [d for d in (ref() for ref in _budgeted) if d is not None and d._needed is not None]
     _budgeted[:] = [ref for ref in _budgeted if ref() is not None]
     by_group: dict = {}

@@ -44,12 +44,17 @@ def gpus_needed(world_size: int, ranks_per_node: int = 0) -> int:
     return -(-world_size // 2) if ranks_per_node == 1 else world_size
 
 
+def cuda_devices(n: int) -> str:
+    """``n`` CUDA device(s), for skip reasons."""
+    return f"{n} CUDA device{'' if n == 1 else 's'}"
+
+
 def skip_without_gpus(world_size: int, ranks_per_node: int = 0) -> None:
     """Skips (with the reason) a case that needs more GPUs than the machine has."""
     need, count = gpus_needed(world_size, ranks_per_node), gpu_count()
     if count < need:
         pytest.skip(f"{world_size}-rank GPU case (ranks per node {ranks_per_node or 'all'}) "
-                    f"needs {need} CUDA devices, found {count}")
+                    f"needs {cuda_devices(need)}, found {count}")
 
 
 def world_sizes(nodes_of_one: bool = False):
@@ -59,7 +64,7 @@ def world_sizes(nodes_of_one: bool = False):
     count, ranks_per_node = gpu_count(), 1 if nodes_of_one else 0
     needs = {n: gpus_needed(n, ranks_per_node) for n in (1, 2, 4)}
     return [pytest.param(n, marks=pytest.mark.skipif(
-        count < need, reason=f"{n}-rank GPU cases need {need} CUDA devices, found {count}"))
+        count < need, reason=f"{n}-rank GPU cases need {cuda_devices(need)}, found {count}"))
         for n, need in needs.items()]
 
 

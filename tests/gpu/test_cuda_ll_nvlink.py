@@ -15,7 +15,7 @@ import dist
 import ll_cases
 import ll_oracle
 import megatron_nccl_ep as ep
-from gpu_common import gpu_count, poison_allocator, requires_gpus, this_device
+from gpu_common import cuda_devices, gpu_count, poison_allocator, requires_gpus, this_device
 from test_cuda_ll import CASES, LAYOUTS, expert_fn, to_cpu
 
 pytestmark = requires_gpus
@@ -25,7 +25,7 @@ BF16 = torch.bfloat16
 
 def nvlink_world_sizes():
     return [pytest.param(n, marks=pytest.mark.skipif(
-        gpu_count() < n, reason=f"LL over NVLink at EP={n} needs {n} CUDA devices, found "
+        gpu_count() < n, reason=f"LL over NVLink at EP={n} needs {cuda_devices(n)}, found "
                                 f"{gpu_count()}")) for n in (2, 4, 8)]
 
 

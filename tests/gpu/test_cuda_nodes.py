@@ -21,7 +21,7 @@ import dist
 import ep_cases
 import megatron_nccl_ep as ep
 from ep_cases import rank_inputs, tokens_of
-from gpu_common import gpu_count, gpus_needed, poison_allocator, requires_gpus
+from gpu_common import cuda_devices, gpu_count, gpus_needed, poison_allocator, requires_gpus
 from test_cuda_parity import check_parity, resolve
 
 pytestmark = requires_gpus
@@ -45,7 +45,7 @@ def world_and_nodes():
     of one rank may share GPUs: gpus_needed)."""
     return [pytest.param(w, g, marks=pytest.mark.skipif(
         GPUS < gpus_needed(w, g),
-        reason=f"{w}-rank GPU cases of G={g} need {gpus_needed(w, g)} CUDA devices, found {GPUS}"))
+        reason=f"{w}-rank GPU cases of G={g} need {cuda_devices(gpus_needed(w, g))}, found {GPUS}"))
         for w, g in ((2, 1), (4, 2), (4, 1))]
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dist
-from gpu_common import requires_gpus
+from gpu_common import cuda_devices, requires_gpus
 from test_megatron_drop_and_pad import alltoall_case
 
 pytestmark = requires_gpus
@@ -33,7 +33,7 @@ CASES = {
 def test_drop_and_pad_on_cuda_matches_alltoall(case_name, seed, summary_line):
     world, kwargs = CASES[case_name]
     if torch.cuda.device_count() < world:
-        pytest.skip(f"{world} ranks need {world} CUDA devices, found {torch.cuda.device_count()}")
+        pytest.skip(f"{world} ranks need {cuda_devices(world)}, found {torch.cuda.device_count()}")
     reports = dist.run(world, cuda_case, seed, kwargs, backend="nccl", timeout=120)
     assert all(r["dropped"] > 0 and r["padded"] > 0 for r in reports), reports
     summary_line(f"{case_name}: {reports}: experts' input bitwise alltoall's, outputs and "
