@@ -684,3 +684,32 @@ def test_ll_team_times_come_from_every_rank_that_finished():
     assert (kind, item, fields["extra"]["hbm_bytes"]) == ("times", "d", 1e6)
     assert fields["times_ms"] == [5.0, 3.0]  # last start to last end, per iteration
     assert fields["extra"]["busy_ms"] == pytest.approx(4.5)  # median of 5, 2, 5, 4
+
+
+def test_readme_numbers_and_results_name_the_committed_run():
+    """The README's numbers section is benchmarks.readme's text for the committed results.json,
+    and RESULTS.md names the sources hash of that run."""
+    from benchmarks import readme
+
+    assert readme.main(["--check"]) == 0, "run python -m benchmarks.readme"
+    with open(readme.RESULTS) as f:
+        sources = json.load(f)["meta"]["source"]["sources_sha256"]
+    with open(os.path.join(os.path.dirname(readme.RESULTS), "RESULTS.md")) as f:
+        assert f"sources: `{sources}`" in f.read()
+    with open(readme.README) as f:
+        _, current, _ = readme.section(f.read())
+    assert f"sources `{sources}`" in current
+
+
+def test_readme_numbers_follow_the_results(tmp_path):
+    # A changed figure in results.json changes the README's text (no number is written by hand).
+    from benchmarks import readme
+
+    with open(readme.RESULTS) as f:
+        result = json.load(f)
+    before = readme.numbers(result)
+    result["kernels"]["dispatch (kernel)"]["median_ms"] = 0.123456
+    result["meta"]["source"]["sources_sha256"] = "0123456789abcdef"
+    after = readme.numbers(result)
+    assert "| dispatch | 123.5 |" in after and "sources `0123456789abcdef`" in after
+    assert before != after

@@ -1,0 +1,152 @@
+"""``python -m benchmarks.readme``: the README's numbers, written from ``benchmarks/results.json``.
+
+The README's numbers section (between ``BEGIN`` and ``END``) is this module's text for the
+committed results.json, so the README names the run RESULTS.md shows and cannot drift from it
+(tests/test_bench.py checks that they agree). After a new RESULTS.md run, this command rewrites
+the section; ``--check`` only says whether it is current.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results.json")
+README = os.path.join(ROOT, "README.md")
+BEGIN = "<!-- numbers: python -m benchmarks.readme writes this from benchmarks/results.json -->"
+END = "<!-- end of numbers -->"
+MIB = float(1 << 20)
+
+
+def _us(item: dict) -> float:
+    return item["median_ms"] * 1e3
+
+
+def _sweep(result: dict, tokens: int, sms: int) -> dict:
+    return next(p["items"] for p in result["sweeps"]
+                if p["tokens"] == tokens and p["num_sms"] == sms)
+
+
+def _ll(result: dict, sms: int) -> dict:
+    return next(p["items"] for p in result["ll"]["points"]
+                if p["world"] == 1 and p["num_sms"] == sms)
+
+
+def numbers(result: dict) -> str:
+    """The README's numbers section from a bench result (a GPU run with the ceilings, kernels,
+    megatron and ll sections, and the small-batch kernels sweep at 24 SMs and every SM)."""
+    meta, shape = result["meta"], result["shape"]
+    every_sm = meta["sm_count"]
+    ceilings = {("every" if "SMs" not in name else "budget"): row["phys_GBps"]
+                for name, row in result["ceilings"].items()}
+    kernels, megatron = result["kernels"], result["megatron"]
+    device = meta["device_name"].removeprefix("NVIDIA ")
+    machine = f"one {device}" if meta["gpu_count"] == 1 else f"{meta['gpu_count']} x {device}"
+    lines = [
+        f"From [benchmarks/RESULTS.md](benchmarks/RESULTS.md) ({machine}, sources "
+        f"`{meta['source']['sources_sha256']}`):",
+        f"{shape['tokens']} tokens per rank x hidden {shape['hidden']} x top-{shape['topk']} of "
+        f"{shape['experts']} experts, {shape['dtype']}, an SM budget of {shape['num_sms']}, "
+        "medians of",
+        f"CUDA-event times. Ceilings of the same run: HBM copy {ceilings['every']:.0f} GB/s "
+        f"read+write with every SM, {ceilings['budget']:.0f} GB/s",
+        f"from {shape['num_sms']} SMs.",
+        "",
+        f"| EP={shape['ranks']}, {shape['num_sms']} SMs (us) | kernels | end to end |",
+        "|---|---:|---:|",
+    ]
+    for label, name in (("handle: create + receive count", "handle: create + count read"),
+                        ("dispatch", "dispatch"), ("combine", "combine")):
+        lines.append(f"| {label} | {_us(kernels[name + ' (kernel)']):.1f} | "
+                     f"{_us(kernels[name + ' (e2e)']):.1f} |")
+    lines += ["", "| Megatron's dispatcher methods, same run | dispatch (us) | combine (us) | "
+              "fwd+bwd (ms) |", "|---|---:|---:|---:|"]
+    for label, name in (("`nccl_ep`", "nccl_ep"), ("Megatron's `alltoall`", "alltoall")):
+        lines.append(f"| {label} | {_us(megatron[name + '.dispatch']):.0f} | "
+                     f"{_us(megatron[name + '.combine']):.0f} | "
+                     f"{megatron[name + '.fwd_bwd']['median_ms']:.2f} |")
+    small = {(t, s): _sweep(result, t, s) for t in (128, 1024) for s in (shape["num_sms"],
+                                                                        every_sm)}
+
+    def dc(tokens: int, sms: int) -> str:
+        items = small[(tokens, sms)]
+        return (f"{_us(items['dispatch (kernel)']):.1f} / "
+                f"{_us(items['combine (kernel)']):.1f}")
+
+    ll_all, ll_budget = _ll(result, every_sm), _ll(result, shape["num_sms"])
+
+    def ll(items: dict, layout: str, op: str) -> str:
+        return f"{_us(items[f'T=128 bf16 {layout}: {op}']):.1f}"
+
+    memory = next(r for r in result["ll"]["memory"]["rows"]
+                  if r["world"] == 64 and r["layout"] == "expert_major")
+    text = (
+        f"Of each fwd+bwd, the bench's stand-in expert (`rows * probs` and its backward) takes "
+        f"{megatron['nccl_ep.expert_fwd_bwd']['median_ms']:.2f} ms. "
+        f"HT at small batches does not pay for a larger SM budget: 128 tokens "
+        f"{dc(128, shape['num_sms'])} us (dispatch / combine kernels) at {shape['num_sms']} SMs, "
+        f"{dc(128, every_sm)} at {every_sm}; 1024 tokens {dc(1024, shape['num_sms'])} at "
+        f"{shape['num_sms']}, {dc(1024, every_sm)} at {every_sm}. "
+        f"LL at EP=1, 128 tokens (us), rank-major: dispatch {ll(ll_all, 'rank_major', 'dispatch')}, "
+        f"combine {ll(ll_all, 'rank_major', 'combine')}, handle + dispatch + combine as one CUDA "
+        f"graph {ll(ll_all, 'rank_major', 'graph h+d+c')} with {every_sm} SMs "
+        f"({ll(ll_budget, 'rank_major', 'dispatch')}, {ll(ll_budget, 'rank_major', 'combine')}, "
+        f"{ll(ll_budget, 'rank_major', 'graph h+d+c')} with {shape['num_sms']}), against "
+        f"{_us(ll_all['T=128 HT: h+d+c']):.1f} for HT on the same batch; expert-major "
+        f"{ll(ll_all, 'expert_major', 'dispatch')}, {ll(ll_all, 'expert_major', 'combine')}, "
+        f"{ll(ll_all, 'expert_major', 'graph h+d+c')} with {every_sm} SMs. Its buffers at EP=64 "
+        f"(T_max {result['ll']['memory']['shape']['tokens']}): "
+        f"{memory['total_bytes'] / MIB:.0f} MiB per rank, against DeepEP V1's "
+        f"{memory['deepep_bytes'] / MIB:.0f} MiB. RESULTS.md also has LL at 1-256 tokens, FP8, "
+        "EP 2/4/8 and HT EP 2/4 as local teams on that one GPU (proxies: no NVLink, one HBM), "
+        "and the peers' anchors; multi-GPU numbers wait for a multi-GPU machine.")
+    lines += ["", *_wrap(text, 100)]
+    return "\n".join(lines)
+
+
+def _wrap(text: str, width: int) -> list:
+    """Greedy wrap at spaces (the README's own line width)."""
+    out, line = [], ""
+    for word in text.split(" "):
+        if line and len(line) + 1 + len(word) > width:
+            out.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return out + [line] if line else out
+
+
+def section(readme: str) -> tuple:
+    """(before, current section, after) of the README text, split at the markers."""
+    start, end = readme.find(BEGIN), readme.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"README.md has no numbers section between {BEGIN!r} and {END!r}")
+    start += len(BEGIN)
+    return readme[:start], readme[start:end], readme[end:]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if the README's section differs, writing nothing")
+    options = parser.parse_args(argv)
+    with open(RESULTS) as f:
+        wanted = "\n" + numbers(json.load(f)) + "\n"
+    with open(README) as f:
+        before, current, after = section(f.read())
+    if current == wanted:
+        return 0
+    if options.check:
+        print("README.md's numbers differ from benchmarks/results.json: run "
+              "python -m benchmarks.readme", file=sys.stderr)
+        return 1
+    with open(README, "w") as f:
+        f.write(before + wanted + after)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
