@@ -161,11 +161,18 @@ class Group:
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             timeout_s = GroupConfig.timeout_s
         _agree_on_config(built, error, self.process_group, self.world_size, timeout_s)
-        self.config: GroupConfig = built
-        self.num_local_experts = self.config.num_experts // self.world_size
-        self._backend: Optional[Backend] = backend_cls(self.config, self.process_group,
-                                                       self.device)
-        self.backend_name = self._backend.name
+        self._set_up(self.process_group, self.rank, self.world_size, self.device, built,
+                     backend_cls(built, self.process_group, self.device))
+
+    def _set_up(self, process_group, rank: int, world_size: int, device: torch.device,
+                config: GroupConfig, backend: Backend) -> None:
+        """Every member a group has, once its configuration is agreed and its backend made
+        (``__init__`` and ``local_team``)."""
+        self.process_group, self.rank, self.world_size = process_group, rank, world_size
+        self.device, self.config = device, config
+        self.num_local_experts = config.num_experts // world_size
+        self._backend: Optional[Backend] = backend
+        self.backend_name = backend.name
         self._ll_in_flight = InFlight()
 
     @classmethod
@@ -186,12 +193,8 @@ class Group:
         backend_cls = _resolve_backend("cuda", device)
         groups = []
         for rank, backend in enumerate(backend_cls.local_team(config, world_size, device)):
-            group = cls.__new__(cls)
-            group.process_group, group.rank, group.world_size = None, rank, world_size
-            group.device, group.config = device, config
-            group.num_local_experts = config.num_experts // world_size
-            group._backend, group.backend_name = backend, backend.name
-            group._ll_in_flight = InFlight()
+            group = cls.__new__(cls)  # no process group: the members' ranks are given
+            group._set_up(None, rank, world_size, device, config, backend)
             groups.append(group)
         return groups
 

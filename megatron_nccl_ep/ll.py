@@ -3,11 +3,8 @@
 
 A handle is made without communication; ``dispatch`` and ``combine`` are collective and
 stream-ordered, never read anything back to the host, and with ``send_only=True`` only send:
-``complete()`` receives. Ops of one kind (dispatches, combines) alternate between two buffer sets,
-so at most two of a kind may be in flight on a group, and an op is refused while one of its kind
-issued two or more ops before it is pending (a third op, or one after a fused op or an
-out-of-order ``complete()``): here, on every rank alike (the calls are collective), before
-anything is enqueued.
+``complete()`` receives. The rule for ops in flight (two buffer sets per kind) is ``InFlight``'s,
+checked here on every rank alike before anything is enqueued (docs/design.md §9).
 """
 
 from __future__ import annotations
@@ -59,8 +56,8 @@ class InFlight:
 
 
 class LLHandle(BackendHandle):
-    """The routing of one LL step (one layer, one micro-batch): ``topk_idx [T, K]``. Serves one
-    dispatch and the matching combine (the latest dispatch's rows are the ones combined)."""
+    """The routing of one LL step (one layer, one micro-batch): ``topk_idx [T, K]``. Its combine
+    returns the rows of its latest dispatch (docs/design.md §9, Handle)."""
 
     def __init__(self, group, state, num_tokens: int, topk: int):
         super().__init__(group, state, num_tokens, topk)

@@ -51,9 +51,8 @@
  *  - Limits of this implementation (LL, docs/design.md section 9): one node (every rank's window
  *    load/store accessible, or a local team); max_tokens_per_rank (T_max) <= 1024, max_topk <=
  *    32, num_experts <= 4096, hidden a multiple of 8 (of 128 with dispatch_fp8). LL calls never
- *    synchronize the host; at most two dispatches and two combines may be pending (sent with
- *    send_only, not completed) on a group, and an op is refused while one of its kind issued two
- *    or more ops before it is pending (the i-th op of a kind uses buffer set i mod 2).
+ *    synchronize the host; ops sent with send_only and not completed are bounded by the two
+ *    buffer sets of each kind (ncclInvalidUsage beyond: docs/design.md section 9, ll.cc NOTES).
  *  - Handle buffers come from a per-group pool reused in stream order.
  *  - Device-side errors (capacity mode routing errors and overflow, timeouts, call mismatches)
  *    go to a host-mapped error word of the group; every later call checks it without blocking
