@@ -206,11 +206,18 @@ def _source_package_dir(command):
 
 
 class BuildPy(build_py):
-    """Without the CUDA library (no build_ext runs): records why, and clears earlier CUDA outputs
-    from the package (the source tree too in editable installs, where it is the package)."""
+    """Installs the public headers into the package's include/ (nccl_ep_limits.h is where
+    megatron_nccl_ep/limits.py reads the library's defaults and bounds; an editable install reads
+    csrc/include/). Without the CUDA library (no build_ext runs): records why, and clears earlier
+    CUDA outputs from the package (the source tree too in editable installs, where it is the
+    package)."""
 
     def run(self):
         super().run()
+        include = os.path.join(self.build_lib, PACKAGE, "include")
+        os.makedirs(include, exist_ok=True)
+        for header in glob.glob(os.path.join(CSRC, "include", "*.h")):
+            shutil.copy2(header, include)
         if NOT_BUILT is None:
             return
         dirs = [os.path.join(self.build_lib, PACKAGE)]

@@ -15,17 +15,15 @@ from typing import Optional
 
 import torch
 
+# The library's defaults and bounds (LL: docs/design.md §9), written in its header only.
+from .limits import (DEFAULT_NUM_SMS, DEFAULT_TIMEOUT_S, FP8_BLOCK, LL_MAX_EXPERTS,  # noqa: F401
+                     LL_MAX_TOKENS, LL_MAX_TOPK)
+
 TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int64, torch.int32)
 PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LL_TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LL_LAYOUTS = ("expert_major", "rank_major")
-# LL bounds (docs/design.md §9): the handle's kernel holds T_max x max_topk ids and the receive
-# kernel L x R offsets in shared memory; rows move in packs of 8 elements (hidden % 8 == 0).
-LL_MAX_TOKENS = 1024
-LL_MAX_TOPK = 32
-LL_MAX_EXPERTS = 4096
-FP8_BLOCK = 128  # columns per FP8 scale
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8_AMAX_FLOOR = 1e-4
 
@@ -43,8 +41,8 @@ class GroupConfig:
     recv_mode: str = "exact"  # "exact" | "capacity"
     max_recv_tokens_per_rank: Optional[int] = None  # capacity mode: rows of each dispatch output
     expert_alignment: int = 1  # pad each expert block to a multiple of this many rows
-    num_sms: int = 24  # SM budget per CUDA operation
-    timeout_s: float = 100.0  # device-side and rendezvous waits: NcclEpError after this
+    num_sms: int = DEFAULT_NUM_SMS  # SM budget per CUDA operation
+    timeout_s: float = DEFAULT_TIMEOUT_S  # device-side and rendezvous waits: NcclEpError after
     # CUDA staging ring per (channel, peer): slots of this many tokens (0 = library default)
     staging_chunk_tokens: int = 0
     staging_depth: int = 0  # ring slots (0 = library default)
@@ -59,7 +57,7 @@ class GroupConfig:
     # latency: decode). LL reads max_tokens_per_rank as T_max and adds:
     mode: str = "ht"
     ll_layout: str = "expert_major"  # "expert_major" (3D, per expert) | "rank_major" (gathered)
-    dispatch_fp8: bool = False  # LL: the dispatch payload cast to FP8 e4m3 per 128 columns
+    dispatch_fp8: bool = False  # LL: the dispatch payload cast to FP8 e4m3 per FP8_BLOCK columns
 
     @classmethod
     def build(cls, world_size: int, *, capacity_factor: Optional[float] = None,
@@ -175,9 +173,9 @@ class GroupConfig:
         need(self.hidden % 8 == 0,
              f"mode='ll' moves rows in packs of 8 elements: hidden must be a multiple of 8, got "
              f"{self.hidden}")
-        need(not self.dispatch_fp8 or self.hidden % 128 == 0,
-             f"dispatch_fp8 casts blocks of 128 columns: hidden must be a multiple of 128, got "
-             f"{self.hidden}")
+        need(not self.dispatch_fp8 or self.hidden % FP8_BLOCK == 0,
+             f"dispatch_fp8 casts blocks of {FP8_BLOCK} columns: hidden must be a multiple of "
+             f"{FP8_BLOCK}, got {self.hidden}")
         need(self.recv_mode == "exact" and self.expert_alignment == 1
              and self.expert_capacity == 0,
              "mode='ll' has its own layouts: recv_mode, expert_alignment and expert_capacity "

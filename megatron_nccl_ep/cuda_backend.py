@@ -26,6 +26,7 @@ import torch.distributed as dist
 from . import build_info
 from .config import GroupConfig
 from .errors import NcclEpError
+from .limits import FP8_BLOCK, MAX_SLOTS_PER_RANK
 from .outputs import LLDispatchOutput
 
 try:
@@ -37,7 +38,6 @@ except (ImportError, OSError) as exc:  # not built, or libnccl.so.2 / CUDA not l
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_SLOTS_PER_RANK = 32  # kMaxTopk of the kernels: a token's slots on one rank, a lane each
 _MODE_EXACT, _MODE_CAPACITY = 0, 1
 _MODE_HT, _MODE_LL = 0, 1
 _LAYOUT_EXPERT_MAJOR, _LAYOUT_RANK_MAJOR = 0, 1
@@ -343,7 +343,7 @@ class CudaBackend:
                                count=torch.empty(1 if len(lead) == 1 else lead[0],
                                                  dtype=torch.int32, device=dev))
         if cfg.dispatch_fp8:
-            out.scales = torch.empty(lead + (cfg.hidden // 128,), dtype=torch.float32,
+            out.scales = torch.empty(lead + (cfg.hidden // FP8_BLOCK,), dtype=torch.float32,
                                      device=dev)
         if cfg.ll_layout == "rank_major":
             out.topk_idx = torch.empty((rows, cfg.max_topk), dtype=torch.int32, device=dev)

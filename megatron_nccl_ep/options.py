@@ -9,6 +9,8 @@ import argparse
 import dataclasses
 from typing import Optional
 
+from .limits import DEFAULT_NUM_SMS, DEFAULT_TIMEOUT_S
+
 BACKENDS = ("auto", "torch", "cuda")
 RECV_MODES = ("exact", "capacity")
 
@@ -21,7 +23,7 @@ class NcclEpOptions:
     recv_mode: str = "exact"  # "exact" | "capacity"
     # Capacity mode: rows per rank = factor * tokens per rank * top-k (the balanced share).
     capacity_factor: float = 2.0
-    num_sms: int = 24
+    num_sms: int = DEFAULT_NUM_SMS
     # SM budget of the inference dispatcher's LL kernels (decode): 0, every SM of the GPU (the
     # LL ops are latency-bound and run alone); the reference backend has no SM budget.
     ll_num_sms: int = 0
@@ -35,7 +37,7 @@ class NcclEpOptions:
     ranks_per_node: int = 0
     # Seconds any rank waits for its peers (group creation's rendezvous, device-side waits)
     # before the group raises NcclEpError naming the ranks not heard from.
-    timeout_s: float = 100.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

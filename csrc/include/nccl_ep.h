@@ -49,8 +49,9 @@
  *    max_tokens_per_rank x max_topk < 2^31. The library must run on the NCCL major.minor it was
  *    compiled against (checked at group creation).
  *  - Limits of this implementation (LL, docs/design.md section 9): one node (every rank's window
- *    load/store accessible, or a local team); max_tokens_per_rank (T_max) <= 1024, max_topk <=
- *    32, num_experts <= 4096, hidden a multiple of 8 (of 128 with dispatch_fp8). LL calls never
+ *    load/store accessible, or a local team); max_tokens_per_rank (T_max), max_topk and
+ *    num_experts up to nccl_ep_limits.h's NCCL_EP_LL_MAX_*, hidden a multiple of 8 (of
+ *    NCCL_EP_FP8_BLOCK with dispatch_fp8). LL calls never
  *    synchronize the host; ops sent with send_only and not completed are bounded by the two
  *    buffer sets of each kind (ncclInvalidUsage beyond: docs/design.md section 9, ll.cc NOTES).
  *  - Handle buffers come from a per-group pool reused in stream order.
@@ -66,6 +67,8 @@
 #include <stdint.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
+
+#include "nccl_ep_limits.h" /* the defaults and bounds (NCCL_EP_LL_MAX_TOKENS, ...) */
 
 #ifdef __cplusplus
 extern "C" {
@@ -178,7 +181,8 @@ typedef struct {
 #define NCCL_EP_GROUP_CONFIG_INITIALIZER                                                  \
   {                                                                                       \
     sizeof(ncclEpGroupConfig_t), NCCL_EP_API_VERSION, ncclEpModeHighThroughput, 0, 0, 0, \
-        0, ncclBfloat16, ncclEpRecvCountExact, 0, 1, 0, 100000, NULL, NULL, NULL, 0, 0, 0, 0, \
+        0, ncclBfloat16, ncclEpRecvCountExact, 0, 1, 0, NCCL_EP_DEFAULT_TIMEOUT_MS, NULL,   \
+        NULL, NULL, 0, 0, 0, 0,                                                           \
         ncclEpLayoutExpertMajor, 0                                                        \
   }
 

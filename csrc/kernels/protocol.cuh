@@ -27,13 +27,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "../include/nccl_ep_limits.h"
+
 namespace nccl_ep {
 
 constexpr int kMaxRanks = 64;     // barrier flags and per-token destination masks (uint64)
 constexpr int kMaxChannels = 1024;  // num_sms: the CTAs of one op
 // Slots of one token on one rank, min(top-k, local experts): one lane each in the warp-level
 // kernels (top-k itself may be larger: they take a token's slots 32 a pass).
-constexpr int kMaxTopk = 32;
+constexpr int kMaxTopk = NCCL_EP_MAX_SLOTS_PER_RANK;
+static_assert(kMaxTopk == 32, "a token's slots on one rank are a lane each of one warp");
 // Routing record: [T_s, K_s, kind, stopped] + Tmax * Kmax int32. stopped (groups that span nodes):
 // 0, or the group rank + 1 whose device-side error stopped the sender's node, so that the next
 // routing exchange tells every rank of every node.
@@ -125,7 +128,7 @@ struct ChannelFlags {
 enum LLFlagKind : int { kLLDispReady = 0, kLLDispCredit = 1, kLLCombReady = 2, kLLCombCredit = 3 };
 constexpr int kLLFlagKinds = 4;
 constexpr int kLLGroupElems = 8;  // elements per lane access (a 16-byte bf16 pack)
-constexpr int kFp8Block = 128;    // columns per FP8 scale
+constexpr int kFp8Block = NCCL_EP_FP8_BLOCK;  // columns per FP8 scale
 
 struct LLHeader {
   int token;      // the token's index at its source

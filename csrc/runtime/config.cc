@@ -21,7 +21,7 @@ namespace nccl_ep {
 
 namespace {
 
-constexpr int kDefaultSms = 24;
+constexpr int kDefaultSms = NCCL_EP_DEFAULT_NUM_SMS;
 constexpr int kDefaultDepth = 2;
 constexpr size_t kChunkTargetBytes = 2 << 20;  // chunk x R x row
 
@@ -93,15 +93,17 @@ static WindowLayout plan_ll_window(const ncclEpGroupConfig_t& c, int nranks) {
   return w;
 }
 
-// LL groups: the bounds of docs/design.md section 9 (megatron_nccl_ep/config.py's LL_* too).
+// LL groups: the bounds of docs/design.md section 9 (nccl_ep_limits.h).
 static ncclResult_t check_ll_config(const ncclEpGroupConfig_t* c, int nranks, int node_size) {
   EP_CHECK(c->layout == ncclEpLayoutExpertMajor || c->layout == ncclEpLayoutRankMajor,
            ncclInvalidArgument, "ncclEpCreateGroup: layout %d is invalid (expert-major 0, "
            "rank-major 1)", (int)c->layout);
-  EP_CHECK(c->max_tokens_per_rank <= 1024 && c->max_topk <= 32 && c->num_experts <= 4096,
+  EP_CHECK(c->max_tokens_per_rank <= NCCL_EP_LL_MAX_TOKENS && c->max_topk <= NCCL_EP_LL_MAX_TOPK &&
+               c->num_experts <= NCCL_EP_LL_MAX_EXPERTS,
            ncclInvalidArgument,
-           "ncclEpCreateGroup: LL needs max_tokens_per_rank (T_max) <= 1024, max_topk <= 32 and "
-           "num_experts <= 4096, got %d, %d and %d",
+           "ncclEpCreateGroup: LL needs max_tokens_per_rank (T_max) <= %d, max_topk <= %d and "
+           "num_experts <= %d, got %d, %d and %d",
+           NCCL_EP_LL_MAX_TOKENS, NCCL_EP_LL_MAX_TOPK, NCCL_EP_LL_MAX_EXPERTS,
            c->max_tokens_per_rank, c->max_topk, c->num_experts);
   EP_CHECK(c->hidden % kLLGroupElems == 0, ncclInvalidArgument,
            "ncclEpCreateGroup: LL moves rows in packs of %d elements: hidden must be a multiple "
