@@ -133,10 +133,24 @@ class Group:
     def __init__(self, process_group=None, config: Optional[GroupConfig] = None, *,
                  backend: str = "auto", device=None, capacity_factor: Optional[float] = None,
                  **fields):
-        """``config``, or its fields as keywords (``num_experts``, ``hidden``,
-        ``max_tokens_per_rank``, ``max_topk`` and the optional ones of ``GroupConfig``);
-        ``capacity_factor`` sizes capacity mode's buffers when ``max_recv_tokens_per_rank`` is
-        not given (``config.capacity_from_factor``)."""
+        """Collective over ``process_group``.
+
+        Args:
+            process_group: the EP group (a ``torch.distributed`` group); None: the default
+                group, or one rank without torch.distributed.
+            config: a ``GroupConfig``, or None and its fields as keywords (``num_experts``,
+                ``hidden``, ``max_tokens_per_rank``, ``max_topk``, and the optional ones).
+            backend: ``"cuda"`` (the C library), ``"torch"`` (the reference) or ``"auto"``
+                (cuda on a CUDA device when built, else torch).
+            device: the tokens' device (default: the current CUDA device, else the CPU).
+            capacity_factor: capacity mode without ``max_recv_tokens_per_rank``: rows of every
+                dispatch output = factor x ``max_tokens_per_rank`` x ``max_topk``
+                (``config.capacity_from_factor``).
+
+        Raises:
+            ValueError / TypeError: a bad field, on every rank (naming the field and the
+                expected value); NcclEpError: a rank that did not join within ``timeout_s``.
+        """
         if dist.is_available() and dist.is_initialized():
             self.process_group = process_group if process_group is not None else dist.group.WORLD
             self.rank = dist.get_rank(self.process_group)
@@ -185,7 +199,16 @@ class Group:
         from its own thread with its own CUDA stream (every collective call waits at the team's
         gate for the peers' calls): ``run_local_team`` does that. Keep ``world_size * num_sms``
         within the GPU's SM count (every CTA of every rank must be resident at once). Destroy
-        every member."""
+        every member.
+
+        Args:
+            world_size: the ranks of the team (>= 1).
+            config, capacity_factor, fields: as for ``Group``.
+            device: the CUDA device (default: the current one).
+
+        Returns:
+            ``list[Group]``, element ``r`` rank ``r``.
+        """
         device = _resolve_device(device)
         if device.type != "cuda":
             raise RuntimeError(f"Group.local_team needs a CUDA device, got {device}")
@@ -243,11 +266,20 @@ class Group:
 
     def create_handle(self, topk_idx: Optional[torch.Tensor] = None, *,
                       routing_map: Optional[torch.Tensor] = None) -> "Handle | LLHandle":
-        """Collective: exchange one forward pass's routing, given as ``topk_idx [T, K]``
-        (int64/int32, -1 = masked) or as a router's ``routing_map [T, E]`` (bool). A routing map
-        fills ``K = max_topk`` slots per token with its routed experts in ascending order (-1
-        after the last; ``Handle.topk_idx`` returns them, the order probabilities must follow); a
-        token with more than ``max_topk`` routed experts is an error."""
+        """Collective (HT; an LL group's handle needs no communication): one forward pass's
+        routing, exchanged once and reused by dispatch, combine and their backward.
+
+        Args:
+            topk_idx: ``[T, K]`` int64/int32 on the group's device, -1 = masked slot,
+                ``T <= max_tokens_per_rank``, ``K <= max_topk``.
+            routing_map: instead of ``topk_idx`` (HT only): a router's ``[T, E]`` bool; each
+                token's routed experts fill its ``max_topk`` slots in ascending order (-1
+                after the last; ``Handle.topk_idx`` returns them, the order probs must
+                follow); more than ``max_topk`` routed experts is an error.
+
+        Returns:
+            ``Handle`` (HT) or ``LLHandle`` (``mode="ll"``).
+        """
         self._require_alive()
         if (topk_idx is None) == (routing_map is None):
             raise TypeError("create_handle takes exactly one of topk_idx and routing_map")
@@ -277,9 +309,12 @@ class Group:
         return Handle(self, state, routing.shape[0], topk)
 
     def check_errors(self) -> None:
-        """Synchronizes the current stream and raises the group's pending device-side error, if
-        any (``NcclEpError``: a timeout, inconsistent calls across ranks, or in capacity mode a
-        routing error or overflow). Such an error stays: the group must be destroyed."""
+        """Synchronizes the current stream and raises the group's pending device-side error.
+
+        Raises:
+            NcclEpError: a timeout, inconsistent calls across ranks, or in capacity mode a
+                routing error or an overflow. Such an error stays: destroy the group.
+        """
         self._require_alive()
         self._backend.check_errors()
 
@@ -377,12 +412,22 @@ class Handle(BackendHandle):
 
     def dispatch(self, x: torch.Tensor, probs: Optional[torch.Tensor] = None, *,
                  dense: Optional[bool] = None):
-        """``x [T, H]``, ``probs`` (any float dtype, optional: ``[T, K]`` in slot order, or a
-        router's dense ``[T, E]``) -> ``(recv_x [N, H], recv_probs [N] or None)`` in the
-        expert-major layout of docs/design.md §3. ``dense`` says which form ``probs`` is (None:
-        ``probs_are_dense``, which reads ``[T, E]`` as slot order when ``E == K``, as with a
-        drop-and-pad group of ``max_topk = E``: pass ``dense=True`` for a router's probs). Not
-        differentiable: use ``megatron_nccl_ep.dispatch`` for autograd."""
+        """Collective: this rank's tokens to the ranks of their experts, into the expert-major
+        layout of docs/design.md §3. Not differentiable: ``megatron_nccl_ep.dispatch`` is.
+
+        Args:
+            x: ``[T, H]`` of the group's dtype.
+            probs: optional, any float dtype: ``[T, K]`` in slot order, or a router's dense
+                ``[T, E]`` (each slot reads its expert's column).
+            dense: which form ``probs`` is; None: ``probs_are_dense`` (``[T, E]`` is read as
+                slot order when ``E == K``, as in a drop-and-pad group of ``max_topk = E``:
+                pass True for a router's probs there).
+
+        Returns:
+            ``(recv_x [N, H], recv_probs [N] or None)``: ``N = num_recv_tokens`` rows, expert
+            by expert (``tokens_per_expert``), padding rows zero with prob 0; probs in their
+            own dtype.
+        """
         self._require_alive()
         if dense is None:
             dense = isinstance(probs, torch.Tensor) and self.probs_are_dense(probs)
@@ -399,15 +444,31 @@ class Handle(BackendHandle):
         return self.group._backend.dispatch(self._state, x.contiguous(), probs, dense)
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
-        """``expert_out [N, H]`` in the layout -> ``y [T, H]``, the unweighted, ordered sum of
-        docs/design.md §4."""
+        """Collective: each token's expert rows summed back at its source, in the fixed order of
+        docs/design.md §4 (unweighted: weight the rows first).
+
+        Args:
+            expert_out: ``[N, H]`` of the group's dtype, in the dispatch's layout (padding rows
+                are never read).
+
+        Returns:
+            ``y [T, H]``, the group's dtype.
+        """
         self._require_alive()
         self._check_agreed("combine", lambda: self._check_rows("expert_out", expert_out))
         return self.group._backend.combine(self._state, expert_out.contiguous())
 
     def combine_probs(self, grad_recv_probs: torch.Tensor, dense: bool = False) -> torch.Tensor:
-        """Reverse of the probs dispatch: ``[N] -> [T, K]`` (0 at masked slots), or ``[T, E]``
-        with ``dense`` (0 at every unrouted expert)."""
+        """Collective: the reverse of the probs' dispatch (their gradient's path back).
+
+        Args:
+            grad_recv_probs: ``[N]``, any float dtype.
+            dense: the probs came as a router's ``[T, E]``.
+
+        Returns:
+            ``[T, K]`` in slot order (0 at masked slots), or ``[T, E]`` with ``dense`` (0 at
+            every unrouted expert), the dtype of ``grad_recv_probs``.
+        """
         self._require_alive()
         self._check_agreed("combine_probs", lambda: self.group._check_tensor(
             "grad_recv_probs", grad_recv_probs, 1, PROB_DTYPES, (self.num_recv_tokens,)))
@@ -424,9 +485,22 @@ def run_local_team(groups: "list[Group]", fn, *, prepare=None, timeout_s: float 
     anything, including waits for the whole device. Autograd's backward runs on the rank's
     thread (``torch.autograd.set_multithreading_enabled(False)``): autograd's worker thread is
     shared by every rank of the GPU, and the ranks' backward calls would wait there for each
-    other. ``prepare(rank, group)`` runs on the rank's stream before the ranks meet for their
-    first call (NaN-poisoning its memory, say). Raises RuntimeError naming the ranks still
-    running after ``timeout_s``, else the lowest failing rank (its exception chained)."""
+    other.
+
+    Args:
+        groups: every member of one ``Group.local_team``, by rank.
+        fn: ``fn(rank, group)``, run on the rank's thread and stream.
+        prepare: optional ``prepare(rank, group)``, on the rank's stream before the ranks meet
+            for their first call (NaN-poisoning its memory, say).
+        timeout_s: how long the ranks may run.
+
+    Returns:
+        ``fn``'s results, by rank.
+
+    Raises:
+        RuntimeError: naming the ranks still running after ``timeout_s``, else the lowest
+            failing rank (its exception chained).
+    """
     device = groups[0].device
     results, errors = [None] * len(groups), [None] * len(groups)
     meet = threading.Barrier(len(groups))

@@ -70,11 +70,29 @@ class _Combine(torch.autograd.Function):
 
 def dispatch(handle: Handle, x: torch.Tensor, probs: Optional[torch.Tensor] = None, *,
              dense: Optional[bool] = None):
-    """Differentiable ``handle.dispatch``: ``(recv_x [N, H], recv_probs [N] or None)``;
-    ``dense`` as in ``Handle.dispatch``."""
+    """Differentiable ``handle.dispatch`` (its backward: a combine of the rows' gradient and
+    the probs' reverse gather, reusing the handle).
+
+    Args:
+        handle: the layer's ``Handle``.
+        x: ``[T, H]``, the group's dtype.
+        probs: optional ``[T, K]`` (slot order) or ``[T, E]`` (a router's dense probs).
+        dense: as in ``Handle.dispatch``.
+
+    Returns:
+        ``(recv_x [N, H], recv_probs [N] or None)``.
+    """
     return _Dispatch.apply(handle, x, probs, dense)
 
 
 def combine(handle: Handle, expert_out: torch.Tensor) -> torch.Tensor:
-    """Differentiable ``handle.combine``: ``y [T, H]``, the unweighted sum of docs/design.md §4."""
+    """Differentiable ``handle.combine`` (its backward: a dispatch of ``y``'s gradient).
+
+    Args:
+        handle: the ``Handle`` of the dispatch.
+        expert_out: ``[N, H]`` in the dispatch's layout.
+
+    Returns:
+        ``y [T, H]``, the unweighted sum of docs/design.md §4.
+    """
     return _Combine.apply(handle, expert_out)

@@ -143,8 +143,16 @@ def _c_config(config: GroupConfig):
 
 def ll_memory_size(config: GroupConfig, world_size: int) -> dict:
     """The bytes a group of ``config`` allocates on each rank (``ncclEpGetMemorySize``; no
-    communicator, no GPU): ``window_bytes`` (the symmetric window), ``device_bytes`` (the rest:
-    state and pooled handle buffers), ``handle_bytes`` (one handle), ``total_bytes``."""
+    communicator, no GPU).
+
+    Args:
+        config: the group's ``GroupConfig``.
+        world_size: its ranks.
+
+    Returns:
+        ``{"window_bytes": the symmetric window, "device_bytes": the rest (state and pooled
+        handle buffers), "handle_bytes": one handle, "total_bytes": ...}``, ints.
+    """
     if _C is None:
         raise RuntimeError(unavailable_reason())
     config.validate(world_size)

@@ -94,9 +94,19 @@ class LLHandle(BackendHandle):
     # -- ops ---------------------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, *,
                  send_only: bool = False) -> LLDispatchOutput:
-        """Collective: ``x [T, H]`` (the group's dtype), optional ``topk_weights [T, K]`` (any
-        float dtype, sent as fp32; rank-major layout: they come out as ``topk_weights``) ->
-        ``LLDispatchOutput``. ``send_only``: the outputs are written by ``complete()``."""
+        """Collective: this rank's tokens to every rank that holds one of their experts.
+
+        Args:
+            x: ``[T, H]``, the group's dtype.
+            topk_weights: optional ``[T, K]``, any float dtype (sent as fp32; the rank-major
+                layout returns them as ``topk_weights``).
+            send_only: only send; ``complete()`` receives (the outputs are written then).
+
+        Returns:
+            ``LLDispatchOutput`` (its fields' shapes and dtypes: outputs.py): expert-major
+            ``x [L, R*T_max, H]``, ``count [L]``, ``src``; rank-major ``x [R*T_max, H]``,
+            ``count [1]``, ``topk_idx`` and ``topk_weights``; FP8 ``scales``.
+        """
         cfg = self.group.config
         self._check_ready("dispatch")
         prepared = {}
@@ -114,10 +124,18 @@ class LLHandle(BackendHandle):
 
     def combine(self, expert_out: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, *,
                 send_only: bool = False) -> torch.Tensor:
-        """Collective: the expert outputs in the dispatch's layout -> ``y [T, H]``. Expert-major:
-        ``expert_out [L, R*T_max, H]`` and ``topk_weights [T, K]`` (the weights of the sum);
-        rank-major: ``expert_out [R*T_max, H]``, each row a rank's weighted partial, no weights.
-        ``send_only``: ``y`` is written by ``complete()``."""
+        """Collective: the expert outputs back to their tokens' ranks, summed in a fixed order.
+
+        Args:
+            expert_out: the dispatch's layout, the group's dtype: expert-major ``[L, R*T_max,
+                H]``; rank-major ``[R*T_max, H]``, each row a rank's weighted partial.
+            topk_weights: expert-major: ``[T, K]``, the weights of the sum (required);
+                rank-major: None.
+            send_only: only send; ``complete()`` receives (``y`` is written then).
+
+        Returns:
+            ``y [T, H]``, the group's dtype.
+        """
         cfg = self.group.config
         self._check_ready("combine")
         prepared = {}

@@ -129,8 +129,17 @@ _options: Optional[NcclEpOptions] = None  # set_options()'s; None: never called
 
 
 def set_options(options: Optional[NcclEpOptions] = None, **fields) -> NcclEpOptions:
-    """Sets the process-wide options: a whole ``NcclEpOptions``, or some fields of the current
-    ones. Dispatchers read them at each forward, so set them before training starts."""
+    """Sets the process-wide options (over the ``--nccl-ep-*`` flags; a TransformerConfig's
+    ``nccl_ep_options`` wins over both). Dispatchers read them at each forward, so set them
+    before training starts.
+
+    Args:
+        options: a whole ``NcclEpOptions``, or None to change ``fields`` of the current ones.
+        fields: ``NcclEpOptions`` fields as keywords.
+
+    Returns:
+        The options now in force.
+    """
     global _options
     _options = dataclasses.replace(options or get_options(), **fields)
     return _options
