@@ -4,8 +4,9 @@
  * functions; every launch is stream-ordered and returns the cudaError_t of the launch.
  *
  * NOTES:
- *  - Handle creation: pack (own routing -> a record in every rank's window, parity of the
- *    handle's number) -> barrier -> layout kernels on the local copy of all records.
+ *  - Handle creation: pack (own routing -> a record in every rank's window, in the half of the
+ *    parity of the barriers run so far) -> barrier -> layout kernels on the local copy of all
+ *    records.
  *  - Every op (dispatch, combine, combine_probs) is ONE kernel of `channels` CTAs (the SM
  *    budget), of which an op uses min(budget, ceil(max T_s / 4)) (exchange.cuh plan_channels);
  *    the others exit at once. In each CTA of dispatch and combine_probs the first send_warps warps push this

@@ -10,7 +10,7 @@
  *               this rank on channel b are in the ring; credit[b][p] by p when it has consumed
  *               this rank's sends on channel b (so the ring slots may be refilled)
  *      routing  int32 [2][R][rec_ints]: the routing records of handle creation, by the parity of
- *               the handle's creation number (double buffered: see handle.cc)
+ *               the creation's number counted on the device (double buffered: see handle.cc)
  *      ring     rows [channels][R - 1][depth][chunk] of row_stride bytes, and 8-byte prob slots
  *               [channels][R - 1][depth][chunk][max_topk]: the staging of sender p at this rank
  *               is ring index q = (p - rank - 1) mod R, so a rank keeps no ring for itself

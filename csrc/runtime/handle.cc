@@ -20,9 +20,12 @@
  *    alternation whatever number of creations it holds: creation n writes half n mod 2 of the
  *    peers' routing areas right away, because every peer finished reading that half (creation
  *    n - 2's layout) before it entered creation n - 1's barrier, which this rank passed.
- *  - Inside a stream capture (a CUDA graph): exact mode is refused (its count is read on the
- *    host); a handle's slot is kept out of the pool while any graph that replays into it exists
- *    (pool.h, retain_slot_for_graph), also after the handle is destroyed.
+ *  - Inside a stream capture (a CUDA graph): exact mode, groups that span nodes and shapes out
+ *    of bounds are refused before anything is launched; a slot is kept out of the pool while
+ *    any graph that replays work on it exists (pool.h, retain_slot_for_graph: taken before the
+ *    first launch on the slot, by creation and by every op), also after the handle is destroyed.
+ *  - The halves alternate per creation in stream order: creations of one group on two streams
+ *    must be ordered by the caller (as every use of a group's handles, pool.h).
  */
 #include <string.h>
 
@@ -127,16 +130,26 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   // NOTES: T or K beyond the group's bounds still joins the exchange, with an empty record
   // whose header holds the real shape, so every rank reports the error together (kErrShape)
   // instead of leaving its peers in the collective.
-  if (g->capacity < 0) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    EP_CUDA(cudaStreamIsCapturing(stream, &capture));
-    EP_CHECK(capture == cudaStreamCaptureStatusNone, ncclInvalidUsage,
+  const bool fits = T <= c.max_tokens_per_rank && K >= 1 && K <= c.max_topk;
+  // Inside a capture nothing runs until a replay: what capture cannot hold is refused here,
+  // before anything is launched (this rank's peers capture the same calls and refuse alike).
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  EP_CUDA(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) {
+    EP_CHECK(g->capacity >= 0, ncclInvalidUsage,
              "ncclEpCreateHandle: a handle of an exact-mode group cannot be created inside a CUDA "
              "graph capture (its receive count is read on the host); use capacity mode "
              "(recv_count_mode = ncclEpRecvCountCapacity, recv_mode=\"capacity\" in Python), "
              "whose handles, dispatch and combine capture and replay");
+    EP_CHECK(g->num_nodes == 1, ncclInvalidUsage,
+             "ncclEpCreateHandle of a group that spans nodes cannot be captured into a CUDA graph "
+             "(its NCCL steps are watched from the host); capture the layers around it, or use "
+             "one node");
+    EP_CHECK(fits, ncclInvalidArgument,
+             "%s of shape (%lld, %lld) is out of the group's bounds (max_tokens_per_rank=%d, "
+             "1 <= top-k <= max_topk=%d)",
+             name, T, K, c.max_tokens_per_rank, c.max_topk);
   }
-  const bool fits = T <= c.max_tokens_per_rank && K >= 1 && K <= c.max_topk;
   h->num_tokens = fits ? (int)T : 0;
   h->topk = fits ? (int)K : 1;
 
@@ -145,6 +158,7 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
     EP_RETURN_IF(acquire_slot(g, &h->slot));
     h->seq = g->handles_created++;  // every rank counts the same collective creations
   }
+  EP_RETURN_IF(retain_slot_for_graph(g, h->slot, stream));  // a capture holds it from here
   HandleSlot* s = h->slot;
   const int R = g->nranks, G = g->node_size;
   const size_t half = sizeof(int) * (size_t)G * g->win.rec_ints;
@@ -233,14 +247,6 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
     h->num_recv = g->capacity;
     h->layout_read = true;
     if (fits) return ncclSuccess;
-    // Inside a capture nothing ran: this rank's own bounds are the error (its peers' replays
-    // time out naming it).
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    EP_CUDA(cudaStreamIsCapturing(stream, &capture));
-    EP_CHECK(capture == cudaStreamCaptureStatusNone, ncclInvalidArgument,
-             "%s of shape (%lld, %lld) is out of the group's bounds (max_tokens_per_rank=%d, "
-             "1 <= top-k <= max_topk=%d)",
-             name, T, K, c.max_tokens_per_rank, c.max_topk);
     // This rank knows it failed: an error path may wait for the layout, whose error word holds
     // the error all ranks agree on (the lowest failing rank's, maybe not this one's).
     EP_CUDA(cudaStreamSynchronize(stream));
@@ -271,7 +277,6 @@ static ncclResult_t new_handle(ncclEpHandle_t* handle, ncclEpGroup_t group,
   ncclResult_t res =
       is_ll(group) ? ll_create_handle(h, routing, stream) : create_handle(h, routing, stream);
   if (res == ncclSuccess) res = sticky.result();
-  if (res == ncclSuccess) res = retain_slot_for_graph(group, h->slot, stream);
   if (res != ncclSuccess) {
     std::lock_guard<std::mutex> lock(group->mu);
     destroy_handle_state(h);
@@ -348,6 +353,11 @@ extern "C" ncclResult_t ncclEpHandleGetTokensPerExpert(ncclEpHandle_t handle, nc
       EP_RETURN_IF(read_layout(handle));
       memcpy(out->data, handle->tokens_per_expert.data(), bytes);
     } else {
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      EP_CUDA(cudaStreamIsCapturing(stream, &capture));
+      EP_CHECK(capture == cudaStreamCaptureStatusNone, ncclInvalidUsage,
+               "ncclEpHandleGetTokensPerExpert: the host tag reads the device and waits, which "
+               "a CUDA graph capture cannot; use RECV_EXPERT_COUNTER_DEVICE");
       EP_CUDA(cudaMemcpyAsync(out->data, dev, bytes, cudaMemcpyDeviceToHost, stream));
       EP_CUDA(cudaStreamSynchronize(stream));
     }
@@ -382,5 +392,6 @@ extern "C" ncclResult_t ncclEpHandleGetTopkIdx(ncclEpHandle_t handle, ncclEpTens
 extern "C" ncclResult_t ncclEpComplete(ncclEpHandle_t handle, cudaStream_t stream) {
   EP_CHECK(handle != nullptr, ncclInvalidArgument, "ncclEpComplete: handle is NULL");
   if (!is_ll(handle->group)) return ncclSuccess;
+  EP_RETURN_IF(retain_slot_for_graph(handle->group, handle->slot, stream));
   return gated_call(handle->group, "LL complete", [&] { return ll_complete(handle, stream); });
 }

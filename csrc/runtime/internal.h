@@ -93,7 +93,7 @@ struct ncclEpGroup {
   std::vector<nccl_ep::HandleSlot*> free_slots;
   std::vector<nccl_ep::HandleSlot*> all_slots;
   std::vector<ncclEpHandle*> live;
-  // Created by the first handle made during a stream capture (pool.h, retain_slot_for_graph).
+  // Made by the first capture that holds a slot (pool.h, retain_slot_for_graph).
   std::shared_ptr<nccl_ep::GraphSlotOwner> graph_owner;
   unsigned handles_created = 0;  // the next handle's creation number (ncclEpHandle::seq)
   // LL (ll.cc): dispatches, combines issued so far, and the number of each sent with send_only

@@ -183,6 +183,7 @@ ncclResult_t ll_create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing,
     EP_RETURN_IF(acquire_slot(g, &h->slot));
     h->seq = g->handles_created++;
   }
+  EP_RETURN_IF(retain_slot_for_graph(g, h->slot, stream));  // a capture holds it from here
   LLLayoutArgs la;
   la.a = ll_args(h);
   la.topk_idx = routing->data;

@@ -244,6 +244,7 @@ extern "C" ncclResult_t ncclEpDispatch(ncclEpHandle_t handle, const ncclEpDispat
   EP_CHECK(inputs != nullptr && outputs != nullptr, ncclInvalidArgument,
            "ncclEpDispatch: inputs or outputs is NULL");
   const bool ll = is_ll(handle->group);  // ll_: docs/design.md section 9
+  EP_RETURN_IF(retain_slot_for_graph(handle->group, handle->slot, stream));
   return gated_call(handle->group, ll ? "LL dispatch" : "dispatch", [&] {
     return ll ? ll_dispatch(handle, inputs, outputs, config, stream)
               : ht_dispatch(handle, inputs, outputs, config, stream);
@@ -257,6 +258,7 @@ extern "C" ncclResult_t ncclEpCombine(ncclEpHandle_t handle, const ncclEpCombine
   EP_CHECK(inputs != nullptr && outputs != nullptr, ncclInvalidArgument,
            "ncclEpCombine: inputs or outputs is NULL");
   const bool ll = is_ll(handle->group);  // ll_: docs/design.md section 9
+  EP_RETURN_IF(retain_slot_for_graph(handle->group, handle->slot, stream));
   return gated_call(handle->group, ll ? "LL combine" : "combine", [&] {
     return ll ? ll_combine(handle, inputs, outputs, config, stream)
               : ht_combine(handle, inputs, outputs, config, stream);
@@ -269,6 +271,7 @@ extern "C" ncclResult_t ncclEpCombineTopkWeights(ncclEpHandle_t handle,
                                                  cudaStream_t stream) {
   EP_CHECK(handle != nullptr, ncclInvalidArgument, "ncclEpCombineTopkWeights: handle is NULL");
   EP_RETURN_IF(check_ht_handle(handle, "ncclEpCombineTopkWeights"));
+  EP_RETURN_IF(retain_slot_for_graph(handle->group, handle->slot, stream));
   return gated_call(handle->group, "combine_probs", [&] {
     return ht_combine_probs(handle, grad_recv_topk_weights, grad_topk_weights, stream);
   });

@@ -114,7 +114,20 @@ size_t slot_device_bytes(const ncclEpGroup* g) {
   return plan_slot(g, &probe, nullptr);
 }
 
+namespace {
+
+// Slots whose last graph went (release_graph_ref) back into the pool. Caller holds g->mu.
+void take_returned(ncclEpGroup* g) {
+  if (g->graph_owner == nullptr) return;
+  std::lock_guard<std::mutex> lock(g->graph_owner->mu);
+  for (HandleSlot* s : g->graph_owner->returned) g->free_slots.push_back(s);
+  g->graph_owner->returned.clear();
+}
+
+}  // namespace
+
 ncclResult_t acquire_slot(ncclEpGroup* g, HandleSlot** out) {
+  take_returned(g);
   if (!g->free_slots.empty()) {
     *out = g->free_slots.back();
     g->free_slots.pop_back();
@@ -129,10 +142,12 @@ ncclResult_t acquire_slot(ncclEpGroup* g, HandleSlot** out) {
     plan_slot(g, s, s->base);
     // Relaxed capture mode, as for cudaMalloc (alloc_device): a handle made during a capture.
     cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    cudaThreadExchangeStreamCaptureMode(&mode);
-    cudaError_t ce = cudaHostAlloc(reinterpret_cast<void**>(&s->host_meta),
-                                   layout_meta_bytes(g->num_local), cudaHostAllocMapped);
-    cudaThreadExchangeStreamCaptureMode(&mode);
+    cudaError_t ce = cudaThreadExchangeStreamCaptureMode(&mode);
+    if (ce == cudaSuccess) {
+      ce = cudaHostAlloc(reinterpret_cast<void**>(&s->host_meta), layout_meta_bytes(g->num_local),
+                         cudaHostAllocMapped);
+      cudaThreadExchangeStreamCaptureMode(&mode);
+    }
     if (ce == cudaSuccess)
       ce = cudaHostGetDevicePointer(reinterpret_cast<void**>(&s->host_meta_dev), s->host_meta, 0);
     if (ce == cudaSuccess) ce = cudaEventCreateWithFlags(&s->meta_ready, cudaEventDisableTiming);
@@ -151,6 +166,7 @@ ncclResult_t acquire_slot(ncclEpGroup* g, HandleSlot** out) {
 }
 
 ncclResult_t reserve_slot(ncclEpGroup* g) {
+  take_returned(g);
   if (!g->free_slots.empty()) return ncclSuccess;
   HandleSlot* s = nullptr;
   EP_RETURN_IF(acquire_slot(g, &s));
@@ -160,9 +176,12 @@ ncclResult_t reserve_slot(ncclEpGroup* g) {
 
 void release_slot(ncclEpGroup* g, HandleSlot* slot) {
   if (slot == nullptr) return;
-  if (slot->graph_refs > 0) {
-    slot->handle_gone = true;  // the last graph's destructor gives it back
-    return;
+  if (g->graph_owner != nullptr) {
+    std::lock_guard<std::mutex> lock(g->graph_owner->mu);
+    if (slot->graph_refs > 0) {
+      slot->handle_gone = true;  // the last graph's destructor gives it back
+      return;
+    }
   }
   g->free_slots.push_back(slot);
 }
@@ -174,47 +193,59 @@ struct GraphSlotRef {
   HandleSlot* slot;
 };
 
-// A graph's reference is gone (CUDA calls this when the graph and its executables are destroyed
-// and their launches have finished; it may call no CUDA API).
-void release_graph_ref(void* p) {
-  std::unique_ptr<GraphSlotRef> ref(static_cast<GraphSlotRef*>(p));
-  std::lock_guard<std::mutex> owner(ref->owner->mu);
-  ncclEpGroup* g = ref->owner->group;
-  if (g == nullptr) return;  // the group was destroyed, its slots with it
-  std::lock_guard<std::mutex> lock(g->mu);
-  HandleSlot* s = ref->slot;
+// One graph reference fewer (caller holds owner.mu).
+void drop_graph_ref(GraphSlotOwner& owner, HandleSlot* s) {
   if (--s->graph_refs == 0 && s->handle_gone) {
     s->handle_gone = false;
-    g->free_slots.push_back(s);
+    owner.returned.push_back(s);
   }
+}
+
+// A graph's reference is gone: CUDA calls this when the graph and its executables are destroyed
+// and their launches have finished, maybe on its own thread; it may call no CUDA API.
+void release_graph_ref(void* p) {
+  std::unique_ptr<GraphSlotRef> ref(static_cast<GraphSlotRef*>(p));
+  std::lock_guard<std::mutex> lock(ref->owner->mu);
+  if (ref->owner->group_alive) drop_graph_ref(*ref->owner, ref->slot);
 }
 
 }  // namespace
 
 ncclResult_t retain_slot_for_graph(ncclEpGroup* g, HandleSlot* slot, cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
   cudaGraph_t graph = nullptr;
-  EP_CUDA(cudaStreamGetCaptureInfo(stream, &capture, nullptr, &graph));
+  EP_CUDA(cudaStreamGetCaptureInfo(stream, &capture, &id, &graph));
   if (capture != cudaStreamCaptureStatusActive) return ncclSuccess;
-  auto* ref = new GraphSlotRef{nullptr, slot};
+  std::shared_ptr<GraphSlotOwner> owner;
   {
     std::lock_guard<std::mutex> lock(g->mu);
-    if (g->graph_owner == nullptr) {
-      g->graph_owner = std::make_shared<GraphSlotOwner>();
-      g->graph_owner->group = g;
-    }
-    ref->owner = g->graph_owner;
+    if (g->graph_owner == nullptr) g->graph_owner = std::make_shared<GraphSlotOwner>();
+    owner = g->graph_owner;
+  }
+  {
+    std::lock_guard<std::mutex> lock(owner->mu);
+    if (slot->capture_id == id) return ncclSuccess;  // this capture holds it already
+    slot->capture_id = id;
     ++slot->graph_refs;
   }
+  auto* ref = new GraphSlotRef{owner, slot};
   cudaUserObject_t object = nullptr;
   cudaError_t ce =
       cudaUserObjectCreate(&object, ref, release_graph_ref, 1, cudaUserObjectNoDestructorSync);
-  if (ce != cudaSuccess) {
-    release_graph_ref(ref);  // takes the count back
-    EP_CUDA(ce);
+  if (ce == cudaSuccess) {
+    ce = cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove);
+    if (ce == cudaSuccess) return ncclSuccess;
+    cudaUserObjectRelease(object, 1);  // its destructor (now or later) drops the count
+  } else {
+    delete ref;
+    std::lock_guard<std::mutex> lock(owner->mu);
+    drop_graph_ref(*owner, slot);
   }
-  ce = cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove);
-  if (ce != cudaSuccess) cudaUserObjectRelease(object, 1);  // its destructor takes it back
+  {
+    std::lock_guard<std::mutex> lock(owner->mu);
+    slot->capture_id = 0;
+  }
   EP_CUDA(ce);
   return ncclSuccess;
 }
@@ -227,7 +258,8 @@ void forget_graph_slots(ncclEpGroup* g) {
   }
   if (owner == nullptr) return;
   std::lock_guard<std::mutex> lock(owner->mu);
-  owner->group = nullptr;
+  owner->group_alive = false;
+  owner->returned.clear();
 }
 
 void free_slots(ncclEpGroup* g) {

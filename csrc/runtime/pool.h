@@ -18,6 +18,7 @@
 #include <stddef.h>
 
 #include <mutex>
+#include <vector>
 
 #include "../include/nccl_ep.h"
 #include "../kernels/api.cuh"
@@ -52,21 +53,24 @@ struct HandleSlot {
   View<unsigned long long> ll_epochs;
   View<float> ll_weights;
 
-  // CUDA graphs that replay into this slot (their handle was created during a capture), and
-  // whether its handle was destroyed while some did: the slot returns to the pool when both are
-  // gone (g->mu).
+  // CUDA graphs that replay work on this slot (captured with its handle's creation or ops),
+  // whether its handle was destroyed while some did (the slot returns to the pool when both are
+  // gone), and the last capture that took a reference (one per capture). GraphSlotOwner::mu.
   int graph_refs = 0;
   bool handle_gone = false;
+  unsigned long long capture_id = 0;
 
   // This rank's routing as the ops follow it (its dropped slots masked under expert_capacity).
   int* op_routing() const { return kept_routing.count > 0 ? kept_routing.ptr : own_routing.ptr; }
 };
 
-// The group as the graphs' references to its slots see it: cleared at group destroy (which
-// frees every slot), so a graph destroyed later has nothing to give back.
+// What the graphs' references to a group's slots share. A graph's destructor (CUDA may run it on
+// its own thread) takes only this mutex, never the group's: a slot whose last reference goes
+// waits in `returned` until the group's next acquire. Lock order: g->mu, then mu.
 struct GraphSlotOwner {
-  std::mutex mu;
-  ncclEpGroup* group = nullptr;
+  std::mutex mu;                      // guards these fields and every slot's graph fields
+  bool group_alive = true;            // false from group destroy on (it frees every slot)
+  std::vector<HandleSlot*> returned;  // back to the pool at the next acquire_slot
 };
 
 // Device memory of the group: alloc_fn/free_fn when given (alloc_fn's must be 256-byte
@@ -77,11 +81,13 @@ void free_device(ncclEpGroup* g, void* ptr);
 ncclResult_t acquire_slot(ncclEpGroup* g, HandleSlot** out);
 // Makes sure the next acquire_slot allocates nothing (a free slot exists). Caller holds g->mu.
 ncclResult_t reserve_slot(ncclEpGroup* g);
-// Back to the pool, or (a graph still replays into it) once the last such graph is destroyed.
+// Back to the pool, or (a graph still replays work on it) once the last such graph is destroyed.
+// Caller holds g->mu.
 void release_slot(ncclEpGroup* g, HandleSlot* slot);
 // When `stream` is capturing a CUDA graph: the graph keeps `slot` out of the pool until the graph
 // (and every executable made from it) is destroyed, through a CUDA user object whose destructor
-// gives the slot back. Caller does not hold g->mu. Nothing to do outside a capture.
+// gives the slot back; once per capture. Call it before launching anything on the slot. Caller
+// does not hold g->mu. Nothing to do outside a capture.
 ncclResult_t retain_slot_for_graph(ncclEpGroup* g, HandleSlot* slot, cudaStream_t stream);
 // Group destroy: graphs destroyed from now on leave the group's slots alone.
 void forget_graph_slots(ncclEpGroup* g);

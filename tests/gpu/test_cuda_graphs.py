@@ -68,7 +68,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("layout", ["capacity", "fixed"])
 def test_ht_graph_replays_equal_eager_calls(world, layout, seed):
     extra = (dict(recv_mode="capacity", capacity_factor=2.0) if layout == "capacity"
-             else dict(expert_capacity=TOKENS))
+             else dict(recv_mode="capacity", expert_capacity=TOKENS))
     kwargs = dict(num_experts=EXPERTS, hidden=HIDDEN, max_tokens_per_rank=TOKENS, max_topk=TOPK,
                   dtype=BF16, num_sms=8, timeout_s=20.0, **extra)
     groups = ep.Group.local_team(world, **kwargs)
@@ -140,5 +140,48 @@ def test_exact_mode_handle_is_refused_inside_a_capture():
 
     try:
         ep.run_local_team([group], body)
+    finally:
+        group.destroy()
+
+
+def test_graph_of_ops_keeps_an_eager_handle_after_destroy(seed):
+    """A handle made eagerly, its dispatch and combine captured, the handle destroyed and new
+    handles made (which would take its slot back): replays still read its routing, bitwise the
+    eager calls' outputs."""
+    [group] = ep.Group.local_team(1, num_experts=EXPERTS, hidden=HIDDEN,
+                                  max_tokens_per_rank=TOKENS, max_topk=TOPK, dtype=BF16,
+                                  recv_mode="capacity", capacity_factor=2.0)
+
+    def body(rank, group):
+        (idx, x, probs, _), = inputs(seed, rank, group.device)[:1]
+        handle = group.create_handle(idx)
+        want = [t.clone() for t in handle.dispatch(x, probs)]
+        want_y = handle.combine(want[0] * 3).clone()
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            recv_x, recv_probs = handle.dispatch(x, probs)
+            y = handle.combine(recv_x * 3)
+        finally:
+            graph.capture_end()
+        handle.destroy()
+        others = [group.create_handle(routing(torch.Generator().manual_seed(seed + i),
+                                              group.device)) for i in range(3)]
+        for other in others:
+            other.dispatch(x, probs)
+        mismatches = []
+        for _ in range(2):
+            for t in (recv_x, recv_probs, y):
+                t.fill_(float("nan"))
+            graph.replay()
+            for name, got, ref in (("recv_x", recv_x, want[0]), ("recv_probs", recv_probs,
+                                                                 want[1]), ("y", y, want_y)):
+                if not same_bits(got, ref):
+                    mismatches.append(name)
+        group.check_errors()
+        return mismatches
+
+    try:
+        assert ep.run_local_team([group], body) == [[]]
     finally:
         group.destroy()
