@@ -135,15 +135,20 @@ struct OutputSpan {
 };
 constexpr int kMaxOutputs = 2;
 
-struct ExchangeArgs {       // shared by dispatch, combine and combine_probs
+// What every op's kernel arguments take from its group, filled in one place (group.cc,
+// group_args): the node's ranks (an LL group is one node), the window, the state, the error word.
+struct GroupArgs {
   void* const* peers;       // device array [R] of window bases (peers[rank] = own window)
   WindowLayout win;
   DeviceState* state;
   ErrorInfo* err;           // group word (host-mapped)
   long long timeout_ns;
+  int num_ranks, rank, num_local, num_experts, max_tokens, max_topk, hidden;  // ranks of the node
+};
+
+struct ExchangeArgs : GroupArgs {  // shared by dispatch, combine and combine_probs
   unsigned call;            // call_signature() of this op
   int send_warps;           // warps per CTA that push (0 on one rank, and in the combine)
-  int num_ranks, rank, num_local, num_experts, max_tokens, max_topk;  // ranks of the node
   int expert_base;          // the node's first expert (0 on one node)
   int zero_padding;         // dispatch: this call zeroes the rows of no slot (the first pass)
   // the handle
@@ -154,7 +159,6 @@ struct ExchangeArgs {       // shared by dispatch, combine and combine_probs
   const int* src_of_row;    // [src_rows]
   const long long* num_rows_dev;  // LayoutMeta::num_rows (N_d)
   long long rows;           // rows of recv / expert_out: N_d (exact) or the capacity
-  int hidden;
   int vec;                  // 1: 16-byte path, 0: element path
   OutputSpan outputs[kMaxOutputs];  // poisoned when the op stops (unused: bytes = 0)
 };
@@ -241,13 +245,7 @@ struct LLHandleViews {
                        // launch for ncclEpComplete (the caller's may change in between)
 };
 
-struct LLArgs {
-  void* const* peers;       // device [R] window bases
-  WindowLayout win;
-  DeviceState* state;
-  ErrorInfo* err;
-  long long timeout_ns;
-  int num_ranks, rank, num_local, num_experts, max_tokens, max_topk, hidden;
+struct LLArgs : GroupArgs {
   int rank_major;           // layout: 0 expert-major, 1 rank-major
   int fp8;                  // dispatch payload in FP8
   int dtype;                // token ncclDataType_t

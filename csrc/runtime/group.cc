@@ -216,6 +216,23 @@ ncclResult_t check_group_errors(ncclEpGroup* g) {
   return report_error(g, word, nullptr);
 }
 
+GroupArgs group_args(const ncclEpGroup* g) {
+  GroupArgs a;
+  a.peers = g->d_peers;
+  a.win = g->win;
+  a.state = g->d_state;
+  a.err = g->d_err;
+  a.timeout_ns = (long long)g->cfg.timeout_ms * 1000000ll;
+  a.num_ranks = g->node_size;
+  a.rank = g->node_rank;
+  a.num_local = g->num_local;
+  a.num_experts = g->cfg.num_experts;
+  a.max_tokens = g->cfg.max_tokens_per_rank;
+  a.max_topk = g->cfg.max_topk;
+  a.hidden = g->cfg.hidden;
+  return a;
+}
+
 ncclResult_t barrier(ncclEpGroup* g, unsigned call, cudaStream_t stream) {
   if (g->node_size == 1) return ncclSuccess;  // stream order is enough on one rank
   BarrierArgs a;

@@ -149,6 +149,8 @@ void close_window(ncclEpGroup* g);
 ncclResult_t check_group_errors(ncclEpGroup* g);
 // The handle-creation barrier; `call` is its call_signature().
 ncclResult_t barrier(ncclEpGroup* g, unsigned call, cudaStream_t stream);
+// What every op's kernel arguments take from the group (kernels/api.cuh GroupArgs).
+GroupArgs group_args(const ncclEpGroup* g);
 
 // The gate of g's local team; null for any other group.
 inline TeamGate* team_gate(const ncclEpGroup* g) {

@@ -84,18 +84,7 @@ LLHandleViews views_of(const HandleSlot* s) {
 LLArgs ll_args(const ncclEpHandle* h) {
   const ncclEpGroup* g = h->group;
   LLArgs a;
-  a.peers = g->d_peers;
-  a.win = g->win;
-  a.state = g->d_state;
-  a.err = g->d_err;
-  a.timeout_ns = (long long)g->cfg.timeout_ms * 1000000ll;
-  a.num_ranks = g->nranks;
-  a.rank = g->rank;
-  a.num_local = g->num_local;
-  a.num_experts = g->cfg.num_experts;
-  a.max_tokens = g->cfg.max_tokens_per_rank;
-  a.max_topk = g->cfg.max_topk;
-  a.hidden = g->cfg.hidden;
+  static_cast<GroupArgs&>(a) = group_args(g);  // one node: the group's ranks
   a.rank_major = g->cfg.layout == ncclEpLayoutRankMajor;
   a.fp8 = g->cfg.dispatch_fp8 != 0;
   a.dtype = (int)g->cfg.token_dtype;

@@ -101,19 +101,9 @@ ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, int prob_bytes, boo
   const size_t first = (size_t)pass * g->node_size;  // the first source of that node
   const size_t Tm = (size_t)g->cfg.max_tokens_per_rank, Km = (size_t)g->cfg.max_topk;
   ExchangeArgs e;
-  e.peers = g->d_peers;
-  e.win = g->win;
-  e.state = g->d_state;
-  e.err = g->d_err;
-  e.timeout_ns = (long long)g->cfg.timeout_ms * 1000000ll;
+  static_cast<GroupArgs&>(e) = group_args(g);
   e.call = call_signature(op, prob_bytes, h->seq);
   e.send_warps = send_warps(op, g->node_size);
-  e.num_ranks = g->node_size;
-  e.rank = g->node_rank;
-  e.num_local = g->num_local;
-  e.num_experts = g->cfg.num_experts;
-  e.max_tokens = g->cfg.max_tokens_per_rank;
-  e.max_topk = g->cfg.max_topk;
   e.expert_base = g->node * g->node_size * g->num_local;
   e.zero_padding = pass == 0;
   e.topk = h->topk;
@@ -126,7 +116,6 @@ ExchangeArgs exchange_args(const ncclEpHandle* h, OpKind op, int prob_bytes, boo
   e.src_of_row = s->src_of_row.ptr;
   e.num_rows_dev = &s->meta.ptr->num_rows;
   e.rows = h->num_recv;
-  e.hidden = g->cfg.hidden;
   e.vec = vec ? 1 : 0;
   for (OutputSpan& o : e.outputs) o = OutputSpan{nullptr, 0};
   return e;
