@@ -4,8 +4,9 @@ pybind11 module ``megatron_nccl_ep._C``. Implements ``backend.Backend``.
 The library runs on its own NCCL communicator (same ranks as the torch process group): rank 0
 creates the unique id, the process group broadcasts it, every rank calls ``ncclCommInitRank``.
 ``CudaBackend.local_team`` makes every rank of a group inside one process instead (no NCCL).
-Tensors travel as ``data_ptr()`` with the current stream's raw handle; outputs are
-``torch.empty`` on the current device, so the caching allocator keeps them stream-ordered.
+Tensors travel as ``(data_ptr, shape, dtype code)`` specs (``_tensor``; the bindings' one
+convention), with the current stream's raw handle; outputs are ``torch.empty`` on the current
+device, so the caching allocator keeps them stream-ordered.
 
 Errors: ``ValueError`` for bad arguments or routing (the library's ncclInvalidArgument /
 ncclInvalidUsage), ``NcclEpError`` for runtime failures (device-side timeouts, capacity overflow,
@@ -70,6 +71,11 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return code
 
 
+def _tensor(t: Optional[torch.Tensor]):
+    """A tensor as the bindings take it: (data_ptr, shape, dtype code), or None."""
+    return None if t is None else (t.data_ptr(), t.shape, _dtype_code(t.dtype))
+
+
 def _call(fn, *args):
     """Runs one binding; RuntimeError from the library becomes NcclEpError."""
     try:
@@ -95,8 +101,7 @@ class CudaHandleState:
         if capacity_mode:  # no host read: the counts stay on the device
             self._num_recv = _call(_C.handle_num_recv_tokens, ptr)
             tpe = torch.empty(num_local_experts, dtype=torch.int64, device=device)
-            _call(_C.handle_tokens_per_expert, ptr, tpe.data_ptr(), num_local_experts, True,
-                  stream)
+            _call(_C.handle_tokens_per_expert, ptr, _tensor(tpe), True, stream)
             self._tokens_per_expert = tpe
 
     @property
@@ -116,7 +121,7 @@ class CudaHandleState:
     def tokens_per_expert(self) -> torch.Tensor:
         if self._tokens_per_expert is None:
             tpe = torch.empty(self._num_local, dtype=torch.int64)
-            _call(_C.handle_tokens_per_expert, self.ptr, tpe.data_ptr(), self._num_local, False, 0)
+            _call(_C.handle_tokens_per_expert, self.ptr, _tensor(tpe), False, 0)
             self._tokens_per_expert = tpe
         return self._tokens_per_expert
 
@@ -270,8 +275,7 @@ class CudaBackend:
         tokens, cols = routing.shape
         topk = self.config.max_topk if from_map else cols
         stream = self._stream()
-        ptr = _call(_C.create_handle, self._group, routing.data_ptr(), tokens, cols,
-                    _dtype_code(routing.dtype), from_map, stream)
+        ptr = _call(_C.create_handle, self._group, _tensor(routing), from_map, stream)
         self._handles.add(ptr)
         try:
             return CudaHandleState(ptr, tokens, topk, self.num_local_experts,
@@ -283,8 +287,7 @@ class CudaBackend:
 
     def topk_idx(self, state: CudaHandleState) -> torch.Tensor:
         out = torch.empty((state.num_tokens, state.topk), dtype=torch.int64, device=self.device)
-        _call(_C.handle_topk_idx, state.ptr, out.data_ptr(), state.num_tokens, state.topk,
-              _dtype_code(torch.int64), self._stream())
+        _call(_C.handle_topk_idx, state.ptr, _tensor(out), self._stream())
         return out
 
     def destroy_handle(self, state: CudaHandleState) -> None:
@@ -298,25 +301,19 @@ class CudaBackend:
                  dense: bool = False):
         # Everything but the outputs before the count read: from the count (exact mode: a wait
         # for the layout) to the launch the GPU idles.
-        hidden, stream, x_code = x.shape[1], self._stream(), _dtype_code(x.dtype)
-        probs_ptr, probs_code, probs_cols = 0, _dtype_code(torch.float32), state.topk
-        if probs is not None:
-            probs_ptr, probs_code = probs.data_ptr(), _dtype_code(probs.dtype)
-            probs_cols = probs.shape[1]
+        stream, x_spec, probs_spec = self._stream(), _tensor(x), _tensor(probs)
         n = state.num_recv_tokens
-        recv_x = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
+        recv_x = torch.empty((n, x.shape[1]), dtype=x.dtype, device=x.device)
         recv_probs = None if probs is None else torch.empty(n, dtype=probs.dtype, device=x.device)
-        _call(_C.dispatch, state.ptr, x.data_ptr(), state.num_tokens, hidden, x_code,
-              probs is not None, probs_ptr, probs_code, probs_cols, dense, recv_x.data_ptr(), n,
-              recv_probs.data_ptr() if recv_probs is not None else 0, stream)
+        _call(_C.dispatch, state.ptr, x_spec, probs_spec, dense, _tensor(recv_x),
+              _tensor(recv_probs), None, None, None, None, False, stream)
         return recv_x, recv_probs
 
     def combine(self, state: CudaHandleState, expert_out: torch.Tensor) -> torch.Tensor:
-        hidden = expert_out.shape[1]
-        y = torch.empty((state.num_tokens, hidden), dtype=expert_out.dtype,
+        y = torch.empty((state.num_tokens, expert_out.shape[1]), dtype=expert_out.dtype,
                         device=expert_out.device)
-        _call(_C.combine, state.ptr, expert_out.data_ptr(), state.num_recv_tokens, hidden,
-              _dtype_code(expert_out.dtype), y.data_ptr(), state.num_tokens, self._stream())
+        _call(_C.combine, state.ptr, _tensor(expert_out), None, _tensor(y), False,
+              self._stream())
         return y
 
     def combine_probs(self, state: CudaHandleState, grad_recv_probs: torch.Tensor,
@@ -324,22 +321,16 @@ class CudaBackend:
         cols = self.config.num_experts if dense else state.topk
         grad = torch.empty((state.num_tokens, cols), dtype=grad_recv_probs.dtype,
                            device=grad_recv_probs.device)
-        _call(_C.combine_topk_weights, state.ptr, grad_recv_probs.data_ptr(),
-              state.num_recv_tokens, _dtype_code(grad_recv_probs.dtype), grad.data_ptr(),
-              state.num_tokens, cols, dense, self._stream())
+        _call(_C.combine_topk_weights, state.ptr, _tensor(grad_recv_probs), _tensor(grad), dense,
+              self._stream())
         return grad
 
     # -- LL (docs/design.md §9) -----------------------------------------------------------------
     def ll_create_handle(self, topk_idx: torch.Tensor) -> CudaLLHandleState:
         tokens, topk = topk_idx.shape
-        ptr = _call(_C.create_handle, self._group, topk_idx.data_ptr(), tokens, topk,
-                    _dtype_code(topk_idx.dtype), False, self._stream())
+        ptr = _call(_C.create_handle, self._group, _tensor(topk_idx), False, self._stream())
         self._handles.add(ptr)
         return CudaLLHandleState(ptr, tokens, topk)
-
-    @staticmethod
-    def _spec(t: Optional[torch.Tensor]):
-        return None if t is None else (t.data_ptr(), list(t.shape), _dtype_code(t.dtype))
 
     def ll_dispatch(self, state: CudaLLHandleState, x: torch.Tensor,
                     topk_weights: Optional[torch.Tensor], send_only: bool):
@@ -360,21 +351,16 @@ class CudaBackend:
                                                device=dev)
         else:
             out.src = torch.empty(lead, dtype=torch.int32, device=dev)
-        spec = self._spec
-        tensors = {"x": spec(x), "topk_weights": spec(topk_weights), "recv_x": spec(out.x),
-                   "recv_scales": spec(out.scales), "recv_count": spec(out.count),
-                   "recv_src": spec(out.src), "recv_topk_idx": spec(out.topk_idx),
-                   "recv_topk_weights": spec(out.topk_weights)}
-        _call(_C.ll_dispatch, state.ptr, tensors, send_only, self._stream())
+        _call(_C.dispatch, state.ptr, _tensor(x), _tensor(topk_weights), False, _tensor(out.x),
+              _tensor(out.topk_weights), _tensor(out.scales), _tensor(out.count),
+              _tensor(out.src), _tensor(out.topk_idx), send_only, self._stream())
         return out
 
     def ll_combine(self, state: CudaLLHandleState, expert_out: torch.Tensor,
                    topk_weights: Optional[torch.Tensor], send_only: bool) -> torch.Tensor:
         y = torch.empty((state.num_tokens, self.config.hidden), dtype=expert_out.dtype,
                         device=self.device)
-        spec = self._spec
-        _call(_C.ll_combine, state.ptr, {"expert_out": spec(expert_out),
-                                         "topk_weights": spec(topk_weights), "y": spec(y)},
+        _call(_C.combine, state.ptr, _tensor(expert_out), _tensor(topk_weights), _tensor(y),
               send_only, self._stream())
         return y
 

@@ -109,3 +109,27 @@ def test_c_example_builds_against_the_library(tmp_path):
                           env=dict(os.environ, PYTHON=sys.executable))
     assert done.returncode == 0, done.stdout + done.stderr
     assert binary.exists()
+
+
+def test_op_bindings_take_tensor_specs_and_reach_the_c_api(ext):
+    """Every handle and op binding takes its tensors as (data_ptr, shape, dtype) specs or None,
+    positionally, and reaches its C entry point (which refuses the NULL handle, naming it)."""
+    bf16, i64 = ext.DTYPES["bfloat16"], ext.DTYPES["int64"]
+    x, idx = (1 << 20, torch.Size([4, 8]), bf16), (1 << 20, (4, 2), i64)
+    calls = {
+        "ncclEpCreateHandle: group is NULL": lambda: ext.create_handle(0, idx, False, 0),
+        "ncclEpHandleGetTopkIdx: handle or out is NULL": lambda: ext.handle_topk_idx(0, idx, 0),
+        "ncclEpHandleGetTokensPerExpert: handle or out is NULL":
+            lambda: ext.handle_tokens_per_expert(0, (1 << 20, (4,), i64), True, 0),
+        "ncclEpDispatch: handle is NULL":
+            lambda: ext.dispatch(0, x, None, False, x, None, None, None, None, None, False, 0),
+        "ncclEpCombine: handle is NULL": lambda: ext.combine(0, x, None, x, True, 0),
+        "ncclEpCombineTopkWeights: handle is NULL":
+            lambda: ext.combine_topk_weights(0, (1 << 20, (8,), bf16), x, True, 0),
+    }
+    for reason, call in calls.items():
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            call()
+    with pytest.raises(ValueError, match="too many dimensions"):
+        ext.dispatch(0, (1 << 20, (1,) * 5, bf16), None, False, x, None, None, None, None, None,
+                     False, 0)

@@ -1,6 +1,9 @@
 /*
  * nccl_ep_py.cc: the pybind11 module megatron_nccl_ep._C, a thin wrapper of nccl_ep.h.
  * Pointers, communicators, groups, handles and streams travel as Python ints; no torch here.
+ * Tensors travel as specs (data_ptr, shape, dtype code) or None (tensor() below), positionally in
+ * the order of the C structs' fields; one binding per C entry point (dispatch and combine serve
+ * HT and LL, as ncclEpDispatch and ncclEpCombine do).
  * Failures raise ValueError (ncclInvalidArgument / ncclInvalidUsage) or RuntimeError (others)
  * with ncclEpGetLastError()'s text. Blocking calls release the GIL.
  */
@@ -46,59 +49,31 @@ T* as_ptr(uintptr_t v) {
 
 cudaStream_t as_stream(uintptr_t v) { return reinterpret_cast<cudaStream_t>(v); }
 
-ncclEpTensor_t tensor1d(uintptr_t data, int64_t n, int dtype, ncclEpTensorTag_t tag) {
-  ncclEpTensor_t t{};
-  t.data = reinterpret_cast<void*>(data);
-  t.ndim = 1;
-  t.sizes[0] = n;
-  t.strides[0] = 1;
-  t.dtype = static_cast<ncclDataType_t>(dtype);
-  t.tag = tag;
-  return t;
-}
-
-ncclEpTensor_t tensor2d(uintptr_t data, int64_t rows, int64_t cols, int dtype,
-                        ncclEpTensorTag_t tag) {
-  ncclEpTensor_t t{};
-  t.data = reinterpret_cast<void*>(data);
-  t.ndim = 2;
-  t.sizes[0] = rows;
-  t.sizes[1] = cols;
-  t.strides[0] = cols;
-  t.strides[1] = 1;
-  t.dtype = static_cast<ncclDataType_t>(dtype);
-  t.tag = tag;
-  return t;
-}
-
-// Routing weights: [T, K] in slot order, or [T, E] dense.
-ncclEpTensor_t weights2d(uintptr_t data, int64_t rows, int64_t cols, int dtype, bool dense) {
-  return tensor2d(data, rows, cols, dtype,
-                  dense ? NCCL_EP_TENSOR_ROUTING_PROBS : NCCL_EP_TENSOR_TOPK_WEIGHTS);
-}
-
-// A contiguous tensor from (data, shape, dtype); None: absent (ndim 0).
-ncclEpTensor_t tensor_nd(const py::object& spec, ncclEpTensorTag_t tag) {
+// A tensor as every op binding takes it: a spec (data_ptr, shape, dtype code) of a contiguous
+// tensor (shape: a tuple, e.g. torch.Size), or None for an absent one (ndim 0). Called with the
+// GIL held.
+ncclEpTensor_t tensor(const py::handle& spec, ncclEpTensorTag_t tag) {
   ncclEpTensor_t t{};
   if (spec.is_none()) return t;
-  const py::tuple tup = spec.cast<py::tuple>();
-  const std::vector<int64_t> shape = tup[1].cast<std::vector<int64_t>>();
-  if (shape.size() > NCCL_EP_MAX_NDIM) throw ValueErrorEx("tensor_nd: too many dimensions");
+  const py::tuple tup = py::reinterpret_borrow<py::tuple>(spec);
+  const py::tuple shape = py::reinterpret_borrow<py::tuple>(tup[1]);
+  if (shape.size() > NCCL_EP_MAX_NDIM) throw ValueErrorEx("tensor: too many dimensions");
   t.data = reinterpret_cast<void*>(tup[0].cast<uintptr_t>());
   t.ndim = (int)shape.size();
   int64_t stride = 1;
   for (int i = t.ndim - 1; i >= 0; --i) {
-    t.sizes[i] = shape[i];
+    t.sizes[i] = shape[(size_t)i].cast<int64_t>();
     t.strides[i] = stride;
-    stride *= shape[i];
+    stride *= t.sizes[i];
   }
   t.dtype = static_cast<ncclDataType_t>(tup[2].cast<int>());
   t.tag = tag;
   return t;
 }
 
-ncclEpTensor_t entry(const py::dict& d, const char* name, ncclEpTensorTag_t tag) {
-  return d.contains(name) ? tensor_nd(d[name], tag) : ncclEpTensor_t{};
+// Routing weights: [T, K] in slot order, or a router's dense [T, E].
+ncclEpTensorTag_t weights_tag(bool dense) {
+  return dense ? NCCL_EP_TENSOR_ROUTING_PROBS : NCCL_EP_TENSOR_TOPK_WEIGHTS;
 }
 
 ncclEpOpConfig_t op_config(bool send_only) {
@@ -266,29 +241,26 @@ PYBIND11_MODULE(_C, m) {
   // --- handle --------------------------------------------------------------------------------
   m.def(
       "create_handle",
-      // routing: topk_idx [num_tokens, cols] (is_map false) or routing_map [num_tokens, E].
-      [](uintptr_t group, uintptr_t routing, int64_t num_tokens, int64_t cols, int dtype,
-         bool is_map, uintptr_t stream) {
-        ncclEpTensor_t r = tensor2d(routing, num_tokens, cols, dtype,
-                                    is_map ? NCCL_EP_TENSOR_ROUTING_MAP : NCCL_EP_TENSOR_TOPK_IDX);
+      // routing: topk_idx [T, K] (is_map false) or a routing map [T, E].
+      [](uintptr_t group, const py::object& routing, bool is_map, uintptr_t stream) {
+        const ncclEpTensor_t r =
+            tensor(routing, is_map ? NCCL_EP_TENSOR_ROUTING_MAP : NCCL_EP_TENSOR_TOPK_IDX);
         ncclEpHandle_t h = nullptr;
+        py::gil_scoped_release nogil;
         check(ncclEpCreateHandle(&h, as_ptr<ncclEpGroup>(group), &r, nullptr, as_stream(stream)),
               "ncclEpCreateHandle");
         return reinterpret_cast<uintptr_t>(h);
       },
-      py::arg("group"), py::arg("routing"), py::arg("num_tokens"), py::arg("cols"),
-      py::arg("dtype"), py::arg("is_map"), py::arg("stream"),
-      py::call_guard<py::gil_scoped_release>());
+      py::arg("group"), py::arg("routing"), py::arg("is_map"), py::arg("stream"));
   m.def(
       "handle_topk_idx",
-      [](uintptr_t handle, uintptr_t out, int64_t num_tokens, int64_t topk, int dtype,
-         uintptr_t stream) {
-        ncclEpTensor_t t = tensor2d(out, num_tokens, topk, dtype, NCCL_EP_TENSOR_TOPK_IDX);
+      [](uintptr_t handle, const py::object& out, uintptr_t stream) {
+        ncclEpTensor_t t = tensor(out, NCCL_EP_TENSOR_TOPK_IDX);
+        py::gil_scoped_release nogil;
         check(ncclEpHandleGetTopkIdx(as_ptr<ncclEpHandle>(handle), &t, as_stream(stream)),
               "ncclEpHandleGetTopkIdx");
       },
-      py::arg("handle"), py::arg("out"), py::arg("num_tokens"), py::arg("topk"), py::arg("dtype"),
-      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+      py::arg("handle"), py::arg("out"), py::arg("stream"));
   m.def(
       "handle_destroy",
       [](uintptr_t handle) {
@@ -306,102 +278,73 @@ PYBIND11_MODULE(_C, m) {
       py::arg("handle"), py::call_guard<py::gil_scoped_release>());
   m.def(
       "handle_tokens_per_expert",
-      [](uintptr_t handle, uintptr_t out, int64_t num_local_experts, bool on_device,
-         uintptr_t stream) {
-        ncclEpTensor_t t = tensor1d(out, num_local_experts, (int)ncclInt64,
-                                    on_device ? NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_DEVICE
-                                              : NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_HOST);
+      [](uintptr_t handle, const py::object& out, bool on_device, uintptr_t stream) {
+        ncclEpTensor_t t = tensor(out, on_device ? NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_DEVICE
+                                                 : NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_HOST);
+        py::gil_scoped_release nogil;
         check(ncclEpHandleGetTokensPerExpert(as_ptr<ncclEpHandle>(handle), &t, as_stream(stream)),
               "ncclEpHandleGetTokensPerExpert");
       },
-      py::arg("handle"), py::arg("out"), py::arg("num_local_experts"), py::arg("on_device"),
-      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+      py::arg("handle"), py::arg("out"), py::arg("on_device"), py::arg("stream"));
 
-  // --- operations ----------------------------------------------------------------------------
+  // --- operations (HT and LL: docs/design.md sections 3, 4 and 9) ------------------------------
   m.def(
       "dispatch",
-      // probs: [num_tokens, probs_cols], dense ([T, E]) or in slot order ([T, K]).
-      [](uintptr_t handle, uintptr_t x, int64_t num_tokens, int64_t hidden, int dtype,
-         bool has_probs, uintptr_t probs, int probs_dtype, int64_t probs_cols, bool dense,
-         uintptr_t recv_x, int64_t num_recv, uintptr_t recv_probs, uintptr_t stream) {
-        ncclEpDispatchInputs_t in{};  // topk_weights / recv_topk_weights: ndim 0 = no probs
-        ncclEpDispatchOutputs_t out{};
-        in.tokens = tensor2d(x, num_tokens, hidden, dtype, NCCL_EP_TENSOR_TOKENS);
-        out.recv_tokens = tensor2d(recv_x, num_recv, hidden, dtype, NCCL_EP_TENSOR_TOKENS);
-        if (has_probs) {
-          in.topk_weights = weights2d(probs, num_tokens, probs_cols, probs_dtype, dense);
-          out.recv_topk_weights = tensor1d(recv_probs, num_recv, probs_dtype,
-                                           NCCL_EP_TENSOR_TOPK_WEIGHTS);
-        }
-        check(ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, nullptr, as_stream(stream)),
-              "ncclEpDispatch");
-      },
-      py::arg("handle"), py::arg("x"), py::arg("num_tokens"), py::arg("hidden"), py::arg("dtype"),
-      py::arg("has_probs"), py::arg("probs"), py::arg("probs_dtype"), py::arg("probs_cols"),
-      py::arg("dense"), py::arg("recv_x"),
-      py::arg("num_recv"), py::arg("recv_probs"), py::arg("stream"),
-      py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "combine",
-      [](uintptr_t handle, uintptr_t expert_out, int64_t num_recv, int64_t hidden, int dtype,
-         uintptr_t y, int64_t num_tokens, uintptr_t stream) {
-        ncclEpCombineInputs_t in{};
-        ncclEpCombineOutputs_t out{};
-        in.expert_tokens = tensor2d(expert_out, num_recv, hidden, dtype, NCCL_EP_TENSOR_TOKENS);
-        out.tokens = tensor2d(y, num_tokens, hidden, dtype, NCCL_EP_TENSOR_TOKENS);
-        check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, nullptr, as_stream(stream)),
-              "ncclEpCombine");
-      },
-      py::arg("handle"), py::arg("expert_out"), py::arg("num_recv"), py::arg("hidden"),
-      py::arg("dtype"), py::arg("y"), py::arg("num_tokens"), py::arg("stream"),
-      py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "combine_topk_weights",
-      [](uintptr_t handle, uintptr_t grad_recv, int64_t num_recv, int dtype, uintptr_t grad,
-         int64_t num_tokens, int64_t cols, bool dense, uintptr_t stream) {
-        ncclEpTensor_t in = tensor1d(grad_recv, num_recv, dtype, NCCL_EP_TENSOR_TOPK_WEIGHTS);
-        ncclEpTensor_t out = weights2d(grad, num_tokens, cols, dtype, dense);
-        check(ncclEpCombineTopkWeights(as_ptr<ncclEpHandle>(handle), &in, &out, as_stream(stream)),
-              "ncclEpCombineTopkWeights");
-      },
-      py::arg("handle"), py::arg("grad_recv"), py::arg("num_recv"), py::arg("dtype"),
-      py::arg("grad"), py::arg("num_tokens"), py::arg("cols"), py::arg("dense"),
-      py::arg("stream"),
-      py::call_guard<py::gil_scoped_release>());
-  // --- LL (docs/design.md section 9): tensors as {name: (data, shape, dtype)} ------------------
-  m.def(
-      "ll_dispatch",
-      [](uintptr_t handle, const py::dict& tensors, bool send_only, uintptr_t stream) {
+      // topk_weights: [T, K] in slot order, or dense [T, E] (HT); None: no weights.
+      [](uintptr_t handle, const py::object& x, const py::object& topk_weights, bool dense,
+         const py::object& recv_x, const py::object& recv_topk_weights,
+         const py::object& recv_scales, const py::object& recv_count,
+         const py::object& recv_src, const py::object& recv_topk_idx, bool send_only,
+         uintptr_t stream) {
         ncclEpDispatchInputs_t in{};
         ncclEpDispatchOutputs_t out{};
-        in.tokens = entry(tensors, "x", NCCL_EP_TENSOR_TOKENS);
-        in.topk_weights = entry(tensors, "topk_weights", NCCL_EP_TENSOR_TOPK_WEIGHTS);
-        out.recv_tokens = entry(tensors, "recv_x", NCCL_EP_TENSOR_TOKENS);
-        out.recv_scales = entry(tensors, "recv_scales", NCCL_EP_TENSOR_SCALES);
-        out.recv_count = entry(tensors, "recv_count", NCCL_EP_TENSOR_RECV_COUNT);
-        out.recv_src = entry(tensors, "recv_src", NCCL_EP_TENSOR_RECV_SRC);
-        out.recv_topk_idx = entry(tensors, "recv_topk_idx", NCCL_EP_TENSOR_TOPK_IDX);
-        out.recv_topk_weights = entry(tensors, "recv_topk_weights", NCCL_EP_TENSOR_TOPK_WEIGHTS);
+        in.tokens = tensor(x, NCCL_EP_TENSOR_TOKENS);
+        in.topk_weights = tensor(topk_weights, weights_tag(dense));
+        out.recv_tokens = tensor(recv_x, NCCL_EP_TENSOR_TOKENS);
+        out.recv_topk_weights = tensor(recv_topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS);
+        out.recv_scales = tensor(recv_scales, NCCL_EP_TENSOR_SCALES);
+        out.recv_count = tensor(recv_count, NCCL_EP_TENSOR_RECV_COUNT);
+        out.recv_src = tensor(recv_src, NCCL_EP_TENSOR_RECV_SRC);
+        out.recv_topk_idx = tensor(recv_topk_idx, NCCL_EP_TENSOR_TOPK_IDX);
         const ncclEpOpConfig_t cfg = op_config(send_only);
         py::gil_scoped_release nogil;
         check(ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, as_stream(stream)),
               "ncclEpDispatch");
       },
-      py::arg("handle"), py::arg("tensors"), py::arg("send_only"), py::arg("stream"));
+      py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("dense"),
+      py::arg("recv_x"), py::arg("recv_topk_weights"), py::arg("recv_scales"),
+      py::arg("recv_count"), py::arg("recv_src"), py::arg("recv_topk_idx"), py::arg("send_only"),
+      py::arg("stream"));
   m.def(
-      "ll_combine",
-      [](uintptr_t handle, const py::dict& tensors, bool send_only, uintptr_t stream) {
+      "combine",
+      // topk_weights: LL expert-major's weights of the sum; None otherwise.
+      [](uintptr_t handle, const py::object& expert_out, const py::object& topk_weights,
+         const py::object& y, bool send_only, uintptr_t stream) {
         ncclEpCombineInputs_t in{};
         ncclEpCombineOutputs_t out{};
-        in.expert_tokens = entry(tensors, "expert_out", NCCL_EP_TENSOR_TOKENS);
-        in.topk_weights = entry(tensors, "topk_weights", NCCL_EP_TENSOR_TOPK_WEIGHTS);
-        out.tokens = entry(tensors, "y", NCCL_EP_TENSOR_TOKENS);
+        in.expert_tokens = tensor(expert_out, NCCL_EP_TENSOR_TOKENS);
+        in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS);
+        out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS);
         const ncclEpOpConfig_t cfg = op_config(send_only);
         py::gil_scoped_release nogil;
         check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, as_stream(stream)),
               "ncclEpCombine");
       },
-      py::arg("handle"), py::arg("tensors"), py::arg("send_only"), py::arg("stream"));
+      py::arg("handle"), py::arg("expert_out"), py::arg("topk_weights"), py::arg("y"),
+      py::arg("send_only"), py::arg("stream"));
+  m.def(
+      "combine_topk_weights",
+      // grad: [T, K] in slot order, or dense [T, E].
+      [](uintptr_t handle, const py::object& grad_recv, const py::object& grad, bool dense,
+         uintptr_t stream) {
+        ncclEpTensor_t in = tensor(grad_recv, NCCL_EP_TENSOR_TOPK_WEIGHTS);
+        ncclEpTensor_t out = tensor(grad, weights_tag(dense));
+        py::gil_scoped_release nogil;
+        check(ncclEpCombineTopkWeights(as_ptr<ncclEpHandle>(handle), &in, &out, as_stream(stream)),
+              "ncclEpCombineTopkWeights");
+      },
+      py::arg("handle"), py::arg("grad_recv"), py::arg("grad"), py::arg("dense"),
+      py::arg("stream"));
   m.def(
       "complete",
       [](uintptr_t handle, uintptr_t stream) {
