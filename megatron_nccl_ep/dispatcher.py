@@ -124,7 +124,7 @@ def check_budgets() -> None:
     for d in layers:
         by_group.setdefault(d.comm_group, []).append(d)
     for process_group, members in by_group.items():
-        needed = torch.stack([d._needed for d in members])
+        needed = torch.stack([d._needed.amax() for d in members])
         if torch.distributed.is_initialized() and torch.distributed.get_world_size(
                 process_group) > 1:
             torch.distributed.all_reduce(needed, op=torch.distributed.ReduceOp.MAX,
@@ -184,9 +184,10 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         self.routing_map = None
         self.shared_experts = None  # set by MoELayer with moe_shared_expert_overlap
         self._handle = None
-        # Capacity mode: the most tokens this rank sent one expert since the last check (a device
-        # scalar, also updated by graph replays), and the budget (rows, factor, tokens) it is held
-        # to; check_budgets() reads them. The MoELayer (weakly), for the layer number.
+        # Capacity mode: per expert, the most tokens this rank sent it in one step since the last
+        # check ([E] on the device, also updated by graph replays), and the budget (rows, factor,
+        # tokens) it is held to; check_budgets() reads them. The MoELayer (weakly), for the layer
+        # number.
         self._needed: Optional[torch.Tensor] = None
         self._budget = (0, 0.0, 0)
         self.moe_layer = None
@@ -239,7 +240,7 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         None otherwise."""
         if self._needed is None:
             return None
-        return self._needed > self._budget[0]
+        return self._needed.amax() > self._budget[0]
 
     def _over_budget_message(self, needed: int) -> str:
         rows, factor, tokens = self._budget
@@ -292,11 +293,11 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         routing_map, self.routing_map = self.routing_map, None
         if capacity and not self.drop_and_pad:  # the budget's use, on the device
             self._budget = (capacity, options.capacity_factor, num_tokens)
-            needed = routing_map.sum(0).max()
+            per_expert = routing_map.sum(0)  # two launches a layer: the sum and the maximum
             if self._needed is None:
-                self._needed = torch.zeros_like(needed)
+                self._needed = torch.zeros_like(per_expert)
                 _budgeted.append(weakref.ref(self))
-            torch.maximum(self._needed, needed, out=self._needed)
+            torch.maximum(self._needed, per_expert, out=self._needed)
         self._handle = group.create_handle(routing_map=routing_map)
         try:
             # The router's probs are dense [T, E] (said explicitly: with E == K they would be
