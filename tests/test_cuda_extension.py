@@ -133,3 +133,6 @@ def test_op_bindings_take_tensor_specs_and_reach_the_c_api(ext):
     with pytest.raises(ValueError, match="too many dimensions"):
         ext.dispatch(0, (1 << 20, (1,) * 5, bf16), None, False, x, None, None, None, None, None,
                      False, 0)
+    for bad in ((1 << 20, [4, 8], bf16), (1 << 20, (4, 8)), 7):
+        with pytest.raises(ValueError, match=re.escape("(data_ptr, shape tuple, dtype code)")):
+            ext.combine(0, bad, None, x, False, 0)

@@ -55,6 +55,9 @@ cudaStream_t as_stream(uintptr_t v) { return reinterpret_cast<cudaStream_t>(v); 
 ncclEpTensor_t tensor(const py::handle& spec, ncclEpTensorTag_t tag) {
   ncclEpTensor_t t{};
   if (spec.is_none()) return t;
+  if (!py::isinstance<py::tuple>(spec) || py::len(spec) != 3 ||
+      !py::isinstance<py::tuple>(py::reinterpret_borrow<py::tuple>(spec)[1]))
+    throw ValueErrorEx("a tensor must be given as (data_ptr, shape tuple, dtype code) or None");
   const py::tuple tup = py::reinterpret_borrow<py::tuple>(spec);
   const py::tuple shape = py::reinterpret_borrow<py::tuple>(tup[1]);
   if (shape.size() > NCCL_EP_MAX_NDIM) throw ValueErrorEx("tensor: too many dimensions");
