@@ -45,8 +45,8 @@ def cpu_run(tmp_path_factory):
     with open(out) as f:
         result = json.load(f)
     table = proc.stdout[proc.stdout.index(report.TABLE_MARKER):]
-    return {"stdout": proc.stdout, "table": table, "result": result, "json": out, "md": md,
-            "flags": flags}
+    return {"stdout": proc.stdout, "stderr": proc.stderr, "table": table, "result": result,
+            "json": out, "md": md, "flags": flags}
 
 
 def _positive_median(items: dict, name: str) -> float:
@@ -92,10 +92,19 @@ def test_cpu_run_measures_every_item_and_its_checks_pass(cpu_run):
     assert result["meta"]["backend_resolved"] == "torch"
 
 
+def test_cpu_run_prints_no_dependency_notices(cpu_run):
+    # Megatron's and torch's notices about optional packages, once per worker, are not the
+    # bench's: the run shows its own lines only (python -W brings them back).
+    output = cpu_run["stdout"] + cpu_run["stderr"]
+    for notice in ("UserWarning", "Apex is not installed", "No CUDA runtime is found"):
+        assert notice not in output, notice
+
+
 def test_cpu_table_shows_host_wall_times_only(cpu_run):
     table, result = cpu_run["table"], cpu_run["result"]
-    assert "host wall time, reference backend (torch) over gloo, 2 processes" in table
-    assert "not GPU speed" in table
+    assert "host wall time of the reference backend (torch) over gloo, 2 processes" in table
+    assert "not GPU speed" in table and "Ran: kernels" in table
+    assert "Not run on a CPU: ceilings and team (they need a GPU)" in table
     for gpu_word in ("SMs", "SM budget", "(kernel)", "(e2e)", "GB/s", "floor", "NCCL"):
         assert gpu_word not in table, gpu_word
     assert result["shape"]["num_sms"] is None
