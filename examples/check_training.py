@@ -68,9 +68,16 @@ GRAPH_MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--ffn-hidden-size"
                "--deterministic-mode", "--train-iters", str(GRAPH_ITERATIONS),
                "--no-check-for-nan-in-loss-and-grad"]
 DROP_AND_PAD = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
-CAPACITY_MODE = ["--nccl-ep-recv-mode", "capacity"]
+# Capacity mode's budget per (expert, source rank): 1.25 x the even share, the padding rows the
+# experts compute as drop-and-pad's factor does (check t compares against alltoall at 1.0).
+CAPACITY_MODE = ["--nccl-ep-recv-mode", "capacity", "--nccl-ep-capacity-factor", "1.25"]
 MOE_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"]
 FULL_ITERATION = ["--cuda-graph-impl", "full_iteration"]
+# The runs that must capture CUDA graphs (examples/pretrain_gpt_moe.py prints GRAPHS_LINE then).
+GRAPHED = {"router_graphs", "drop_and_pad_moe_graphs", "drop_and_pad_full_iteration",
+           "capacity_full_iteration", "alltoall_drop_and_pad_moe_graphs",
+           "alltoall_drop_and_pad_full_iteration"}
+GRAPHS_LINE = "cuda_graphs captured:"  # examples/pretrain_gpt_moe.py's
 # The step-time targets of check (t): run -> (alltoall's run, largest ratio to its time).
 TIME_TARGETS = {"drop_and_pad_moe_graphs": ("alltoall_drop_and_pad_moe_graphs", 1.0),
                 "drop_and_pad_full_iteration": ("alltoall_drop_and_pad_full_iteration", 1.05),
@@ -188,9 +195,12 @@ def time_problems(times: dict) -> tuple:
     return problems, "; ".join(parts)
 
 
-def checks(runs: dict, tolerance: float, times: Optional[dict] = None) -> list:
+def checks(runs: dict, tolerance: float, times: Optional[dict] = None,
+           captured: Optional[set] = None) -> list:
     """(label, passed, detail) for each check whose runs are all in ``runs``: name -> (exit
-    status, steps); ``times``: name -> step time in ms (check t)."""
+    status, steps); ``times``: name -> step time in ms (check t); ``captured``: the runs whose
+    log says Megatron captured CUDA graphs (None: not looked at). A run of GRAPHED that captured
+    nothing fails its check: its bits would equal the reference's trivially."""
     steps = {name: found for name, (_, found) in runs.items()}
     reference = steps.get("nccl_ep")
     results = []
@@ -199,6 +209,9 @@ def checks(runs: dict, tolerance: float, times: Optional[dict] = None) -> list:
     def add(label: str, names: tuple, problems: list, detail: str) -> None:
         crashed = [f"run {name} exited with status {runs[name][0]}" for name in names
                    if runs[name][0] != 0]
+        if captured is not None:
+            crashed += [f"run {name} captured no CUDA graph (no '{GRAPHS_LINE}' line)"
+                        for name in names if name in GRAPHED and name not in captured]
         problems = crashed + problems
         results.append((label, not problems, summary(problems) if problems else detail))
 
@@ -281,7 +294,7 @@ def train(name: str, arguments: list, gpus: int, workdir: str, timeout: float) -
     steps = read_steps(text)
     print(f"run {name}: exit status {status}, iterations logged {span(steps)}; {log_path}",
           flush=True)
-    return status, steps, speed(text)
+    return status, steps, speed(text), GRAPHS_LINE in text
 
 
 def main(argv=None) -> int:
@@ -307,10 +320,11 @@ def main(argv=None) -> int:
     runs = {name: train(name, [*arguments, *options.flags], options.gpus, workdir,
                         options.run_timeout)
             for name, arguments in run_arguments(checkpoint_dir).items() if name in needed}
-    results = checks({name: (status, steps) for name, (status, steps, _) in runs.items()},
+    results = checks({name: (status, steps) for name, (status, steps, _, _) in runs.items()},
                      options.alltoall_tolerance,
-                     {name: measured["ms"] for name, (_, _, measured) in runs.items()
-                      if measured is not None})
+                     {name: measured["ms"] for name, (_, _, measured, _) in runs.items()
+                      if measured is not None},
+                     {name for name, (*_, graphs) in runs.items() if graphs})
     for label, passed, detail in results:
         print(f"{'PASS' if passed else 'FAIL'} {label}: {detail}", flush=True)
     for name in ("nccl_ep", "alltoall", "drop_and_pad", "capacity", *CHECK_RUNS["t"]):

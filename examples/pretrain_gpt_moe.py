@@ -138,11 +138,78 @@ def use_built_dataset_helpers() -> None:
         datasets_utils.compile_helpers = lambda: None
 
 
+def moe_layers_for_local_graphs(model_config) -> None:
+    """Megatron-Core 0.19's GPT specs build every layer as a TransformerLayer, whose local CUDA
+    graph manager knows whole layers, attn and mlp only: the moe, moe_router and moe_preprocess
+    scopes would capture nothing. Under --cuda-graph-impl local the MoE layers are built as
+    MoETransformerLayer instead, Megatron's class for those scopes (its hybrid models' spec)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer
+    from megatron.training.models.gpt import default_layer_spec
+
+    def is_moe(spec) -> bool:  # the mlp's spec: a ModuleSpec, or a partial of the class
+        mlp = getattr(spec.submodules, "mlp", None)
+        return MoELayer in (getattr(mlp, "module", None), getattr(mlp, "func", None))
+
+    def layer_spec(config, vp_stage=None):
+        block = default_layer_spec(config, vp_stage)
+        block.layer_specs = [
+            ModuleSpec(module=MoETransformerLayer, params=spec.params, submodules=spec.submodules)
+            if is_moe(spec) else spec for spec in block.layer_specs]
+        return block
+
+    model_config.transformer_layer_spec = layer_spec
+
+
+def gpt_config(args):
+    """The GPT model configuration of ``args``: Megatron's, with MoETransformerLayer for the MoE
+    layers under --cuda-graph-impl local."""
+    model_config = gpt_config_from_args(args)
+    if args.cuda_graph_impl == "local":
+        moe_layers_for_local_graphs(model_config)
+    return model_config
+
+
+GRAPHS_LINE = "cuda_graphs captured:"  # examples/check_training.py looks for it in graphed runs
+
+
+def print_graph_captures() -> None:
+    """One line (last rank) when Megatron captures its CUDA graphs: the local implementation's
+    per-layer graphs at the end of the first step, the full-iteration graph after its warm-up."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+
+    create = _CudagraphGlobalRecord.create_cudagraphs.__func__
+
+    def create_cudagraphs(cls):
+        count = len(cls.cudagraph_record)
+        result = create(cls)
+        if count and is_last_rank():
+            print(f"{GRAPHS_LINE} {count} local graphs", flush=True)
+        return result
+
+    _CudagraphGlobalRecord.create_cudagraphs = classmethod(create_cudagraphs)
+    call = FullCudaGraphWrapper.__call__
+
+    @functools.wraps(call)
+    def full_iteration(self, *args, **kwargs):
+        before = FullCudaGraphWrapper.cuda_graph["training"]
+        result = call(self, *args, **kwargs)
+        if before is None and FullCudaGraphWrapper.cuda_graph["training"] is not None \
+                and is_last_rank():
+            print(f"{GRAPHS_LINE} 1 full-iteration graph", flush=True)
+        return result
+
+    FullCudaGraphWrapper.__call__ = full_iteration
+
+
 def main() -> None:
     args = parse_arguments(sys.argv[1:])
     print_exact_steps()
+    print_graph_captures()
     use_built_dataset_helpers()
-    config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    config = pretrain_cfg_container_from_args(args, gpt_config(args))
     pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
 
 

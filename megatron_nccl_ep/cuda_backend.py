@@ -92,17 +92,14 @@ class CudaHandleState:
     which also raises the handle's routing errors."""
 
     def __init__(self, ptr: int, num_tokens: int, topk: int, num_local_experts: int,
-                 capacity_mode: bool, device: torch.device, stream: int):
+                 capacity_mode: bool, device: torch.device):
         self.ptr, self.num_tokens, self.topk = ptr, num_tokens, topk
         self._num_local, self._device = num_local_experts, device
         self._num_recv: Optional[int] = None
         self._tokens_per_expert: Optional[torch.Tensor] = None
         self._capacity_mode = capacity_mode
-        if capacity_mode:  # no host read: the counts stay on the device
+        if capacity_mode:  # no host read: the count is the capacity
             self._num_recv = _call(_C.handle_num_recv_tokens, ptr)
-            tpe = torch.empty(num_local_experts, dtype=torch.int64, device=device)
-            _call(_C.handle_tokens_per_expert, ptr, _tensor(tpe), True, stream)
-            self._tokens_per_expert = tpe
 
     @property
     def num_recv_tokens(self) -> int:
@@ -119,9 +116,16 @@ class CudaHandleState:
 
     @property
     def tokens_per_expert(self) -> torch.Tensor:
+        """Exact mode: read to the host; capacity mode: copied on the device, on the current
+        stream (after the handle's layout), when first asked for."""
         if self._tokens_per_expert is None:
-            tpe = torch.empty(self._num_local, dtype=torch.int64)
-            _call(_C.handle_tokens_per_expert, self.ptr, _tensor(tpe), False, 0)
+            if self._capacity_mode:
+                tpe = torch.empty(self._num_local, dtype=torch.int64, device=self._device)
+                _call(_C.handle_tokens_per_expert, self.ptr, _tensor(tpe), True,
+                      torch._C._cuda_getCurrentRawStream(self._device.index))
+            else:
+                tpe = torch.empty(self._num_local, dtype=torch.int64)
+                _call(_C.handle_tokens_per_expert, self.ptr, _tensor(tpe), False, 0)
             self._tokens_per_expert = tpe
         return self._tokens_per_expert
 
@@ -274,12 +278,11 @@ class CudaBackend:
     def create_handle(self, routing: torch.Tensor, from_map: bool) -> CudaHandleState:
         tokens, cols = routing.shape
         topk = self.config.max_topk if from_map else cols
-        stream = self._stream()
-        ptr = _call(_C.create_handle, self._group, _tensor(routing), from_map, stream)
+        ptr = _call(_C.create_handle, self._group, _tensor(routing), from_map, self._stream())
         self._handles.add(ptr)
         try:
             return CudaHandleState(ptr, tokens, topk, self.num_local_experts,
-                                   self.config.recv_mode == "capacity", self.device, stream)
+                                   self.config.recv_mode == "capacity", self.device)
         except BaseException:
             self._handles.discard(ptr)
             _C.handle_destroy(ptr)

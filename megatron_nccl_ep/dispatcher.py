@@ -19,6 +19,12 @@ from megatron.core.transformer.moe.moe_utils import (get_align_size_for_quantiza
                                                      get_capacity, get_default_pg_collection)
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+try:  # Megatron's local CUDA graphs warm a layer up on zero-filled inputs before capturing it
+    from megatron.core.transformer.cuda_graphs import is_graph_warmup
+except ImportError:  # pragma: no cover - a Megatron-Core without local graphs
+    def is_graph_warmup() -> bool:
+        return False
+
 from .api import Group
 from .autograd import combine, dispatch
 from .dispatcher_common import GroupCache, check_owned_experts, layer_options
@@ -56,9 +62,10 @@ def check_graph_settings(config, options: NcclEpOptions) -> None:
         f"nccl_ep dispatcher: cuda_graph_impl={config.cuda_graph_impl!r} with "
         f"cuda_graph_modules={modules} captures token_dispatch, and the exact receive mode reads "
         "each layer's receive count on the host, which a graph cannot replay. Use "
-        "--nccl-ep-recv-mode capacity (dropless within a static budget per expert, "
-        "--nccl-ep-capacity-factor), or drop-and-pad (--moe-expert-capacity-factor with "
-        "--moe-pad-expert-input-to-capacity), or capture only attn, moe_router and "
+        "drop-and-pad (--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity; "
+        "any graph scope), or --nccl-ep-recv-mode capacity (dropless within a static budget "
+        "per expert, --nccl-ep-capacity-factor; whole layers or full_iteration: Megatron "
+        "allows the moe scope with drop-and-pad only), or capture only attn, moe_router and "
         "moe_preprocess")
 
 
@@ -291,7 +298,9 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
                            self.tp_size * topk, hidden_states, options,
                            self.expert_alignment(), capacity)
         routing_map, self.routing_map = self.routing_map, None
-        if capacity and not self.drop_and_pad:  # the budget's use, on the device
+        # The budget's use, on the device; a graph warm-up's zero inputs (every token on the
+        # same experts) are no step's routing.
+        if capacity and not self.drop_and_pad and not is_graph_warmup():
             self._budget = (capacity, options.capacity_factor, num_tokens)
             per_expert = routing_map.sum(0)  # two launches a layer: the sum and the maximum
             if self._needed is None:

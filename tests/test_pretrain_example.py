@@ -66,6 +66,15 @@ def example_on_cpu(runs: dict) -> dict:
         unset_global_variables()
     # What Megatron's --deterministic-mode sets before NCCL and cuBLAS start.
     found["env"] = {name: os.environ.get(name) for name in DETERMINISM_ENV}
+    # Local CUDA graphs: the MoE layers built as MoETransformerLayer (the class whose graph
+    # manager knows the moe scopes); without graphs Megatron's own spec.
+    for name in ("router_graphs", "nccl_ep"):
+        model_config = pretrain_gpt_moe.gpt_config(pretrain_gpt_moe.parse_arguments(RUNS[name]))
+        spec = model_config.transformer_layer_spec
+        with megatron_on_cpu(ep=world_size):  # (the spec asks for the pipeline's layers)
+            found[f"{name}_layers"] = None if spec is None else [
+                layer.module.__name__ for layer in spec(model_config).layer_specs]
+        unset_global_variables()
 
     # The model of the default run, and of the shared-expert overlap run (the config Megatron
     # refuses for dispatchers other than alltoall and flex unless register() allowed it).
@@ -159,6 +168,8 @@ def test_check_script_arguments_parse_with_nccl_ep_registered(on_cpu):
         assert until_save["load"] is None
         assert (resumed["load"], resumed["save"]) == (CHECKPOINT_DIR, None)
         assert found["env"] == {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+        assert found["router_graphs_layers"] == ["MoETransformerLayer"] * 2
+        assert found["nccl_ep_layers"] is None
 
 
 def test_model_has_moe_layers_with_the_nccl_ep_dispatcher(on_cpu):
@@ -357,3 +368,18 @@ def test_graph_checks_compare_bits_and_step_times_against_alltoall():
     del times["capacity_full_iteration"]
     assert "no step time for capacity_full_iteration" in check_training.checks(
         runs, 1e-2, times)[-1][2]
+
+
+def test_graphed_runs_that_captured_nothing_fail_their_checks():
+    # Megatron leaves a module list it does not know uncaptured, silently: a graphed run must
+    # log the example's capture line, or its check (bits equal to the reference) proves nothing.
+    assert check_training.GRAPHS_LINE == pretrain_gpt_moe.GRAPHS_LINE
+    graph_steps = fake_steps(range(1, check_training.GRAPH_ITERATIONS + 1))
+    runs = {name: (0, dict(graph_steps)) for check in "fgh"
+            for name in check_training.CHECK_RUNS[check]}
+    captured = {"drop_and_pad_full_iteration", "capacity_full_iteration"}
+    results = {label[:3]: (passed, detail) for label, passed, detail in
+               check_training.checks(runs, 1e-2, captured=captured)}
+    assert [results[c][0] for c in ("(f)", "(g)", "(h)")] == [False, True, True], results
+    assert "run drop_and_pad_moe_graphs captured no CUDA graph" in results["(f)"][1]
+    assert all(passed for _, passed, _ in check_training.checks(good_runs(), 1e-2, captured=set()))
