@@ -401,7 +401,7 @@ def test_graphs_of_whole_moe_layers_are_refused_in_exact_mode(impl, modules):
     with pytest.raises(Exception, match=(
             f"cuda_graph_impl='{impl}' with cuda_graph_modules=\\[\\] captures token_dispatch, and "
             "the exact receive mode reads each layer's receive count on the host.*"
-            "--nccl-ep-recv-mode capacity.*--moe-pad-expert-input-to-capacity.*"
+            "--moe-pad-expert-input-to-capacity.*--nccl-ep-recv-mode capacity.*"
             "capture only attn, moe_router and moe_preprocess")):
         dist.run(1, build_graphed_layer, impl, modules)
 
