@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results.json")
@@ -103,20 +104,9 @@ def numbers(result: dict) -> str:
         f"{memory['deepep_bytes'] / MIB:.0f} MiB. RESULTS.md also has LL at 1-256 tokens, FP8, "
         "EP 2/4/8 and HT EP 2/4 as local teams on that one GPU (proxies: no NVLink, one HBM), "
         "and the peers' anchors; multi-GPU numbers wait for a multi-GPU machine.")
-    lines += ["", *_wrap(text, 100)]
+    # The README's line width; words such as "top-8" stay whole.
+    lines += ["", *textwrap.wrap(text, 100, break_on_hyphens=False, break_long_words=False)]
     return "\n".join(lines)
-
-
-def _wrap(text: str, width: int) -> list:
-    """Greedy wrap at spaces (the README's own line width)."""
-    out, line = [], ""
-    for word in text.split(" "):
-        if line and len(line) + 1 + len(word) > width:
-            out.append(line)
-            line = word
-        else:
-            line = f"{line} {word}" if line else word
-    return out + [line] if line else out
 
 
 def section(readme: str) -> tuple:

@@ -38,14 +38,19 @@ _groups = GroupCache()
 _budgeted: list = []
 
 
+def _graph_modules(config) -> list:
+    """The names of Megatron's ``cuda_graph_modules``, sorted."""
+    return sorted(getattr(m, "name", str(m))
+                  for m in getattr(config, "cuda_graph_modules", None) or [])
+
+
 def graph_captures_dispatch(config) -> bool:
     """Whether Megatron's CUDA graph settings put token_dispatch inside a graph: the whole
     iteration, whole layers (an empty module list) or the ``moe`` module."""
     impl = getattr(config, "cuda_graph_impl", "none")
     if impl == "full_iteration":
         return True
-    modules = {getattr(m, "name", str(m)) for m in getattr(config, "cuda_graph_modules", None)
-               or []}
+    modules = _graph_modules(config)
     return impl != "none" and (not modules or "moe" in modules)
 
 
@@ -56,11 +61,9 @@ def check_graph_settings(config, options: NcclEpOptions) -> None:
     if not graph_captures_dispatch(config) or options.recv_mode == "capacity" or getattr(
             config, "moe_pad_expert_input_to_capacity", False):
         return
-    modules = sorted(getattr(m, "name", str(m))
-                     for m in getattr(config, "cuda_graph_modules", None) or [])
     raise ValueError(
         f"nccl_ep dispatcher: cuda_graph_impl={config.cuda_graph_impl!r} with "
-        f"cuda_graph_modules={modules} captures token_dispatch, and the exact receive mode reads "
+        f"cuda_graph_modules={_graph_modules(config)} captures token_dispatch, and the exact receive mode reads "
         "each layer's receive count on the host, which a graph cannot replay. Use "
         "drop-and-pad (--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity; "
         "any graph scope), or --nccl-ep-recv-mode capacity (dropless within a static budget "
