@@ -29,7 +29,7 @@ from .backend import Backend
 from .config import INDEX_DTYPES, PROB_DTYPES, GroupConfig
 from .errors import NcclEpError  # noqa: F401  (re-exported: megatron_nccl_ep.NcclEpError)
 from .handle_lifetime import BackendHandle
-from .ll import InFlight, LLHandle, check_ll_routing
+from .ll import LLGroupState, LLHandle, check_ll_routing
 
 def _resolve_device(device) -> torch.device:
     """``None``: the current CUDA device when there is one, else the CPU; ``"cuda"`` without an
@@ -187,7 +187,7 @@ class Group:
         self.num_local_experts = config.num_experts // world_size
         self._backend: Optional[Backend] = backend
         self.backend_name = backend.name
-        self._ll_in_flight = InFlight()
+        self._ll = LLGroupState(config, world_size) if config.mode == "ll" else None
 
     @classmethod
     def local_team(cls, world_size: int, config: Optional[GroupConfig] = None, *, device=None,
@@ -234,7 +234,18 @@ class Group:
         return self._backend.info()
 
     # -- argument checks shared by every backend -------------------------------------------------
+    def _matches(self, t, dtypes, shape: tuple) -> bool:
+        """Whether ``t`` is a contiguous tensor of one of ``dtypes``, of exactly ``shape``, on the
+        group's device: the signature of a valid call, compared in a few attribute reads (the
+        ops' lean path). False sends the call through ``_check_tensor``, whose messages name
+        what differs."""
+        return (isinstance(t, torch.Tensor) and t.dtype in dtypes and t.shape == shape
+                and t.device == self.device and t.is_contiguous())
+
     def _check_tensor(self, name: str, t, ndim: int, dtypes, shape=None) -> None:
+        if (shape is None and isinstance(t, torch.Tensor) and t.dim() == ndim
+                and t.dtype in dtypes and t.device == self.device):
+            return  # what a valid call passes: no message to build
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != ndim:
@@ -358,6 +369,8 @@ class Handle(BackendHandle):
         self._topk_idx = None
         self._num_recv_tokens: Optional[int] = None  # kept once read (also after destroy)
         self._tokens_per_expert: Optional[torch.Tensor] = None
+        self._x_shape = (num_tokens, group.config.hidden)  # what a valid call passes
+        self._rows_shape: Optional[tuple] = None  # (N, H) once N is known
 
     @property
     def num_recv_tokens(self) -> int:
@@ -392,13 +405,10 @@ class Handle(BackendHandle):
         needs ``record_stream`` on the current stream if another stream may reuse its memory."""
         return self._state is None or self._state.routing_released
 
-    def _check_x(self, name: str, x: torch.Tensor) -> None:
-        cfg = self.group.config
-        self.group._check_tensor(name, x, 2, (cfg.dtype,), (self.num_tokens, cfg.hidden))
-
-    def _check_rows(self, name: str, t: torch.Tensor) -> None:
-        cfg = self.group.config
-        self.group._check_tensor(name, t, 2, (cfg.dtype,), (self.num_recv_tokens, cfg.hidden))
+    def _recv_rows_shape(self) -> tuple:
+        if self._rows_shape is None:
+            self._rows_shape = (self.num_recv_tokens, self.group.config.hidden)
+        return self._rows_shape
 
     def _check_agreed(self, op: str, check) -> None:
         self.group._check_agreed(op, check)
@@ -410,6 +420,9 @@ class Handle(BackendHandle):
         E = self.group.config.num_experts
         return probs.dim() == 2 and probs.shape[1] == E and E != self.topk
 
+    # Each op's lean path: arguments with the signature a valid call has (Group._matches) skip
+    # the checks that build messages and copies; any other call runs them in full, so the same
+    # error, naming the argument and the expected value, reaches every rank.
     def dispatch(self, x: torch.Tensor, probs: Optional[torch.Tensor] = None, *,
                  dense: Optional[bool] = None):
         """Collective: this rank's tokens to the ranks of their experts, into the expert-major
@@ -429,19 +442,25 @@ class Handle(BackendHandle):
             own dtype.
         """
         self._require_alive()
+        group = self.group
+        cfg = group.config
         if dense is None:
             dense = isinstance(probs, torch.Tensor) and self.probs_are_dense(probs)
         dense = bool(dense) and probs is not None
+        cols = cfg.num_experts if dense else self.topk
+        if group._matches(x, (cfg.dtype,), self._x_shape) and (
+                probs is None or group._matches(probs, PROB_DTYPES, (self.num_tokens, cols))):
+            group._backend.agree_on_arguments("dispatch", None)
+        else:
+            def check():
+                group._check_tensor("x", x, 2, (cfg.dtype,), self._x_shape)
+                if probs is not None:
+                    group._check_tensor("probs", probs, 2, PROB_DTYPES, (self.num_tokens, cols))
 
-        def check():
-            self._check_x("x", x)
-            if probs is not None:
-                cols = self.group.config.num_experts if dense else self.topk
-                self.group._check_tensor("probs", probs, 2, PROB_DTYPES, (self.num_tokens, cols))
-
-        self._check_agreed("dispatch", check)
-        probs = None if probs is None else probs.contiguous()
-        return self.group._backend.dispatch(self._state, x.contiguous(), probs, dense)
+            self._check_agreed("dispatch", check)
+            x = x.contiguous()
+            probs = None if probs is None else probs.contiguous()
+        return group._backend.dispatch(self._state, x, probs, dense)
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """Collective: each token's expert rows summed back at its source, in the fixed order of
@@ -455,8 +474,15 @@ class Handle(BackendHandle):
             ``y [T, H]``, the group's dtype.
         """
         self._require_alive()
-        self._check_agreed("combine", lambda: self._check_rows("expert_out", expert_out))
-        return self.group._backend.combine(self._state, expert_out.contiguous())
+        group = self.group
+        dtypes = (group.config.dtype,)
+        if group._matches(expert_out, dtypes, self._recv_rows_shape()):
+            group._backend.agree_on_arguments("combine", None)
+        else:
+            self._check_agreed("combine", lambda: group._check_tensor(
+                "expert_out", expert_out, 2, dtypes, self._recv_rows_shape()))
+            expert_out = expert_out.contiguous()
+        return group._backend.combine(self._state, expert_out)
 
     def combine_probs(self, grad_recv_probs: torch.Tensor, dense: bool = False) -> torch.Tensor:
         """Collective: the reverse of the probs' dispatch (their gradient's path back).
@@ -470,10 +496,15 @@ class Handle(BackendHandle):
             every unrouted expert), the dtype of ``grad_recv_probs``.
         """
         self._require_alive()
-        self._check_agreed("combine_probs", lambda: self.group._check_tensor(
-            "grad_recv_probs", grad_recv_probs, 1, PROB_DTYPES, (self.num_recv_tokens,)))
-        return self.group._backend.combine_probs(self._state, grad_recv_probs.contiguous(),
-                                                 dense)
+        group = self.group
+        shape = (self.num_recv_tokens,)
+        if group._matches(grad_recv_probs, PROB_DTYPES, shape):
+            group._backend.agree_on_arguments("combine_probs", None)
+        else:
+            self._check_agreed("combine_probs", lambda: group._check_tensor(
+                "grad_recv_probs", grad_recv_probs, 1, PROB_DTYPES, shape))
+            grad_recv_probs = grad_recv_probs.contiguous()
+        return group._backend.combine_probs(self._state, grad_recv_probs, dense)
 
 
 def run_local_team(groups: "list[Group]", fn, *, prepare=None, timeout_s: float = 300.0) -> list:

@@ -91,14 +91,18 @@ class Backend(Protocol):
         """No communication: ``topk_idx [T, K]`` (bounds checked by the front end)."""
 
     def ll_dispatch(self, state: HandleState, x: torch.Tensor,
-                    topk_weights: Optional[torch.Tensor], send_only: bool) -> "LLDispatchOutput":
+                    topk_weights: Optional[torch.Tensor], send_only: bool,
+                    out: Optional["LLDispatchOutput"] = None) -> "LLDispatchOutput":
         """Collective: ``x [T, H]``, ``topk_weights [T, K]`` fp32 or None -> the outputs of the
-        group's layout (written by ``ll_complete`` when ``send_only``)."""
+        group's layout (written by ``ll_complete`` when ``send_only``), into ``out`` when given
+        (its fields checked by the front end against ``outputs.ll_dispatch_fields``)."""
 
     def ll_combine(self, state: HandleState, expert_out: torch.Tensor,
-                   topk_weights: Optional[torch.Tensor], send_only: bool) -> torch.Tensor:
+                   topk_weights: Optional[torch.Tensor], send_only: bool,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Collective: expert outputs in the layout (and, expert-major, the weights ``[T, K]``
-        fp32) -> ``y [T, H]`` (written by ``ll_complete`` when ``send_only``)."""
+        fp32) -> ``y [T, H]`` (written by ``ll_complete`` when ``send_only``), into ``out`` when
+        given (checked by the front end)."""
 
     def ll_complete(self, state: HandleState) -> None:
         """Receives the handle's op sent with ``send_only``."""

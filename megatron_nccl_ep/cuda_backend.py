@@ -8,9 +8,9 @@ Tensors travel as ``(data_ptr, shape, dtype code)`` specs (``_tensor``; the bind
 convention), with the current stream's raw handle; outputs are ``torch.empty`` on the current
 device, so the caching allocator keeps them stream-ordered.
 
-Errors: ``ValueError`` for bad arguments or routing (the library's ncclInvalidArgument /
-ncclInvalidUsage), ``NcclEpError`` for runtime failures (device-side timeouts, capacity overflow,
-CUDA/NCCL errors). In capacity mode nothing synchronizes the host, so routing errors and overflow
+Errors, raised by the bindings themselves: ``ValueError`` for bad arguments or routing (the
+library's ncclInvalidArgument / ncclInvalidUsage), ``errors.NcclEpError`` for runtime failures
+(device-side timeouts, capacity overflow, CUDA/NCCL errors). In capacity mode nothing synchronizes the host, so routing errors and overflow
 are raised by the next call (or by ``check_errors()``); in exact mode by the first read of the
 receive count (``num_recv_tokens``, ``tokens_per_expert`` or the handle's first dispatch).
 """
@@ -26,9 +26,8 @@ import torch.distributed as dist
 
 from . import build_info
 from .config import GroupConfig
-from .errors import NcclEpError
-from .limits import FP8_BLOCK, MAX_SLOTS_PER_RANK
-from .outputs import LLDispatchOutput
+from .limits import MAX_SLOTS_PER_RANK
+from .outputs import LLDispatchOutput, ll_dispatch_fields
 
 try:
     from . import _C  # type: ignore[attr-defined]
@@ -61,35 +60,21 @@ def unavailable_reason() -> str:
             "it; rerun scripts/setup_venv.sh")
 
 
-_DTYPE_CODES: dict = {}  # torch.dtype -> the library's code (_C.DTYPES), filled on first use
+# torch.dtype -> the library's code (_C.DTYPES): one dict lookup per tensor of a call.
+_DTYPE_CODES: dict = ({} if _C is None else
+                      {getattr(torch, name): code for name, code in _C.DTYPES.items()})
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
-    code = _DTYPE_CODES.get(dtype)
-    if code is None:  # once per dtype; later calls are one dict lookup (a per-op host path)
-        code = _DTYPE_CODES[dtype] = _C.DTYPES[str(dtype).replace("torch.", "")]
-    return code
-
-
-def _current_stream(device: torch.device) -> int:
-    """The current stream's raw handle, without building a torch.cuda.Stream (what torch's
-    generated code reads): a few us less per call on a host-bound path."""
-    return torch._C._cuda_getCurrentRawStream(device.index)
+def _current_stream(device_index: int) -> int:
+    """The current stream's raw handle on CUDA device ``device_index``, without building a
+    torch.cuda.Stream (what torch's generated code reads): a few us less per call on a
+    host-bound path."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
 
 
 def _tensor(t: Optional[torch.Tensor]):
     """A tensor as the bindings take it: (data_ptr, shape, dtype code), or None."""
-    return None if t is None else (t.data_ptr(), t.shape, _dtype_code(t.dtype))
-
-
-def _call(fn, *args):
-    """Runs one binding; RuntimeError from the library becomes NcclEpError."""
-    try:
-        return fn(*args)
-    except ValueError:
-        raise
-    except RuntimeError as exc:
-        raise NcclEpError(str(exc)) from None
+    return None if t is None else (t.data_ptr(), t.shape, _DTYPE_CODES[t.dtype])
 
 
 class CudaHandleState:
@@ -98,19 +83,19 @@ class CudaHandleState:
     which also raises the handle's routing errors."""
 
     def __init__(self, ptr: int, num_tokens: int, topk: int, num_local_experts: int,
-                 capacity_mode: bool, device: torch.device):
+                 capacity_rows: Optional[int], device: torch.device):
+        """``capacity_rows``: capacity mode's count (the group's capacity, no host read); None
+        in exact mode."""
         self.ptr, self.num_tokens, self.topk = ptr, num_tokens, topk
         self._num_local, self._device = num_local_experts, device
-        self._num_recv: Optional[int] = None
+        self._num_recv = capacity_rows
         self._tokens_per_expert: Optional[torch.Tensor] = None
-        self._capacity_mode = capacity_mode
-        if capacity_mode:  # no host read: the count is the capacity
-            self._num_recv = _call(_C.handle_num_recv_tokens, ptr)
+        self._capacity_mode = capacity_rows is not None
 
     @property
     def num_recv_tokens(self) -> int:
         if self._num_recv is None:
-            self._num_recv = _call(_C.handle_num_recv_tokens, self.ptr)
+            self._num_recv = _C.handle_num_recv_tokens(self.ptr)
         return self._num_recv
 
     @property
@@ -127,11 +112,11 @@ class CudaHandleState:
         if self._tokens_per_expert is None:
             if self._capacity_mode:
                 tpe = torch.empty(self._num_local, dtype=torch.int64, device=self._device)
-                _call(_C.handle_tokens_per_expert, self.ptr, _tensor(tpe), True,
-                      _current_stream(self._device))
+                _C.handle_tokens_per_expert(self.ptr, _tensor(tpe), True,
+                                            _current_stream(self._device.index))
             else:
                 tpe = torch.empty(self._num_local, dtype=torch.int64)
-                _call(_C.handle_tokens_per_expert, self.ptr, _tensor(tpe), False, 0)
+                _C.handle_tokens_per_expert(self.ptr, _tensor(tpe), False, 0)
             self._tokens_per_expert = tpe
         return self._tokens_per_expert
 
@@ -141,7 +126,7 @@ def _c_config(config: GroupConfig):
     c = _C.GroupConfig()
     c.num_experts, c.hidden = config.num_experts, config.hidden
     c.max_tokens_per_rank, c.max_topk = config.max_tokens_per_rank, config.max_topk
-    c.token_dtype = _dtype_code(config.dtype)
+    c.token_dtype = _DTYPE_CODES[config.dtype]
     c.recv_count_mode = _MODE_CAPACITY if config.recv_mode == "capacity" else _MODE_EXACT
     if config.recv_mode == "capacity":
         c.max_recv_tokens_per_rank = int(config.max_recv_tokens_per_rank)
@@ -171,7 +156,7 @@ def ll_memory_size(config: GroupConfig, world_size: int) -> dict:
     if _C is None:
         raise RuntimeError(unavailable_reason())
     config.validate(world_size)
-    return dict(_call(_C.memory_size, _c_config(config), world_size))
+    return dict(_C.memory_size(_c_config(config), world_size))
 
 
 class CudaLLHandleState:
@@ -225,9 +210,9 @@ class CudaBackend:
                                        group=process_group)
             unique_id = box[0]
         with torch.cuda.device(self.device):
-            self._comm = _call(_C.comm_init_rank, self.world_size, unique_id, self.rank)
+            self._comm = _C.comm_init_rank(self.world_size, unique_id, self.rank)
             try:
-                self._group = _call(_C.create_group, self._comm, _c_config(config),
+                self._group = _C.create_group(self._comm, _c_config(config),
                                     self._stream())
             except BaseException:
                 _C.comm_destroy(self._comm)
@@ -242,6 +227,9 @@ class CudaBackend:
         self._comm = 0
         self._group = 0
         self._handles = set()
+        self._ll_fields = [None, None]  # ll_dispatch_fields without / with weights, made once
+        self._device_index = self.device.index
+        self._capacity_rows: Optional[int] = None  # capacity mode: every handle's count
 
     @classmethod
     def local_team(cls, config: GroupConfig, world_size: int,
@@ -250,7 +238,7 @@ class CudaBackend:
         ``Group.local_team``."""
         leader = cls.__new__(cls)
         leader._setup(config, device, world_size)
-        groups = _call(_C.create_local_team, world_size, _c_config(config), leader._stream())
+        groups = _C.create_local_team(world_size, _c_config(config), leader._stream())
         team = []
         for rank, ptr in enumerate(groups):
             member = leader if rank == 0 else cls.__new__(cls)
@@ -263,7 +251,7 @@ class CudaBackend:
         return team
 
     def info(self) -> dict:
-        return dict(_call(_C.group_info, self._group))
+        return dict(_C.group_info(self._group))
 
     def agree_on_arguments(self, op: str, error: Optional[Exception]) -> None:
         """No host collective on the hot path: the failing rank raises here, before launching;
@@ -276,17 +264,19 @@ class CudaBackend:
         timeout_s naming this rank (docs/design.md §9, errors)."""
 
     def _stream(self) -> int:
-        return _current_stream(self.device)
+        return _current_stream(self._device_index)
 
     # -- handles -------------------------------------------------------------------------------
     def create_handle(self, routing: torch.Tensor, from_map: bool) -> CudaHandleState:
         tokens, cols = routing.shape
         topk = self.config.max_topk if from_map else cols
-        ptr = _call(_C.create_handle, self._group, _tensor(routing), from_map, self._stream())
+        ptr = _C.create_handle(self._group, _tensor(routing), from_map, self._stream())
         self._handles.add(ptr)
         try:
-            return CudaHandleState(ptr, tokens, topk, self.num_local_experts,
-                                   self.config.recv_mode == "capacity", self.device)
+            rows = self._capacity_rows
+            if rows is None and self.config.recv_mode == "capacity":  # the group's, once
+                rows = self._capacity_rows = _C.handle_num_recv_tokens(ptr)
+            return CudaHandleState(ptr, tokens, topk, self.num_local_experts, rows, self.device)
         except BaseException:
             self._handles.discard(ptr)
             _C.handle_destroy(ptr)
@@ -294,7 +284,7 @@ class CudaBackend:
 
     def topk_idx(self, state: CudaHandleState) -> torch.Tensor:
         out = torch.empty((state.num_tokens, state.topk), dtype=torch.int64, device=self.device)
-        _call(_C.handle_topk_idx, state.ptr, _tensor(out), self._stream())
+        _C.handle_topk_idx(state.ptr, _tensor(out), self._stream())
         return out
 
     def destroy_handle(self, state: CudaHandleState) -> None:
@@ -312,15 +302,14 @@ class CudaBackend:
         n = state.num_recv_tokens
         recv_x = torch.empty((n, x.shape[1]), dtype=x.dtype, device=x.device)
         recv_probs = None if probs is None else torch.empty(n, dtype=probs.dtype, device=x.device)
-        _call(_C.dispatch, state.ptr, x_spec, probs_spec, dense, _tensor(recv_x),
-              _tensor(recv_probs), None, None, None, None, False, stream)
+        _C.dispatch(state.ptr, x_spec, probs_spec, dense, _tensor(recv_x), _tensor(recv_probs),
+                    None, None, None, None, False, stream)
         return recv_x, recv_probs
 
     def combine(self, state: CudaHandleState, expert_out: torch.Tensor) -> torch.Tensor:
         y = torch.empty((state.num_tokens, expert_out.shape[1]), dtype=expert_out.dtype,
                         device=expert_out.device)
-        _call(_C.combine, state.ptr, _tensor(expert_out), None, _tensor(y), False,
-              self._stream())
+        _C.combine(state.ptr, _tensor(expert_out), None, _tensor(y), False, self._stream())
         return y
 
     def combine_probs(self, state: CudaHandleState, grad_recv_probs: torch.Tensor,
@@ -328,67 +317,61 @@ class CudaBackend:
         cols = self.config.num_experts if dense else state.topk
         grad = torch.empty((state.num_tokens, cols), dtype=grad_recv_probs.dtype,
                            device=grad_recv_probs.device)
-        _call(_C.combine_topk_weights, state.ptr, _tensor(grad_recv_probs), _tensor(grad), dense,
-              self._stream())
+        _C.combine_topk_weights(state.ptr, _tensor(grad_recv_probs), _tensor(grad), dense,
+                                self._stream())
         return grad
 
     # -- LL (docs/design.md §9) -----------------------------------------------------------------
     def ll_create_handle(self, topk_idx: torch.Tensor) -> CudaLLHandleState:
         tokens, topk = topk_idx.shape
-        ptr = _call(_C.create_handle, self._group, _tensor(topk_idx), False, self._stream())
+        ptr = _C.create_handle(self._group, _tensor(topk_idx), False, self._stream())
         self._handles.add(ptr)
         return CudaLLHandleState(ptr, tokens, topk)
 
     def ll_dispatch(self, state: CudaLLHandleState, x: torch.Tensor,
-                    topk_weights: Optional[torch.Tensor], send_only: bool):
-        cfg, dev = self.config, self.device
-        rows = self.world_size * cfg.max_tokens_per_rank
-        lead = (rows,) if cfg.ll_layout == "rank_major" else (self.num_local_experts, rows)
-        x_dtype = torch.float8_e4m3fn if cfg.dispatch_fp8 else x.dtype
-        out = LLDispatchOutput(x=torch.empty(lead + (cfg.hidden,), dtype=x_dtype, device=dev),
-                               count=torch.empty(1 if len(lead) == 1 else lead[0],
-                                                 dtype=torch.int32, device=dev))
-        if cfg.dispatch_fp8:
-            out.scales = torch.empty(lead + (cfg.hidden // FP8_BLOCK,), dtype=torch.float32,
-                                     device=dev)
-        if cfg.ll_layout == "rank_major":
-            out.topk_idx = torch.empty((rows, cfg.max_topk), dtype=torch.int32, device=dev)
-            if topk_weights is not None:
-                out.topk_weights = torch.empty((rows, cfg.max_topk), dtype=torch.float32,
-                                               device=dev)
-        else:
-            out.src = torch.empty(lead, dtype=torch.int32, device=dev)
-        _call(_C.dispatch, state.ptr, _tensor(x), _tensor(topk_weights), False, _tensor(out.x),
-              _tensor(out.topk_weights), _tensor(out.scales), _tensor(out.count),
-              _tensor(out.src), _tensor(out.topk_idx), send_only, self._stream())
+                    topk_weights: Optional[torch.Tensor], send_only: bool,
+                    out: Optional[LLDispatchOutput] = None) -> LLDispatchOutput:
+        if out is None:
+            with_weights = topk_weights is not None
+            fields = self._ll_fields[with_weights]
+            if fields is None:  # once per group and weights/no weights
+                fields = self._ll_fields[with_weights] = ll_dispatch_fields(
+                    self.config, self.world_size, with_weights)
+            dev = self.device
+            out = LLDispatchOutput(*[None if f is None else
+                                     torch.empty(f[0], dtype=f[1], device=dev) for f in fields])
+        _C.dispatch(state.ptr, _tensor(x), _tensor(topk_weights), False, _tensor(out.x),
+                    _tensor(out.topk_weights), _tensor(out.scales), _tensor(out.count),
+                    _tensor(out.src), _tensor(out.topk_idx), send_only, self._stream())
         return out
 
     def ll_combine(self, state: CudaLLHandleState, expert_out: torch.Tensor,
-                   topk_weights: Optional[torch.Tensor], send_only: bool) -> torch.Tensor:
-        y = torch.empty((state.num_tokens, self.config.hidden), dtype=expert_out.dtype,
-                        device=self.device)
-        _call(_C.combine, state.ptr, _tensor(expert_out), _tensor(topk_weights), _tensor(y),
-              send_only, self._stream())
+                   topk_weights: Optional[torch.Tensor], send_only: bool,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        y = out if out is not None else torch.empty(
+            (state.num_tokens, self.config.hidden), dtype=self.config.dtype, device=self.device)
+        _C.combine(state.ptr, _tensor(expert_out), _tensor(topk_weights), _tensor(y), send_only,
+                   self._stream())
         return y
 
     def ll_complete(self, state: CudaLLHandleState) -> None:
-        _call(_C.complete, state.ptr, self._stream())
+        _C.complete(state.ptr, self._stream())
 
     def check_errors(self, synchronize: bool = True) -> None:
         """Raises the group's device-side error, if any (it stays: destroy the group). With
         ``synchronize`` the current stream is synchronized first, so the check is complete."""
         if synchronize:
             torch.cuda.current_stream(self.device).synchronize()
-        _call(_C.group_check_errors, self._group)
+        _C.group_check_errors(self._group)
 
     def destroy(self) -> None:
         if self._group:
             self._handles.clear()  # the group frees its live handles
             group, self._group = self._group, 0
-            _call(_C.group_destroy, group)
+            _C.group_destroy(group)
         if self._comm:
             comm, self._comm = self._comm, 0
-            _call(_C.comm_destroy, comm)
+            _C.comm_destroy(comm)
 
     def __del__(self):
         try:

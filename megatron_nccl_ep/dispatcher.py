@@ -194,6 +194,7 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         self.routing_map = None
         self.shared_experts = None  # set by MoELayer with moe_shared_expert_overlap
         self._handle = None
+        self._route_memo = None  # _route's last answer and what it depended on
         # Capacity mode: per expert, the most tokens this rank sent it in one step since the last
         # check ([E] on the device, also updated by graph replays), and the budget (rows, factor,
         # tokens) it is held to; check_budgets() reads them. The MoELayer (weakly), for the layer
@@ -228,17 +229,18 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
             return 1
         return max(1, get_align_size_for_quantization(self.config))
 
-    def expert_capacity(self, num_tokens: int) -> int:
+    def expert_capacity(self, num_tokens: int, options: Optional[NcclEpOptions] = None) -> int:
         """The rows each source rank gets in each local expert's block of the fixed layout
         (docs/design.md §3), computed as Megatron's alltoall computes its capacity for this
         rank's ``num_tokens`` (every rank of the EP group must have the same token count).
         Drop-and-pad: Megatron's capacity (its router drops the rest). Capacity mode: the static
         budget ``--nccl-ep-capacity-factor`` x tokens x top-k / experts, dropless within it
         (check_budgets raises after a step that needed more); 0 in exact mode (rows as routed)."""
+        options = options or self.options()
         if self.drop_and_pad:
             factor = self.config.moe_expert_capacity_factor
-        elif self.options().recv_mode == "capacity":
-            factor = self.options().capacity_factor
+        elif options.recv_mode == "capacity":
+            factor = options.capacity_factor
         else:
             return 0
         return get_capacity(num_tokens=num_tokens * self.topk, num_experts=self.num_experts,
@@ -262,6 +264,28 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
                 f"{self.topk} / {self.num_experts} experts); the tokens past it were dropped in "
                 f"that step. Raise --nccl-ep-capacity-factor to at least {fits:.3g} and resume "
                 "from the last checkpoint")
+
+    def _route(self, hidden_states: torch.Tensor) -> tuple:
+        """``(options, capacity, group)`` of this forward: the last forward's when its tokens'
+        shape, dtype and device, the options, the layout and the training arguments are the same
+        and no group was destroyed since (a few compares: a per-layer host path), else worked
+        out and looked up."""
+        options, args = self.options(), training_args()
+        signature = (hidden_states.shape, hidden_states.dtype, hidden_states.device,
+                     self.drop_and_pad, _groups.generation)
+        memo = self._route_memo
+        if memo is not None and memo[0] is options and memo[1] is args and memo[2] == signature:
+            return memo[3]
+        # Drop-and-pad: Megatron's router pads every expert's column to its capacity with
+        # zero-probability tokens, so a token may be routed to every expert (max_topk = E).
+        topk = self.num_experts if self.drop_and_pad else self.topk
+        capacity = self.expert_capacity(hidden_states.shape[0], options)
+        group = _group_for(self.comm_group, self.tp_size * self.num_experts,
+                           self.tp_size * topk, hidden_states, options,
+                           self.expert_alignment(), capacity)
+        route = (options, capacity, group)
+        self._route_memo = (options, args, signature, route)
+        return route
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
                             probs: torch.Tensor):
@@ -292,14 +316,8 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         handle's receive count is read here, the layer's one host read)."""
         if self.shared_experts is not None:  # its fc1 may not start before our inputs exist
             self.shared_experts.wait_current_stream()
-        # Drop-and-pad: Megatron's router pads every expert's column to its capacity with
-        # zero-probability tokens, so a token may be routed to every expert (max_topk = E).
-        topk = self.num_experts if self.drop_and_pad else self.topk
-        options, num_tokens = self.options(), hidden_states.shape[0]
-        capacity = self.expert_capacity(num_tokens)
-        group = _group_for(self.comm_group, self.tp_size * self.num_experts,
-                           self.tp_size * topk, hidden_states, options,
-                           self.expert_alignment(), capacity)
+        options, capacity, group = self._route(hidden_states)
+        num_tokens = hidden_states.shape[0]
         routing_map, self.routing_map = self.routing_map, None
         # The budget's use, on the device; a graph warm-up's zero inputs (every token on the
         # same experts) are no step's routing.

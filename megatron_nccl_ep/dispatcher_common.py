@@ -33,6 +33,9 @@ class GroupCache:
 
     def __init__(self):
         self.groups: dict = {}
+        # Counts destroy() calls: a layer that kept its group from a lookup keeps it while this
+        # is unchanged (the dispatchers' per-layer memo).
+        self.generation = 0
 
     def get(self, key, make: Callable):
         group = self.groups.get(key)
@@ -43,5 +46,6 @@ class GroupCache:
     def destroy(self) -> None:
         """Destroys every cached Group (collective over each group's ranks), e.g. before
         ``torch.distributed.destroy_process_group``."""
+        self.generation += 1
         while self.groups:
             self.groups.popitem()[1].destroy()

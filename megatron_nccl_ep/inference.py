@@ -92,6 +92,7 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         self.num_experts = num_experts
         self.topk = config.moe_router_topk
         self._handle = None
+        self._group_memo = None  # _group's last answer and what it depended on
         # Handles made while a CUDA graph was being captured: the graph replays their kernels
         # on their buffers, so they live as long as this dispatcher.
         self._captured_handles: list = []
@@ -129,8 +130,27 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         return tokens
 
     def _group(self, tokens: torch.Tensor, dtype: torch.dtype) -> Group:
+        """This step's group: the last step's when the options, the token budget, the hidden
+        size, dtype and device are the same and no group was destroyed since (a few compares:
+        a per-layer host path), else looked up."""
         options = self.options()
+        signature = (NcclEpInferenceDispatcher._token_budget, tokens.shape[1], dtype,
+                     tokens.device, _groups.generation)
+        memo = self._group_memo
+        if memo is not None and memo[0] is options and memo[1] == signature:
+            return memo[2]
+        group = self._look_up_group(tokens, dtype, options)
+        self._group_memo = (options, signature, group)
+        return group
+
+    def _check_budget(self, tokens: int, limit: int) -> None:
+        if tokens > limit:
+            raise ValueError(f"nccl_ep inference dispatcher: {tokens} tokens on rank "
+                             f"{self.ep_rank}, more than the token budget per rank {limit}")
+
+    def _look_up_group(self, tokens: torch.Tensor, dtype: torch.dtype, options) -> Group:
         max_tokens = self.max_tokens_per_rank()
+        self._check_budget(tokens.shape[0], max_tokens)
         num_sms = ll_num_sms(options, tokens.device)
         key = (self.ep_group, self.num_experts, self.topk, tokens.shape[1], dtype, tokens.device,
                max_tokens, options.backend, num_sms, options.timeout_s)
@@ -161,17 +181,14 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         another rank's expert or no row) and the valid-rows tensor the experts read to this
         dispatch's count. No host read."""
         tokens = hidden_states.shape[0]
-        limit = self.max_tokens_per_rank()
-        if tokens > limit:
-            raise ValueError(f"nccl_ep inference dispatcher: {tokens} tokens on rank "
-                             f"{self.ep_rank}, more than the token budget per rank {limit}")
+        dtype = self.payload_dtype or hidden_states.dtype
+        group = self._group(hidden_states, dtype)  # a new group only for tokens within budget
+        self._check_budget(tokens, group.config.max_tokens_per_rank)
         if self.routing_map is None or tuple(self.routing_map.shape) != (tokens, self.topk):
             raise ValueError(
                 f"nccl_ep inference dispatcher: expected the router's top-k ids [{tokens}, "
                 f"{self.topk}] from dispatch_preprocess, got "
                 f"{None if self.routing_map is None else tuple(self.routing_map.shape)}")
-        dtype = self.payload_dtype or hidden_states.dtype
-        group = self._group(hidden_states, dtype)
         handle = group.create_handle(topk_idx=self.routing_map)
         out = handle.dispatch(hidden_states.to(dtype), probs)
         if _capturing(hidden_states.device):

@@ -4,7 +4,8 @@
 A handle is made without communication; ``dispatch`` and ``combine`` are collective and
 stream-ordered, never read anything back to the host, and with ``send_only=True`` only send:
 ``complete()`` receives. The rule for ops in flight (two buffer sets per kind) is ``InFlight``'s,
-checked here on every rank alike before anything is enqueued (docs/design.md §9).
+checked here on every rank alike before anything is enqueued (docs/design.md §9). What a group's
+handles share (``LLGroupState``) is made once per group.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import torch
 
 from .config import INDEX_DTYPES, PROB_DTYPES
 from .handle_lifetime import BackendHandle
-from .outputs import LLDispatchOutput
+from .outputs import FIELDS, LLDispatchOutput, ll_dispatch_fields
 
 _KINDS = ("dispatch", "combine")
+_FP32 = (torch.float32,)
 _PLURAL = {"dispatch": "dispatches", "combine": "combines"}
 
 
@@ -33,6 +35,8 @@ class InFlight:
 
     def check_room(self, kind: str) -> None:
         ops = self.pending[kind]
+        if not ops:
+            return
         if len(ops) >= 2:
             raise RuntimeError(
                 f"LL {kind}: two {_PLURAL[kind]} are already in flight on this group (sent with "
@@ -55,6 +59,18 @@ class InFlight:
         del self.pending[kind][handle]
 
 
+class LLGroupState:
+    """What the handles of one LL group share: the ops in flight and the shapes of a valid call's
+    tensors, worked out once per group."""
+
+    def __init__(self, config, world_size: int):
+        self.in_flight = InFlight()
+        # ll_dispatch_fields without and with dispatched weights.
+        self.fields = tuple(ll_dispatch_fields(config, world_size, w) for w in (False, True))
+        # A combine's expert_out: the dispatch's rows, in the group's dtype.
+        self.rows = self.fields[0][0][0]
+
+
 class LLHandle(BackendHandle):
     """The routing of one LL step (one layer, one micro-batch): ``topk_idx [T, K]``. Its combine
     returns the rows of its latest dispatch (docs/design.md §9, Handle)."""
@@ -62,11 +78,16 @@ class LLHandle(BackendHandle):
     def __init__(self, group, state, num_tokens: int, topk: int):
         super().__init__(group, state, num_tokens, topk)
         self._pending: Optional[str] = None  # the kind sent with send_only, not completed
+        self._pending_out = None  # that op's given output (out=), which it writes at complete()
         self._dispatched = False
+        self._shared: LLGroupState = group._ll
+        # What a valid call passes (the lean path: Group._matches).
+        self._x_shape = (num_tokens, group.config.hidden)
+        self._w_shape = (num_tokens, topk)
 
     # -- checks ------------------------------------------------------------------------------------
     def _in_flight(self) -> InFlight:
-        return self.group._ll_in_flight
+        return self._shared.in_flight
 
     def _check_ready(self, kind: str) -> None:
         self._require_alive()
@@ -84,16 +105,56 @@ class LLHandle(BackendHandle):
         self.group._check_tensor(name, w, 2, PROB_DTYPES, (self.num_tokens, self.topk))
         return w.to(torch.float32).contiguous()
 
-    def _rows_shape(self) -> tuple:
-        cfg, R = self.group.config, self.group.world_size
-        rows = R * cfg.max_tokens_per_rank
-        if cfg.ll_layout == "expert_major":
-            return (self.group.num_local_experts, rows, cfg.hidden)
-        return (rows, cfg.hidden)
+    def _out_matches(self, out, with_weights: bool) -> bool:
+        """Whether ``out`` is an ``LLDispatchOutput`` of exactly this group's fields."""
+        if not isinstance(out, LLDispatchOutput):
+            return False
+        for name, field in zip(FIELDS, self._shared.fields[with_weights]):
+            t = getattr(out, name)
+            if field is None:
+                if t is not None:
+                    return False
+            elif not self.group._matches(t, (field[1],), field[0]):
+                return False
+        return True
+
+    def _check_out(self, out, with_weights: bool) -> None:
+        """``dispatch(out=...)``'s full check, raising the error that names the field."""
+        if not isinstance(out, LLDispatchOutput):
+            raise TypeError(f"out must be an LLDispatchOutput (a dispatch's return value), got "
+                            f"{type(out).__name__}")
+        for name, field in zip(FIELDS, self._shared.fields[with_weights]):
+            t = getattr(out, name)
+            if field is None:
+                if t is not None:
+                    raise ValueError(f"out.{name} must be None for this group's layout and "
+                                     "weights (outputs.ll_dispatch_fields)")
+                continue
+            if t is None:
+                raise ValueError(f"out.{name} is required for this group's layout and weights "
+                                 f"(outputs.ll_dispatch_fields), got None")
+            self.group._check_tensor(f"out.{name}", t, len(field[0]), (field[1],), field[0])
+            if not t.is_contiguous():
+                raise ValueError(f"out.{name} must be contiguous (the library writes it row by "
+                                 "row)")
+
+    def _check_not_pending(self, kind: str, out_ptr: int) -> None:
+        """A given output must not be one that a pending op of ``kind`` still writes."""
+        for handle in self._in_flight().pending[kind]:
+            pending = handle._pending_out
+            if pending is not None and pending.data_ptr() == out_ptr:
+                raise ValueError(
+                    f"LL {kind}: out is the output of a {kind} sent with send_only=True and not "
+                    f"completed, which writes it at complete(): call complete() on that handle "
+                    f"first, or pass another output")
 
     # -- ops ---------------------------------------------------------------------------------------
+    # Each op's lean path: a handle with no op pending, and arguments with the signature a valid
+    # call has (Group._matches; weights already fp32), skip the checks that build messages and
+    # copies; any other call runs them in full, with the same errors.
     def dispatch(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, *,
-                 send_only: bool = False) -> LLDispatchOutput:
+                 send_only: bool = False,
+                 out: Optional[LLDispatchOutput] = None) -> LLDispatchOutput:
         """Collective: this rank's tokens to every rank that holds one of their experts.
 
         Args:
@@ -101,29 +162,46 @@ class LLHandle(BackendHandle):
             topk_weights: optional ``[T, K]``, any float dtype (sent as fp32; the rank-major
                 layout returns them as ``topk_weights``).
             send_only: only send; ``complete()`` receives (the outputs are written then).
+            out: optional, an earlier dispatch's ``LLDispatchOutput`` of this group to write
+                into instead of new tensors (the same fields: ``topk_weights`` only where this
+                dispatch sends weights to a rank-major layout); not one that a pending
+                ``send_only`` dispatch still writes. Its earlier contents are overwritten in
+                stream order.
 
         Returns:
-            ``LLDispatchOutput`` (its fields' shapes and dtypes: outputs.py): expert-major
-            ``x [L, R*T_max, H]``, ``count [L]``, ``src``; rank-major ``x [R*T_max, H]``,
-            ``count [1]``, ``topk_idx`` and ``topk_weights``; FP8 ``scales``.
+            ``LLDispatchOutput`` (``out`` when given; its fields' shapes and dtypes:
+            outputs.py): expert-major ``x [L, R*T_max, H]``, ``count [L]``, ``src``; rank-major
+            ``x [R*T_max, H]``, ``count [1]``, ``topk_idx`` and ``topk_weights``; FP8 ``scales``.
         """
-        cfg = self.group.config
-        self._check_ready("dispatch")
-        prepared = {}
+        group = self.group
+        cfg = group.config
+        weighted = topk_weights is not None
+        if (self._state is not None and group._backend is not None and self._pending is None
+                and not self._shared.in_flight.pending["dispatch"]
+                and group._matches(x, (cfg.dtype,), self._x_shape)
+                and (not weighted or group._matches(topk_weights, _FP32, self._w_shape))
+                and (out is None or self._out_matches(out, weighted))):
+            group._backend.agree_on_arguments("LL dispatch", None)
+        else:
+            self._check_ready("dispatch")
+            prepared = {}
 
-        def check():
-            self.group._check_tensor("x", x, 2, (cfg.dtype,), (self.num_tokens, cfg.hidden))
-            prepared["w"] = self._weights("topk_weights", topk_weights)
+            def check():
+                group._check_tensor("x", x, 2, (cfg.dtype,), self._x_shape)
+                prepared["w"] = self._weights("topk_weights", topk_weights)
+                if out is not None:
+                    self._check_out(out, weighted)
+                    self._check_not_pending("dispatch", out.x.data_ptr())
 
-        self.group._check_agreed("LL dispatch", check)
-        out = self.group._backend.ll_dispatch(self._state, x.contiguous(), prepared["w"],
-                                              bool(send_only))
+            group._check_agreed("LL dispatch", check)
+            x, topk_weights = x.contiguous(), prepared["w"]
+        result = group._backend.ll_dispatch(self._state, x, topk_weights, bool(send_only), out)
         self._dispatched = True
-        self._after_send("dispatch", send_only)
-        return out
+        self._after_send("dispatch", send_only, result.x)
+        return result
 
     def combine(self, expert_out: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, *,
-                send_only: bool = False) -> torch.Tensor:
+                send_only: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Collective: the expert outputs back to their tokens' ranks, summed in a fixed order.
 
         Args:
@@ -132,32 +210,50 @@ class LLHandle(BackendHandle):
             topk_weights: expert-major: ``[T, K]``, the weights of the sum (required);
                 rank-major: None.
             send_only: only send; ``complete()`` receives (``y`` is written then).
+            out: optional ``[T, H]`` of the group's dtype, contiguous, to write ``y`` into (not
+                the output of a pending ``send_only`` combine).
 
         Returns:
-            ``y [T, H]``, the group's dtype.
+            ``y [T, H]`` (``out`` when given), the group's dtype.
         """
-        cfg = self.group.config
-        self._check_ready("combine")
-        prepared = {}
+        group = self.group
+        cfg = group.config
+        expert_major = cfg.ll_layout == "expert_major"
+        dtypes, rows = (cfg.dtype,), self._shared.rows
+        if (self._state is not None and group._backend is not None and self._pending is None
+                and self._dispatched and not self._shared.in_flight.pending["combine"]
+                and group._matches(expert_out, dtypes, rows)
+                and (group._matches(topk_weights, _FP32, self._w_shape) if expert_major
+                     else topk_weights is None)
+                and (out is None or group._matches(out, dtypes, self._x_shape))):
+            group._backend.agree_on_arguments("LL combine", None)
+        else:
+            self._check_ready("combine")
+            prepared = {}
 
-        def check():
-            self.group._check_tensor("expert_out", expert_out, len(self._rows_shape()),
-                                     (cfg.dtype,), self._rows_shape())
-            if cfg.ll_layout == "expert_major":
-                if topk_weights is None:
-                    raise TypeError("LL combine (expert_major): topk_weights [T, K] is required "
-                                    "(y[t] = sum over k of w[t, k] * out(t, k))")
-                prepared["w"] = self._weights("topk_weights", topk_weights)
-            else:
-                if topk_weights is not None:
-                    raise TypeError("LL combine (rank_major): topk_weights must be None (each "
-                                    "rank's partial rows are already weighted)")
-                prepared["w"] = None
+            def check():
+                group._check_tensor("expert_out", expert_out, len(rows), dtypes, rows)
+                if expert_major:
+                    if topk_weights is None:
+                        raise TypeError("LL combine (expert_major): topk_weights [T, K] is "
+                                        "required (y[t] = sum over k of w[t, k] * out(t, k))")
+                    prepared["w"] = self._weights("topk_weights", topk_weights)
+                else:
+                    if topk_weights is not None:
+                        raise TypeError("LL combine (rank_major): topk_weights must be None "
+                                        "(each rank's partial rows are already weighted)")
+                    prepared["w"] = None
+                if out is not None:
+                    group._check_tensor("out", out, 2, dtypes, self._x_shape)
+                    if not out.is_contiguous():
+                        raise ValueError("out must be contiguous (the library writes it row by "
+                                         "row)")
+                    self._check_not_pending("combine", out.data_ptr())
 
-        self.group._check_agreed("LL combine", check)
-        y = self.group._backend.ll_combine(self._state, expert_out.contiguous(), prepared["w"],
-                                           bool(send_only))
-        self._after_send("combine", send_only)
+            group._check_agreed("LL combine", check)
+            expert_out, topk_weights = expert_out.contiguous(), prepared["w"]
+        y = group._backend.ll_combine(self._state, expert_out, topk_weights, bool(send_only), out)
+        self._after_send("combine", send_only, y)
         return y
 
     def complete(self) -> None:
@@ -168,18 +264,19 @@ class LLHandle(BackendHandle):
                                "pending")
         self.group._backend.ll_complete(self._state)
         self._in_flight().finish(self._pending, self)
-        self._pending = None
+        self._pending = self._pending_out = None
 
-    def _after_send(self, kind: str, send_only: bool) -> None:
+    def _after_send(self, kind: str, send_only: bool, written: torch.Tensor) -> None:
+        """``written``: the op's output that ``complete()`` writes when ``send_only``."""
         if send_only:
-            self._pending = kind
-        self._in_flight().issue(kind, self, send_only)
+            self._pending, self._pending_out = kind, written
+        self._shared.in_flight.issue(kind, self, send_only)
 
     # -- lifetime ----------------------------------------------------------------------------------
     def _before_destroy(self) -> None:
         if self._pending is not None:
             self._in_flight().finish(self._pending, self)
-            self._pending = None
+            self._pending = self._pending_out = None
 
 
 def check_ll_routing(group, topk_idx: torch.Tensor) -> None:

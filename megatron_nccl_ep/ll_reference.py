@@ -30,10 +30,11 @@ import torch
 
 from .config import FP8_BLOCK, GroupConfig
 from .fp8 import FP8_DTYPE, fp8_cast
-from .outputs import LLDispatchOutput
+from .outputs import FIELDS, LLDispatchOutput, ll_dispatch_fields
 
 FP8_POISON_BYTE = 0x7F  # a NaN of float8_e4m3fn
 _INT32_POISON = torch.iinfo(torch.int32).min
+_POISON = {"count": -1, "src": -1, "topk_idx": _INT32_POISON}  # else NaN
 
 
 # -- the source ---------------------------------------------------------------------------------
@@ -142,29 +143,19 @@ def receive_record(config: GroupConfig, world_size: int, rank: int, src: torch.T
 
 def empty_dispatch_output(config: GroupConfig, world_size: int, device,
                           with_weights: bool) -> LLDispatchOutput:
-    """The layout's output tensors, all poison (see the module's notes)."""
-    R, T_max, H = world_size, config.max_tokens_per_rank, config.hidden
-    L = config.num_experts // R
-    lead = (L, R * T_max) if config.ll_layout == "expert_major" else (R * T_max,)
-    if config.dispatch_fp8:
-        x = torch.full(lead + (H,), FP8_POISON_BYTE, dtype=torch.uint8,
-                       device=device).view(FP8_DTYPE)
-        scales = torch.full(lead + (H // FP8_BLOCK,), float("nan"), dtype=torch.float32,
-                            device=device)
-    else:
-        x = torch.full(lead + (H,), float("nan"), dtype=config.dtype, device=device)
-        scales = None
-    if config.ll_layout == "expert_major":
-        return LLDispatchOutput(x, torch.full((L,), -1, dtype=torch.int32, device=device),
-                                scales, src=torch.full(lead, -1, dtype=torch.int32,
-                                                       device=device))
-    rows = (R * T_max, config.max_topk)
-    weights = (torch.full(rows, float("nan"), dtype=torch.float32, device=device)
-               if with_weights else None)
-    return LLDispatchOutput(x, torch.full((1,), -1, dtype=torch.int32, device=device), scales,
-                            topk_idx=torch.full(rows, _INT32_POISON, dtype=torch.int32,
-                                                device=device),
-                            topk_weights=weights)
+    """The layout's output tensors (``outputs.ll_dispatch_fields``), all poison (see the
+    module's notes)."""
+    made = []
+    for name, field in zip(FIELDS, ll_dispatch_fields(config, world_size, with_weights)):
+        if field is None:
+            made.append(None)
+        elif field[1] == FP8_DTYPE:
+            made.append(torch.full(field[0], FP8_POISON_BYTE, dtype=torch.uint8,
+                                   device=device).view(FP8_DTYPE))
+        else:
+            made.append(torch.full(field[0], _POISON.get(name, float("nan")), dtype=field[1],
+                                   device=device))
+    return LLDispatchOutput(*made)
 
 
 def fill_dispatch(out: LLDispatchOutput, config: GroupConfig, world_size: int, rank: int,

@@ -1,5 +1,6 @@
 """The types the backends build and the front end returns (below both: backends never import
-the front end): ``LLDispatchOutput``, one LL dispatch's outputs."""
+the front end): ``LLDispatchOutput``, one LL dispatch's outputs, and ``ll_dispatch_fields``, the
+one statement of their shapes and dtypes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import dataclasses
 from typing import Optional
 
 import torch
+
+from .limits import FP8_BLOCK
 
 
 @dataclasses.dataclass
@@ -25,3 +28,23 @@ class LLDispatchOutput:
     src: Optional[torch.Tensor] = None
     topk_idx: Optional[torch.Tensor] = None
     topk_weights: Optional[torch.Tensor] = None
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(LLDispatchOutput))
+
+
+def ll_dispatch_fields(config, world_size: int, with_weights: bool) -> tuple:
+    """The outputs of one LL dispatch of a group of ``config`` on ``world_size`` ranks, in the
+    order of ``LLDispatchOutput``'s fields: ``(shape, dtype)`` each, None for a field the layout
+    leaves out (``with_weights``: the dispatch sends weights, which rank-major returns)."""
+    rows = world_size * config.max_tokens_per_rank
+    rank_major = config.ll_layout == "rank_major"
+    lead = (rows,) if rank_major else (config.num_experts // world_size, rows)
+    x_dtype = torch.float8_e4m3fn if config.dispatch_fp8 else config.dtype
+    scales = (lead + (config.hidden // FP8_BLOCK,), torch.float32) if config.dispatch_fp8 else None
+    if rank_major:
+        per_slot = (rows, config.max_topk)
+        return ((lead + (config.hidden,), x_dtype), ((1,), torch.int32), scales, None,
+                (per_slot, torch.int32), (per_slot, torch.float32) if with_weights else None)
+    return ((lead + (config.hidden,), x_dtype), (lead[:1], torch.int32), scales,
+            (lead, torch.int32), None, None)

@@ -518,7 +518,8 @@ class ReferenceBackend:
         return ReferenceLLState(idx, error, plan)
 
     def ll_dispatch(self, state: ReferenceLLState, x: torch.Tensor,
-                    topk_weights: Optional[torch.Tensor], send_only: bool) -> LLDispatchOutput:
+                    topk_weights: Optional[torch.Tensor], send_only: bool,
+                    out: Optional[LLDispatchOutput] = None) -> LLDispatchOutput:
         cfg, R, op = self.config, self.world_size, "LL dispatch"
         # One all-gather settles what the messages need: any rank's routing error, the weights
         # on every rank or none, and how many messages each rank sends to each.
@@ -538,7 +539,8 @@ class ReferenceBackend:
         messages = self._all_to_all_rows(
             op, llr.pack_dispatch(cfg, x, state.topk_idx, weights, state.plan), sends,
             recv_counts)
-        out = llr.empty_dispatch_output(cfg, R, x.device, with_weights)
+        if out is None:
+            out = llr.empty_dispatch_output(cfg, R, x.device, with_weights)
 
         def complete():
             state.received = llr.fill_dispatch(out, cfg, R, self.rank, messages, recv_counts,
@@ -548,13 +550,15 @@ class ReferenceBackend:
         return out
 
     def ll_combine(self, state: ReferenceLLState, expert_out: torch.Tensor,
-                   topk_weights: Optional[torch.Tensor], send_only: bool) -> torch.Tensor:
+                   topk_weights: Optional[torch.Tensor], send_only: bool,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
         cfg, R = self.config, self.world_size
         rows, sends = llr.pack_combine(cfg, R, state.received, expert_out)
         recv_counts = llr.combine_recv_counts(cfg, R, state.topk_idx, state.plan)
         returned = self._all_to_all_rows("LL combine", rows, sends, recv_counts)
-        y = torch.full((state.topk_idx.shape[0], cfg.hidden), float("nan"), dtype=cfg.dtype,
-                       device=expert_out.device)  # poison until written
+        y = out if out is not None else torch.full(
+            (state.topk_idx.shape[0], cfg.hidden), float("nan"), dtype=cfg.dtype,
+            device=expert_out.device)  # poison until written
         self._finish_or_keep(state, lambda: llr.finish_combine(
             y, cfg, R, state.topk_idx, topk_weights, state.plan, returned, recv_counts),
             send_only)

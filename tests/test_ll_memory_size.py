@@ -59,4 +59,4 @@ def test_the_library_checks_the_config_it_sizes():
     bad = ll_config(8)
     object.__setattr__(bad, "max_tokens_per_rank", 2048)  # past validate(): the C check's turn
     with pytest.raises(ValueError, match=r"max_tokens_per_rank \(T_max\) <= 1024"):
-        cuda_backend._call(cuda_backend._C.memory_size, cuda_backend._c_config(bad), 8)
+        cuda_backend._C.memory_size(cuda_backend._c_config(bad), 8)

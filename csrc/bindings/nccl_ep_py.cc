@@ -4,8 +4,9 @@
  * Tensors travel as specs (data_ptr, shape, dtype code) or None (tensor() below), positionally in
  * the order of the C structs' fields; one binding per C entry point (dispatch and combine serve
  * HT and LL, as ncclEpDispatch and ncclEpCombine do).
- * Failures raise ValueError (ncclInvalidArgument / ncclInvalidUsage) or RuntimeError (others)
- * with ncclEpGetLastError()'s text. Blocking calls release the GIL.
+ * Failures raise ValueError (ncclInvalidArgument / ncclInvalidUsage) or
+ * megatron_nccl_ep.errors.NcclEpError (others, a RuntimeError) with ncclEpGetLastError()'s
+ * text, so that the package calls the bindings directly. Blocking calls release the GIL.
  */
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -21,24 +22,29 @@ namespace py = pybind11;
 
 namespace {
 
-// std::invalid_argument becomes ValueError, std::runtime_error RuntimeError (pybind11's standard
-// translation, done once the GIL is back, so throwing inside gil_scoped_release is fine).
+// std::invalid_argument becomes ValueError (pybind11's standard translation), RuntimeErrorEx
+// NcclEpError (the translator registered below); both are translated once the GIL is back, so
+// throwing inside gil_scoped_release is fine.
 struct ValueErrorEx : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
+struct RuntimeErrorEx : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+PyObject* nccl_ep_error = nullptr;  // megatron_nccl_ep.errors.NcclEpError, held for the process
 
 void check(ncclResult_t r, const char* what) {
   if (r == ncclSuccess) return;
   std::string msg = ncclEpGetLastError();
   if (msg.empty()) msg = std::string(what) + " failed: " + ncclGetErrorString(r);
   if (r == ncclInvalidArgument || r == ncclInvalidUsage) throw ValueErrorEx(msg);
-  throw std::runtime_error(msg);
+  throw RuntimeErrorEx(msg);
 }
 
 void check_nccl(ncclResult_t r, const char* what) {
   if (r == ncclSuccess) return;
   const char* last = ncclGetLastError(nullptr);
-  throw std::runtime_error(std::string(what) + " failed: " + ncclGetErrorString(r) +
+  throw RuntimeErrorEx(std::string(what) + " failed: " + ncclGetErrorString(r) +
                            (last != nullptr && *last ? std::string(": ") + last : std::string()));
 }
 
@@ -101,6 +107,15 @@ PYBIND11_MODULE(_C, m) {
   dtypes["float64"] = (int)ncclFloat64;
   dtypes["float8_e4m3fn"] = (int)ncclFloat8e4m3;
   m.attr("DTYPES") = dtypes;
+  nccl_ep_error =
+      py::object(py::module_::import("megatron_nccl_ep.errors").attr("NcclEpError")).release().ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const RuntimeErrorEx& e) {
+      PyErr_SetString(nccl_ep_error, e.what());
+    }
+  });
 
   m.def("get_last_error", []() { return std::string(ncclEpGetLastError()); });
   m.def("nccl_version", []() {

@@ -28,24 +28,27 @@ namespace {
 
 const char* const kKind[2] = {"ncclEpDispatch", "ncclEpCombine"};
 
-// A contiguous row-major tensor of `ndim` dimensions `sizes`, of `dtype`, 16-byte aligned.
+std::string shape_text(int ndim, const long long* sizes) {
+  std::string s = "(";
+  for (int i = 0; i < ndim; ++i)
+    s += std::to_string(sizes[i]) + (i + 1 < ndim ? ", " : ndim == 1 ? ",)" : ")");
+  return s;
+}
+
+// A contiguous row-major tensor of `ndim` dimensions `sizes`, of `dtype`, 16-byte aligned. A
+// valid call's checks are integer compares: the expected shape is written out only for a message.
 ncclResult_t check_nd(const ncclEpTensor_t& t, const char* name, int ndim, const long long* sizes,
                       ncclDataType_t dtype) {
-  std::string want = "(";
-  long long n = 1;
-  for (int i = 0; i < ndim; ++i) {
-    want += std::to_string(sizes[i]) + (i + 1 < ndim ? ", " : ndim == 1 ? ",)" : ")");
-    n *= sizes[i];
-  }
   EP_CHECK(t.ndim == ndim, ncclInvalidArgument, "%s must be %d-D %s, got %d dimensions", name,
-           ndim, want.c_str(), t.ndim);
-  long long stride = 1;
+           ndim, shape_text(ndim, sizes).c_str(), t.ndim);
+  long long stride = 1, n = 1;
   for (int i = ndim - 1; i >= 0; --i) {
     EP_CHECK(t.sizes[i] == sizes[i], ncclInvalidArgument, "%s must have shape %s, got size %lld "
-             "in dimension %d", name, want.c_str(), (long long)t.sizes[i], i);
+             "in dimension %d", name, shape_text(ndim, sizes).c_str(), (long long)t.sizes[i], i);
     EP_CHECK(t.sizes[i] <= 1 || t.strides[i] == stride, ncclInvalidArgument,
              "%s must be contiguous (row-major)", name);
     stride *= sizes[i];
+    n *= sizes[i];
   }
   EP_CHECK(t.dtype == dtype, ncclInvalidArgument, "%s must have dtype %s, got %s", name,
            dtype_name(dtype), dtype_name(t.dtype));

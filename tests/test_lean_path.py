@@ -1,0 +1,286 @@
+"""The ops' lean path (a call whose arguments have the signature a valid call has skips the
+checks that build messages) lets no wrong call through: after valid calls of every op, a call
+with another shape, dtype or device, a non-tensor, a destroyed handle or group, or (LL) a wrong
+``out=`` raises the error the full checks raise for it, and the group stays usable with the
+oracle's bits. Reference backend here; tests/gpu/test_cuda_lean_path.py runs the same cases on
+the cuda backend ("<device>" in a pattern stands for the group's device)."""
+
+import pytest
+import torch
+
+import dense
+import dist
+import ep_cases
+import ll_cases
+import ll_oracle
+import megatron_nccl_ep as ep
+from megatron_nccl_ep.outputs import LLDispatchOutput
+
+E, H, T, K = 8, 16, 6, 3
+
+
+def ht_setup(seed: int, device="cpu"):
+    rank, world = ep_cases.rank_and_size()
+    problem = dense.make_problem(seed, world, tokens=T, hidden=H, num_experts=E, topk=K,
+                                 dtype=torch.bfloat16)
+    group = ep.Group(num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=K,
+                     dtype=torch.bfloat16, backend="torch" if device == "cpu" else "cuda",
+                     device=device)
+    x, idx, probs = ep_cases.share(problem, rank, device=device)
+    return rank, problem, group, x, idx, probs
+
+
+def rows_like(handle, **kw):
+    return torch.ones(handle.num_recv_tokens, H, dtype=kw.get("dtype", torch.bfloat16),
+                      device=kw.get("device", handle.group.device))
+
+
+def raises(exc, pattern: str, group):
+    return pytest.raises(exc, match=pattern.replace("<device>", str(group.device)))
+
+
+# name -> (the wrong call (handle, group, x, probs), exception type, pattern), each made after
+# valid calls of every op on the same handle.
+HT_WRONG = {
+    "x_wrong_hidden": (lambda h, g, x, p: h.dispatch(x[:, :-1], p), ValueError,
+                       rf"x must have shape \({T}, {H}\), got \({T}, {H - 1}\)"),
+    "x_wrong_tokens": (lambda h, g, x, p: h.dispatch(torch.cat([x, x[:1]]), p), ValueError,
+                       rf"x must have shape \({T}, {H}\), got \({T + 1}, {H}\)"),
+    "x_wrong_dtype": (lambda h, g, x, p: h.dispatch(x.float(), p), TypeError,
+                      r"x must have dtype .*bfloat16.*got torch\.float32"),
+    "x_wrong_device": (lambda h, g, x, p: h.dispatch(x.to("meta"), p), ValueError,
+                       r"x must be on <device>, got meta"),
+    "x_3d": (lambda h, g, x, p: h.dispatch(x[None], p), ValueError, r"x must be 2-D"),
+    "x_not_a_tensor": (lambda h, g, x, p: h.dispatch(x.tolist(), p), TypeError,
+                       r"x must be a torch\.Tensor, got list"),
+    "probs_wrong_shape": (lambda h, g, x, p: h.dispatch(x, p[:, :1]), ValueError,
+                          rf"probs must have shape \({T}, {K}\)"),
+    "probs_integer": (lambda h, g, x, p: h.dispatch(x, (p * 10).long()), TypeError,
+                      r"probs must have dtype .*got torch\.int64"),
+    "expert_out_wrong_rows": (lambda h, g, x, p: h.combine(rows_like(h)[:-1]), ValueError,
+                              r"expert_out must have shape"),
+    "expert_out_wrong_dtype": (lambda h, g, x, p: h.combine(rows_like(h, dtype=torch.float16)),
+                               TypeError, r"expert_out must have dtype"),
+    "expert_out_wrong_device": (lambda h, g, x, p: h.combine(rows_like(h, device="meta")),
+                                ValueError, r"expert_out must be on <device>, got meta"),
+    "grad_recv_probs_wrong_shape": (
+        lambda h, g, x, p: h.combine_probs(p.new_ones(h.num_recv_tokens + 2)), ValueError,
+        r"grad_recv_probs must have shape"),
+    "grad_recv_probs_integer": (
+        lambda h, g, x, p: h.combine_probs(p.new_ones(h.num_recv_tokens, dtype=torch.int32)),
+        TypeError, r"grad_recv_probs must have dtype in"),
+    "destroyed_handle": (lambda h, g, x, p: (h.destroy(), h.dispatch(x, p)), RuntimeError,
+                         r"this Handle was destroyed"),
+    "destroyed_group": (lambda h, g, x, p: (g.destroy(), h.combine(rows_like(h))), RuntimeError,
+                        r"this Group was destroyed"),
+}
+
+
+def check_ht_wrong_after_valid(case_name: str, seed: int, device="cpu") -> None:
+    wrong, exc, pattern = HT_WRONG[case_name]
+    rank, problem, group, x, idx, probs = ht_setup(seed, device)
+    handle = group.create_handle(idx)
+    for _ in range(2):  # the signature of a valid call, twice
+        recv_x, recv_p = handle.dispatch(x, probs)
+        handle.combine(recv_x)
+        handle.combine_probs(recv_p)
+    with raises(exc, pattern, group):
+        wrong(handle, group, x, probs)
+    if case_name.startswith("destroyed"):
+        return
+    recv_x, recv_p = handle.dispatch(x, probs)  # still usable, with the oracle's bits
+    want_x, want_p, _, _ = dense.dispatch(problem, rank)
+    dense.assert_bitwise_equal(recv_x.cpu(), want_x, "recv_x after the wrong call")
+    dense.assert_bitwise_equal(recv_p.cpu(), want_p, "recv_probs after the wrong call")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("case_name", list(HT_WRONG))
+def test_ht_wrong_call_after_valid_calls_raises(case_name, world_size, seed):
+    dist.run(world_size, check_ht_wrong_after_valid, case_name, seed, timeout=60)
+
+
+def check_ht_strided_after_contiguous(seed: int, device="cpu") -> None:
+    """A strided input after a contiguous one is copied, not read as if contiguous."""
+    _, _, group, x, idx, probs = ht_setup(seed, device)
+    handle = group.create_handle(idx)
+    recv_x, recv_p = handle.dispatch(x, probs)
+    y = handle.combine(recv_x)
+    strided_x = x.t().contiguous().t()
+    strided_rows = recv_x.t().contiguous().t()
+    assert not strided_x.is_contiguous() and not strided_rows.is_contiguous()
+    again_x, again_p = handle.dispatch(strided_x, probs.t().contiguous().t())
+    dense.assert_bitwise_equal(again_x, recv_x, "recv_x of a strided x")
+    dense.assert_bitwise_equal(again_p, recv_p, "recv_probs of strided probs")
+    dense.assert_bitwise_equal(handle.combine(strided_rows), y, "y of strided rows")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_ht_strided_input_after_contiguous_is_copied(world_size, seed):
+    dist.run(world_size, check_ht_strided_after_contiguous, seed, timeout=60)
+
+
+# ------------------------------------------------------------------------------------------------
+# LL: the same, and out=
+# ------------------------------------------------------------------------------------------------
+
+T_MAX, K_MAX, LL_H = 6, 3, 128
+
+
+def ll_setup(layout: str, seed: int, device="cpu"):
+    rank, world = ep_cases.rank_and_size()
+    problem = ll_cases.make_ll_problem(world, (5, 6), LL_H, E, K_MAX, torch.bfloat16, seed=seed,
+                                       max_tokens=T_MAX)
+    group = ep.Group(backend="torch" if device == "cpu" else "cuda", device=device,
+                     **problem.group_fields(layout, False))
+    return rank, world, problem, group
+
+
+def bits_equal(a, b) -> bool:
+    return ep_cases.count_mismatches(a.cpu(), b.cpu()) == 0
+
+
+def other_out(out: LLDispatchOutput, **fields) -> LLDispatchOutput:
+    kept = {name: getattr(out, name) for name in ("x", "count", "scales", "src", "topk_idx",
+                                                  "topk_weights")}
+    kept.update(fields)
+    return LLDispatchOutput(**kept)
+
+
+def ll_inputs(problem, rank: int, layout: str, seed: int, world: int, group):
+    """This rank's tokens and weights, every rank's expected dispatch (CPU), this rank's expert
+    outputs and combine weights, on the group's device."""
+    dev = group.device
+    x, w = problem.x[rank].to(dev), problem.weights[rank].to(dev)
+    want = ll_oracle.ll_dispatch_all(group.config, world, problem.topk_idx, problem.x,
+                                     problem.weights)
+    eo = ll_cases.expert_outputs(problem, layout, [d.count for d in want], seed + 5)
+    cw = ll_cases.fresh_weights(problem, seed + 6) if layout == "expert_major" else None
+    return x, w, want, eo[rank].to(dev), None if cw is None else cw[rank].to(dev)
+
+
+# name -> (layout, the wrong call (handle, x, w, out, expert_out, combine weights), exception,
+# pattern), each after valid dispatches and combines of the same handle.
+LL_WRONG = {
+    "x_wrong_shape": ("rank_major", lambda h, x, w, o, eo, cw: h.dispatch(x[:, :-8], w),
+                      ValueError, r"x must have shape"),
+    "x_wrong_dtype": ("expert_major", lambda h, x, w, o, eo, cw: h.dispatch(x.half(), w),
+                      TypeError, r"x must have dtype"),
+    "x_wrong_device": ("rank_major", lambda h, x, w, o, eo, cw: h.dispatch(x.to("meta"), w),
+                       ValueError, r"x must be on <device>, got meta"),
+    "weights_wrong_shape": ("rank_major", lambda h, x, w, o, eo, cw: h.dispatch(x, w[:, :1]),
+                            ValueError, r"topk_weights must have shape"),
+    "weights_integer": ("expert_major", lambda h, x, w, o, eo, cw: h.dispatch(x, w.long()),
+                        TypeError, r"topk_weights must have dtype"),
+    "expert_out_wrong_shape": ("expert_major",
+                               lambda h, x, w, o, eo, cw: h.combine(eo[:, :-1], cw),
+                               ValueError, r"expert_out must have shape"),
+    "expert_out_wrong_dtype": ("rank_major", lambda h, x, w, o, eo, cw: h.combine(eo.half()),
+                               TypeError, r"expert_out must have dtype"),
+    "combine_weights_wrong_shape": ("expert_major",
+                                    lambda h, x, w, o, eo, cw: h.combine(eo, cw[:-1]),
+                                    ValueError, r"topk_weights must have shape"),
+    "out_not_an_output": ("rank_major", lambda h, x, w, o, eo, cw: h.dispatch(x, w, out=o.x),
+                          TypeError, r"out must be an LLDispatchOutput"),
+    "out_x_wrong_shape": ("expert_major", lambda h, x, w, o, eo, cw: h.dispatch(
+        x, w, out=other_out(o, x=o.x[:, :-1])), ValueError, r"out\.x must have shape"),
+    "out_count_wrong_dtype": ("rank_major", lambda h, x, w, o, eo, cw: h.dispatch(
+        x, w, out=other_out(o, count=o.count.long())), TypeError, r"out\.count must have dtype"),
+    "out_without_weights": ("rank_major", lambda h, x, w, o, eo, cw: h.dispatch(
+        x, w, out=other_out(o, topk_weights=None)), ValueError,
+        r"out\.topk_weights is required"),
+    "out_with_weights_not_sent": ("rank_major", lambda h, x, w, o, eo, cw: h.dispatch(
+        x, None, out=o), ValueError, r"out\.topk_weights must be None"),
+    "out_strided": ("rank_major", lambda h, x, w, o, eo, cw: h.dispatch(
+        x, w, out=other_out(o, topk_idx=o.topk_idx.t().contiguous().t())), ValueError,
+        r"out\.topk_idx must be contiguous"),
+    "combine_out_wrong_shape": ("rank_major", lambda h, x, w, o, eo, cw: h.combine(
+        eo, out=x.new_empty((x.shape[0] + 1, LL_H))), ValueError, r"out must have shape"),
+    "combine_out_wrong_dtype": ("expert_major", lambda h, x, w, o, eo, cw: h.combine(
+        eo, cw, out=x.new_empty(x.shape, dtype=torch.float32)), TypeError,
+        r"out must have dtype"),
+    "destroyed_handle": ("rank_major", lambda h, x, w, o, eo, cw: (h.destroy(), h.dispatch(x, w)),
+                         RuntimeError, r"this LLHandle was destroyed"),
+}
+
+
+def check_ll_wrong_after_valid(case_name: str, seed: int, device="cpu") -> None:
+    layout, wrong, exc, pattern = LL_WRONG[case_name]
+    rank, world, problem, group = ll_setup(layout, seed, device)
+    x, w, want, eo, cw = ll_inputs(problem, rank, layout, seed, world, group)
+    handle = group.create_handle(problem.topk_idx[rank].to(group.device))
+    for _ in range(2):  # the signature of a valid call, twice
+        out = handle.dispatch(x, w)
+        handle.combine(eo, cw)
+    with raises(exc, pattern, group):
+        wrong(handle, x, w, out, eo, cw)
+    if case_name.startswith("destroyed"):
+        return
+    out = handle.dispatch(x, w)  # still usable, with the oracle's bits
+    assert not ll_cases.dispatch_mismatches(out, want[rank], layout)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("case_name", list(LL_WRONG))
+def test_ll_wrong_call_after_valid_calls_raises(case_name, world_size, seed):
+    dist.run(world_size, check_ll_wrong_after_valid, case_name, seed, timeout=60)
+
+
+def check_ll_out_reused(layout: str, seed: int, device="cpu") -> None:
+    """out= gets the bits of fresh outputs (a new routing and new tokens each time), and is the
+    object returned; bf16 weights are taken as the fp32 they are sent as."""
+    rank, world, problem, group = ll_setup(layout, seed, device)
+    out, y = None, None
+    for step in range(3):
+        step_problem = ll_cases.make_ll_problem(world, (5, 6), LL_H, E, K_MAX, torch.bfloat16,
+                                                seed=seed + 100 * step, max_tokens=T_MAX)
+        x, w, want, eo, cw = ll_inputs(step_problem, rank, layout, seed + step, world, group)
+        handle = group.create_handle(step_problem.topk_idx[rank].to(group.device))
+        fresh = handle.dispatch(x, w)
+        y_fresh = handle.combine(eo, cw)
+        got = handle.dispatch(x, w, out=out)
+        assert out is None or got is out
+        out = got
+        assert not ll_cases.dispatch_mismatches(out, want[rank], layout)
+        assert not ll_cases.dispatch_mismatches(out, fresh, layout)
+        if y is None or y.shape != y_fresh.shape:
+            y = torch.full_like(y_fresh, float("nan"))
+        assert handle.combine(eo, cw, out=y) is y and bits_equal(y, y_fresh)
+        if cw is not None:  # weights of another float dtype: converted, as without out=
+            exact = cw.bfloat16().float()
+            y_bf16 = handle.combine(eo, cw.bfloat16())
+            assert bits_equal(y_bf16, handle.combine(eo, exact))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
+def test_ll_out_gets_the_bits_of_fresh_outputs(layout, world_size, seed):
+    dist.run(world_size, check_ll_out_reused, layout, seed, timeout=60)
+
+
+def check_ll_out_of_pending_op(layout: str, seed: int, device="cpu") -> None:
+    """An output that a send_only op still writes at complete() may not be given to another op:
+    refused on every rank (a ValueError naming the rule); after complete() it may."""
+    rank, world, problem, group = ll_setup(layout, seed, device)
+    x, w, want, eo, cw = ll_inputs(problem, rank, layout, seed, world, group)
+    first, second = (group.create_handle(problem.topk_idx[rank].to(group.device))
+                     for _ in range(2))
+    pending = first.dispatch(x, w, send_only=True)
+    with pytest.raises(ValueError, match=r"out is the output of a dispatch sent with "
+                                         r"send_only=True and not completed"):
+        second.dispatch(x, w, out=pending)
+    first.complete()
+    assert second.dispatch(x, w, out=pending) is pending
+    assert not ll_cases.dispatch_mismatches(pending, want[rank], layout)
+    y = first.combine(eo, cw, send_only=True)
+    with pytest.raises(ValueError, match=r"out is the output of a combine sent with "
+                                         r"send_only=True and not completed"):
+        second.combine(eo, cw, out=y)
+    first.complete()
+    assert bits_equal(second.combine(eo, cw, out=y), first.combine(eo, cw))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
+def test_ll_out_of_a_pending_op_is_refused(layout, world_size, seed):
+    dist.run(world_size, check_ll_out_of_pending_op, layout, seed, timeout=60)
