@@ -1,8 +1,8 @@
 """``python -m benchmarks`` (from the repository root): runs the sections, then the sweeps, and
 reports.
 
-Each section (``ceilings``, ``kernels``, ``megatron``), each team world size and each sweep point
-runs in its own fresh set of processes with its own deadline within ``--time-budget``; the table
+Each section (``ceilings``, ``kernels``, ``megatron``, ``host``), each team world size, each LL
+point and each sweep point runs in its own fresh set of processes with its own deadline within ``--time-budget``; the table
 is printed last, after the JSON is written, then the plot and the markdown.
 """
 
@@ -14,7 +14,7 @@ import shlex
 import sys
 import time
 
-from . import ceilings, dispatchers, kernels, ll, markdown, plot, report, sweeps, team
+from . import ceilings, dispatchers, host, kernels, ll, markdown, plot, report, sweeps, team
 from .cli import parse_args, sweep_points
 from .machine import machine_info
 from .runner import run_into
@@ -74,6 +74,9 @@ def main(argv=None) -> int:
         if section == "ll":
             ll.run(result, args, budget_end)
             continue
+        if section == "host":
+            host.run(result, args, budget_end)
+            continue
         result[section], checks, _ = run_into(result, section, SECTION_FUNCTIONS[section],
                                               args, budget_end)
         result["checks"].update(checks)
@@ -95,7 +98,7 @@ def main(argv=None) -> int:
     if args.markdown:
         markdown.write(result, args.markdown)
         print(f"markdown: {args.markdown}", flush=True)
-    measured = (any(result.get(s) for s in SECTION_FUNCTIONS)
+    measured = (any(result.get(s) for s in (*SECTION_FUNCTIONS, "host"))
                 or any(p.get("items") for p in result["sweeps"] + result["team"]
                        + ll.points(result)))
     return 0 if measured and not result["errors"] else 1

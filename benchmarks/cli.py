@@ -7,13 +7,14 @@ import os
 
 from megatron_nccl_ep.options import NcclEpOptions  # no torch: parsing stays light
 
-SECTIONS = ("ceilings", "kernels", "megatron", "team", "ll")
+SECTIONS = ("ceilings", "kernels", "megatron", "team", "ll", "host")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # The LL section's payloads: the token dtype, or FP8 (dispatch_fp8). Its layouts are the library's
 # (megatron_nccl_ep.config.LL_LAYOUTS, read where used: config imports torch, which parsing the
 # flags leaves until a value needs it).
 LL_FP8 = "fp8"
 LL_FLAGS = ("ll_tokens", "ll_sizes", "ll_num_sms", "ll_payloads", "ll_layouts")
+HOST_FLAGS = ("host_ht_tokens", "host_ll_tokens")
 
 # Flags left out take their device's value. On CPU the reference backend runs over gloo, so the
 # shape is one that takes seconds there, and what measures GPU hardware is left out. The team
@@ -21,13 +22,15 @@ LL_FLAGS = ("ll_tokens", "ll_sizes", "ll_num_sms", "ll_payloads", "ll_layouts")
 DEVICE_DEFAULTS = {
     "cuda": {"tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "warmup": 5,
              "iters": 40, "rotate": 4, "copy_mib": 1024, "num_sms": 24,
-             "sections": "ceilings,kernels,megatron", "megatron_dispatchers": "nccl_ep,alltoall",
-             "team_sizes": [2, 4], "ll_tokens": [1, 8, 32, 128, 256], "ll_sizes": [1, 2, 4, 8],
-             "ll_num_sms": [24]},
+             "sections": "ceilings,kernels,megatron,host",
+             "megatron_dispatchers": "nccl_ep,alltoall", "team_sizes": [2, 4],
+             "ll_tokens": [1, 8, 32, 128, 256], "ll_sizes": [1, 2, 4, 8], "ll_num_sms": [24],
+             "host_ht_tokens": [128, 4096], "host_ll_tokens": [1, 128]},
     "cpu": {"tokens": 256, "hidden": 256, "topk": 2, "experts": 16, "warmup": 2, "iters": 10,
             "rotate": 2, "copy_mib": 64, "num_sms": None, "sections": "kernels,megatron",
             "megatron_dispatchers": "nccl_ep", "team_sizes": [],
-            "ll_tokens": [1, 8, 32, 128, 256], "ll_sizes": [1, 2, 4, 8], "ll_num_sms": None},
+            "ll_tokens": [1, 8, 32, 128, 256], "ll_sizes": [1, 2, 4, 8], "ll_num_sms": None,
+            "host_ht_tokens": None, "host_ll_tokens": None},
 }
 
 
@@ -142,6 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ll-layouts", type=_word_list(_ll_layouts), default=None,
                    metavar="expert_major,rank_major",
                    help="the ll section's dispatch layouts; default both")
+    p.add_argument("--host-ht-tokens", type=_int_list(1, allow_all=False), default=None,
+                   metavar="128,4096",
+                   help="the host section's HT tokens per rank (EP=1, exact and capacity mode); "
+                        f"default {','.join(map(str, DEVICE_DEFAULTS['cuda']['host_ht_tokens']))}"
+                        " (GPUs only)")
+    p.add_argument("--host-ll-tokens", type=_int_list(1, allow_all=False), default=None,
+                   metavar="1,128",
+                   help="the host section's LL tokens per rank (EP=1, every SM, the layouts of "
+                        "--ll-layouts); default "
+                        f"{','.join(map(str, DEVICE_DEFAULTS['cuda']['host_ll_tokens']))}")
     p.add_argument("--sweep-sms", type=_int_list(1, allow_all=True), default=[],
                    metavar="16,24,...,all",
                    help="after the sections, the kernels section once per SM budget (at --tokens;"
@@ -193,6 +206,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error("--ll-num-sms: the reference backend on cpu has no SM budget")
     team_sizes_given = args.team_sizes is not None
     ll_given = [f"--{key.replace('_', '-')}" for key in LL_FLAGS if getattr(args, key) is not None]
+    host_given = [f"--{key.replace('_', '-')}" for key in HOST_FLAGS
+                  if getattr(args, key) is not None]
     sections_given = args.sections is not None
     for key, value in DEVICE_DEFAULTS[args.device].items():
         if getattr(args, key) is None:
@@ -217,6 +232,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown sections {bad}; choose from {','.join(SECTIONS)}")
     if "ceilings" in args.sections and args.device != "cuda":
         p.error("--sections ceilings measures GPU hardware (HBM, peer copies, NCCL): not on cpu")
+    if "host" in args.sections:
+        _check_host(p, args)
+    elif host_given:
+        p.error(f"{', '.join(host_given)}: the host section's flags (add host to --sections)")
     if "team" in args.sections:
         if args.device != "cuda":
             p.error("--sections team needs a GPU (a local team runs the cuda backend)")
@@ -224,7 +243,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--sections team needs the built extension: {problem}")
     elif team_sizes_given:
         p.error("--team-sizes needs the team section (add team to --sections)")
-    if "ll" in args.sections:
+    if "ll" in args.sections or "host" in args.sections:
         _check_ll(p, args)
     elif ll_given:
         p.error(f"{', '.join(ll_given)}: the ll section's flags (add ll to --sections)")
@@ -285,6 +304,16 @@ def _check_ll(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 f"of {uneven})")
     if max(args.ll_tokens) > LL_MAX_TOKENS:
         p.error(f"--ll-tokens: an LL group takes at most {LL_MAX_TOKENS} tokens per rank")
+
+
+def _check_host(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from megatron_nccl_ep.config import LL_MAX_TOKENS
+
+    if args.device != "cuda":
+        p.error("--sections host times the host next to the GPU (enqueue costs with the GPU "
+                "held, CUDA graphs): not on cpu")
+    if max(args.host_ll_tokens) > LL_MAX_TOKENS:
+        p.error(f"--host-ll-tokens: an LL group takes at most {LL_MAX_TOKENS} tokens per rank")
 
 
 def sweep_points(args: argparse.Namespace) -> "list[tuple[int, int | None]]":

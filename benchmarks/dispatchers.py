@@ -14,7 +14,9 @@ from __future__ import annotations
 from .runner import Rank, e2e_mode
 
 
-def _dispatcher(me: Rank, name: str, pg_collection):
+def build_dispatcher(me: Rank, name: str, pg_collection, tokens: int):
+    """Dispatcher ``name`` for a batch of ``tokens`` tokens per rank, built as MoELayer builds
+    it (``nccl_ep``: its groups sized for ``tokens``)."""
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -36,7 +38,7 @@ def _dispatcher(me: Rank, name: str, pg_collection):
 
         # The flags our own groups take (kernels.group_fields) where the plugin has them.
         options = {"backend": args.backend, "recv_mode": args.recv_mode,
-                   "max_tokens_per_rank": args.tokens, "timeout_s": args.device_timeout,
+                   "max_tokens_per_rank": tokens, "timeout_s": args.device_timeout,
                    "ranks_per_node": args.ranks_per_node}
         if args.num_sms is not None:
             options["num_sms"] = args.num_sms
@@ -53,8 +55,84 @@ def _dispatcher(me: Rank, name: str, pg_collection):
     return cls(local, indices, config, pg_collection=pg_collection)
 
 
-def section(me: Rank) -> None:
+def megatron_inputs(me: Rank, tokens: int) -> list:
+    """``--rotate`` input sets of ``tokens`` tokens as MoELayer hands them to a dispatcher: the
+    dense routing map and probs ``[T, E]``, hidden states ``[T, 1, H]``, an output gradient."""
     torch, args = me.torch, me.args
+    sets = []
+    for s in range(args.rotate):
+        topk, weights, x = me.input_set(s, tokens)
+        routing_map = torch.zeros(tokens, args.experts, dtype=torch.bool, device=me.device)
+        routing_map.scatter_(1, topk, True)
+        probs = torch.zeros(tokens, args.experts, device=me.device).scatter_(1, topk, weights)
+        grad_out = me.random_tokens(tokens, 900 + 10 * s + me.rank).unsqueeze(1)
+        sets.append({"routing_map": routing_map, "probs": probs, "hidden": x.unsqueeze(1),
+                     "grad_out": grad_out})
+    return sets
+
+
+class MethodDriver:
+    """A dispatcher driven as ``MoELayer`` drives it, on the input set of iteration ``i``; a
+    method with a ``setup`` counterpart reads what that left in ``state``."""
+
+    def __init__(self, dispatcher, sets: list):
+        self.dispatcher, self.sets, self.state = dispatcher, sets, {}
+
+    def pick(self, i: int) -> dict:
+        return self.sets[i % len(self.sets)]
+
+    def leaf_inputs(self, i: int) -> None:
+        """Setup: the hidden states and probs as fresh leaves (they get gradients)."""
+        st = self.pick(i)
+        self.state["hidden"] = st["hidden"].detach().requires_grad_(True)
+        self.state["probs"] = st["probs"].detach().requires_grad_(True)
+
+    def dispatch(self, i: int):
+        """``dispatch_preprocess`` + ``token_dispatch`` + ``dispatch_postprocess``."""
+        d = self.dispatcher
+        h, p = d.dispatch_preprocess(self.state["hidden"], self.pick(i)["routing_map"],
+                                     self.state["probs"])
+        h, p = d.token_dispatch(h, p)
+        rows, tokens_per_expert, rows_probs = d.dispatch_postprocess(h, p)
+        return rows, rows_probs
+
+    @staticmethod
+    def expert_stand_in(rows, rows_probs):
+        """What the experts would do to the rows at the least: weight them by their prob."""
+        return rows * rows_probs.unsqueeze(-1).to(rows.dtype)
+
+    def combine(self, expert_out):
+        """``combine_preprocess`` + ``token_combine`` + ``combine_postprocess``."""
+        d = self.dispatcher
+        return d.combine_postprocess(d.token_combine(d.combine_preprocess(expert_out)))
+
+    def dispatched_rows(self, i: int) -> None:
+        """Setup of ``combine_kept``: a dispatch's rows through the stand-in expert."""
+        self.leaf_inputs(i)
+        self.state["expert_out"] = self.expert_stand_in(*self.dispatch(i))
+
+    def combine_kept(self, i: int):
+        return self.combine(self.state["expert_out"])
+
+    def fwd_bwd(self, i: int) -> None:
+        out = self.combine(self.expert_stand_in(*self.dispatch(i)))
+        out.backward(self.pick(i)["grad_out"])
+
+    def expert_leaves(self, i: int) -> None:
+        """Setup of ``expert_fwd_bwd``: a dispatch's rows and probs as leaves, a gradient."""
+        self.leaf_inputs(i)
+        rows, rows_probs = self.dispatch(i)
+        self.state["rows"] = rows.detach().requires_grad_(True)
+        self.state["rows_probs"] = rows_probs.detach().requires_grad_(True)
+        self.state["grad_rows"] = rows.detach().clone().normal_()
+
+    def expert_fwd_bwd(self, i: int) -> None:
+        self.expert_stand_in(self.state["rows"], self.state["rows_probs"]).backward(
+            self.state["grad_rows"])
+
+
+def section(me: Rank) -> None:
+    args = me.args
     mode = e2e_mode(args.device)
     try:
         from megatron.core import parallel_state
@@ -64,83 +142,25 @@ def section(me: Rank) -> None:
         return
     parallel_state.initialize_model_parallel(expert_model_parallel_size=me.world)
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-
-    sets = []
-    for s in range(args.rotate):
-        topk, weights, x = me.input_set(s)
-        routing_map = torch.zeros(args.tokens, args.experts, dtype=torch.bool, device=me.device)
-        routing_map.scatter_(1, topk, True)
-        probs = torch.zeros(args.tokens, args.experts, device=me.device).scatter_(1, topk, weights)
-        # [sequence, batch, hidden], as MoELayer hands it over
-        hidden = x.unsqueeze(1)
-        grad_out = me.random_tokens(args.tokens, 900 + 10 * s + me.rank).unsqueeze(1)
-        sets.append({"routing_map": routing_map, "probs": probs, "hidden": hidden,
-                     "grad_out": grad_out})
-    pick = lambda i: sets[i % len(sets)]  # noqa: E731
-
+    sets = megatron_inputs(me, args.tokens)
     for name in args.megatron_dispatchers:
-        dispatcher = None
+        drive = None
 
         def build():
-            nonlocal dispatcher
-            dispatcher = _dispatcher(me, name, pg_collection)
+            nonlocal drive
+            drive = MethodDriver(build_dispatcher(me, name, pg_collection, args.tokens), sets)
 
         if not me.attempt(f"{name}.build", build):
             continue
-        state = {}
-
-        def leaf_inputs(i):
-            st = pick(i)
-            state["hidden"] = st["hidden"].detach().requires_grad_(True)
-            state["probs"] = st["probs"].detach().requires_grad_(True)
-
-        def dispatch(i):
-            st = pick(i)
-            h, p = dispatcher.dispatch_preprocess(state["hidden"], st["routing_map"],
-                                                  state["probs"])
-            h, p = dispatcher.token_dispatch(h, p)
-            rows, tokens_per_expert, rows_probs = dispatcher.dispatch_postprocess(h, p)
-            return rows, rows_probs
-
-        def expert_stand_in(rows, rows_probs):
-            # What the experts would do to the rows at the least: weight them by their prob.
-            return rows * rows_probs.unsqueeze(-1).to(rows.dtype)
-
-        def combine(expert_out):
-            out = dispatcher.combine_preprocess(expert_out)
-            out = dispatcher.token_combine(out)
-            return dispatcher.combine_postprocess(out)
-
-        def dispatched_rows(i):
-            leaf_inputs(i)
-            state["expert_out"] = expert_stand_in(*dispatch(i))
-
-        def fwd_bwd(i):
-            out = combine(expert_stand_in(*dispatch(i)))
-            out.backward(pick(i)["grad_out"])
-            return None
-
-        def expert_leaves(i):
-            leaf_inputs(i)
-            rows, rows_probs = dispatch(i)
-            state["rows"] = rows.detach().requires_grad_(True)
-            state["rows_probs"] = rows_probs.detach().requires_grad_(True)
-            state["grad_rows"] = torch.randn_like(rows)
-
-        def expert_fwd_bwd(i):
-            expert_stand_in(state["rows"], state["rows_probs"]).backward(state["grad_rows"])
-
         me.attempt(f"{name}.dispatch", lambda: me.measure(
-            f"{name}.dispatch", dispatch, mode=mode, setup=leaf_inputs))
+            f"{name}.dispatch", drive.dispatch, mode=mode, setup=drive.leaf_inputs))
         me.attempt(f"{name}.combine", lambda: me.measure(
-            f"{name}.combine", lambda i: combine(state["expert_out"]), mode=mode,
-            setup=dispatched_rows))
+            f"{name}.combine", drive.combine_kept, mode=mode, setup=drive.dispatched_rows))
         me.attempt(f"{name}.fwd_bwd", lambda: me.measure(
-            f"{name}.fwd_bwd", fwd_bwd, mode=mode, setup=leaf_inputs))
+            f"{name}.fwd_bwd", drive.fwd_bwd, mode=mode, setup=drive.leaf_inputs))
         me.attempt(f"{name}.expert_fwd_bwd", lambda: me.measure(
-            f"{name}.expert_fwd_bwd", expert_fwd_bwd, mode=mode, setup=expert_leaves))
-        state.clear()
-        dispatcher = None  # noqa: F841 - drop it (and its handles) before the next one
+            f"{name}.expert_fwd_bwd", drive.expert_fwd_bwd, mode=mode, setup=drive.expert_leaves))
+        drive = None  # noqa: F841 - drop it (and its handles) before the next one
     if "nccl_ep" in args.megatron_dispatchers:
         from megatron_nccl_ep.dispatcher import destroy_groups
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 
+from .host import HOST_OPS
 from .kernels import HANDLE, RANK_MAJOR
 from .report import (LL_TARGET_TOKENS, cells, ceiling_rows, check_rows, first_line, floor_rates,
-                     kernel_cells, ll_check_summary, ll_header, ll_memory_rows, ll_rows,
+                     host_rows, kernel_cells, ll_check_summary, ll_header, ll_memory_rows, ll_rows,
                      ll_target_text, ll_targets, megatron_rows, shape_extras, sweep_rows,
                      team_rows, times_us)
 from .runner import e2e_mode, item_name, kernel_mode
@@ -152,6 +153,33 @@ def _megatron(result: dict, out: list) -> None:
                    "expert fwd+bwd (ms)"], rows, (".0f" if cuda else ".2f",) * 2 + (".2f",) * 2)
 
 
+def _host(result: dict, out: list) -> None:
+    op_rows, step_rows, meg_rows = host_rows(result)
+    if not (op_rows or step_rows or meg_rows):
+        return
+    out += ["## Host cost: what a call costs the host, next to its kernels", "",
+            "EP=1, one process (benchmarks/host.py). host = the host's time to enqueue one call, "
+            "the GPU held by a sleep kernel so that no call waits for it; kernel = the call's "
+            "device time; out= = the LL call writing into the previous call's outputs. HT on "
+            f"{result['shape']['num_sms']} SMs, exact mode and capacity mode of T x top-k rows; "
+            "LL on every SM, T_max = T. Times in us.", ""]
+    if op_rows:
+        out += _table(["configuration", "", *HOST_OPS], op_rows, (".1f",) * len(HOST_OPS))
+    if step_rows:
+        out += ["A step = handle + dispatch + combine. eager: steps back to back from an idle "
+                "GPU, wall time per step; graph: the step captured once and replayed back to "
+                "back, wall time per replay; graph kernel: one replay's device time.", ""]
+        out += _table(["configuration", "eager step", "graph step", "graph kernel",
+                       "eager / graph kernel"], step_rows, (".1f",) * 3 + (".2f",))
+    if meg_rows:
+        out += ["NcclEpTokenDispatcher's methods (dispatch = dispatch_preprocess + token_dispatch "
+                "+ dispatch_postprocess, combine = combine_preprocess + token_combine + "
+                "combine_postprocess), e2e from an idle GPU, next to the kernels they launch "
+                "(the HT items of the same T and receive mode).", ""]
+        out += _table(["T", "dispatch", "handle + dispatch kernels", "over", "combine",
+                       "combine kernel", "over"], meg_rows, (".1f",) * 6)
+
+
 def _team(result: dict, out: list) -> None:
     points = team_rows(result)
     if not points:
@@ -258,6 +286,7 @@ def render(result: dict) -> str:
     _megatron(result, out)
     _team(result, out)
     _ll(result, out)
+    _host(result, out)
     _sweeps(result, out)
     _checks(result, out)
     if result.get("errors"):

@@ -17,6 +17,7 @@ import subprocess
 
 from megatron_nccl_ep.build_info import PACKAGE_DIR
 from .ceilings import HBM_COPY, PEER_COPY_ALL, PEER_COPY_ONE
+from .host import HOST_OPS, ht_prefix, megatron_prefix
 from .ll import LL_OPS, ht_item, ll_item
 from .ll import add_floors as ll_add_floors
 from .ll import points as ll_points
@@ -162,6 +163,48 @@ def megatron_rows(result: dict) -> tuple:
     return unit, [(disp, *(meg[f"{disp}.{op}"]["median_ms"] * s if f"{disp}.{op}" in meg
                            else None for op, s in ops))
                   for disp in dict.fromkeys(name.split(".")[0] for name in meg)]
+
+
+def host_rows(result: dict) -> tuple:
+    """The host section (us): ``(op_rows, step_rows, megatron_rows)``. op_rows: (configuration,
+    host | kernel, one time per HOST_OPS, None where not measured); step_rows: (configuration,
+    eager step, graph step, graph kernel, eager step / graph kernel); megatron_rows: (T, the
+    methods' dispatch, the HT handle + dispatch kernels at that T in the run's receive mode, the
+    difference, the methods' combine, the combine kernel, the difference)."""
+    items = result.get("host") or {}
+    us = {name: row["median_ms"] * 1e3 for name, row in items.items()}
+    configs = list(dict.fromkeys(name.split(": ")[0] for name in us))
+    op_rows, step_rows, meg_rows = [], [], []
+    for config in configs:
+        if config.startswith("megatron"):
+            continue
+        for kind in ("host", "kernel"):
+            values = [us.get(f"{config}: {op} ({kind})") for op in HOST_OPS]
+            if any(v is not None for v in values):
+                op_rows.append((config, kind, *values))
+        eager, graph, device = (us.get(f"{config}: {item}") for item in
+                                ("step (eager)", "step (graph)", "graph (kernel)"))
+        if eager is not None:
+            step_rows.append((config, eager, graph, device,
+                              eager / device if device else None))
+    mode = (result.get("args") or {}).get("recv_mode", "exact")
+    for config in configs:
+        if not config.startswith("megatron"):
+            continue
+        tokens = int(config.split("T=")[1])
+        if config != megatron_prefix(tokens):
+            continue
+        ht = ht_prefix(tokens, mode)
+        dispatch, combine = us.get(f"{config}: dispatch"), us.get(f"{config}: combine")
+        handle_k, dispatch_k, combine_k = (us.get(f"{ht}: {op} (kernel)")
+                                           for op in ("handle", "dispatch", "combine"))
+        kernels = (handle_k + dispatch_k
+                   if handle_k is not None and dispatch_k is not None else None)
+        meg_rows.append((tokens, dispatch, kernels,
+                         dispatch - kernels if None not in (dispatch, kernels) else None,
+                         combine, combine_k,
+                         combine - combine_k if None not in (combine, combine_k) else None))
+    return op_rows, step_rows, meg_rows
 
 
 def team_rows(result: dict) -> list:
@@ -439,6 +482,28 @@ def _ll(result: dict, cuda: bool) -> list:
     return lines
 
 
+def _host(result: dict) -> list:
+    op_rows, step_rows, meg_rows = host_rows(result)
+    if not (op_rows or step_rows or meg_rows):
+        return []
+    lines = ["host section, EP=1 (us): host = enqueue time with the GPU held, kernel = device "
+             "time; steps = handle + dispatch + combine, back to back"]
+    if op_rows:
+        lines += _text_table("configuration", 34, [op.replace(" ", "_") for op in HOST_OPS],
+                             ("13.1f",) * len(HOST_OPS),
+                             [(f"{config} {kind}", *values) for config, kind, *values in op_rows])
+    if step_rows:
+        lines += _text_table("configuration", 34, ["eager_step", "graph_step", "graph_kernel",
+                                                   "eager/graph"],
+                             ("12.1f",) * 3 + ("12.2f",), step_rows)
+    if meg_rows:
+        lines += _text_table("megatron nccl_ep methods, e2e", 34,
+                             ["dispatch", "kernels", "over", "combine", "kernel", "over"],
+                             ("10.1f",) * 6,
+                             [(f"T={tokens}", *values) for tokens, *values in meg_rows])
+    return lines
+
+
 def _sweeps(result: dict, cuda: bool) -> list:
     rows = sweep_rows(result)
     if not rows:
@@ -476,6 +541,7 @@ def format_table(result: dict) -> str:
                              ("12.0f" if cuda else "12.2f",) * 2 + ("12.2f", "10.2f"), rows)
     lines += _team(result)
     lines += _ll(result, cuda)
+    lines += _host(result)
     lines += [f"check team EP={world} {name}: " + ", ".join(map(str, values))
               for world, name, values in team_checks]
     lines += _sweeps(result, cuda)

@@ -248,15 +248,17 @@ class Rank:
         self._align_buf = torch.ones(1, device=self.device)
 
     # -- inputs -----------------------------------------------------------------------------------
-    def input_set(self, set_index: int) -> tuple:
+    def input_set(self, set_index: int, tokens: Optional[int] = None) -> tuple:
         """(topk, probs, x) of input set ``set_index`` on this rank: the routing, its weights
-        (softmax over the K slots) and the tokens, each a fresh draw per (input set, rank)."""
+        (softmax over the K slots) and the tokens, each a fresh draw per (input set, rank), of
+        ``tokens`` tokens (default ``--tokens``)."""
         args, s, rank = self.args, set_index, self.rank
-        topk = random_topk(self.generator(1_000_003 * (s + 1) + rank), args.tokens, args.experts,
+        tokens = args.tokens if tokens is None else tokens
+        topk = random_topk(self.generator(1_000_003 * (s + 1) + rank), tokens, args.experts,
                            args.topk)
-        probs = self.torch.rand(args.tokens, args.topk, generator=self.generator(7 * s + rank),
+        probs = self.torch.rand(tokens, args.topk, generator=self.generator(7 * s + rank),
                                 device=self.device)
-        return topk, probs.softmax(-1), self.random_tokens(args.tokens, seed=100 + 10 * s + rank)
+        return topk, probs.softmax(-1), self.random_tokens(tokens, seed=100 + 10 * s + rank)
 
     def random_tokens(self, rows: int, seed: int) -> "torch.Tensor":
         return random_tokens(self.generator(seed), rows, self.args.hidden, self.dtype)

@@ -17,7 +17,7 @@ import pytest
 
 import torch
 
-from benchmarks import cli, kernels, ll, markdown, plot, report, runner, sweeps, team
+from benchmarks import cli, host, kernels, ll, markdown, plot, report, runner, sweeps, team
 from benchmarks.__main__ import main
 from megatron_nccl_ep import config
 
@@ -253,6 +253,39 @@ def test_gpu_report_names_the_sm_budget_the_modes_and_the_team_proxy():
     assert "- EP=8: skipped, 8 ranks x 24 SMs" in text
 
 
+def test_host_report_puts_costs_steps_and_megatron_beside_the_kernels():
+    """The host section's rows from made-up items: per configuration the enqueue times and the
+    kernels, the eager step against the graph's device time, and Megatron's methods against the
+    HT kernels of the same T and receive mode."""
+    def row(us):
+        return {"median_ms": us / 1e3, "min_ms": us / 1e3, "p90_ms": us / 1e3, "iters": 40}
+
+    result = _gpu_result()
+    ht, ll_cfg = host.ht_prefix(128, "exact"), host.ll_prefix(128, "rank_major")
+    result["host"] = {
+        f"{ht}: handle (host)": row(12.0), f"{ht}: handle (kernel)": row(30.0),
+        f"{ht}: dispatch (host)": row(8.0), f"{ht}: dispatch (kernel)": row(40.0),
+        f"{ht}: combine (host)": row(6.0), f"{ht}: combine (kernel)": row(24.0),
+        f"{ht}: step (eager)": row(120.0),
+        f"{ll_cfg}: dispatch out= (host)": row(5.0), f"{ll_cfg}: step (eager)": row(30.0),
+        f"{ll_cfg}: step (graph)": row(21.0), f"{ll_cfg}: graph (kernel)": row(20.0),
+        f"{host.megatron_prefix(128)}: dispatch": row(95.0),
+        f"{host.megatron_prefix(128)}: combine": row(35.0),
+    }
+    op_rows, step_rows, meg_rows = report.host_rows(result)
+    assert (ht, "host", 12.0, 8.0, 6.0, None, None) in op_rows
+    assert (ll_cfg, "host", None, None, None, 5.0, None) in op_rows
+    assert (ht, 120.0, None, None, None) in step_rows
+    assert step_rows[-1] == (ll_cfg, 30.0, 21.0, 20.0, 1.5)
+    assert meg_rows == [(128, 95.0, 70.0, 25.0, 35.0, 24.0, 11.0)]
+    table = report.format_table(result)
+    assert re.search(r"^T=128\s+95\.0\s+70\.0\s+25\.0\s+35\.0\s+24\.0\s+11\.0$", table, re.M)
+    assert re.search(rf"^{ll_cfg}\s+30\.0\s+21\.0\s+20\.0\s+1\.50$", table, re.M)
+    text = markdown.render(result)
+    assert "## Host cost: what a call costs the host, next to its kernels" in text
+    assert "| 128 | 95.0 | 70.0 | 25.0 | 35.0 | 24.0 | 11.0 |" in text
+
+
 def test_collect_keeps_point_facts_apart_from_the_items():
     # A team worker reports its staging choices once per point, as ints, not per item.
     records = [{"kind": "times", "item": op, "rank": 0, "times_ms": [1.0, 2.0, 3.0],
@@ -377,6 +410,8 @@ def test_explicit_flags_win_over_cpu_defaults():
     (["--sections", "ceilings"], "--sections ceilings measures GPU hardware"),
     (["--sections", "team"], "--sections team needs a GPU"),
     (["--team-sizes", "2"], "--team-sizes: the team section needs a GPU"),
+    (["--sections", "host"], "--sections host times the host next to the GPU"),
+    (["--host-ll-tokens", "1"], "--host-ll-tokens: the host section's flags (add host"),
 ])
 def test_bad_flags_are_refused_with_a_reason(argv, says, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -1,0 +1,249 @@
+"""The host section (GPUs): what each call costs the host next to what its kernels cost the GPU,
+and a whole eager step next to the same step replayed from a CUDA graph, at EP=1 in one process
+(one rank of NCCL, which Megatron's dispatcher needs).
+
+Configurations: HT at each ``--host-ht-tokens`` T, on an exact-mode group and on a capacity-mode
+group of ``T x top-k`` rows (at EP=1 every slot lands on the rank, so nothing is dropped; HT
+graphs need capacity mode); LL at each ``--host-ll-tokens`` T (T_max = T), in each layout of
+``--ll-layouts``, on every SM of the GPU. Items, each a median over ``--iters`` iterations after
+``--warmup``:
+
+* ``<op> (host)``: the host's time to enqueue one call (handle, dispatch, combine; LL also
+  ``dispatch out=`` and ``combine out=``, which write into the previous call's outputs), the GPU
+  held by a sleep kernel queued first so that no call waits for it. Exact mode's count read
+  waits for the GPU: it runs untimed between the handle and the dispatch, the GPU held again
+  after it;
+* ``<op> (kernel)``: the same call's device time, CUDA events around it in the same iterations;
+* ``step (eager)``: handle + dispatch + combine, ``HOST_STEPS`` steps back to back from an idle
+  GPU, the wall time per step: what an eager decode or training loop sees (host and GPU
+  overlap; the slower sets the pace);
+* ``step (graph)``: the same step captured once into a CUDA graph (capacity mode and LL) and
+  replayed ``HOST_STEPS`` times back to back, the wall time per replay; ``graph (kernel)``: one
+  replay's device time, the GPU held while it is enqueued;
+* ``megatron T=<T>: dispatch`` / ``combine``: ``NcclEpTokenDispatcher``'s methods as MoELayer
+  calls them (``benchmarks.dispatchers.MethodDriver``), e2e as the megatron section times them,
+  at the group's receive mode (``--recv-mode``); the report puts the HT kernels of the same T
+  beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+from .dispatchers import MethodDriver, build_dispatcher, megatron_inputs
+from .ll import capture
+from .machine import machine_info
+from .runner import Rank, e2e_mode, run_into
+
+# Cycles of the sleep kernel that holds the GPU while one iteration's calls are enqueued: a few
+# ms, longer than any iteration's host work.
+HOLD_CYCLES = 10_000_000
+HOST_STEPS = 20  # steps (or replays) back to back per iteration of the step items
+HOST_OPS = ("handle", "dispatch", "combine", "dispatch out=", "combine out=")
+LL_LAYOUT_NAMES = {"rank_major": "rank-major", "expert_major": "expert-major"}
+
+
+def ht_prefix(tokens: int, mode: str) -> str:
+    return f"HT T={tokens} {mode}"
+
+
+def ll_prefix(tokens: int, layout: str) -> str:
+    return f"LL T={tokens} {LL_LAYOUT_NAMES[layout]}"
+
+
+def megatron_prefix(tokens: int) -> str:
+    return f"megatron T={tokens}"
+
+
+def _inputs(me: Rank, tokens: int) -> list:
+    """``--rotate`` sets of (topk_idx, weights, x) of ``tokens`` tokens."""
+    return [me.input_set(s, tokens) for s in range(me.args.rotate)]
+
+
+def _enqueue_costs(me: Rank, prefix: str, script) -> None:
+    """``script(i)``: iteration i's calls in order, each ``(name, fn)`` (timed) or
+    ``(None, fn)`` (untimed, the GPU held again after it). Emits ``<name> (host)`` and
+    ``<name> (kernel)`` per timed call."""
+    torch, args = me.torch, me.args
+    host, kernel = defaultdict(list), defaultdict(list)
+    for i in range(args.warmup + args.iters):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(HOLD_CYCLES)
+        events = []
+        for name, fn in script(i):
+            if name is None:
+                fn()
+                torch.cuda._sleep(HOLD_CYCLES)
+                continue
+            start, end = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+            start.record()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            end.record()
+            if i >= args.warmup:
+                host[name].append((t1 - t0) * 1e3)
+                events.append((name, start, end))
+        torch.cuda.synchronize()
+        for name, start, end in events:
+            kernel[name].append(start.elapsed_time(end))
+    for name in host:
+        me.emit("times", f"{prefix}: {name} (host)", times_ms=host[name])
+        me.emit("times", f"{prefix}: {name} (kernel)", times_ms=kernel[name])
+
+
+def _steps(me: Rank, prefix: str, step, graphed: bool) -> None:
+    """``step(i)`` eager, back to back; with ``graphed``, captured once and replayed."""
+    torch, args = me.torch, me.args
+
+    def back_to_back(run) -> list:
+        walls = []
+        for i in range(args.warmup + args.iters):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for j in range(HOST_STEPS):
+                run(i * HOST_STEPS + j)
+            torch.cuda.synchronize()
+            if i >= args.warmup:
+                walls.append((time.perf_counter() - t0) * 1e3 / HOST_STEPS)
+        return walls
+
+    me.emit("times", f"{prefix}: step (eager)", times_ms=back_to_back(step))
+    if not graphed:
+        return
+    graph, _kept = capture(lambda: step(0))
+    try:
+        me.emit("times", f"{prefix}: step (graph)",
+                times_ms=back_to_back(lambda i: graph.replay()))
+        device = []
+        for i in range(args.warmup + args.iters):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(HOLD_CYCLES)
+            start, end = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            if i >= args.warmup:
+                device.append(start.elapsed_time(end))
+        me.emit("times", f"{prefix}: graph (kernel)", times_ms=device)
+    finally:
+        torch.cuda.synchronize()
+        graph.reset()  # the graph first, then (with this frame) the handles it replays
+
+
+def _group(me: Rank, tokens: int, **fields):
+    from megatron_nccl_ep import Group
+
+    args = me.args
+    return Group(num_experts=args.experts, hidden=args.hidden, max_tokens_per_rank=tokens,
+                 max_topk=args.topk, dtype=me.dtype, backend="cuda", device=me.device,
+                 timeout_s=args.device_timeout, **fields)
+
+
+def _ht(me: Rank, tokens: int, mode: str) -> None:
+    args = me.args
+    fields = {"num_sms": args.num_sms}
+    if mode == "capacity":
+        fields.update(recv_mode="capacity", max_recv_tokens_per_rank=tokens * args.topk)
+    group = _group(me, tokens, **fields)
+    sets = _inputs(me, tokens)
+    prefix = ht_prefix(tokens, mode)
+    try:
+        def script(i):
+            topk, probs, x = sets[i % len(sets)]
+            st = {}
+            return [("handle", lambda: st.update(h=group.create_handle(topk))),
+                    (None, lambda: st["h"].num_recv_tokens),
+                    ("dispatch", lambda: st.update(d=st["h"].dispatch(x, probs))),
+                    ("combine", lambda: st["h"].combine(st["d"][0]))]
+
+        _enqueue_costs(me, prefix, script)
+
+        def step(i):
+            topk, probs, x = sets[i % len(sets)]
+            handle = group.create_handle(topk)
+            recv_x, _ = handle.dispatch(x, probs)
+            return handle, handle.combine(recv_x)
+
+        _steps(me, prefix, step, graphed=mode == "capacity")
+    finally:
+        me.torch.cuda.synchronize()
+        group.destroy()
+
+
+def _ll(me: Rank, tokens: int, layout: str) -> None:
+    sms = machine_info("cuda")["sm_count"]
+    group = _group(me, tokens, mode="ll", ll_layout=layout, num_sms=sms)
+    sets = _inputs(me, tokens)
+    expert_major = layout == "expert_major"
+    prefix = ll_prefix(tokens, layout)
+    try:
+        def script(i):
+            topk, weights, x = sets[i % len(sets)]
+            st = {}
+            combine_w = weights if expert_major else None
+            return [
+                (HOST_OPS[0], lambda: st.update(h=group.create_handle(topk))),
+                (HOST_OPS[1], lambda: st.update(d=st["h"].dispatch(x, weights))),
+                (HOST_OPS[2], lambda: st.update(y=st["h"].combine(st["d"].x, combine_w))),
+                (HOST_OPS[3], lambda: st["h"].dispatch(x, weights, out=st["d"])),
+                (HOST_OPS[4], lambda: st["h"].combine(st["d"].x, combine_w, out=st["y"]))]
+
+        _enqueue_costs(me, prefix, script)
+
+        def step(i):
+            topk, weights, x = sets[i % len(sets)]
+            handle = group.create_handle(topk)
+            out = handle.dispatch(x, weights)
+            return handle, out, handle.combine(out.x, weights if expert_major else None)
+
+        _steps(me, prefix, step, graphed=True)
+    finally:
+        me.torch.cuda.synchronize()
+        group.destroy()
+
+
+def _megatron(me: Rank, tokens: int) -> None:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    drive = MethodDriver(build_dispatcher(me, "nccl_ep", pg_collection, tokens),
+                         megatron_inputs(me, tokens))
+    prefix, mode = megatron_prefix(tokens), e2e_mode("cuda")
+    me.measure(f"{prefix}: dispatch", drive.dispatch, mode=mode, setup=drive.leaf_inputs)
+    me.measure(f"{prefix}: combine", drive.combine_kept, mode=mode, setup=drive.dispatched_rows)
+
+
+def section(me: Rank) -> None:
+    args = me.args
+    for tokens in args.host_ht_tokens:
+        for mode in ("exact", "capacity"):
+            me.attempt(ht_prefix(tokens, mode), lambda: _ht(me, tokens, mode))
+    for tokens in args.host_ll_tokens:
+        for layout in args.ll_layouts:
+            me.attempt(ll_prefix(tokens, layout), lambda: _ll(me, tokens, layout))
+    try:
+        from megatron.core import parallel_state
+    except Exception as exc:  # noqa: BLE001 - the other items stand without Megatron
+        me.emit("error", "megatron", error=f"megatron-core does not import: {exc}")
+        return
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=1)
+    try:
+        for tokens in args.host_ht_tokens:
+            me.attempt(megatron_prefix(tokens), lambda: _megatron(me, tokens))
+    finally:
+        from megatron_nccl_ep.dispatcher import destroy_groups
+
+        destroy_groups()
+        parallel_state.destroy_model_parallel()
+
+
+def run(result: dict, args: argparse.Namespace, budget_end: float) -> None:
+    """The section on GPU 0 in one process: ``result['host']``, its items by name."""
+    host_args = argparse.Namespace(**{**vars(args), "nproc": 1})
+    result["host"], _, _ = run_into(result, "host", section, host_args, budget_end)
