@@ -22,7 +22,7 @@ HOST_FLAGS = ("host_ht_tokens", "host_ll_tokens")
 DEVICE_DEFAULTS = {
     "cuda": {"tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "warmup": 5,
              "iters": 40, "rotate": 4, "copy_mib": 1024, "num_sms": 24,
-             "sections": "ceilings,kernels,megatron,host",
+             "sections": "ceilings,kernels,megatron",
              "megatron_dispatchers": "nccl_ep,alltoall", "team_sizes": [2, 4],
              "ll_tokens": [1, 8, 32, 128, 256], "ll_sizes": [1, 2, 4, 8], "ll_num_sms": [24],
              "host_ht_tokens": [128, 4096], "host_ll_tokens": [1, 128]},
@@ -243,10 +243,15 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--sections team needs the built extension: {problem}")
     elif team_sizes_given:
         p.error("--team-sizes needs the team section (add team to --sections)")
-    if "ll" in args.sections or "host" in args.sections:
+    if "ll" in args.sections:
         _check_ll(p, args)
-    elif ll_given:
-        p.error(f"{', '.join(ll_given)}: the ll section's flags (add ll to --sections)")
+    else:
+        # The host section takes the LL layouts only.
+        misplaced = [f for f in ll_given if not ("host" in args.sections and f == "--ll-layouts")]
+        if misplaced:
+            p.error(f"{', '.join(misplaced)}: the ll section's flags (add ll to --sections)")
+        if "host" in args.sections and args.ll_layouts is None:
+            args.ll_layouts = list(_ll_layouts())
     if args.nproc < 1:
         p.error("--nproc must be >= 1")
     if args.device == "cuda" and args.nproc > gpus:

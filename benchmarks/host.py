@@ -23,7 +23,8 @@ graphs need capacity mode); LL at each ``--host-ll-tokens`` T (T_max = T), in ea
 * ``megatron T=<T>: dispatch`` / ``combine``: ``NcclEpTokenDispatcher``'s methods as MoELayer
   calls them (``benchmarks.dispatchers.MethodDriver``), e2e as the megatron section times them,
   at the group's receive mode (``--recv-mode``); the report puts the HT kernels of the same T
-  beside them.
+  and mode beside them (like for like in exact mode: in capacity mode the dispatcher sizes its
+  rows by the capacity factor, the HT items by T x top-k).
 """
 
 from __future__ import annotations

@@ -266,16 +266,18 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
                 "from the last checkpoint")
 
     def _route(self, hidden_states: torch.Tensor) -> tuple:
-        """``(options, capacity, group)`` of this forward: the last forward's when its tokens'
-        shape, dtype and device, the options, the layout and the training arguments are the same
-        and no group was destroyed since (a few compares: a per-layer host path), else worked
-        out and looked up."""
-        options, args = self.options(), training_args()
+        """``(options, capacity, group)`` of this forward: the last forward's when the options
+        and everything else the group's key and the capacity come from (the tokens' shape, dtype
+        and device, the layout, the capacity factor, the alignment, the training arguments' token
+        count) are the same and no group was destroyed since (a few compares: a per-layer host
+        path), else worked out and looked up."""
+        options = self.options()
         signature = (hidden_states.shape, hidden_states.dtype, hidden_states.device,
-                     self.drop_and_pad, _groups.generation)
+                     self.drop_and_pad, self.config.moe_expert_capacity_factor,
+                     self.expert_alignment(), _training_tokens_per_rank(), _groups.generation)
         memo = self._route_memo
-        if memo is not None and memo[0] is options and memo[1] is args and memo[2] == signature:
-            return memo[3]
+        if memo is not None and memo[0] is options and memo[1] == signature:
+            return memo[2]
         # Drop-and-pad: Megatron's router pads every expert's column to its capacity with
         # zero-probability tokens, so a token may be routed to every expert (max_topk = E).
         topk = self.num_experts if self.drop_and_pad else self.topk
@@ -284,7 +286,7 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
                            self.tp_size * topk, hidden_states, options,
                            self.expert_alignment(), capacity)
         route = (options, capacity, group)
-        self._route_memo = (options, args, signature, route)
+        self._route_memo = (options, signature, route)
         return route
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,

@@ -92,7 +92,7 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         self.num_experts = num_experts
         self.topk = config.moe_router_topk
         self._handle = None
-        self._group_memo = None  # _group's last answer and what it depended on
+        self._group_memo = None  # (options, signature, group): _remembered_group's
         # Handles made while a CUDA graph was being captured: the graph replays their kernels
         # on their buffers, so they live as long as this dispatcher.
         self._captured_handles: list = []
@@ -129,19 +129,17 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
                 f"set --nccl-ep-max-tokens-per-rank")
         return tokens
 
-    def _group(self, tokens: torch.Tensor, dtype: torch.dtype) -> Group:
-        """This step's group: the last step's when the options, the token budget, the hidden
-        size, dtype and device are the same and no group was destroyed since (a few compares:
-        a per-layer host path), else looked up."""
+    def _remembered_group(self, tokens: torch.Tensor, dtype: torch.dtype):
+        """``(group, signature)``: the last step's group when the options, the token budget, the
+        hidden size, dtype and device are the same and no group was destroyed since (a few
+        compares: a per-layer host path), else None."""
         options = self.options()
-        signature = (NcclEpInferenceDispatcher._token_budget, tokens.shape[1], dtype,
+        signature = (options, NcclEpInferenceDispatcher._token_budget, tokens.shape[1], dtype,
                      tokens.device, _groups.generation)
         memo = self._group_memo
         if memo is not None and memo[0] is options and memo[1] == signature:
-            return memo[2]
-        group = self._look_up_group(tokens, dtype, options)
-        self._group_memo = (options, signature, group)
-        return group
+            return memo[2], signature
+        return None, signature
 
     def _check_budget(self, tokens: int, limit: int) -> None:
         if tokens > limit:
@@ -150,7 +148,6 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
 
     def _look_up_group(self, tokens: torch.Tensor, dtype: torch.dtype, options) -> Group:
         max_tokens = self.max_tokens_per_rank()
-        self._check_budget(tokens.shape[0], max_tokens)
         num_sms = ll_num_sms(options, tokens.device)
         key = (self.ep_group, self.num_experts, self.topk, tokens.shape[1], dtype, tokens.device,
                max_tokens, options.backend, num_sms, options.timeout_s)
@@ -182,13 +179,18 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         dispatch's count. No host read."""
         tokens = hidden_states.shape[0]
         dtype = self.payload_dtype or hidden_states.dtype
-        group = self._group(hidden_states, dtype)  # a new group only for tokens within budget
-        self._check_budget(tokens, group.config.max_tokens_per_rank)
+        group, signature = self._remembered_group(hidden_states, dtype)
+        # Checked before a group is made (collective, and refused inside a capture).
+        self._check_budget(tokens, group.config.max_tokens_per_rank if group is not None
+                           else self.max_tokens_per_rank())
         if self.routing_map is None or tuple(self.routing_map.shape) != (tokens, self.topk):
             raise ValueError(
                 f"nccl_ep inference dispatcher: expected the router's top-k ids [{tokens}, "
                 f"{self.topk}] from dispatch_preprocess, got "
                 f"{None if self.routing_map is None else tuple(self.routing_map.shape)}")
+        if group is None:
+            group = self._look_up_group(hidden_states, dtype, signature[0])
+            self._group_memo = (signature[0], signature, group)
         handle = group.create_handle(topk_idx=self.routing_map)
         out = handle.dispatch(hidden_states.to(dtype), probs)
         if _capturing(hidden_states.device):

@@ -19,7 +19,6 @@ from .handle_lifetime import BackendHandle
 from .outputs import FIELDS, LLDispatchOutput, ll_dispatch_fields
 
 _KINDS = ("dispatch", "combine")
-_FP32 = (torch.float32,)
 _PLURAL = {"dispatch": "dispatches", "combine": "combines"}
 
 
@@ -78,7 +77,7 @@ class LLHandle(BackendHandle):
     def __init__(self, group, state, num_tokens: int, topk: int):
         super().__init__(group, state, num_tokens, topk)
         self._pending: Optional[str] = None  # the kind sent with send_only, not completed
-        self._pending_out = None  # that op's given output (out=), which it writes at complete()
+        self._pending_out: list = []  # that op's output tensors, which complete() writes
         self._dispatched = False
         self._shared: LLGroupState = group._ll
         # What a valid call passes (the lean path: Group._matches).
@@ -138,20 +137,21 @@ class LLHandle(BackendHandle):
                 raise ValueError(f"out.{name} must be contiguous (the library writes it row by "
                                  "row)")
 
-    def _check_not_pending(self, kind: str, out_ptr: int) -> None:
-        """A given output must not be one that a pending op of ``kind`` still writes."""
-        for handle in self._in_flight().pending[kind]:
-            pending = handle._pending_out
-            if pending is not None and pending.data_ptr() == out_ptr:
-                raise ValueError(
-                    f"LL {kind}: out is the output of a {kind} sent with send_only=True and not "
-                    f"completed, which writes it at complete(): call complete() on that handle "
-                    f"first, or pass another output")
+    def _check_not_pending(self, op: str, given: list) -> None:
+        """No tensor of an output given to ``op`` may share memory with an output that a
+        pending op (of either kind) still writes at its ``complete()``."""
+        for kind, handles in self._in_flight().pending.items():
+            for handle in handles:
+                if any(_overlap(t, p) for t in given for p in handle._pending_out):
+                    raise ValueError(
+                        f"LL {op}: out shares memory with the output of a {kind} sent with "
+                        "send_only=True and not completed, which writes it at complete(): call "
+                        "complete() on that handle first, or pass another output")
 
     # -- ops ---------------------------------------------------------------------------------------
     # Each op's lean path: a handle with no op pending, and arguments with the signature a valid
-    # call has (Group._matches; weights already fp32), skip the checks that build messages and
-    # copies; any other call runs them in full, with the same errors.
+    # call has (Group._matches), skip the checks that build messages and copies; any other call
+    # runs them in full, with the same errors.
     def dispatch(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, *,
                  send_only: bool = False,
                  out: Optional[LLDispatchOutput] = None) -> LLDispatchOutput:
@@ -179,9 +179,12 @@ class LLHandle(BackendHandle):
         if (self._state is not None and group._backend is not None and self._pending is None
                 and not self._shared.in_flight.pending["dispatch"]
                 and group._matches(x, (cfg.dtype,), self._x_shape)
-                and (not weighted or group._matches(topk_weights, _FP32, self._w_shape))
-                and (out is None or self._out_matches(out, weighted))):
+                and (not weighted or group._matches(topk_weights, PROB_DTYPES, self._w_shape))
+                and (out is None or (not self._shared.in_flight.pending["combine"]
+                                     and self._out_matches(out, weighted)))):
             group._backend.agree_on_arguments("LL dispatch", None)
+            if weighted and topk_weights.dtype is not torch.float32:
+                topk_weights = topk_weights.float()  # sent as fp32
         else:
             self._check_ready("dispatch")
             prepared = {}
@@ -191,13 +194,13 @@ class LLHandle(BackendHandle):
                 prepared["w"] = self._weights("topk_weights", topk_weights)
                 if out is not None:
                     self._check_out(out, weighted)
-                    self._check_not_pending("dispatch", out.x.data_ptr())
+                    self._check_not_pending("dispatch", _tensors(out))
 
             group._check_agreed("LL dispatch", check)
             x, topk_weights = x.contiguous(), prepared["w"]
         result = group._backend.ll_dispatch(self._state, x, topk_weights, bool(send_only), out)
         self._dispatched = True
-        self._after_send("dispatch", send_only, result.x)
+        self._after_send("dispatch", send_only, result)
         return result
 
     def combine(self, expert_out: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, *,
@@ -223,10 +226,13 @@ class LLHandle(BackendHandle):
         if (self._state is not None and group._backend is not None and self._pending is None
                 and self._dispatched and not self._shared.in_flight.pending["combine"]
                 and group._matches(expert_out, dtypes, rows)
-                and (group._matches(topk_weights, _FP32, self._w_shape) if expert_major
+                and (group._matches(topk_weights, PROB_DTYPES, self._w_shape) if expert_major
                      else topk_weights is None)
-                and (out is None or group._matches(out, dtypes, self._x_shape))):
+                and (out is None or (not self._shared.in_flight.pending["dispatch"]
+                                     and group._matches(out, dtypes, self._x_shape)))):
             group._backend.agree_on_arguments("LL combine", None)
+            if expert_major and topk_weights.dtype is not torch.float32:
+                topk_weights = topk_weights.float()  # the sum's weights are fp32
         else:
             self._check_ready("combine")
             prepared = {}
@@ -248,7 +254,7 @@ class LLHandle(BackendHandle):
                     if not out.is_contiguous():
                         raise ValueError("out must be contiguous (the library writes it row by "
                                          "row)")
-                    self._check_not_pending("combine", out.data_ptr())
+                    self._check_not_pending("combine", [out])
 
             group._check_agreed("LL combine", check)
             expert_out, topk_weights = expert_out.contiguous(), prepared["w"]
@@ -264,19 +270,34 @@ class LLHandle(BackendHandle):
                                "pending")
         self.group._backend.ll_complete(self._state)
         self._in_flight().finish(self._pending, self)
-        self._pending = self._pending_out = None
+        self._pending, self._pending_out = None, []
 
-    def _after_send(self, kind: str, send_only: bool, written: torch.Tensor) -> None:
-        """``written``: the op's output that ``complete()`` writes when ``send_only``."""
+    def _after_send(self, kind: str, send_only: bool, written) -> None:
+        """``written``: the op's output (an ``LLDispatchOutput`` or ``y``), which
+        ``complete()`` writes when ``send_only``."""
         if send_only:
-            self._pending, self._pending_out = kind, written
+            self._pending = kind
+            self._pending_out = (_tensors(written) if isinstance(written, LLDispatchOutput)
+                                 else [written])
         self._shared.in_flight.issue(kind, self, send_only)
 
     # -- lifetime ----------------------------------------------------------------------------------
     def _before_destroy(self) -> None:
         if self._pending is not None:
             self._in_flight().finish(self._pending, self)
-            self._pending = self._pending_out = None
+            self._pending, self._pending_out = None, []
+
+
+def _tensors(out: LLDispatchOutput) -> list:
+    return [t for t in (getattr(out, name) for name in FIELDS) if t is not None]
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share bytes (on one device)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def check_ll_routing(group, topk_idx: torch.Tensor) -> None:

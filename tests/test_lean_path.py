@@ -201,6 +201,9 @@ LL_WRONG = {
         r"out must have dtype"),
     "destroyed_handle": ("rank_major", lambda h, x, w, o, eo, cw: (h.destroy(), h.dispatch(x, w)),
                          RuntimeError, r"this LLHandle was destroyed"),
+    "destroyed_group": ("expert_major", lambda h, x, w, o, eo, cw: (h.group.destroy(),
+                                                                    h.combine(eo, cw)),
+                        RuntimeError, r"this Group was destroyed"),
 }
 
 
@@ -224,6 +227,27 @@ def check_ll_wrong_after_valid(case_name: str, seed: int, device="cpu") -> None:
 @pytest.mark.parametrize("case_name", list(LL_WRONG))
 def test_ll_wrong_call_after_valid_calls_raises(case_name, world_size, seed):
     dist.run(world_size, check_ll_wrong_after_valid, case_name, seed, timeout=60)
+
+
+def check_ll_strided_and_bf16_after_valid(layout: str, seed: int, device="cpu") -> None:
+    """After valid calls, a strided x is copied and bf16 weights are taken as the fp32 they are
+    sent as: the bits of the same call with a contiguous x and those weights in fp32."""
+    rank, world, problem, group = ll_setup(layout, seed, device)
+    x, w, want, eo, cw = ll_inputs(problem, rank, layout, seed, world, group)
+    handle = group.create_handle(problem.topk_idx[rank].to(group.device))
+    for _ in range(2):
+        handle.dispatch(x, w)
+        handle.combine(eo, cw)
+    w16 = w.bfloat16()
+    exact = handle.dispatch(x, w16.float())
+    strided = handle.dispatch(x.t().contiguous().t(), w16)
+    assert not ll_cases.dispatch_mismatches(strided, exact, layout)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
+def test_ll_strided_x_and_bf16_weights_after_valid_calls(layout, world_size, seed):
+    dist.run(world_size, check_ll_strided_and_bf16_after_valid, layout, seed, timeout=60)
 
 
 def check_ll_out_reused(layout: str, seed: int, device="cpu") -> None:
@@ -259,22 +283,29 @@ def test_ll_out_gets_the_bits_of_fresh_outputs(layout, world_size, seed):
 
 
 def check_ll_out_of_pending_op(layout: str, seed: int, device="cpu") -> None:
-    """An output that a send_only op still writes at complete() may not be given to another op:
-    refused on every rank (a ValueError naming the rule); after complete() it may."""
+    """An output that shares memory with one a send_only op still writes at complete() (any of
+    its tensors, either kind) may not be given to another op: refused on every rank (a
+    ValueError naming the rule); after complete() it may."""
     rank, world, problem, group = ll_setup(layout, seed, device)
     x, w, want, eo, cw = ll_inputs(problem, rank, layout, seed, world, group)
     first, second = (group.create_handle(problem.topk_idx[rank].to(group.device))
                      for _ in range(2))
     pending = first.dispatch(x, w, send_only=True)
-    with pytest.raises(ValueError, match=r"out is the output of a dispatch sent with "
-                                         r"send_only=True and not completed"):
+    shared = r"out shares memory with the output of a {} sent with send_only=True"
+    with pytest.raises(ValueError, match=shared.format("dispatch")):
         second.dispatch(x, w, out=pending)
+    with pytest.raises(ValueError, match=shared.format("dispatch")):  # its count only
+        second.dispatch(x, w, out=other_out(pending, x=torch.empty_like(pending.x)))
+    second.dispatch(x, w)
+    y_shape = (x.shape[0], LL_H)
+    inside_rows = pending.x.view(-1)[:x.shape[0] * LL_H].view(y_shape)  # a y inside its rows
+    with pytest.raises(ValueError, match=shared.format("dispatch")):
+        second.combine(eo, cw, out=inside_rows)
     first.complete()
     assert second.dispatch(x, w, out=pending) is pending
     assert not ll_cases.dispatch_mismatches(pending, want[rank], layout)
     y = first.combine(eo, cw, send_only=True)
-    with pytest.raises(ValueError, match=r"out is the output of a combine sent with "
-                                         r"send_only=True and not completed"):
+    with pytest.raises(ValueError, match=shared.format("combine")):
         second.combine(eo, cw, out=y)
     first.complete()
     assert bits_equal(second.combine(eo, cw, out=y), first.combine(eo, cw))

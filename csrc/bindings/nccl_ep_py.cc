@@ -109,7 +109,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("DTYPES") = dtypes;
   nccl_ep_error =
       py::object(py::module_::import("megatron_nccl_ep.errors").attr("NcclEpError")).release().ptr();
-  py::register_exception_translator([](std::exception_ptr p) {
+  py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const RuntimeErrorEx& e) {

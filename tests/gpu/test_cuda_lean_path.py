@@ -27,6 +27,11 @@ def test_ll_wrong_call_after_valid_calls_raises(case_name, seed):
 
 
 @pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
+def test_ll_strided_x_and_bf16_weights_after_valid_calls(layout, seed):
+    cases.check_ll_strided_and_bf16_after_valid(layout, seed, this_device())
+
+
+@pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
 def test_ll_out_gets_the_bits_of_fresh_outputs(layout, seed):
     cases.check_ll_out_reused(layout, seed, this_device())
 
