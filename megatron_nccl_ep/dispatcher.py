@@ -274,7 +274,9 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         options = self.options()
         signature = (hidden_states.shape, hidden_states.dtype, hidden_states.device,
                      self.drop_and_pad, self.config.moe_expert_capacity_factor,
-                     self.expert_alignment(), _training_tokens_per_rank(), _groups.generation)
+                     self.expert_alignment(),
+                     options.max_tokens_per_rank or _training_tokens_per_rank(),
+                     _groups.generation)
         memo = self._route_memo
         if memo is not None and memo[0] is options and memo[1] == signature:
             return memo[2]
