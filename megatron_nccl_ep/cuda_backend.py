@@ -27,7 +27,7 @@ import torch.distributed as dist
 from . import build_info
 from .config import GroupConfig
 from .limits import MAX_SLOTS_PER_RANK
-from .outputs import LLDispatchOutput, ll_dispatch_fields
+from .outputs import LLDispatchOutput, ll_dispatch_fields, new_dispatch_output
 
 try:
     from . import _C  # type: ignore[attr-defined]
@@ -337,9 +337,7 @@ class CudaBackend:
             if fields is None:  # once per group and weights/no weights
                 fields = self._ll_fields[with_weights] = ll_dispatch_fields(
                     self.config, self.world_size, with_weights)
-            dev = self.device
-            out = LLDispatchOutput(*[None if f is None else
-                                     torch.empty(f[0], dtype=f[1], device=dev) for f in fields])
+            out = new_dispatch_output(fields, self.device)
         _C.dispatch(state.ptr, _tensor(x), _tensor(topk_weights), False, _tensor(out.x),
                     _tensor(out.topk_weights), _tensor(out.scales), _tensor(out.count),
                     _tensor(out.src), _tensor(out.topk_idx), send_only, self._stream())

@@ -35,6 +35,7 @@ from megatron.core.transformer.moe.token_dispatcher_inference import (
 from .api import Group
 from .config import LL_MAX_TOKENS
 from .dispatcher_common import GroupCache, check_owned_experts, layer_options
+from .outputs import ll_dispatch_fields, new_dispatch_output
 
 # One LL group per (EP process group, shape), shared by every MoE layer of that shape.
 _groups = GroupCache()
@@ -60,7 +61,7 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
 
     Per layer and step: ``dispatch_preprocess`` keeps the router's top-k ids ``[T, K]``;
     ``token_dispatch`` makes an LL handle from them (no communication) and dispatches, then
-    publishes the received row count for the experts; ``dispatch_postprocess`` and
+    writes the received row count into the valid-rows tensor the experts read; ``dispatch_postprocess`` and
     ``combine_preprocess`` pass through; ``token_combine`` combines the experts' rows and
     returns ``[T, H]`` bf16, as ``NCCLAllGatherDispatcher`` does.
 
@@ -92,7 +93,8 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         self.num_experts = num_experts
         self.topk = config.moe_router_topk
         self._handle = None
-        self._group_memo = None  # (options, signature, group): _remembered_group's
+        # (options, signature, group, its dispatch's output fields): _remembered_group's
+        self._group_memo = None
         # Handles made while a CUDA graph was being captured: the graph replays their kernels
         # on their buffers, so they live as long as this dispatcher.
         self._captured_handles: list = []
@@ -140,6 +142,16 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         if memo is not None and memo[0] is options and memo[1] == signature:
             return memo[2], signature
         return None, signature
+
+    def _outputs(self, group: Group, device: torch.device):
+        """The dispatch's outputs: new tensors, with ``count`` Megatron's valid-tokens tensor
+        itself where the library can write it (int32 ``[1]``, contiguous, 16-byte aligned), so
+        no copy follows; None where it cannot (``_publish_count`` copies then)."""
+        valid = self._valid_rows_tensor(device)
+        if not (valid.dtype == torch.int32 and valid.shape == (1,) and valid.is_contiguous()
+                and valid.data_ptr() % 16 == 0):
+            return None
+        return new_dispatch_output(self._group_memo[3], device, count=valid)
 
     def _check_budget(self, tokens: int, limit: int) -> None:
         if tokens > limit:
@@ -190,33 +202,42 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
                 f"{None if self.routing_map is None else tuple(self.routing_map.shape)}")
         if group is None:
             group = self._look_up_group(hidden_states, dtype, signature[0])
-            self._group_memo = (signature[0], signature, group)
+            fields = ll_dispatch_fields(group.config, group.world_size, True)  # probs: weights
+            self._group_memo = (signature[0], signature, group, fields)
         handle = group.create_handle(topk_idx=self.routing_map)
-        out = handle.dispatch(hidden_states.to(dtype), probs)
+        out = handle.dispatch(hidden_states.to(dtype), probs, out=None if probs is None else
+                              self._outputs(group, hidden_states.device))
         if _capturing(hidden_states.device):
             self._captured_handles.append(handle)
         self._handle = handle
         self.routing_map = out.topk_idx
-        self._publish_count(out.count)
+        if out.count is not InferenceAllGatherDispatcherBase._valid_tokens_tensor:
+            self._publish_count(out.count)
         if self._runs_metadata_sync:
             self.update_metadata(tokens)
         return out.x.to(hidden_states.dtype), out.topk_weights
 
     @staticmethod
-    def _publish_count(count: torch.Tensor) -> None:
-        """The experts read the valid rows from one class-level tensor at a fixed address (the
-        inference context allocates it; a graph replays reads of that address): the count is
-        copied into it, on the stream, before this layer's experts run."""
+    def _valid_rows_tensor(device: torch.device) -> torch.Tensor:
+        """The class-level tensor the experts read the valid rows from, at a fixed address (the
+        inference context allocates it; a graph replays reads of that address); made here, on
+        ``device``, where none is (outside a capture)."""
         valid = InferenceAllGatherDispatcherBase._valid_tokens_tensor
-        if valid is None or valid.device != count.device:
-            if _capturing(count.device):
+        if valid is None or valid.device != device:
+            if _capturing(device):
                 raise RuntimeError(
                     "nccl_ep inference dispatcher: InferenceAllGatherDispatcherBase's valid-tokens "
                     "tensor is not allocated on this device; allocate it before CUDA graph "
                     "capture (DynamicInferenceContext does)")
-            valid = torch.zeros(1, dtype=torch.int32, device=count.device)
+            valid = torch.zeros(1, dtype=torch.int32, device=device)
             InferenceAllGatherDispatcherBase._valid_tokens_tensor = valid
-        valid.copy_(count)
+        return valid
+
+    @classmethod
+    def _publish_count(cls, count: torch.Tensor) -> None:
+        """The count copied into the valid-tokens tensor, on the stream, before this layer's
+        experts run (where the dispatch could not write it there itself)."""
+        cls._valid_rows_tensor(count.device).copy_(count)
 
     def dispatch_postprocess(self, hidden_states, probs):
         """Pass-through: the fused experts permute the received rows themselves."""

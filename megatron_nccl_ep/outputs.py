@@ -1,6 +1,6 @@
 """The types the backends build and the front end returns (below both: backends never import
-the front end): ``LLDispatchOutput``, one LL dispatch's outputs, and ``ll_dispatch_fields``, the
-one statement of their shapes and dtypes."""
+the front end): ``LLDispatchOutput``, one LL dispatch's outputs, ``ll_dispatch_fields``, the
+one statement of their shapes and dtypes, and ``new_dispatch_output``, which allocates them."""
 
 from __future__ import annotations
 
@@ -48,3 +48,12 @@ def ll_dispatch_fields(config, world_size: int, with_weights: bool) -> tuple:
                 (per_slot, torch.int32), (per_slot, torch.float32) if with_weights else None)
     return ((lead + (config.hidden,), x_dtype), (lead[:1], torch.int32), scales,
             (lead, torch.int32), None, None)
+
+
+def new_dispatch_output(fields: tuple, device, **given) -> LLDispatchOutput:
+    """An ``LLDispatchOutput`` of ``fields`` (``ll_dispatch_fields``) on ``device``: the tensors
+    ``given`` by field name, new ones (``torch.empty``) for the others."""
+    return LLDispatchOutput(*[given[name] if name in given else
+                              None if field is None else
+                              torch.empty(field[0], dtype=field[1], device=device)
+                              for name, field in zip(FIELDS, fields)])

@@ -310,6 +310,44 @@ def test_fused_experts_on_both_dispatchers(world, seed, summary_line):
     summary_line(f"EP {world}: {reports}")
 
 
+def check_valid_rows_tensor(aligned: bool, seed: int) -> dict:
+    """The dispatch writes the count into Megatron's valid-rows tensor itself where the library
+    can (int32 [1], contiguous, 16-byte aligned: no copy follows), else the count is copied
+    there; either way the experts read the rows this rank received, at the tensor's address."""
+    from megatron.core.transformer.moe.token_dispatcher_inference import (
+        InferenceAllGatherDispatcherBase)
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T_MAX, 1, HIDDEN, generator=gen).to(torch.bfloat16)
+    ids = random_routing(T_MAX, 8, 2, gen)
+    probs = torch.rand(T_MAX, 2, generator=gen)
+    with dispatchers(8, 2, False, False, "torch", torch.device("cpu")) as (_, ours):
+        block = torch.full((8,), -7, dtype=torch.int32)
+        valid = block[:1] if aligned else block[1:2]  # 4 bytes past an aligned block
+        InferenceAllGatherDispatcherBase._valid_tokens_tensor = valid
+        copies = []
+        publish = NcclEpInferenceDispatcher._publish_count
+        NcclEpInferenceDispatcher._publish_count = classmethod(
+            lambda cls, count: (copies.append(count), publish(count)))
+        try:
+            for _ in range(2):
+                dispatch(ours, x, ids, probs)
+                assert InferenceAllGatherDispatcherBase._valid_tokens_tensor is valid
+                assert int(valid) == int((ids >= 0).any(1).sum())
+                combine(ours, torch.zeros(T_MAX, HIDDEN))
+        finally:
+            NcclEpInferenceDispatcher._publish_count = publish
+        return {"copies": len(copies), "block": block.tolist()}
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["written_in_place", "copied"])
+def test_valid_rows_tensor_written_in_place_or_copied(aligned, seed):
+    report = dist.run(1, check_valid_rows_tensor, aligned, seed)[0]
+    assert report["copies"] == (0 if aligned else 2), report
+    untouched = report["block"][1:] if aligned else [report["block"][0]] + report["block"][2:]
+    assert untouched == [-7] * 7, report  # nothing written around it
+
+
 # -- (d) registration ------------------------------------------------------------------------------
 def test_config_and_argparse_take_nccl_ep():
     from megatron.core.transformer.transformer_config import TransformerConfig
