@@ -35,7 +35,6 @@ from collections import defaultdict
 
 from .dispatchers import MethodDriver, build_dispatcher, megatron_inputs
 from .ll import capture
-from .machine import machine_info
 from .runner import Rank, e2e_mode, run_into
 
 # Cycles of the sleep kernel that holds the GPU while one iteration's calls are enqueued: a few
@@ -178,7 +177,7 @@ def _ht(me: Rank, tokens: int, mode: str) -> None:
 
 
 def _ll(me: Rank, tokens: int, layout: str) -> None:
-    sms = machine_info("cuda")["sm_count"]
+    sms = me.torch.cuda.get_device_properties(me.device).multi_processor_count
     group = _group(me, tokens, mode="ll", ll_layout=layout, num_sms=sms)
     sets = _inputs(me, tokens)
     expert_major = layout == "expert_major"
