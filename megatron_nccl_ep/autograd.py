@@ -82,6 +82,9 @@ def dispatch(handle: Handle, x: torch.Tensor, probs: Optional[torch.Tensor] = No
     Returns:
         ``(recv_x [N, H], recv_probs [N] or None)``.
     """
+    if not (torch.is_grad_enabled() and (getattr(x, "requires_grad", False)
+                                         or getattr(probs, "requires_grad", False))):
+        return handle.dispatch(x, probs, dense=dense)  # no graph to record: the plain op
     return _Dispatch.apply(handle, x, probs, dense)
 
 
@@ -95,4 +98,6 @@ def combine(handle: Handle, expert_out: torch.Tensor) -> torch.Tensor:
     Returns:
         ``y [T, H]``, the unweighted sum of docs/design.md §4.
     """
+    if not (torch.is_grad_enabled() and getattr(expert_out, "requires_grad", False)):
+        return handle.combine(expert_out)  # no graph to record: the plain op
     return _Combine.apply(handle, expert_out)

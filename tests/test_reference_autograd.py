@@ -234,3 +234,34 @@ def check_dispatch_without_probs(seed: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_dispatch_without_probs_differentiable(world_size, seed):
     dist.run(world_size, check_dispatch_without_probs, seed)
+
+
+def check_no_graph_to_record(seed: int) -> None:
+    """Under torch.no_grad, or with inputs that need no gradient, dispatch and combine are the
+    handle's plain ops (no autograd node), with the bits of the recorded ones; one input that
+    needs a gradient records them."""
+    rank, world = ep_cases.rank_and_size()
+    problem = dense.make_problem(seed, world, tokens=9, hidden=8, num_experts=8, topk=2,
+                                 dtype=torch.float64, min_exp=-3, max_exp=3)
+    group = ep_cases.make_group(problem)
+    x, idx, probs = ep_cases.share(problem, rank, requires_grad=True)
+    handle = group.create_handle(idx)
+    recorded_x, recorded_p = ep.dispatch(handle, x, probs)
+    recorded_y = ep.combine(handle, recorded_x)
+    assert recorded_x.grad_fn is not None and recorded_y.grad_fn is not None
+    with torch.no_grad():
+        plain_x, plain_p = ep.dispatch(handle, x, probs)
+        plain_y = ep.combine(handle, plain_x)
+    detached_x, detached_p = ep.dispatch(handle, x.detach(), probs.detach())
+    for got in (plain_x, plain_p, plain_y, detached_x, detached_p):
+        assert got.grad_fn is None and not got.requires_grad
+    for got, want in ((plain_x, recorded_x), (detached_x, recorded_x), (plain_p, recorded_p),
+                      (detached_p, recorded_p), (plain_y, recorded_y)):
+        dense.assert_bitwise_equal(got, want.detach(), "plain op against the recorded one")
+    _, p_only = ep.dispatch(handle, x.detach(), probs)  # the probs alone need a gradient
+    assert p_only.grad_fn is not None
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_no_graph_to_record_runs_the_plain_ops(world_size, seed):
+    dist.run(world_size, check_no_graph_to_record, seed)
