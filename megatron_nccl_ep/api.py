@@ -243,8 +243,9 @@ class Group:
                 and t.device == self.device and t.is_contiguous())
 
     def _check_tensor(self, name: str, t, ndim: int, dtypes, shape=None) -> None:
-        if (shape is None and isinstance(t, torch.Tensor) and t.dim() == ndim
-                and t.dtype in dtypes and t.device == self.device):
+        if (isinstance(t, torch.Tensor) and t.dim() == ndim and t.dtype in dtypes
+                and t.device == self.device
+                and (shape is None or all(w is None or n == w for n, w in zip(t.shape, shape)))):
             return  # what a valid call passes: no message to build
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
