@@ -60,10 +60,10 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
     """Inference token dispatcher for ``inference_moe_token_dispatcher_type="nccl_ep"``.
 
     Per layer and step: ``dispatch_preprocess`` keeps the router's top-k ids ``[T, K]``;
-    ``token_dispatch`` makes an LL handle from them (no communication) and dispatches, then
-    writes the received row count into the valid-rows tensor the experts read; ``dispatch_postprocess`` and
-    ``combine_preprocess`` pass through; ``token_combine`` combines the experts' rows and
-    returns ``[T, H]`` bf16, as ``NCCLAllGatherDispatcher`` does.
+    ``token_dispatch`` makes an LL handle from them (no communication) and dispatches, the
+    received row count written into the valid-rows tensor the experts read;
+    ``dispatch_postprocess`` and ``combine_preprocess`` pass through; ``token_combine`` combines
+    the experts' rows and returns ``[T, H]`` bf16, as ``NCCLAllGatherDispatcher`` does.
 
     ``payload_dtype`` (class attribute): None moves tokens in their own dtype both ways (each
     rank's fp32 partial is rounded to it before the cross-rank sum); ``torch.float32`` moves
