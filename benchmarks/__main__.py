@@ -2,8 +2,9 @@
 reports.
 
 Each section (``ceilings``, ``kernels``, ``megatron``, ``host``), each team world size, each LL
-point and each sweep point runs in its own fresh set of processes with its own deadline within ``--time-budget``; the table
-is printed last, after the JSON is written, then the plot and the markdown.
+point and each sweep point runs in its own fresh set of processes with its own deadline within
+``--time-budget``; the table is printed last, after the JSON is written, then the plot and the
+markdown.
 """
 
 from __future__ import annotations

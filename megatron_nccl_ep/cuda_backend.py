@@ -10,9 +10,10 @@ device, so the caching allocator keeps them stream-ordered.
 
 Errors, raised by the bindings themselves: ``ValueError`` for bad arguments or routing (the
 library's ncclInvalidArgument / ncclInvalidUsage), ``errors.NcclEpError`` for runtime failures
-(device-side timeouts, capacity overflow, CUDA/NCCL errors). In capacity mode nothing synchronizes the host, so routing errors and overflow
-are raised by the next call (or by ``check_errors()``); in exact mode by the first read of the
-receive count (``num_recv_tokens``, ``tokens_per_expert`` or the handle's first dispatch).
+(device-side timeouts, capacity overflow, CUDA/NCCL errors). In capacity mode nothing
+synchronizes the host, so routing errors and overflow are raised by the next call (or by
+``check_errors()``); in exact mode by the first read of the receive count
+(``num_recv_tokens``, ``tokens_per_expert`` or the handle's first dispatch).
 """
 
 from __future__ import annotations
