@@ -20,6 +20,9 @@ graphs need capacity mode); LL at each ``--host-ll-tokens`` T (T_max = T), in ea
 * ``step (graph)``: the same step captured once into a CUDA graph (capacity mode and LL) and
   replayed ``HOST_STEPS`` times back to back, the wall time per replay; ``graph (kernel)``: one
   replay's device time, the GPU held while it is enqueued;
+* ``profile``: for the configurations of ``PROFILED``, ``torch.profiler`` over ``HOST_STEPS``
+  eager steps (CPU and CUDA activity: torch's ops and the CUDA runtime calls of every library
+  in the process): the ``PROFILE_ROWS`` events of most self CPU time, per step;
 * ``megatron T=<T>: dispatch`` / ``combine``: ``NcclEpTokenDispatcher``'s methods as MoELayer
   calls them (``benchmarks.dispatchers.MethodDriver``), e2e as the megatron section times them,
   at the group's receive mode (``--recv-mode``); the report puts the HT kernels of the same T
@@ -42,6 +45,9 @@ from .runner import Rank, e2e_mode, run_into
 HOLD_CYCLES = 10_000_000
 HOST_STEPS = 20  # steps (or replays) back to back per iteration of the step items
 HOST_OPS = ("handle", "dispatch", "combine", "dispatch out=", "combine out=")
+# Where the host time goes: the configurations profiled (their prefixes) and the rows kept.
+PROFILED = ("HT T=128 exact", "LL T=128 rank-major")
+PROFILE_ROWS = 15
 LL_LAYOUT_NAMES = {"rank_major": "rank-major", "expert_major": "expert-major"}
 
 
@@ -112,6 +118,8 @@ def _steps(me: Rank, prefix: str, step, graphed: bool) -> None:
         return walls
 
     me.emit("times", f"{prefix}: step (eager)", times_ms=back_to_back(step))
+    if prefix in PROFILED:
+        me.emit("point", data={f"{prefix}: profile": _profile(me, step)})
     if not graphed:
         return
     graph, _kept = capture(lambda: step(0))
@@ -134,6 +142,22 @@ def _steps(me: Rank, prefix: str, step, graphed: bool) -> None:
     finally:
         torch.cuda.synchronize()
         graph.reset()  # the graph first, then (with this frame) the handles it replays
+
+
+def _profile(me: Rank, step) -> list:
+    """``[name, calls per step, self CPU us per step]`` of the events of most self CPU time over
+    ``HOST_STEPS`` eager steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch = me.torch
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(HOST_STEPS):
+            step(i)
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [[e.key[:90], e.count / HOST_STEPS, e.self_cpu_time_total / HOST_STEPS]
+            for e in events[:PROFILE_ROWS]]
 
 
 def _group(me: Rank, tokens: int, **fields):
@@ -244,6 +268,8 @@ def section(me: Rank) -> None:
 
 
 def run(result: dict, args: argparse.Namespace, budget_end: float) -> None:
-    """The section on GPU 0 in one process: ``result['host']``, its items by name."""
+    """The section on GPU 0 in one process: ``result['host']``, its items by name, and
+    ``result['host_profiles']``, the profiles by configuration."""
     host_args = argparse.Namespace(**{**vars(args), "nproc": 1})
-    result["host"], _, _ = run_into(result, "host", section, host_args, budget_end)
+    result["host"], _, facts = run_into(result, "host", section, host_args, budget_end)
+    result["host_profiles"] = facts

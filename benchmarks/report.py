@@ -501,6 +501,9 @@ def _host(result: dict) -> list:
                              ["dispatch", "kernels", "over", "combine", "kernel", "over"],
                              ("10.1f",) * 6,
                              [(f"T={tokens}", *values) for tokens, *values in meg_rows])
+    for name, rows in (result.get("host_profiles") or {}).items():
+        lines.append(f"{name} (per step: calls, self CPU us): " + "; ".join(
+            f"{event} {calls:g} {us:.1f}" for event, calls, us in rows))
     return lines
 
 

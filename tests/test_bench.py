@@ -281,9 +281,13 @@ def test_host_report_puts_costs_steps_and_megatron_beside_the_kernels():
     table = report.format_table(result)
     assert re.search(r"^T=128\s+95\.0\s+70\.0\s+25\.0\s+35\.0\s+24\.0\s+11\.0$", table, re.M)
     assert re.search(rf"^{ll_cfg}\s+30\.0\s+21\.0\s+20\.0\s+1\.50$", table, re.M)
+    result["host_profiles"] = {f"{ll_cfg}: profile": [["cudaLaunchKernel", 3.0, 7.5]]}
+    assert (f"{ll_cfg}: profile (per step: calls, self CPU us): cudaLaunchKernel 3 7.5"
+            in report.format_table(result))
     text = markdown.render(result)
     assert "## Host cost: what a call costs the host, next to its kernels" in text
     assert "| 128 | 95.0 | 70.0 | 25.0 | 35.0 | 24.0 | 11.0 |" in text
+    assert "| cudaLaunchKernel | 3 | 7.5 |" in text
 
 
 def test_collect_keeps_point_facts_apart_from_the_items():
