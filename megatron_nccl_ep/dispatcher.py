@@ -19,10 +19,13 @@ from megatron.core.transformer.moe.moe_utils import (get_align_size_for_quantiza
                                                      get_capacity, get_default_pg_collection)
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-try:  # Megatron's local CUDA graphs warm a layer up on zero-filled inputs before capturing it
-    from megatron.core.transformer.cuda_graphs import is_graph_warmup
+try:  # CUDA graphs warm a layer up on made-up inputs before capturing it
+    from megatron.core.transformer.cuda_graphs import is_graph_capturing, is_graph_warmup
 except ImportError:  # pragma: no cover - a Megatron-Core without local graphs
     def is_graph_warmup() -> bool:
+        return False
+
+    def is_graph_capturing() -> bool:
         return False
 
 from .api import Group
@@ -70,6 +73,15 @@ def check_graph_settings(config, options: NcclEpOptions) -> None:
         "per expert, --nccl-ep-capacity-factor; whole layers or full_iteration: Megatron "
         "allows the moe scope with drop-and-pad only), or capture only attn, moe_router and "
         "moe_preprocess")
+
+
+def _graph_warmup(tokens: torch.Tensor) -> bool:
+    """Whether this forward is a CUDA-graph warm-up on made-up inputs (every token on the same
+    experts), which no step's routing is: Megatron's local graphs flag theirs; Transformer
+    Engine's (``--cuda-graph-impl transformer_engine``) run eagerly while Megatron's capture flag
+    is up (a forward being captured runs nothing until its replays, which count)."""
+    return is_graph_warmup() or (is_graph_capturing() and not (
+        tokens.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def _training_tokens_per_rank() -> Optional[int]:
@@ -323,9 +335,8 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         options, capacity, group = self._route(hidden_states)
         num_tokens = hidden_states.shape[0]
         routing_map, self.routing_map = self.routing_map, None
-        # The budget's use, on the device; a graph warm-up's zero inputs (every token on the
-        # same experts) are no step's routing.
-        if capacity and not self.drop_and_pad and not is_graph_warmup():
+        # The budget's use, on the device (graph warm-ups left out).
+        if capacity and not self.drop_and_pad and not _graph_warmup(hidden_states):
             self._budget = (capacity, options.capacity_factor, num_tokens)
             per_expert = routing_map.sum(0)  # two launches a layer: the sum and the maximum
             if self._needed is None:

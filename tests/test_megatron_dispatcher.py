@@ -437,6 +437,17 @@ def over_budget_case(factor: float, seed: int) -> str:
             dispatcher.combine_postprocess(dispatcher.token_combine(
                 dispatcher.combine_preprocess(rows)))
 
+        from megatron.core.transformer import cuda_graphs
+
+        # Megatron's local graphs flag their warm-ups; Transformer Engine's run eagerly under
+        # Megatron's capture flag: both on made-up inputs, which no step's routing is.
+        for flag in ("_IS_GRAPH_WARMUP", "_IS_GRAPH_CAPTURING"):
+            setattr(cuda_graphs, flag, True)
+            try:
+                step(skewed=True)
+            finally:
+                setattr(cuda_graphs, flag, False)
+        check_budgets()  # nothing counted
         step(skewed=rank == 0)
         assert bool(dispatcher.check_over_budget()) == (rank == 0), (rank, dispatcher._needed, dispatcher._budget)
         try:

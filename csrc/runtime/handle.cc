@@ -23,7 +23,9 @@
  *  - Inside a stream capture (a CUDA graph): exact mode, groups that span nodes and shapes out
  *    of bounds are refused before anything is launched; a slot is kept out of the pool while
  *    any graph that replays work on it exists (pool.h, retain_slot_for_graph: taken before the
- *    first launch on the slot, by creation and by every op), also after the handle is destroyed.
+ *    first launch on the slot, by creation, every op and the device-side getters), also after
+ *    the handle is destroyed. A group's graphs must be destroyed before the group: its
+ *    destruction frees every slot (a replay after it writes freed memory).
  *  - The halves alternate per creation in stream order: creations of one group on two streams
  *    must be ordered by the caller (as every use of a group's handles, pool.h).
  */
@@ -132,7 +134,10 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   // instead of leaving its peers in the collective.
   const bool fits = T <= c.max_tokens_per_rank && K >= 1 && K <= c.max_topk;
   // Inside a capture nothing runs until a replay: what capture cannot hold is refused here,
-  // before anything is launched (this rank's peers capture the same calls and refuse alike).
+  // before anything is launched. Exact mode and groups over nodes are the group's, so every
+  // rank refuses alike; a shape out of bounds is this rank's own: its peers capture a barrier
+  // it never joins, and their replays time out naming it (an eager creation reports the shape
+  // on every rank instead).
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   EP_CUDA(cudaStreamIsCapturing(stream, &capture));
   if (capture != cudaStreamCaptureStatusNone) {
@@ -367,6 +372,7 @@ extern "C" ncclResult_t ncclEpHandleGetTokensPerExpert(ncclEpHandle_t handle, nc
                out->tag == NCCL_EP_TENSOR_TOKENS_PER_EXPERT,
            ncclInvalidArgument,
            "tokens_per_expert tag must be RECV_EXPERT_COUNTER_DEVICE/_HOST or TOKENS_PER_EXPERT");
+  EP_RETURN_IF(retain_slot_for_graph(g, handle->slot, stream));  // a captured read holds it too
   EP_CUDA(cudaMemcpyAsync(out->data, dev, bytes, cudaMemcpyDeviceToDevice, stream));
   return ncclSuccess;
 }
@@ -384,6 +390,7 @@ extern "C" ncclResult_t ncclEpHandleGetTopkIdx(ncclEpHandle_t handle, ncclEpTens
            ncclInvalidArgument,
            "topk_idx output must be a contiguous int32 or int64 tensor of shape (%lld, %lld)", T,
            K);
+  EP_RETURN_IF(retain_slot_for_graph(handle->group, handle->slot, stream));
   EP_CUDA(launch_copy_topk(handle->slot->own_routing.ptr, T * K, out->data,
                            out->dtype == ncclInt64, stream));
   return ncclSuccess;

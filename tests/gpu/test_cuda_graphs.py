@@ -5,7 +5,9 @@ same inputs (themselves checked against the oracle by the parity suites), the ou
 NaN-poisoned before each replay. A graph holds three handles (an odd number: consecutive replays
 must alternate the routing records' halves on the device), its handles are destroyed right after
 the capture and eager handles made between replays (their slots must not be the graph's), and
-at EP 2 the ranks are a local team that captures at once. Exact mode is refused inside a capture.
+at EP 2 the ranks are a local team that captures at once. A graph of an eager handle's ops, or
+of its device-side getters, keeps reading that handle after it is destroyed. Exact mode is
+refused inside a capture.
 
 The Megatron layer: a MoE layer in capacity mode captured forward and backward, replayed; a
 replay whose routing overflows the static budget raises at check_budgets(), naming the layer and
@@ -178,6 +180,47 @@ def test_graph_of_ops_keeps_an_eager_handle_after_destroy(seed):
                                                                  want[1]), ("y", y, want_y)):
                 if not same_bits(got, ref):
                     mismatches.append(name)
+        group.check_errors()
+        return mismatches
+
+    try:
+        assert ep.run_local_team([group], body) == [[]]
+    finally:
+        group.destroy()
+
+
+def test_graph_of_getters_keeps_an_eager_handle_after_destroy(seed):
+    """A handle's device-side getters (tokens_per_expert on the device, topk_idx) captured, the
+    handle destroyed and new handles made on other routings (which would take its slot back):
+    replays still read its counts and ids, bitwise those of an eager handle of the same routing."""
+    [group] = ep.Group.local_team(1, num_experts=EXPERTS, hidden=HIDDEN,
+                                  max_tokens_per_rank=TOKENS, max_topk=TOPK, dtype=BF16,
+                                  recv_mode="capacity", capacity_factor=2.0)
+
+    def body(rank, group):
+        (idx, x, probs, _), = inputs(seed, rank, group.device)[:1]
+        reference = group.create_handle(idx)
+        want = (reference.tokens_per_expert.clone(), reference.topk_idx.clone())
+        reference.destroy()
+        handle = group.create_handle(idx)
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:  # each getter's first call: captured
+            got = (handle.tokens_per_expert, handle.topk_idx)
+        finally:
+            graph.capture_end()
+        handle.destroy()
+        others = [group.create_handle(routing(torch.Generator().manual_seed(seed + i),
+                                              group.device)) for i in range(3)]
+        for other in others:
+            other.dispatch(x, probs)
+        mismatches = []
+        for _ in range(2):
+            for t in got:
+                t.fill_(-7)
+            graph.replay()
+            mismatches += [name for name, a, b in zip(("tokens_per_expert", "topk_idx"), got,
+                                                      want) if not same_bits(a, b)]
         group.check_errors()
         return mismatches
 
