@@ -142,6 +142,8 @@ def check_budgets() -> None:
             group.check_errors()
     layers = [d for d in (ref() for ref in _budgeted) if d is not None and d._needed is not None]
     _budgeted[:] = [ref for ref in _budgeted if ref() is not None]
+    if any(d._needed.is_cuda for d in layers):
+        torch.cuda.synchronize()  # the maxima may come from another stream (1F1B EP overlap)
     by_group: dict = {}
     for d in layers:
         by_group.setdefault(d.comm_group, []).append(d)
