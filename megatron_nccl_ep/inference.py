@@ -35,7 +35,6 @@ from megatron.core.transformer.moe.token_dispatcher_inference import (
 from .api import Group
 from .config import LL_MAX_TOKENS
 from .dispatcher_common import GroupCache, check_owned_experts, layer_options
-from .outputs import ll_dispatch_fields, new_dispatch_output
 
 # One LL group per (EP process group, shape), shared by every MoE layer of that shape.
 _groups = GroupCache()
@@ -93,8 +92,7 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         self.num_experts = num_experts
         self.topk = config.moe_router_topk
         self._handle = None
-        # (options, signature, group, its dispatch's output fields): _remembered_group's
-        self._group_memo = None
+        self._group_memo = None  # (options, signature, group): _remembered_group's
         # Handles made while a CUDA graph was being captured: the graph replays their kernels
         # on their buffers, so they live as long as this dispatcher.
         self._captured_handles: list = []
@@ -143,7 +141,7 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
             return memo[2], signature
         return None, signature
 
-    def _outputs(self, group: Group, device: torch.device):
+    def _outputs(self, handle, device: torch.device):
         """The dispatch's outputs: new tensors, with ``count`` Megatron's valid-tokens tensor
         itself where the library can write it (int32 ``[1]``, contiguous, 16-byte aligned), so
         no copy follows; None where it cannot (``_publish_count`` copies then)."""
@@ -151,7 +149,7 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         if not (valid.dtype == torch.int32 and valid.shape == (1,) and valid.is_contiguous()
                 and valid.data_ptr() % 16 == 0):
             return None
-        return new_dispatch_output(self._group_memo[3], device, count=valid)
+        return handle.new_output(count=valid)
 
     def _check_budget(self, tokens: int, limit: int) -> None:
         if tokens > limit:
@@ -202,11 +200,10 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
                 f"{None if self.routing_map is None else tuple(self.routing_map.shape)}")
         if group is None:
             group = self._look_up_group(hidden_states, dtype, signature[0])
-            fields = ll_dispatch_fields(group.config, group.world_size, True)  # probs: weights
-            self._group_memo = (signature[0], signature, group, fields)
+            self._group_memo = (signature[0], signature, group)
         handle = group.create_handle(topk_idx=self.routing_map)
         out = handle.dispatch(hidden_states.to(dtype), probs, out=None if probs is None else
-                              self._outputs(group, hidden_states.device))
+                              self._outputs(handle, hidden_states.device))
         if _capturing(hidden_states.device):
             self._captured_handles.append(handle)
         self._handle = handle

@@ -16,7 +16,7 @@ import torch
 
 from .config import INDEX_DTYPES, PROB_DTYPES
 from .handle_lifetime import BackendHandle
-from .outputs import FIELDS, LLDispatchOutput, ll_dispatch_fields
+from .outputs import FIELDS, LLDispatchOutput, ll_dispatch_fields, new_dispatch_output
 
 _KINDS = ("dispatch", "combine")
 _PLURAL = {"dispatch": "dispatches", "combine": "combines"}
@@ -106,36 +106,36 @@ class LLHandle(BackendHandle):
 
     def _out_matches(self, out, with_weights: bool) -> bool:
         """Whether ``out`` is an ``LLDispatchOutput`` of exactly this group's fields."""
-        if not isinstance(out, LLDispatchOutput):
-            return False
-        for name, field in zip(FIELDS, self._shared.fields[with_weights]):
-            t = getattr(out, name)
-            if field is None:
-                if t is not None:
-                    return False
-            elif not self.group._matches(t, (field[1],), field[0]):
-                return False
-        return True
+        return isinstance(out, LLDispatchOutput) and all(
+            (t is None) if field is None else self.group._matches(t, (field[1],), field[0])
+            for t, field in zip(_fields(out), self._shared.fields[with_weights]))
 
     def _check_out(self, out, with_weights: bool) -> None:
         """``dispatch(out=...)``'s full check, raising the error that names the field."""
         if not isinstance(out, LLDispatchOutput):
             raise TypeError(f"out must be an LLDispatchOutput (a dispatch's return value), got "
                             f"{type(out).__name__}")
-        for name, field in zip(FIELDS, self._shared.fields[with_weights]):
-            t = getattr(out, name)
-            if field is None:
-                if t is not None:
-                    raise ValueError(f"out.{name} must be None for this group's layout and "
-                                     "weights (outputs.ll_dispatch_fields)")
-                continue
-            if t is None:
-                raise ValueError(f"out.{name} is required for this group's layout and weights "
-                                 f"(outputs.ll_dispatch_fields), got None")
-            self.group._check_tensor(f"out.{name}", t, len(field[0]), (field[1],), field[0])
-            if not t.is_contiguous():
-                raise ValueError(f"out.{name} must be contiguous (the library writes it row by "
-                                 "row)")
+        for name, t, field in zip(FIELDS, _fields(out), self._shared.fields[with_weights]):
+            if field is None and t is not None:
+                raise ValueError(f"out.{name} must be None for this group's layout and "
+                                 "weights (outputs.ll_dispatch_fields)")
+            if field is not None:
+                if t is None:
+                    raise ValueError(f"out.{name} is required for this group's layout and "
+                                     "weights (outputs.ll_dispatch_fields), got None")
+                self._check_written(f"out.{name}", t, field[1], field[0])
+
+    def _check_written(self, name: str, t, dtype: torch.dtype, shape: tuple) -> None:
+        """A tensor given for the library to write: the full check, and contiguous."""
+        self.group._check_tensor(name, t, len(shape), (dtype,), shape)
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the library writes it row by row)")
+
+    def new_output(self, with_weights: bool = True, **given) -> LLDispatchOutput:
+        """A new ``LLDispatchOutput`` for a dispatch of this handle's group (to pass as ``out``):
+        the tensors ``given`` by field name, ``torch.empty`` ones of the group's shapes for the
+        others (``with_weights``: the fields of a dispatch that sends weights)."""
+        return new_dispatch_output(self._shared.fields[with_weights], self.group.device, **given)
 
     def _check_not_pending(self, op: str, given: list) -> None:
         """No tensor of an output given to ``op`` may share memory with an output that a
@@ -250,10 +250,7 @@ class LLHandle(BackendHandle):
                                         "(each rank's partial rows are already weighted)")
                     prepared["w"] = None
                 if out is not None:
-                    group._check_tensor("out", out, 2, dtypes, self._x_shape)
-                    if not out.is_contiguous():
-                        raise ValueError("out must be contiguous (the library writes it row by "
-                                         "row)")
+                    self._check_written("out", out, cfg.dtype, self._x_shape)
                     self._check_not_pending("combine", [out])
 
             group._check_agreed("LL combine", check)
@@ -288,8 +285,12 @@ class LLHandle(BackendHandle):
             self._pending, self._pending_out = None, []
 
 
+def _fields(out: LLDispatchOutput) -> list:
+    return [getattr(out, name) for name in FIELDS]
+
+
 def _tensors(out: LLDispatchOutput) -> list:
-    return [t for t in (getattr(out, name) for name in FIELDS) if t is not None]
+    return [t for t in _fields(out) if t is not None]
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -146,10 +146,12 @@ def test_exact_mode_handle_is_refused_inside_a_capture():
         group.destroy()
 
 
-def test_graph_of_ops_keeps_an_eager_handle_after_destroy(seed):
-    """A handle made eagerly, its dispatch and combine captured, the handle destroyed and new
-    handles made (which would take its slot back): replays still read its routing, bitwise the
-    eager calls' outputs."""
+def replays_after_destroy(seed: int, reference, captured) -> list:
+    """On one rank, capacity mode: ``reference(group, handle, idx, x, probs)`` -> ``{name:
+    bits}`` from eager calls; then ``captured(handle, x, probs)`` -> ``{name: output}`` inside a
+    graph, the handle destroyed and three handles of other routings made and dispatched (which
+    would take its slot back); two replays, outputs poisoned before each. Returns the names that
+    differ."""
     [group] = ep.Group.local_team(1, num_experts=EXPERTS, hidden=HIDDEN,
                                   max_tokens_per_rank=TOKENS, max_topk=TOPK, dtype=BF16,
                                   recv_mode="capacity", capacity_factor=2.0)
@@ -157,13 +159,11 @@ def test_graph_of_ops_keeps_an_eager_handle_after_destroy(seed):
     def body(rank, group):
         (idx, x, probs, _), = inputs(seed, rank, group.device)[:1]
         handle = group.create_handle(idx)
-        want = [t.clone() for t in handle.dispatch(x, probs)]
-        want_y = handle.combine(want[0] * 3).clone()
+        want = reference(group, handle, idx, x, probs)
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(capture_error_mode="thread_local")
         try:
-            recv_x, recv_probs = handle.dispatch(x, probs)
-            y = handle.combine(recv_x * 3)
+            got = captured(handle, x, probs)
         finally:
             graph.capture_end()
         handle.destroy()
@@ -173,58 +173,46 @@ def test_graph_of_ops_keeps_an_eager_handle_after_destroy(seed):
             other.dispatch(x, probs)
         mismatches = []
         for _ in range(2):
-            for t in (recv_x, recv_probs, y):
-                t.fill_(float("nan"))
+            for t in got.values():
+                t.fill_(float("nan") if t.is_floating_point() else -7)
             graph.replay()
-            for name, got, ref in (("recv_x", recv_x, want[0]), ("recv_probs", recv_probs,
-                                                                 want[1]), ("y", y, want_y)):
-                if not same_bits(got, ref):
-                    mismatches.append(name)
+            mismatches += [name for name, t in got.items() if not same_bits(t, want[name])]
         group.check_errors()
         return mismatches
 
     try:
-        assert ep.run_local_team([group], body) == [[]]
+        return ep.run_local_team([group], body)[0]
     finally:
         group.destroy()
+
+
+def test_graph_of_ops_keeps_an_eager_handle_after_destroy(seed):
+    """A handle made eagerly, its dispatch and combine captured, the handle destroyed and new
+    handles made: replays still read its routing, bitwise the eager calls' outputs."""
+    def eager(group, handle, idx, x, probs):
+        recv_x, recv_probs = (t.clone() for t in handle.dispatch(x, probs))
+        return {"recv_x": recv_x, "recv_probs": recv_probs,
+                "y": handle.combine(recv_x * 3).clone()}
+
+    def captured(handle, x, probs):
+        recv_x, recv_probs = handle.dispatch(x, probs)
+        return {"recv_x": recv_x, "recv_probs": recv_probs, "y": handle.combine(recv_x * 3)}
+
+    assert replays_after_destroy(seed, eager, captured) == []
 
 
 def test_graph_of_getters_keeps_an_eager_handle_after_destroy(seed):
     """A handle's device-side getters (tokens_per_expert on the device, topk_idx) captured, the
-    handle destroyed and new handles made on other routings (which would take its slot back):
-    replays still read its counts and ids, bitwise those of an eager handle of the same routing."""
-    [group] = ep.Group.local_team(1, num_experts=EXPERTS, hidden=HIDDEN,
-                                  max_tokens_per_rank=TOKENS, max_topk=TOPK, dtype=BF16,
-                                  recv_mode="capacity", capacity_factor=2.0)
-
-    def body(rank, group):
-        (idx, x, probs, _), = inputs(seed, rank, group.device)[:1]
+    handle destroyed and new handles made: replays still read its counts and ids, bitwise those
+    of an eager handle of the same routing."""
+    def eager(group, handle, idx, x, probs):
         reference = group.create_handle(idx)
-        want = (reference.tokens_per_expert.clone(), reference.topk_idx.clone())
+        want = {"tokens_per_expert": reference.tokens_per_expert.clone(),
+                "topk_idx": reference.topk_idx.clone()}
         reference.destroy()
-        handle = group.create_handle(idx)
-        graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:  # each getter's first call: captured
-            got = (handle.tokens_per_expert, handle.topk_idx)
-        finally:
-            graph.capture_end()
-        handle.destroy()
-        others = [group.create_handle(routing(torch.Generator().manual_seed(seed + i),
-                                              group.device)) for i in range(3)]
-        for other in others:
-            other.dispatch(x, probs)
-        mismatches = []
-        for _ in range(2):
-            for t in got:
-                t.fill_(-7)
-            graph.replay()
-            mismatches += [name for name, a, b in zip(("tokens_per_expert", "topk_idx"), got,
-                                                      want) if not same_bits(a, b)]
-        group.check_errors()
-        return mismatches
+        return want
 
-    try:
-        assert ep.run_local_team([group], body) == [[]]
-    finally:
-        group.destroy()
+    def captured(handle, x, probs):  # each getter's first call: captured
+        return {"tokens_per_expert": handle.tokens_per_expert, "topk_idx": handle.topk_idx}
+
+    assert replays_after_destroy(seed, eager, captured) == []
