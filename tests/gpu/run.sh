@@ -295,7 +295,9 @@ fi
 
 if wants pretrain; then
     start=$SECONDS
-    workdir=$(mktemp -d /tmp/check_training_XXXX)
+    # PRETRAIN_WORKDIR under $OUT keeps each run's log where a killed call still returns it.
+    workdir=${PRETRAIN_WORKDIR:-$(mktemp -d /tmp/check_training_XXXX)}
+    mkdir -p "$workdir"
     gpus=$(nvidia-smi -L | wc -l)
     "$PY" examples/check_training.py --gpus "$gpus" --workdir "$workdir" \
         --checks "${PRETRAIN_CHECKS:-abcde}" --run-timeout "${PRETRAIN_RUN_TIMEOUT:-150}" \
