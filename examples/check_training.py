@@ -68,9 +68,12 @@ GRAPH_MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--ffn-hidden-size"
                "--deterministic-mode", "--train-iters", str(GRAPH_ITERATIONS),
                "--no-check-for-nan-in-loss-and-grad"]
 DROP_AND_PAD = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
-# Capacity mode's budget per (expert, source rank): 1.25 x the even share, the padding rows the
-# experts compute as drop-and-pad's factor does (check t compares against alltoall at 1.0).
-CAPACITY_MODE = ["--nccl-ep-recv-mode", "capacity", "--nccl-ep-capacity-factor", "1.25"]
+# Capacity mode's budget per (expert, source rank): experts / top-k (8) x the even share, i.e. every
+# token of a source may pick the expert, so no routing overflows it. GRAPH_MODEL's routing on the
+# mock data at initialization sends up to 3/4 of a micro-batch's tokens to one expert (about 6x the
+# even share): any smaller static budget overflows at the first step. The experts compute the
+# padded rows, so check t measures what a budget that never drops costs.
+CAPACITY_MODE = ["--nccl-ep-recv-mode", "capacity", "--nccl-ep-capacity-factor", "8"]
 MOE_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"]
 FULL_ITERATION = ["--cuda-graph-impl", "full_iteration"]
 # The runs that must capture CUDA graphs (examples/pretrain_gpt_moe.py prints GRAPHS_LINE then).
