@@ -70,9 +70,9 @@ GRAPH_MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--ffn-hidden-size"
 DROP_AND_PAD = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
 # Capacity mode's budget per (expert, source rank): experts / top-k (8) x the even share, i.e. every
 # token of a source may pick the expert, so no routing overflows it. GRAPH_MODEL's routing on the
-# mock data at initialization sends up to 3/4 of a micro-batch's tokens to one expert (about 6x the
-# even share): any smaller static budget overflows at the first step. The experts compute the
-# padded rows, so check t measures what a budget that never drops costs.
+# mock data at initialization sends most of a micro-batch's tokens to a few experts, several times
+# the even share: a budget near it overflows at the first step. The experts compute the padded
+# rows, so check t measures what a budget that never drops costs.
 CAPACITY_MODE = ["--nccl-ep-recv-mode", "capacity", "--nccl-ep-capacity-factor", "8"]
 MOE_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"]
 FULL_ITERATION = ["--cuda-graph-impl", "full_iteration"]
