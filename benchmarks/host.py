@@ -10,9 +10,11 @@ graphs need capacity mode); LL at each ``--host-ll-tokens`` T (T_max = T), in ea
 
 * ``<op> (host)``: the host's time to enqueue one call (handle, dispatch, combine; LL also
   ``dispatch out=`` and ``combine out=``, which write into the previous call's outputs), the GPU
-  held by a sleep kernel queued first so that no call waits for it. Exact mode's count read
-  waits for the GPU: it runs untimed between the handle and the dispatch, the GPU held again
-  after it;
+  held by a sleep kernel queued first so that no call waits for it. Each iteration runs the
+  calls ``HOST_REPEATS`` times in a row under one hold: ``(host)`` is of the repeats after the
+  first (the steady state of a loop), ``(host, first)`` of the first, which follows a device
+  synchronize. Exact mode's count read waits for the GPU: it runs untimed between the handle
+  and the dispatch, the GPU held again after it;
 * ``<op> (kernel)``: the same call's device time, CUDA events around it in the same iterations;
 * ``step (eager)``: handle + dispatch + combine, ``HOST_STEPS`` steps back to back from an idle
   GPU, the wall time per step: what an eager decode or training loop sees (host and GPU
@@ -40,11 +42,13 @@ from .dispatchers import MethodDriver, build_dispatcher, megatron_inputs
 from .ll import capture
 from .runner import Rank, e2e_mode, run_into
 
-# Cycles of the sleep kernel that holds the GPU while one iteration's calls are enqueued: a few
-# ms, longer than any iteration's host work.
+# Cycles of the sleep kernel that holds the GPU while one repeat's calls are enqueued: a few ms,
+# longer than any repeat's host work (an iteration holds it HOST_REPEATS times as long).
 HOLD_CYCLES = 10_000_000
+HOST_REPEATS = 8  # the calls of one iteration, in a row under one hold
 HOST_STEPS = 20  # steps (or replays) back to back per iteration of the step items
 HOST_OPS = ("handle", "dispatch", "combine", "dispatch out=", "combine out=")
+HOST_KINDS = ("host", "host, first", "kernel")  # the rows of each configuration
 # Where the host time goes: the configurations profiled (their prefixes) and the rows kept.
 PROFILED = ("HT T=128 exact", "LL T=128 rank-major")
 PROFILE_ROWS = 15
@@ -69,35 +73,37 @@ def _inputs(me: Rank, tokens: int) -> list:
 
 
 def _enqueue_costs(me: Rank, prefix: str, script) -> None:
-    """``script(i)``: iteration i's calls in order, each ``(name, fn)`` (timed) or
-    ``(None, fn)`` (untimed, the GPU held again after it). Emits ``<name> (host)`` and
-    ``<name> (kernel)`` per timed call."""
+    """``script(j)``: repeat j's calls in order, each ``(name, fn)`` (timed) or ``(None, fn)``
+    (untimed, the GPU held again after it). Emits ``<name> (host)``, ``<name> (host, first)``
+    and ``<name> (kernel)`` per timed call."""
     torch, args = me.torch, me.args
-    host, kernel = defaultdict(list), defaultdict(list)
+    host, first, kernel = defaultdict(list), defaultdict(list), defaultdict(list)
     for i in range(args.warmup + args.iters):
         torch.cuda.synchronize()
-        torch.cuda._sleep(HOLD_CYCLES)
+        torch.cuda._sleep(HOLD_CYCLES * HOST_REPEATS)
         events = []
-        for name, fn in script(i):
-            if name is None:
+        for repeat in range(HOST_REPEATS):
+            for name, fn in script(i * HOST_REPEATS + repeat):
+                if name is None:
+                    fn()
+                    torch.cuda._sleep(HOLD_CYCLES)  # for the rest of this repeat
+                    continue
+                start, end = (torch.cuda.Event(enable_timing=True),
+                              torch.cuda.Event(enable_timing=True))
+                start.record()
+                t0 = time.perf_counter()
                 fn()
-                torch.cuda._sleep(HOLD_CYCLES)
-                continue
-            start, end = (torch.cuda.Event(enable_timing=True),
-                          torch.cuda.Event(enable_timing=True))
-            start.record()
-            t0 = time.perf_counter()
-            fn()
-            t1 = time.perf_counter()
-            end.record()
-            if i >= args.warmup:
-                host[name].append((t1 - t0) * 1e3)
-                events.append((name, start, end))
+                t1 = time.perf_counter()
+                end.record()
+                if i >= args.warmup:
+                    (host if repeat else first)[name].append((t1 - t0) * 1e3)
+                    events.append((name, start, end))
         torch.cuda.synchronize()
         for name, start, end in events:
             kernel[name].append(start.elapsed_time(end))
     for name in host:
         me.emit("times", f"{prefix}: {name} (host)", times_ms=host[name])
+        me.emit("times", f"{prefix}: {name} (host, first)", times_ms=first[name])
         me.emit("times", f"{prefix}: {name} (kernel)", times_ms=kernel[name])
 
 

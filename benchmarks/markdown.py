@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from .host import HOST_OPS
+from .host import HOST_OPS, HOST_REPEATS
 from .kernels import HANDLE, RANK_MAJOR
 from .report import (LL_TARGET_TOKENS, cells, ceiling_rows, check_rows, first_line, floor_rates,
                      host_rows, kernel_cells, ll_check_summary, ll_header, ll_memory_rows, ll_rows,
@@ -159,7 +159,9 @@ def _host(result: dict, out: list) -> None:
         return
     out += ["## Host cost: what a call costs the host, next to its kernels", "",
             "EP=1, one process (benchmarks/host.py). host = the host's time to enqueue one call, "
-            "the GPU held by a sleep kernel so that no call waits for it; kernel = the call's "
+            "the GPU held by a sleep kernel so that no call waits for it, of calls made in a loop "
+            f"({HOST_REPEATS} in a row); host, first = the first of them, after a device "
+            "synchronize; kernel = the call's "
             "device time; out= = the LL call writing into the previous call's outputs. HT on "
             f"{result['shape']['num_sms']} SMs, exact mode and capacity mode of T x top-k rows; "
             "LL on every SM, T_max = T. Times in us.", ""]

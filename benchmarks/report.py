@@ -17,7 +17,7 @@ import subprocess
 
 from megatron_nccl_ep.build_info import PACKAGE_DIR
 from .ceilings import HBM_COPY, PEER_COPY_ALL, PEER_COPY_ONE
-from .host import HOST_OPS, ht_prefix, megatron_prefix
+from .host import HOST_KINDS, HOST_OPS, ht_prefix, megatron_prefix
 from .ll import LL_OPS, ht_item, ll_item
 from .ll import add_floors as ll_add_floors
 from .ll import points as ll_points
@@ -167,7 +167,7 @@ def megatron_rows(result: dict) -> tuple:
 
 def host_rows(result: dict) -> tuple:
     """The host section (us): ``(op_rows, step_rows, megatron_rows)``. op_rows: (configuration,
-    host | kernel, one time per HOST_OPS, None where not measured); step_rows: (configuration,
+    one of HOST_KINDS, one time per HOST_OPS, None where not measured); step_rows: (configuration,
     eager step, graph step, graph kernel, eager step / graph kernel); megatron_rows: (T, the
     methods' dispatch, the HT handle + dispatch kernels at that T in the run's receive mode, the
     difference, the methods' combine, the combine kernel, the difference)."""
@@ -178,7 +178,7 @@ def host_rows(result: dict) -> tuple:
     for config in configs:
         if config.startswith("megatron"):
             continue
-        for kind in ("host", "kernel"):
+        for kind in HOST_KINDS:
             values = [us.get(f"{config}: {op} ({kind})") for op in HOST_OPS]
             if any(v is not None for v in values):
                 op_rows.append((config, kind, *values))
@@ -486,8 +486,9 @@ def _host(result: dict) -> list:
     op_rows, step_rows, meg_rows = host_rows(result)
     if not (op_rows or step_rows or meg_rows):
         return []
-    lines = ["host section, EP=1 (us): host = enqueue time with the GPU held, kernel = device "
-             "time; steps = handle + dispatch + combine, back to back"]
+    lines = ["host section, EP=1 (us): host = enqueue time with the GPU held, a call in a loop "
+             "(host, first: the first after a synchronize), kernel = device time; steps = "
+             "handle + dispatch + combine, back to back"]
     if op_rows:
         lines += _text_table("configuration", 34, [op.replace(" ", "_") for op in HOST_OPS],
                              ("13.1f",) * len(HOST_OPS),
