@@ -66,9 +66,10 @@ def check_graph_settings(config, options: NcclEpOptions) -> None:
         return
     raise ValueError(
         f"nccl_ep dispatcher: cuda_graph_impl={config.cuda_graph_impl!r} with "
-        f"cuda_graph_modules={_graph_modules(config)} captures token_dispatch, and the exact receive mode reads "
-        "each layer's receive count on the host, which a graph cannot replay. Use "
-        "drop-and-pad (--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity; "
+        f"cuda_graph_modules={_graph_modules(config)} captures token_dispatch, and the exact "
+        "receive mode reads each layer's receive count on the host, which a graph cannot "
+        "replay. Use drop-and-pad (--moe-expert-capacity-factor with "
+        "--moe-pad-expert-input-to-capacity; "
         "any graph scope), or --nccl-ep-recv-mode capacity (dropless within a static budget "
         "per expert, --nccl-ep-capacity-factor; whole layers or full_iteration: Megatron "
         "allows the moe scope with drop-and-pad only), or capture only attn, moe_router and "
@@ -299,8 +300,7 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         topk = self.num_experts if self.drop_and_pad else self.topk
         capacity = self.expert_capacity(hidden_states.shape[0], options)
         group = _group_for(self.comm_group, self.tp_size * self.num_experts,
-                           self.tp_size * topk, hidden_states, options,
-                           self.expert_alignment(), capacity)
+                           self.tp_size * topk, hidden_states, options, signature[5], capacity)
         route = (options, capacity, group)
         self._route_memo = (options, signature, route)
         return route

@@ -104,6 +104,16 @@ class LLHandle(BackendHandle):
         self.group._check_tensor(name, w, 2, PROB_DTYPES, (self.num_tokens, self.topk))
         return w.to(torch.float32).contiguous()
 
+    def _lean(self, kind: str, out) -> bool:
+        """Whether an op of ``kind`` may take the lean path as far as state goes: a live handle
+        and group, no op of this handle pending, no op of ``kind`` in flight on the group, and
+        with ``out`` none of either kind (whose outputs ``out`` might share:
+        ``_check_not_pending``)."""
+        pending = self._shared.in_flight.pending
+        return (self._state is not None and self.group._backend is not None
+                and self._pending is None and not pending[kind]
+                and (out is None or not any(pending.values())))
+
     def _out_matches(self, out, with_weights: bool) -> bool:
         """Whether ``out`` is an ``LLDispatchOutput`` of exactly this group's fields."""
         return isinstance(out, LLDispatchOutput) and all(
@@ -176,12 +186,9 @@ class LLHandle(BackendHandle):
         group = self.group
         cfg = group.config
         weighted = topk_weights is not None
-        if (self._state is not None and group._backend is not None and self._pending is None
-                and not self._shared.in_flight.pending["dispatch"]
-                and group._matches(x, (cfg.dtype,), self._x_shape)
+        if (self._lean("dispatch", out) and group._matches(x, (cfg.dtype,), self._x_shape)
                 and (not weighted or group._matches(topk_weights, PROB_DTYPES, self._w_shape))
-                and (out is None or (not self._shared.in_flight.pending["combine"]
-                                     and self._out_matches(out, weighted)))):
+                and (out is None or self._out_matches(out, weighted))):
             group._backend.agree_on_arguments("LL dispatch", None)
             if weighted and topk_weights.dtype is not torch.float32:
                 topk_weights = topk_weights.float()  # sent as fp32
@@ -223,13 +230,11 @@ class LLHandle(BackendHandle):
         cfg = group.config
         expert_major = cfg.ll_layout == "expert_major"
         dtypes, rows = (cfg.dtype,), self._shared.rows
-        if (self._state is not None and group._backend is not None and self._pending is None
-                and self._dispatched and not self._shared.in_flight.pending["combine"]
+        if (self._lean("combine", out) and self._dispatched
                 and group._matches(expert_out, dtypes, rows)
                 and (group._matches(topk_weights, PROB_DTYPES, self._w_shape) if expert_major
                      else topk_weights is None)
-                and (out is None or (not self._shared.in_flight.pending["dispatch"]
-                                     and group._matches(out, dtypes, self._x_shape)))):
+                and (out is None or group._matches(out, dtypes, self._x_shape))):
             group._backend.agree_on_arguments("LL combine", None)
             if expert_major and topk_weights.dtype is not torch.float32:
                 topk_weights = topk_weights.float()  # the sum's weights are fp32
