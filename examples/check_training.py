@@ -20,10 +20,11 @@ experts top-4, sequence 1024, micro-batch 4, global batch 16, bf16), GRAPH_ITERA
       without graphs;
   (g) drop-and-pad with --cuda-graph-impl full_iteration, bitwise the same run without graphs;
   (h) capacity mode (dropless within its budget) with --cuda-graph-impl full_iteration, bitwise
-      the same run without graphs;
+      the same run without graphs (routing balanced by Megatron's benchmarking switch: see
+      CAPACITY_MODE);
   (t) step times against Megatron's alltoall with the same settings: (g) within 1.05x of
-      alltoall's full-iteration step, (h) within 1.10x of it, (f) no slower than alltoall's moe
-      module graphs.
+      alltoall's full-iteration drop-and-pad step, (h) within 1.10x of it on the same balanced
+      routing, (f) no slower than alltoall's moe module graphs.
 
     python examples/check_training.py [--gpus 2] [--checks abcde] [--workdir DIR] [-- FLAGS]
 
@@ -68,23 +69,29 @@ GRAPH_MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--ffn-hidden-size"
                "--deterministic-mode", "--train-iters", str(GRAPH_ITERATIONS),
                "--no-check-for-nan-in-loss-and-grad"]
 DROP_AND_PAD = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
-# Capacity mode's budget per (expert, source rank): experts / top-k (8) x the even share, i.e. every
-# token of a source may pick the expert, so no routing overflows it. GRAPH_MODEL's routing on the
-# mock data at initialization sends most of a micro-batch's tokens to a few experts, several times
-# the even share: a budget near it overflows at the first step. The experts compute the padded
-# rows, so check t measures what a budget that never drops costs.
-CAPACITY_MODE = ["--nccl-ep-recv-mode", "capacity", "--nccl-ep-capacity-factor", "8"]
+# Capacity mode's runs route with Megatron's --moe-router-force-load-balancing (random logits,
+# its benchmarking switch), and a budget of 1.25 x the even share per (expert, source rank):
+# GRAPH_MODEL's own routing on the mock data at initialization sends several times the even
+# share to a few experts (it overflowed 1.25 at the first step), and Megatron-Core's local experts
+# compute every budget row, so a dropless budget for that routing is a budget of several times
+# the expert work. Balanced, a step's largest expert load stays near the share (std ~22 of 512
+# rows), far inside the budget; alltoall's baseline for check t routes the same way.
+BALANCED = ["--moe-router-force-load-balancing"]
+CAPACITY_MODE = [*BALANCED, "--nccl-ep-recv-mode", "capacity", "--nccl-ep-capacity-factor",
+                 "1.25"]
 MOE_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"]
 FULL_ITERATION = ["--cuda-graph-impl", "full_iteration"]
 # The runs that must capture CUDA graphs (examples/pretrain_gpt_moe.py prints GRAPHS_LINE then).
 GRAPHED = {"router_graphs", "drop_and_pad_moe_graphs", "drop_and_pad_full_iteration",
            "capacity_full_iteration", "alltoall_drop_and_pad_moe_graphs",
-           "alltoall_drop_and_pad_full_iteration"}
+           "alltoall_drop_and_pad_full_iteration",
+           "alltoall_balanced_drop_and_pad_full_iteration"}
 GRAPHS_LINE = "cuda_graphs captured:"  # examples/pretrain_gpt_moe.py's
 # The step-time targets of check (t): run -> (alltoall's run, largest ratio to its time).
 TIME_TARGETS = {"drop_and_pad_moe_graphs": ("alltoall_drop_and_pad_moe_graphs", 1.0),
                 "drop_and_pad_full_iteration": ("alltoall_drop_and_pad_full_iteration", 1.05),
-                "capacity_full_iteration": ("alltoall_drop_and_pad_full_iteration", 1.10)}
+                "capacity_full_iteration": ("alltoall_balanced_drop_and_pad_full_iteration",
+                                            1.10)}
 # Each check and the runs it compares (the first is its reference).
 CHECK_RUNS = {"a": ("nccl_ep", "nccl_ep_again"), "b": ("nccl_ep", "alltoall"),
               "c": ("nccl_ep", "until_save", "resumed"),
@@ -122,6 +129,9 @@ def run_arguments(checkpoint_dir: str) -> dict:
                                              "--moe-token-dispatcher-type", "alltoall"],
         "alltoall_drop_and_pad_full_iteration": [*GRAPH_MODEL, *DROP_AND_PAD, *FULL_ITERATION,
                                                  "--moe-token-dispatcher-type", "alltoall"],
+        "alltoall_balanced_drop_and_pad_full_iteration": [
+            *GRAPH_MODEL, *BALANCED, *DROP_AND_PAD, *FULL_ITERATION,
+            "--moe-token-dispatcher-type", "alltoall"],
     }
 
 

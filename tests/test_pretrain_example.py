@@ -34,7 +34,7 @@ PARSED = ("moe_token_dispatcher_type", "deterministic_mode", "train_iters", "sav
           "transformer_impl", "nccl_ep_backend", "moe_shared_expert_intermediate_size",
           "moe_shared_expert_overlap", "cuda_graph_impl", "cuda_graph_modules", "num_experts",
           "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "nccl_ep_recv_mode",
-          "bf16", "check_for_nan_in_loss_and_grad")
+          "bf16", "check_for_nan_in_loss_and_grad", "moe_router_force_load_balancing")
 # The runs of checks f, g, h and t: the larger model, graphs of whole MoE layers.
 GRAPH_RUNS = {name for check in "fght" for name in check_training.CHECK_RUNS[check]}
 LOSS = float(torch.tensor(2.718281828, dtype=torch.float32))  # the loss Megatron logs is float32
@@ -161,6 +161,9 @@ def test_check_script_arguments_parse_with_nccl_ep_registered(on_cpu):
             assert (args["moe_expert_capacity_factor"], args["moe_pad_expert_input_to_capacity"],
                     args["nccl_ep_recv_mode"]) == ((1.0, True, "exact") if drop_and_pad
                                                    else (None, False, "capacity")), (name, args)
+            # Capacity mode's runs and alltoall's baseline for them route balanced.
+            balanced = "balanced" in name or not drop_and_pad
+            assert args["moe_router_force_load_balancing"] == balanced, (name, args)
             assert not args["check_for_nan_in_loss_and_grad"], name
         until_save, resumed = parsed["until_save"], parsed["resumed"]
         assert (until_save["save"], until_save["save_interval"], until_save["exit_interval"]) \
@@ -354,6 +357,7 @@ def test_graph_checks_compare_bits_and_step_times_against_alltoall():
     runs["capacity_full_iteration"] = (0, off)  # one bit off at iteration 7
     times = {"alltoall_drop_and_pad_moe_graphs": 500.0, "drop_and_pad_moe_graphs": 480.0,
              "alltoall_drop_and_pad_full_iteration": 140.0, "drop_and_pad_full_iteration": 150.0,
+             "alltoall_balanced_drop_and_pad_full_iteration": 140.0,
              "capacity_full_iteration": 150.0}
     results = {label[:3]: (passed, detail)
                for label, passed, detail in check_training.checks(runs, 1e-2, times)}
