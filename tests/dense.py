@@ -20,15 +20,9 @@ import torch
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Problem:
-    """All ranks' inputs. ``x[s] [T_s, H]``, ``topk_idx[s] [T_s, K]``, ``probs[s] [T_s, K]``."""
-
-    world_size: int
-    num_experts: int
-    x: List[torch.Tensor]
-    topk_idx: List[torch.Tensor]
-    probs: List[Optional[torch.Tensor]]
+class RankInputs:
+    """What a problem of every rank's inputs (``world_size``, ``num_experts``, ``x[s] [T_s, H]``)
+    says about its group."""
 
     @property
     def num_local_experts(self) -> int:
@@ -37,6 +31,17 @@ class Problem:
     @property
     def hidden(self) -> int:
         return self.x[0].shape[1]
+
+
+@dataclasses.dataclass
+class Problem(RankInputs):
+    """All ranks' inputs. ``x[s] [T_s, H]``, ``topk_idx[s] [T_s, K]``, ``probs[s] [T_s, K]``."""
+
+    world_size: int
+    num_experts: int
+    x: List[torch.Tensor]
+    topk_idx: List[torch.Tensor]
+    probs: List[Optional[torch.Tensor]]
 
     @property
     def topk(self) -> int:

@@ -16,7 +16,7 @@ from megatron_nccl_ep.config import FP8_BLOCK
 
 
 @dataclasses.dataclass
-class LLProblem:
+class LLProblem(dense.RankInputs):
     """Every rank's inputs: ``topk_idx[s] [T_s, K_s]``, ``x[s] [T_s, H]``, ``weights[s] [T_s, K_s]``
     fp32 (None: no weights)."""
 
@@ -27,14 +27,6 @@ class LLProblem:
     topk_idx: List[torch.Tensor]
     x: List[torch.Tensor]
     weights: List[Optional[torch.Tensor]]
-
-    @property
-    def num_local_experts(self) -> int:
-        return self.num_experts // self.world_size
-
-    @property
-    def hidden(self) -> int:
-        return self.x[0].shape[1]
 
     def group_fields(self, layout: str, fp8: bool) -> dict:
         """The ``Group`` keyword fields of an LL group for this problem."""
