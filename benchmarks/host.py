@@ -24,7 +24,8 @@ graphs need capacity mode); LL at each ``--host-ll-tokens`` T (T_max = T), in ea
   replay's device time, the GPU held while it is enqueued;
 * ``profile``: for the configurations of ``PROFILED``, ``torch.profiler`` over ``HOST_STEPS``
   eager steps (CPU and CUDA activity: torch's ops and the CUDA runtime calls of every library
-  in the process): the ``PROFILE_ROWS`` events of most self CPU time, per step;
+  in the process): the ``PROFILE_ROWS`` events of most self CPU time, per step; for Megatron's
+  methods a step is their forward (dispatch, the stand-in expert, combine);
 * ``megatron T=<T>: dispatch`` / ``combine``: ``NcclEpTokenDispatcher``'s methods as MoELayer
   calls them (``benchmarks.dispatchers.MethodDriver``), e2e as the megatron section times them,
   at the group's receive mode (``--recv-mode``); the report puts the HT kernels of the same T
@@ -50,7 +51,7 @@ HOST_STEPS = 20  # steps (or replays) back to back per iteration of the step ite
 HOST_OPS = ("handle", "dispatch", "combine", "dispatch out=", "combine out=")
 HOST_KINDS = ("host", "host, first", "kernel")  # the rows of each configuration
 # Where the host time goes: the configurations profiled (their prefixes) and the rows kept.
-PROFILED = ("HT T=128 exact", "LL T=128 rank-major")
+PROFILED = ("HT T=128 exact", "LL T=128 rank-major", "megatron T=128", "megatron T=4096")
 PROFILE_ROWS = 15
 LL_LAYOUT_NAMES = {"rank_major": "rank-major", "expert_major": "expert-major"}
 
@@ -247,6 +248,12 @@ def _megatron(me: Rank, tokens: int) -> None:
     prefix, mode = megatron_prefix(tokens), e2e_mode("cuda")
     me.measure(f"{prefix}: dispatch", drive.dispatch, mode=mode, setup=drive.leaf_inputs)
     me.measure(f"{prefix}: combine", drive.combine_kept, mode=mode, setup=drive.dispatched_rows)
+    if prefix in PROFILED:
+        def forward(i):  # the methods' forward around the stand-in expert (its ops show apart)
+            drive.leaf_inputs(i)
+            return drive.combine(drive.expert_stand_in(*drive.dispatch(i)))
+
+        me.emit("point", data={f"{prefix}: profile": _profile(me, forward)})
 
 
 def section(me: Rank) -> None:
