@@ -125,8 +125,7 @@ def _steps(me: Rank, prefix: str, step, graphed: bool) -> None:
         return walls
 
     me.emit("times", f"{prefix}: step (eager)", times_ms=back_to_back(step))
-    if prefix in PROFILED:
-        me.emit("point", data={f"{prefix}: profile": _profile(me, step)})
+    _profile(me, prefix, step)
     if not graphed:
         return
     graph, _kept = capture(lambda: step(0))
@@ -151,9 +150,12 @@ def _steps(me: Rank, prefix: str, step, graphed: bool) -> None:
         graph.reset()  # the graph first, then (with this frame) the handles it replays
 
 
-def _profile(me: Rank, step) -> list:
-    """``[name, calls per step, self CPU us per step]`` of the events of most self CPU time over
-    ``HOST_STEPS`` eager steps."""
+def _profile(me: Rank, prefix: str, step) -> None:
+    """For a configuration of ``PROFILED``: emits ``<prefix>: profile``, ``[name, calls per step,
+    self CPU us per step]`` of the events of most self CPU time over ``HOST_STEPS`` eager
+    steps."""
+    if prefix not in PROFILED:
+        return
     from torch.profiler import ProfilerActivity, profile
 
     torch = me.torch
@@ -163,8 +165,9 @@ def _profile(me: Rank, step) -> list:
             step(i)
         torch.cuda.synchronize()
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    return [[e.key[:90], e.count / HOST_STEPS, e.self_cpu_time_total / HOST_STEPS]
-            for e in events[:PROFILE_ROWS]]
+    me.emit("point", data={f"{prefix}: profile": [
+        [e.key[:90], e.count / HOST_STEPS, e.self_cpu_time_total / HOST_STEPS]
+        for e in events[:PROFILE_ROWS]]})
 
 
 def _group(me: Rank, tokens: int, **fields):
@@ -248,12 +251,12 @@ def _megatron(me: Rank, tokens: int) -> None:
     prefix, mode = megatron_prefix(tokens), e2e_mode("cuda")
     me.measure(f"{prefix}: dispatch", drive.dispatch, mode=mode, setup=drive.leaf_inputs)
     me.measure(f"{prefix}: combine", drive.combine_kept, mode=mode, setup=drive.dispatched_rows)
-    if prefix in PROFILED:
-        def forward(i):  # the methods' forward around the stand-in expert (its ops show apart)
-            drive.leaf_inputs(i)
-            return drive.combine(drive.expert_stand_in(*drive.dispatch(i)))
 
-        me.emit("point", data={f"{prefix}: profile": _profile(me, forward)})
+    def forward(i):  # the methods' forward around the stand-in expert (its ops show apart)
+        drive.leaf_inputs(i)
+        return drive.combine(drive.expert_stand_in(*drive.dispatch(i)))
+
+    _profile(me, prefix, forward)
 
 
 def section(me: Rank) -> None:
