@@ -1,8 +1,9 @@
 """Build of megatron_nccl_ep.
 
 The package itself is pure Python. The CUDA backend is the C library ``libmegatron_nccl_ep.so``
-(csrc/: the C/CUDA library behind csrc/include/nccl_ep.h) and the pybind11 module
-``megatron_nccl_ep._C`` over it, both built into the package directory with nvcc wherever nvcc,
+(csrc/: the C/CUDA library behind csrc/include/nccl_ep.h) and the Python module
+``megatron_nccl_ep._C`` over it (a torch extension: pybind11 and the tensors from torch's own
+headers and libraries, the venv's torch), both built into the package directory with nvcc wherever nvcc,
 the CUDA toolkit and the NCCL headers are found (compiling needs no GPU); otherwise a
 reference-only package is installed. Either way the outcome, and the reason when the library was
 not built, is recorded in megatron_nccl_ep/_build_status.json (megatron_nccl_ep/build_info.py
@@ -13,7 +14,8 @@ reads it: scripts/setup_venv.sh prints it, the tests that need the library skip 
 
 NCCL comes from the ``nvidia-nccl-cu13`` wheel next to torch (site-packages/nvidia/nccl/{include,
 lib}); the library links that libnccl.so.2 with an rpath to its directory, so the process uses
-the NCCL torch already loaded. CUDA runtime: linked statically (no libtorch, no libcudart.so).
+the NCCL torch already loaded. CUDA runtime: linked statically into the library (which needs
+no libtorch and no libcudart.so; only ``_C`` links torch).
 
 The library's file name and soname are its own: ``libnccl_ep.so`` is NVIDIA's NCCL EP library,
 whose ``ncclEp*`` functions have our names with other signatures. Our library binds its own calls
@@ -118,13 +120,18 @@ def _nccl_dirs():
     return None, None
 
 
-def _pybind11_include():
+def _torch_dirs():
+    """(include dirs, lib dir, C++ ABI flag) of the torch this venv has, which the bindings are
+    built against (its headers bring pybind11 and the tensor casters); None without torch."""
     try:
-        import pybind11
-
-        return pybind11.get_include()
+        import torch
     except ImportError:
         return None
+    root = os.path.dirname(torch.__file__)
+    includes = [os.path.join(root, "include"),
+                os.path.join(root, "include", "torch", "csrc", "api", "include")]
+    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+    return includes, os.path.join(root, "lib"), abi
 
 
 def _toolchain():
@@ -152,11 +159,12 @@ def _toolchain():
     if cudart is None:
         raise NotBuildable(f"libcudart_static.a not found under {cuda_home}",
                            f"install the CUDA toolkit's runtime library and {RERUN}")
-    if _pybind11_include() is None:
-        raise NotBuildable("pybind11 is not installed",
-                           f"install requirements.txt (pybind11) and {RERUN}")
+    torch_dirs = _torch_dirs()
+    if torch_dirs is None:
+        raise NotBuildable("torch is not installed (the bindings are a torch extension)",
+                           f"install requirements.txt (torch) and {RERUN}")
     return dict(nvcc=nvcc, cuda_home=cuda_home, nccl_inc=nccl_inc, nccl_lib=nccl_lib,
-                cudart=cudart)
+                cudart=cudart, torch=torch_dirs)
 
 
 def _api_functions():
@@ -231,7 +239,7 @@ class BuildPy(build_py):
 class BuildExt(build_ext):
     """Compiles csrc/ with nvcc (.cu) and the host compiler (.cc), in parallel, links the C
     library ``libmegatron_nccl_ep.so`` (public header only: the ``ncclEp*`` functions exported,
-    each also under its private name) and the pybind11 module ``_C`` against it (rpath $ORIGIN:
+    each also under its private name) and the module ``_C`` against it and torch (rpath $ORIGIN:
     both sit in the package directory). Objects are reused when newer than their source and
     every header. NCCL_EP_BUILD_EXT=auto: a failed compile installs the package without the
     library and records why."""
@@ -296,10 +304,15 @@ class BuildExt(build_ext):
                     cmd += ["-DEP_TRACE=1"]
                 cmd += includes
             else:
-                cmd = [cxx, "-c", src, "-o", obj, "-std=c++17", "-O2", "-fPIC",
+                # The bindings include torch's headers, which need C++20.
+                std = "-std=c++20" if "bindings" in src else "-std=c++17"
+                cmd = [cxx, "-c", src, "-o", obj, std, "-O2", "-fPIC",
                        "-fvisibility=hidden"] + warn + includes
                 if "bindings" in src:
-                    cmd += ["-I" + _pybind11_include(), "-I" + sysconfig.get_paths()["include"]]
+                    torch_includes, _, abi = tools["torch"]
+                    cmd += ["-isystem" + d for d in torch_includes]
+                    cmd += ["-I" + sysconfig.get_paths()["include"],
+                            f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
                     cmd += private_names
             # The bindings' object depends on setup.py too (the private names above).
             newest = newest_input if "bindings" in src else newest_header
@@ -342,11 +355,15 @@ class BuildExt(build_ext):
             "-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib"]
         print(" ".join(link), flush=True)
         subprocess.check_call(link)
-        # The Python module: the bindings over the library (NCCL's types only, no CUDA calls).
+        # The Python module: the bindings over the library and torch's libraries (tensors, the
+        # current stream), found through rpaths as for NCCL (torch sits beside the package).
+        torch_lib = tools["torch"][1]
         link = [cxx, "-shared", "-o", out] + binding_objects + [
             "-L" + out_dir, "-l:" + LIBRARY, "-L" + nccl_lib, "-l:libnccl.so.2",
+            "-L" + torch_lib, "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu", "-ltorch_python",
             "-Wl,-rpath,$ORIGIN", "-Wl,-rpath," + nccl_lib,
-            "-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib"]
+            "-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib", "-Wl,-rpath," + torch_lib,
+            "-Wl,-rpath,$ORIGIN/../torch/lib"]
         print(" ".join(link), flush=True)
         subprocess.check_call(link)
         _write_status([out_dir], True)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import rendezvous
-from .backend import Backend
+from .backend import Backend, checked_call
 from .config import INDEX_DTYPES, PROB_DTYPES, GroupConfig
 from .errors import NcclEpError  # noqa: F401  (re-exported: megatron_nccl_ep.NcclEpError)
 from .handle_lifetime import BackendHandle
@@ -234,14 +234,6 @@ class Group:
         return self._backend.info()
 
     # -- argument checks shared by every backend -------------------------------------------------
-    def _matches(self, t, dtypes, shape: tuple) -> bool:
-        """Whether ``t`` is a contiguous tensor of one of ``dtypes``, of exactly ``shape``, on the
-        group's device: the signature of a valid call, compared in a few attribute reads (the
-        ops' lean path). False sends the call through ``_check_tensor``, whose messages name
-        what differs."""
-        return (isinstance(t, torch.Tensor) and t.dtype in dtypes and t.shape == shape
-                and t.device == self.device and t.is_contiguous())
-
     def _check_tensor(self, name: str, t, ndim: int, dtypes, shape=None) -> None:
         if (isinstance(t, torch.Tensor) and t.dim() == ndim and t.dtype in dtypes
                 and t.device == self.device
@@ -295,30 +287,39 @@ class Group:
         self._require_alive()
         if (topk_idx is None) == (routing_map is None):
             raise TypeError("create_handle takes exactly one of topk_idx and routing_map")
+        backend, from_map = self._backend, routing_map is not None
+        routing = routing_map if from_map else topk_idx
         if self.config.mode == "ll":
             # docs/design.md §9: no communication; routing values are checked by the backend.
-            if routing_map is not None:
+            if from_map:
                 raise TypeError("an LL group's handles take topk_idx [T, K], not a routing_map")
-            try:
-                check_ll_routing(self, topk_idx)
-            except (TypeError, ValueError) as exc:
-                # No communication here: the reference backend marks this rank stopped, so its
-                # peers' next collective raises at once naming it.
-                self._backend.stop_after_local_error("LL create_handle", exc)
-                raise
-            state = self._backend.ll_create_handle(topk_idx.contiguous())
+
+            def check():
+                try:
+                    check_ll_routing(self, topk_idx)
+                except (TypeError, ValueError) as exc:
+                    # No communication here: the reference backend marks this rank stopped, so
+                    # its peers' next collective raises at once naming it.
+                    backend.stop_after_local_error("LL create_handle", exc)
+                    raise
+
+            state = checked_call(backend.checks_calls, backend.ll_create_handle, (topk_idx,),
+                                 check, lambda: (topk_idx.contiguous(),))
             return LLHandle(self, state, topk_idx.shape[0], topk_idx.shape[1])
-        if routing_map is not None:
-            self._check_tensor("routing_map", routing_map, 2, (torch.bool,),
-                               (None, self.config.num_experts))
-            routing, topk = routing_map, self.config.max_topk
-        else:
-            self._check_tensor("topk_idx", topk_idx, 2, INDEX_DTYPES)
-            routing, topk = topk_idx, topk_idx.shape[1]
+
+        def check():
+            if from_map:
+                self._check_tensor("routing_map", routing_map, 2, (torch.bool,),
+                                   (None, self.config.num_experts))
+            else:
+                self._check_tensor("topk_idx", topk_idx, 2, INDEX_DTYPES)
+
         # Bounds on T and K are checked by the backends inside the collective (see
         # shape_error), so that every rank raises together instead of leaving peers waiting.
-        state = self._backend.create_handle(routing.contiguous(), routing_map is not None)
-        return Handle(self, state, routing.shape[0], topk)
+        state = checked_call(backend.checks_calls, backend.create_handle, (routing, from_map),
+                             check, lambda: (routing.contiguous(), from_map))
+        return Handle(self, state, routing.shape[0],
+                      self.config.max_topk if from_map else topk_idx.shape[1])
 
     def check_errors(self) -> None:
         """Synchronizes the current stream and raises the group's pending device-side error.
@@ -370,8 +371,6 @@ class Handle(BackendHandle):
         self._topk_idx = None
         self._num_recv_tokens: Optional[int] = None  # kept once read (also after destroy)
         self._tokens_per_expert: Optional[torch.Tensor] = None
-        self._x_shape = (num_tokens, group.config.hidden)  # what a valid call passes
-        self._rows_shape: Optional[tuple] = None  # (N, H) once N is known
 
     @property
     def num_recv_tokens(self) -> int:
@@ -406,11 +405,6 @@ class Handle(BackendHandle):
         needs ``record_stream`` on the current stream if another stream may reuse its memory."""
         return self._state is None or self._state.routing_released
 
-    def _recv_rows_shape(self) -> tuple:
-        if self._rows_shape is None:
-            self._rows_shape = (self.num_recv_tokens, self.group.config.hidden)
-        return self._rows_shape
-
     def _check_agreed(self, op: str, check) -> None:
         self.group._check_agreed(op, check)
 
@@ -421,9 +415,10 @@ class Handle(BackendHandle):
         E = self.group.config.num_experts
         return probs.dim() == 2 and probs.shape[1] == E and E != self.topk
 
-    # Each op's lean path: arguments with the signature a valid call has (Group._matches) skip
-    # the checks that build messages and copies; any other call runs them in full, so the same
-    # error, naming the argument and the expected value, reaches every rank.
+    # Each op is one call of the backend (checked_call): a backend that checks its calls gets
+    # the arguments as given, and the front end's checks run only on a call it refused (or on
+    # every call of the reference backend), so the same error, naming the argument and the
+    # expected value, reaches every rank.
     def dispatch(self, x: torch.Tensor, probs: Optional[torch.Tensor] = None, *,
                  dense: Optional[bool] = None):
         """Collective: this rank's tokens to the ranks of their experts, into the expert-major
@@ -444,24 +439,23 @@ class Handle(BackendHandle):
         """
         self._require_alive()
         group = self.group
-        cfg = group.config
         if dense is None:
             dense = isinstance(probs, torch.Tensor) and self.probs_are_dense(probs)
         dense = bool(dense) and probs is not None
-        cols = cfg.num_experts if dense else self.topk
-        if group._matches(x, (cfg.dtype,), self._x_shape) and (
-                probs is None or group._matches(probs, PROB_DTYPES, (self.num_tokens, cols))):
-            group._backend.agree_on_arguments("dispatch", None)
-        else:
-            def check():
-                group._check_tensor("x", x, 2, (cfg.dtype,), self._x_shape)
-                if probs is not None:
-                    group._check_tensor("probs", probs, 2, PROB_DTYPES, (self.num_tokens, cols))
 
-            self._check_agreed("dispatch", check)
-            x = x.contiguous()
-            probs = None if probs is None else probs.contiguous()
-        return group._backend.dispatch(self._state, x, probs, dense)
+        def check():
+            cfg = group.config
+            cols = cfg.num_experts if dense else self.topk
+            group._check_tensor("x", x, 2, (cfg.dtype,), (self.num_tokens, cfg.hidden))
+            if probs is not None:
+                group._check_tensor("probs", probs, 2, PROB_DTYPES, (self.num_tokens, cols))
+
+        backend = group._backend
+        return checked_call(
+            backend.checks_calls, backend.dispatch, (self._state, x, probs, dense),
+            lambda: self._check_agreed("dispatch", check),
+            lambda: (self._state, x.contiguous(), None if probs is None else probs.contiguous(),
+                     dense))
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """Collective: each token's expert rows summed back at its source, in the fixed order of
@@ -476,14 +470,13 @@ class Handle(BackendHandle):
         """
         self._require_alive()
         group = self.group
-        dtypes = (group.config.dtype,)
-        if group._matches(expert_out, dtypes, self._recv_rows_shape()):
-            group._backend.agree_on_arguments("combine", None)
-        else:
-            self._check_agreed("combine", lambda: group._check_tensor(
-                "expert_out", expert_out, 2, dtypes, self._recv_rows_shape()))
-            expert_out = expert_out.contiguous()
-        return group._backend.combine(self._state, expert_out)
+        backend = group._backend
+        return checked_call(
+            backend.checks_calls, backend.combine, (self._state, expert_out),
+            lambda: self._check_agreed("combine", lambda: group._check_tensor(
+                "expert_out", expert_out, 2, (group.config.dtype,),
+                (self.num_recv_tokens, group.config.hidden))),
+            lambda: (self._state, expert_out.contiguous()))
 
     def combine_probs(self, grad_recv_probs: torch.Tensor, dense: bool = False) -> torch.Tensor:
         """Collective: the reverse of the probs' dispatch (their gradient's path back).
@@ -498,14 +491,12 @@ class Handle(BackendHandle):
         """
         self._require_alive()
         group = self.group
-        shape = (self.num_recv_tokens,)
-        if group._matches(grad_recv_probs, PROB_DTYPES, shape):
-            group._backend.agree_on_arguments("combine_probs", None)
-        else:
-            self._check_agreed("combine_probs", lambda: group._check_tensor(
-                "grad_recv_probs", grad_recv_probs, 1, PROB_DTYPES, shape))
-            grad_recv_probs = grad_recv_probs.contiguous()
-        return group._backend.combine_probs(self._state, grad_recv_probs, dense)
+        backend = group._backend
+        return checked_call(
+            backend.checks_calls, backend.combine_probs, (self._state, grad_recv_probs, dense),
+            lambda: self._check_agreed("combine_probs", lambda: group._check_tensor(
+                "grad_recv_probs", grad_recv_probs, 1, PROB_DTYPES, (self.num_recv_tokens,))),
+            lambda: (self._state, grad_recv_probs.contiguous(), dense))
 
 
 def run_local_team(groups: "list[Group]", fn, *, prepare=None, timeout_s: float = 300.0) -> list:

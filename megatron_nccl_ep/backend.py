@@ -9,7 +9,7 @@ synchronizes the host. ``state`` is a backend's own handle object (``HandleState
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -35,6 +35,9 @@ class Backend(Protocol):
 
     #: ``"torch"`` or ``"cuda"``: ``Group.backend_name``.
     name: str
+    #: Whether every op refuses, before enqueueing anything, a call whose tensors do not fit the
+    #: handle (``checked_call``).
+    checks_calls: bool
 
     @staticmethod
     def check(config: GroupConfig, world_size: int, device: Optional[torch.device]) -> None:
@@ -115,3 +118,26 @@ class Backend(Protocol):
 
     def destroy(self) -> None:
         """Frees the group's resources, live handles included."""
+
+
+def checked_call(trusted: bool, op: Callable, args: tuple, check: Callable[[], None],
+                 prepare: Callable[[], tuple]):
+    """How the front end calls one backend op. ``trusted``: the backend checks its calls
+    (``checks_calls``: the cuda backend's bindings compare each call's tensors with the handle's
+    and refuse a mismatch before enqueueing anything) and nothing but the arguments is in
+    question; then ``op(*args)`` runs as given. On its refusal (ValueError / TypeError), and
+    always when not ``trusted``, ``check()`` runs the front end's checks, whose errors name the
+    argument and the expected value, then ``op(*prepare())`` runs with the arguments made what
+    the backend takes (contiguous copies, fp32 weights); a refused call that preparing leaves
+    unchanged raises the backend's own error (routing errors, misuse)."""
+    refused = None
+    if trusted:
+        try:
+            return op(*args)
+        except (TypeError, ValueError) as exc:
+            refused = exc
+    check()
+    prepared = prepare()
+    if refused is not None and all(p is a for p, a in zip(prepared, args)):
+        raise refused
+    return op(*prepared)

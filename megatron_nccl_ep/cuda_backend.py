@@ -4,9 +4,11 @@ pybind11 module ``megatron_nccl_ep._C``. Implements ``backend.Backend``.
 The library runs on its own NCCL communicator (same ranks as the torch process group): rank 0
 creates the unique id, the process group broadcasts it, every rank calls ``ncclCommInitRank``.
 ``CudaBackend.local_team`` makes every rank of a group inside one process instead (no NCCL).
-Tensors travel as ``(data_ptr, shape, dtype code)`` specs (``_tensor``; the bindings' one
-convention), with the current stream's raw handle; outputs are ``torch.empty`` on the current
-device, so the caching allocator keeps them stream-ordered.
+Each op is one binding call: it takes the tensors as they are, with the group's device index,
+allocates the outputs (``at::empty`` on that device, so the caching allocator keeps them
+stream-ordered) and launches on the device's current stream. The bindings check each call's
+tensors against the handle before enqueueing anything (``checks_calls``): the front end runs its
+own checks only on a call they refused, for its messages.
 
 Errors, raised by the bindings themselves: ``ValueError`` for bad arguments or routing (the
 library's ncclInvalidArgument / ncclInvalidUsage), ``errors.NcclEpError`` for runtime failures
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from . import build_info
 from .config import GroupConfig
 from .limits import MAX_SLOTS_PER_RANK
-from .outputs import LLDispatchOutput, ll_dispatch_fields, new_dispatch_output
+from .outputs import LLDispatchOutput, ll_dispatch_fields
 
 try:
     from . import _C  # type: ignore[attr-defined]
@@ -61,34 +63,17 @@ def unavailable_reason() -> str:
             "it; rerun scripts/setup_venv.sh")
 
 
-# torch.dtype -> the library's code (_C.DTYPES): one dict lookup per tensor of a call.
-_DTYPE_CODES: dict = ({} if _C is None else
-                      {getattr(torch, name): code for name, code in _C.DTYPES.items()})
-
-
-def _current_stream(device_index: int) -> int:
-    """The current stream's raw handle on CUDA device ``device_index``, without building a
-    torch.cuda.Stream (what torch's generated code reads): a few us less per call on a
-    host-bound path."""
-    return torch._C._cuda_getCurrentRawStream(device_index)
-
-
-def _tensor(t: Optional[torch.Tensor]):
-    """A tensor as the bindings take it: (data_ptr, shape, dtype code), or None."""
-    return None if t is None else (t.data_ptr(), t.shape, _DTYPE_CODES[t.dtype])
-
-
 class CudaHandleState:
     """One handle of the C library. Exact mode: the receive count and tokens per expert are read
     from the device the first time they are asked for (the library's one host read per handle),
     which also raises the handle's routing errors."""
 
     def __init__(self, ptr: int, num_tokens: int, topk: int, num_local_experts: int,
-                 capacity_rows: Optional[int], device: torch.device):
+                 capacity_rows: Optional[int], device_index: int):
         """``capacity_rows``: capacity mode's count (the group's capacity, no host read); None
         in exact mode."""
         self.ptr, self.num_tokens, self.topk = ptr, num_tokens, topk
-        self._num_local, self._device = num_local_experts, device
+        self._num_local, self._device_index = num_local_experts, device_index
         self._num_recv = capacity_rows
         self._tokens_per_expert: Optional[torch.Tensor] = None
         self._capacity_mode = capacity_rows is not None
@@ -111,14 +96,8 @@ class CudaHandleState:
         """Exact mode: read to the host; capacity mode: copied on the device, on the current
         stream (after the handle's layout), when first asked for."""
         if self._tokens_per_expert is None:
-            if self._capacity_mode:
-                tpe = torch.empty(self._num_local, dtype=torch.int64, device=self._device)
-                _C.handle_tokens_per_expert(self.ptr, _tensor(tpe), True,
-                                            _current_stream(self._device.index))
-            else:
-                tpe = torch.empty(self._num_local, dtype=torch.int64)
-                _C.handle_tokens_per_expert(self.ptr, _tensor(tpe), False, 0)
-            self._tokens_per_expert = tpe
+            self._tokens_per_expert = _C.handle_tokens_per_expert(
+                self.ptr, self._num_local, self._capacity_mode, self._device_index)
         return self._tokens_per_expert
 
 
@@ -127,7 +106,7 @@ def _c_config(config: GroupConfig):
     c = _C.GroupConfig()
     c.num_experts, c.hidden = config.num_experts, config.hidden
     c.max_tokens_per_rank, c.max_topk = config.max_tokens_per_rank, config.max_topk
-    c.token_dtype = _DTYPE_CODES[config.dtype]
+    c.token_dtype = config.dtype
     c.recv_count_mode = _MODE_CAPACITY if config.recv_mode == "capacity" else _MODE_EXACT
     if config.recv_mode == "capacity":
         c.max_recv_tokens_per_rank = int(config.max_recv_tokens_per_rank)
@@ -172,6 +151,9 @@ class CudaLLHandleState:
 
 class CudaBackend:
     name = "cuda"
+    #: Every op's binding refuses (ValueError / TypeError) a call whose tensors do not fit the
+    #: handle before it enqueues anything, so the front end checks only refused calls.
+    checks_calls = True
 
     @staticmethod
     def check(config: GroupConfig, world_size: int, device: Optional[torch.device]) -> None:
@@ -213,8 +195,7 @@ class CudaBackend:
         with torch.cuda.device(self.device):
             self._comm = _C.comm_init_rank(self.world_size, unique_id, self.rank)
             try:
-                self._group = _C.create_group(self._comm, _c_config(config),
-                                    self._stream())
+                self._group = _C.create_group(self._comm, _c_config(config), self._stream())
             except BaseException:
                 _C.comm_destroy(self._comm)
                 self._comm = 0
@@ -228,8 +209,10 @@ class CudaBackend:
         self._comm = 0
         self._group = 0
         self._handles = set()
-        self._ll_fields = [None, None]  # ll_dispatch_fields without / with weights, made once
         self._device_index = self.device.index
+        # LL: the dispatch outputs without / with weights (ll_dispatch_fields), made once.
+        self._ll_outputs = (tuple(_C.LLOutputs(ll_dispatch_fields(config, world_size, w))
+                                  for w in (False, True)) if config.mode == "ll" else None)
         self._capacity_rows: Optional[int] = None  # capacity mode: every handle's count
 
     @classmethod
@@ -265,28 +248,28 @@ class CudaBackend:
         timeout_s naming this rank (docs/design.md §9, errors)."""
 
     def _stream(self) -> int:
-        return _current_stream(self._device_index)
+        """The current stream of the group's device (group setup's; ops find it themselves)."""
+        return torch.cuda.current_stream(self.device).cuda_stream
 
     # -- handles -------------------------------------------------------------------------------
     def create_handle(self, routing: torch.Tensor, from_map: bool) -> CudaHandleState:
         tokens, cols = routing.shape
         topk = self.config.max_topk if from_map else cols
-        ptr = _C.create_handle(self._group, _tensor(routing), from_map, self._stream())
+        ptr = _C.create_handle(self._group, routing, from_map, self._device_index)
         self._handles.add(ptr)
         try:
             rows = self._capacity_rows
             if rows is None and self.config.recv_mode == "capacity":  # the group's, once
                 rows = self._capacity_rows = _C.handle_num_recv_tokens(ptr)
-            return CudaHandleState(ptr, tokens, topk, self.num_local_experts, rows, self.device)
+            return CudaHandleState(ptr, tokens, topk, self.num_local_experts, rows,
+                                   self._device_index)
         except BaseException:
             self._handles.discard(ptr)
             _C.handle_destroy(ptr)
             raise
 
     def topk_idx(self, state: CudaHandleState) -> torch.Tensor:
-        out = torch.empty((state.num_tokens, state.topk), dtype=torch.int64, device=self.device)
-        _C.handle_topk_idx(state.ptr, _tensor(out), self._stream())
-        return out
+        return _C.handle_topk_idx(state.ptr, state.num_tokens, state.topk, self._device_index)
 
     def destroy_handle(self, state: CudaHandleState) -> None:
         if state.ptr and state.ptr in self._handles:
@@ -297,64 +280,42 @@ class CudaBackend:
     # -- operations ----------------------------------------------------------------------------
     def dispatch(self, state: CudaHandleState, x: torch.Tensor, probs: Optional[torch.Tensor],
                  dense: bool = False):
-        # Everything but the outputs before the count read: from the count (exact mode: a wait
-        # for the layout) to the launch the GPU idles.
-        stream, x_spec, probs_spec = self._stream(), _tensor(x), _tensor(probs)
-        n = state.num_recv_tokens
-        recv_x = torch.empty((n, x.shape[1]), dtype=x.dtype, device=x.device)
-        recv_probs = None if probs is None else torch.empty(n, dtype=probs.dtype, device=x.device)
-        _C.dispatch(state.ptr, x_spec, probs_spec, dense, _tensor(recv_x), _tensor(recv_probs),
-                    None, None, None, None, False, stream)
+        recv_x, recv_probs = _C.dispatch(state.ptr, x, probs, dense, self._device_index)
+        if state._num_recv is None:  # exact mode: the binding read the count
+            state._num_recv = recv_x.shape[0]
         return recv_x, recv_probs
 
     def combine(self, state: CudaHandleState, expert_out: torch.Tensor) -> torch.Tensor:
-        y = torch.empty((state.num_tokens, expert_out.shape[1]), dtype=expert_out.dtype,
-                        device=expert_out.device)
-        _C.combine(state.ptr, _tensor(expert_out), None, _tensor(y), False, self._stream())
-        return y
+        return _C.combine(state.ptr, expert_out, state.num_tokens, self._device_index)
 
     def combine_probs(self, state: CudaHandleState, grad_recv_probs: torch.Tensor,
                       dense: bool = False) -> torch.Tensor:
         cols = self.config.num_experts if dense else state.topk
-        grad = torch.empty((state.num_tokens, cols), dtype=grad_recv_probs.dtype,
-                           device=grad_recv_probs.device)
-        _C.combine_topk_weights(state.ptr, _tensor(grad_recv_probs), _tensor(grad), dense,
-                                self._stream())
-        return grad
+        return _C.combine_topk_weights(state.ptr, grad_recv_probs, state.num_tokens, cols, dense,
+                                       self._device_index)
 
     # -- LL (docs/design.md §9) -----------------------------------------------------------------
     def ll_create_handle(self, topk_idx: torch.Tensor) -> CudaLLHandleState:
         tokens, topk = topk_idx.shape
-        ptr = _C.create_handle(self._group, _tensor(topk_idx), False, self._stream())
+        ptr = _C.create_handle(self._group, topk_idx, False, self._device_index)
         self._handles.add(ptr)
         return CudaLLHandleState(ptr, tokens, topk)
 
     def ll_dispatch(self, state: CudaLLHandleState, x: torch.Tensor,
                     topk_weights: Optional[torch.Tensor], send_only: bool,
                     out: Optional[LLDispatchOutput] = None) -> LLDispatchOutput:
-        if out is None:
-            with_weights = topk_weights is not None
-            fields = self._ll_fields[with_weights]
-            if fields is None:  # once per group and weights/no weights
-                fields = self._ll_fields[with_weights] = ll_dispatch_fields(
-                    self.config, self.world_size, with_weights)
-            out = new_dispatch_output(fields, self.device)
-        _C.dispatch(state.ptr, _tensor(x), _tensor(topk_weights), False, _tensor(out.x),
-                    _tensor(out.topk_weights), _tensor(out.scales), _tensor(out.count),
-                    _tensor(out.src), _tensor(out.topk_idx), send_only, self._stream())
-        return out
+        made = _C.ll_dispatch(state.ptr, x, topk_weights, send_only,
+                              self._ll_outputs[topk_weights is not None], out, self._device_index)
+        return out if made is None else LLDispatchOutput(*made)
 
     def ll_combine(self, state: CudaLLHandleState, expert_out: torch.Tensor,
                    topk_weights: Optional[torch.Tensor], send_only: bool,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        y = out if out is not None else torch.empty(
-            (state.num_tokens, self.config.hidden), dtype=self.config.dtype, device=self.device)
-        _C.combine(state.ptr, _tensor(expert_out), _tensor(topk_weights), _tensor(y), send_only,
-                   self._stream())
-        return y
+        return _C.ll_combine(state.ptr, expert_out, topk_weights, send_only, out, state.num_tokens,
+                             self._device_index)
 
     def ll_complete(self, state: CudaLLHandleState) -> None:
-        _C.complete(state.ptr, self._stream())
+        _C.complete(state.ptr, self._device_index)
 
     def check_errors(self, synchronize: bool = True) -> None:
         """Raises the group's device-side error, if any (it stays: destroy the group). With

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from .backend import checked_call
 from .config import INDEX_DTYPES, PROB_DTYPES
 from .handle_lifetime import BackendHandle
 from .outputs import FIELDS, LLDispatchOutput, ll_dispatch_fields, new_dispatch_output
@@ -80,9 +81,6 @@ class LLHandle(BackendHandle):
         self._pending_out: list = []  # that op's output tensors, which complete() writes
         self._dispatched = False
         self._shared: LLGroupState = group._ll
-        # What a valid call passes (the lean path: Group._matches).
-        self._x_shape = (num_tokens, group.config.hidden)
-        self._w_shape = (num_tokens, topk)
 
     # -- checks ------------------------------------------------------------------------------------
     def _in_flight(self) -> InFlight:
@@ -98,27 +96,18 @@ class LLHandle(BackendHandle):
                                "returns the rows its dispatch placed)")
         self._in_flight().check_room(kind)
 
-    def _weights(self, name: str, w: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        if w is None:
-            return None
-        self.group._check_tensor(name, w, 2, PROB_DTYPES, (self.num_tokens, self.topk))
-        return w.to(torch.float32).contiguous()
+    def _check_weights(self, name: str, w: Optional[torch.Tensor]) -> None:
+        if w is not None:
+            self.group._check_tensor(name, w, 2, PROB_DTYPES, (self.num_tokens, self.topk))
 
-    def _lean(self, kind: str, out) -> bool:
-        """Whether an op of ``kind`` may take the lean path as far as state goes: a live handle
-        and group, no op of this handle pending, no op of ``kind`` in flight on the group, and
-        with ``out`` none of either kind (whose outputs ``out`` might share:
-        ``_check_not_pending``)."""
+    def _ready(self, kind: str, out) -> bool:
+        """Whether the state lets an op of ``kind`` go to a backend that checks its calls as it
+        is: a live handle and group, no op of this handle pending, no op of ``kind`` in flight on
+        the group, and with ``out`` none of either kind (whose outputs ``out`` might share:
+        ``_check_not_pending``); else ``_check_ready`` and the full checks run first."""
         pending = self._shared.in_flight.pending
-        return (self._state is not None and self.group._backend is not None
-                and self._pending is None and not pending[kind]
+        return (self._state is not None and self._pending is None and not pending[kind]
                 and (out is None or not any(pending.values())))
-
-    def _out_matches(self, out, with_weights: bool) -> bool:
-        """Whether ``out`` is an ``LLDispatchOutput`` of exactly this group's fields."""
-        return isinstance(out, LLDispatchOutput) and all(
-            (t is None) if field is None else self.group._matches(t, (field[1],), field[0])
-            for t, field in zip(_fields(out), self._shared.fields[with_weights]))
 
     def _check_out(self, out, with_weights: bool) -> None:
         """``dispatch(out=...)``'s full check, raising the error that names the field."""
@@ -159,9 +148,10 @@ class LLHandle(BackendHandle):
                         "complete() on that handle first, or pass another output")
 
     # -- ops ---------------------------------------------------------------------------------------
-    # Each op's lean path: a handle with no op pending, and arguments with the signature a valid
-    # call has (Group._matches), skip the checks that build messages and copies; any other call
-    # runs them in full, with the same errors.
+    # Each op is one call of the backend (checked_call) once the state allows it (_ready): a
+    # backend that checks its calls gets the arguments as given, and the front end's checks run
+    # only on a call it refused (or on every call of the reference backend), with the same
+    # errors.
     def dispatch(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, *,
                  send_only: bool = False,
                  out: Optional[LLDispatchOutput] = None) -> LLDispatchOutput:
@@ -184,28 +174,27 @@ class LLHandle(BackendHandle):
             ``x [R*T_max, H]``, ``count [1]``, ``topk_idx`` and ``topk_weights``; FP8 ``scales``.
         """
         group = self.group
-        cfg = group.config
+        send_only = bool(send_only)
         weighted = topk_weights is not None
-        if (self._lean("dispatch", out) and group._matches(x, (cfg.dtype,), self._x_shape)
-                and (not weighted or group._matches(topk_weights, PROB_DTYPES, self._w_shape))
-                and (out is None or self._out_matches(out, weighted))):
-            group._backend.agree_on_arguments("LL dispatch", None)
-            if weighted and topk_weights.dtype is not torch.float32:
-                topk_weights = topk_weights.float()  # sent as fp32
-        else:
+        trusted = (group._backend is not None and group._backend.checks_calls
+                   and self._ready("dispatch", out)
+                   and (out is None or type(out) is LLDispatchOutput))
+        if not trusted:
             self._check_ready("dispatch")
-            prepared = {}
 
-            def check():
-                group._check_tensor("x", x, 2, (cfg.dtype,), self._x_shape)
-                prepared["w"] = self._weights("topk_weights", topk_weights)
-                if out is not None:
-                    self._check_out(out, weighted)
-                    self._check_not_pending("dispatch", _tensors(out))
+        def check():
+            cfg = group.config
+            group._check_tensor("x", x, 2, (cfg.dtype,), (self.num_tokens, cfg.hidden))
+            self._check_weights("topk_weights", topk_weights)
+            if out is not None:
+                self._check_out(out, weighted)
+                self._check_not_pending("dispatch", _tensors(out))
 
-            group._check_agreed("LL dispatch", check)
-            x, topk_weights = x.contiguous(), prepared["w"]
-        result = group._backend.ll_dispatch(self._state, x, topk_weights, bool(send_only), out)
+        backend = group._backend
+        result = checked_call(
+            trusted, backend.ll_dispatch, (self._state, x, topk_weights, send_only, out),
+            lambda: group._check_agreed("LL dispatch", check),
+            lambda: (self._state, x.contiguous(), _fp32(topk_weights), send_only, out))
         self._dispatched = True
         self._after_send("dispatch", send_only, result)
         return result
@@ -227,40 +216,33 @@ class LLHandle(BackendHandle):
             ``y [T, H]`` (``out`` when given), the group's dtype.
         """
         group = self.group
-        cfg = group.config
-        expert_major = cfg.ll_layout == "expert_major"
-        dtypes, rows = (cfg.dtype,), self._shared.rows
-        if (self._lean("combine", out) and self._dispatched
-                and group._matches(expert_out, dtypes, rows)
-                and (group._matches(topk_weights, PROB_DTYPES, self._w_shape) if expert_major
-                     else topk_weights is None)
-                and (out is None or group._matches(out, dtypes, self._x_shape))):
-            group._backend.agree_on_arguments("LL combine", None)
-            if expert_major and topk_weights.dtype is not torch.float32:
-                topk_weights = topk_weights.float()  # the sum's weights are fp32
-        else:
+        send_only = bool(send_only)
+        trusted = (group._backend is not None and group._backend.checks_calls
+                   and self._ready("combine", out) and self._dispatched)
+        if not trusted:
             self._check_ready("combine")
-            prepared = {}
 
-            def check():
-                group._check_tensor("expert_out", expert_out, len(rows), dtypes, rows)
-                if expert_major:
-                    if topk_weights is None:
-                        raise TypeError("LL combine (expert_major): topk_weights [T, K] is "
-                                        "required (y[t] = sum over k of w[t, k] * out(t, k))")
-                    prepared["w"] = self._weights("topk_weights", topk_weights)
-                else:
-                    if topk_weights is not None:
-                        raise TypeError("LL combine (rank_major): topk_weights must be None "
-                                        "(each rank's partial rows are already weighted)")
-                    prepared["w"] = None
-                if out is not None:
-                    self._check_written("out", out, cfg.dtype, self._x_shape)
-                    self._check_not_pending("combine", [out])
+        def check():
+            cfg = group.config
+            rows = self._shared.rows
+            group._check_tensor("expert_out", expert_out, len(rows), (cfg.dtype,), rows)
+            if cfg.ll_layout == "expert_major":
+                if topk_weights is None:
+                    raise TypeError("LL combine (expert_major): topk_weights [T, K] is "
+                                    "required (y[t] = sum over k of w[t, k] * out(t, k))")
+                self._check_weights("topk_weights", topk_weights)
+            elif topk_weights is not None:
+                raise TypeError("LL combine (rank_major): topk_weights must be None "
+                                "(each rank's partial rows are already weighted)")
+            if out is not None:
+                self._check_written("out", out, cfg.dtype, (self.num_tokens, cfg.hidden))
+                self._check_not_pending("combine", [out])
 
-            group._check_agreed("LL combine", check)
-            expert_out, topk_weights = expert_out.contiguous(), prepared["w"]
-        y = group._backend.ll_combine(self._state, expert_out, topk_weights, bool(send_only), out)
+        backend = group._backend
+        y = checked_call(
+            trusted, backend.ll_combine, (self._state, expert_out, topk_weights, send_only, out),
+            lambda: group._check_agreed("LL combine", check),
+            lambda: (self._state, expert_out.contiguous(), _fp32(topk_weights), send_only, out))
         self._after_send("combine", send_only, y)
         return y
 
@@ -288,6 +270,11 @@ class LLHandle(BackendHandle):
         if self._pending is not None:
             self._in_flight().finish(self._pending, self)
             self._pending, self._pending_out = None, []
+
+
+def _fp32(w: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Routing weights as the library takes them: fp32, contiguous (``w`` itself when so)."""
+    return None if w is None else w.to(torch.float32).contiguous()
 
 
 def _fields(out: LLDispatchOutput) -> list:

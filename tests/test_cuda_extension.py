@@ -46,7 +46,7 @@ def group_config(ext, **changes):
     """The bindings' group configuration, valid unless changed."""
     config = ext.GroupConfig()
     fields = dict(num_experts=8, hidden=128, max_tokens_per_rank=16, max_topk=2,
-                  token_dtype=ext.DTYPES["bfloat16"], num_sms=24, timeout_ms=1000)
+                  token_dtype=torch.bfloat16, num_sms=24, timeout_ms=1000)
     fields.update(changes)
     for name, value in fields.items():
         setattr(config, name, value)
@@ -111,28 +111,27 @@ def test_c_example_builds_against_the_library(tmp_path):
     assert binary.exists()
 
 
-def test_op_bindings_take_tensor_specs_and_reach_the_c_api(ext):
-    """Every handle and op binding takes its tensors as (data_ptr, shape, dtype) specs or None,
-    positionally, and reaches its C entry point (which refuses the NULL handle, naming it)."""
-    bf16, i64 = ext.DTYPES["bfloat16"], ext.DTYPES["int64"]
-    x, idx = (1 << 20, torch.Size([4, 8]), bf16), (1 << 20, (4, 2), i64)
+def test_op_bindings_refuse_a_tensor_off_the_group_device(ext):
+    """Every op binding takes torch tensors and refuses one that is not on the group's CUDA
+    device (the one check the C library cannot make), naming it, before anything reaches the
+    library or allocates; a non-tensor is a TypeError. (tests/gpu: the C library's own checks
+    of each call.)"""
+    x, idx = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64)
+    outputs = ext.LLOutputs([((4, 8), torch.bfloat16), ((1,), torch.int32), None, None,
+                             ((4, 2), torch.int32), None])
     calls = {
-        "ncclEpCreateHandle: group is NULL": lambda: ext.create_handle(0, idx, False, 0),
-        "ncclEpHandleGetTopkIdx: handle or out is NULL": lambda: ext.handle_topk_idx(0, idx, 0),
-        "ncclEpHandleGetTokensPerExpert: handle or out is NULL":
-            lambda: ext.handle_tokens_per_expert(0, (1 << 20, (4,), i64), True, 0),
-        "ncclEpDispatch: handle is NULL":
-            lambda: ext.dispatch(0, x, None, False, x, None, None, None, None, None, False, 0),
-        "ncclEpCombine: handle is NULL": lambda: ext.combine(0, x, None, x, True, 0),
-        "ncclEpCombineTopkWeights: handle is NULL":
-            lambda: ext.combine_topk_weights(0, (1 << 20, (8,), bf16), x, True, 0),
+        "topk_idx": lambda: ext.create_handle(0, idx, False, 0),
+        "routing_map": lambda: ext.create_handle(0, idx.bool(), True, 0),
+        "x": lambda: ext.dispatch(0, x, None, False, 0),
+        "expert_out": lambda: ext.combine(0, x, 4, 0),
+        "grad_recv_probs": lambda: ext.combine_topk_weights(0, x[:, 0].float(), 4, 2, False, 0),
+        "x ": lambda: ext.ll_dispatch(0, x, None, False, outputs, None, 0),
+        "expert_out ": lambda: ext.ll_combine(0, x, None, False, None, 4, 0),
     }
-    for reason, call in calls.items():
-        with pytest.raises(ValueError, match=re.escape(reason)):
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=f"^{name.strip()} must be on cuda:0, got cpu$"):
             call()
-    with pytest.raises(ValueError, match="too many dimensions"):
-        ext.dispatch(0, (1 << 20, (1,) * 5, bf16), None, False, x, None, None, None, None, None,
-                     False, 0)
-    for bad in ((1 << 20, [4, 8], bf16), (1 << 20, (4, 8)), 7):
-        with pytest.raises(ValueError, match=re.escape("(data_ptr, shape tuple, dtype code)")):
-            ext.combine(0, bad, None, x, False, 0)
+    with pytest.raises(TypeError):
+        ext.combine(0, x.tolist(), 4, 0)
+    with pytest.raises(ValueError, match="expected 6 fields"):
+        ext.LLOutputs([None] * 5)

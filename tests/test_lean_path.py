@@ -1,9 +1,10 @@
-"""The ops' lean path (a call whose arguments have the signature a valid call has skips the
-checks that build messages) lets no wrong call through: after valid calls of every op, a call
-with another shape, dtype or device, a non-tensor, a destroyed handle or group, or (LL) a wrong
-``out=`` raises the error the full checks raise for it, and the group stays usable with the
-oracle's bits. Reference backend here; tests/gpu/test_cuda_lean_path.py runs the same cases on
-the cuda backend ("<device>" in a pattern stands for the group's device)."""
+"""No wrong call gets through after valid ones (the cuda backend's bindings check each call
+against the handle and the front end checks only the calls they refuse: backend.checked_call):
+after valid calls of every op, a call with another shape, dtype or device, a non-tensor, a
+destroyed handle or group, a wrong routing for a new handle, or (LL) a wrong ``out=`` raises the
+error the front end's checks raise for it, and the group stays usable with the oracle's bits.
+Reference backend here; tests/gpu/test_cuda_lean_path.py runs the same cases on the cuda backend
+("<device>" in a pattern stands for the group's device)."""
 
 import pytest
 import torch
@@ -69,6 +70,18 @@ HT_WRONG = {
     "grad_recv_probs_integer": (
         lambda h, g, x, p: h.combine_probs(p.new_ones(h.num_recv_tokens, dtype=torch.int32)),
         TypeError, r"grad_recv_probs must have dtype in"),
+    "create_routing_map_uint8": (
+        lambda h, g, x, p: g.create_handle(routing_map=torch.ones(T, E, dtype=torch.uint8,
+                                                                  device=g.device)),
+        TypeError, r"routing_map must have dtype torch\.bool, got torch\.uint8"),
+    "create_routing_map_wrong_experts": (
+        lambda h, g, x, p: g.create_handle(routing_map=torch.ones(T, E + 1, dtype=torch.bool,
+                                                                  device=g.device)),
+        ValueError, rf"routing_map must have shape \('\*', {E}\), got \({T}, {E + 1}\)"),
+    "create_topk_idx_float": (lambda h, g, x, p: g.create_handle(h.topk_idx.float()), TypeError,
+                              r"topk_idx must have dtype"),
+    "create_topk_idx_wrong_device": (lambda h, g, x, p: g.create_handle(h.topk_idx.to("meta")),
+                                     ValueError, r"topk_idx must be on <device>, got meta"),
     "destroyed_handle": (lambda h, g, x, p: (h.destroy(), h.dispatch(x, p)), RuntimeError,
                          r"this Handle was destroyed"),
     "destroyed_group": (lambda h, g, x, p: (g.destroy(), h.combine(rows_like(h))), RuntimeError,
@@ -199,6 +212,15 @@ LL_WRONG = {
     "combine_out_wrong_dtype": ("expert_major", lambda h, x, w, o, eo, cw: h.combine(
         eo, cw, out=x.new_empty(x.shape, dtype=torch.float32)), TypeError,
         r"out must have dtype"),
+    "create_too_many_tokens": ("rank_major", lambda h, x, w, o, eo, cw: h.group.create_handle(
+        torch.zeros(T_MAX + 1, K_MAX, dtype=torch.int64, device=x.device)), ValueError,
+        rf"topk_idx has {T_MAX + 1} tokens, more than max_tokens_per_rank"),
+    "create_topk_idx_float": ("expert_major", lambda h, x, w, o, eo, cw: h.group.create_handle(
+        torch.zeros(T_MAX, K_MAX, device=x.device)), TypeError, r"topk_idx must have dtype"),
+    "create_topk_idx_wrong_device": (
+        "rank_major", lambda h, x, w, o, eo, cw: h.group.create_handle(
+            torch.zeros(T_MAX, K_MAX, dtype=torch.int64, device="meta")), ValueError,
+        r"topk_idx must be on <device>, got meta"),
     "destroyed_handle": ("rank_major", lambda h, x, w, o, eo, cw: (h.destroy(), h.dispatch(x, w)),
                          RuntimeError, r"this LLHandle was destroyed"),
     "destroyed_group": ("expert_major", lambda h, x, w, o, eo, cw: (h.group.destroy(),
@@ -217,7 +239,9 @@ def check_ll_wrong_after_valid(case_name: str, seed: int, device="cpu") -> None:
         handle.combine(eo, cw)
     with raises(exc, pattern, group):
         wrong(handle, x, w, out, eo, cw)
-    if case_name.startswith("destroyed"):
+    # A refused LL handle stops a reference group (no collective to agree in: its peers' next
+    # one raises naming the rank), as a destroyed one ends its use.
+    if case_name.startswith(("destroyed", "create_")):
         return
     out = handle.dispatch(x, w)  # still usable, with the oracle's bits
     assert not ll_cases.dispatch_mismatches(out, want[rank], layout)

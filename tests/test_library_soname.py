@@ -96,10 +96,11 @@ def stub(tmp_path_factory):
 PROBE = textwrap.dedent("""
     import ctypes, json, sys
     stub = ctypes.CDLL(sys.argv[1], mode=getattr(ctypes, sys.argv[2]))
+    import torch
     from megatron_nccl_ep import _C
     config = _C.GroupConfig()
     for name, value in dict(num_experts=8, hidden=128, max_tokens_per_rank=16, max_topk=2,
-                            token_dtype=_C.DTYPES["bfloat16"], num_sms=24,
+                            token_dtype=torch.bfloat16, num_sms=24,
                             timeout_ms=1000).items():
         setattr(config, name, value)
     try:

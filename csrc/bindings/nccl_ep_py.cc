@@ -1,17 +1,33 @@
 /*
- * nccl_ep_py.cc: the pybind11 module megatron_nccl_ep._C, a thin wrapper of nccl_ep.h.
- * Pointers, communicators, groups, handles and streams travel as Python ints; no torch here.
- * Tensors travel as specs (data_ptr, shape, dtype code) or None (tensor() below), positionally in
- * the order of the C structs' fields; one binding per C entry point (dispatch and combine serve
- * HT and LL, as ncclEpDispatch and ncclEpCombine do).
- * Failures raise ValueError (ncclInvalidArgument / ncclInvalidUsage) or
- * megatron_nccl_ep.errors.NcclEpError (others, a RuntimeError) with ncclEpGetLastError()'s
- * text, so that the package calls the bindings directly. Blocking calls release the GIL.
+ * nccl_ep_py.cc: the Python module megatron_nccl_ep._C over nccl_ep.h, a torch extension (the C
+ * library itself stays torch-free). Groups, handles and communicators travel as Python ints;
+ * tensors as torch tensors, each checked to be on the group's CUDA device (the one thing the C
+ * library cannot check) and passed with its real sizes and strides, so the C library's checks of
+ * shape, dtype and layout are the checks of a call. One binding per C entry point (dispatch and
+ * combine serve HT and LL, as ncclEpDispatch and ncclEpCombine do); an op allocates its outputs
+ * (at::empty, on the current stream of the group's device) and launches in this one call.
+ *
+ * NOTES:
+ *  - An op refuses bad arguments before it enqueues anything (the C library checks every
+ *    argument before its first launch; outputs allocated before a refusal are freed unused), so
+ *    a caller may check and retry a refused call (megatron_nccl_ep's front end does, for its own
+ *    messages).
+ *  - Failures raise ValueError (ncclInvalidArgument / ncclInvalidUsage, or an argument this file
+ *    refuses) or megatron_nccl_ep.errors.NcclEpError (others, a RuntimeError) with
+ *    ncclEpGetLastError()'s text. Calls that may block (the local team's gate, exact mode's
+ *    count read, communicator and group setup) release the GIL.
  */
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAStream.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
 
+#include <array>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -21,6 +37,8 @@
 namespace py = pybind11;
 
 namespace {
+
+using OptTensor = std::optional<at::Tensor>;
 
 // std::invalid_argument becomes ValueError (pybind11's standard translation), RuntimeErrorEx
 // NcclEpError (the translator registered below); both are translated once the GIL is back, so
@@ -45,7 +63,7 @@ void check_nccl(ncclResult_t r, const char* what) {
   if (r == ncclSuccess) return;
   const char* last = ncclGetLastError(nullptr);
   throw RuntimeErrorEx(std::string(what) + " failed: " + ncclGetErrorString(r) +
-                           (last != nullptr && *last ? std::string(": ") + last : std::string()));
+                       (last != nullptr && *last ? std::string(": ") + last : std::string()));
 }
 
 template <typename T>
@@ -53,31 +71,60 @@ T* as_ptr(uintptr_t v) {
   return reinterpret_cast<T*>(v);
 }
 
-cudaStream_t as_stream(uintptr_t v) { return reinterpret_cast<cudaStream_t>(v); }
+// The current stream of CUDA device `device` (torch's, as every torch op on it uses).
+cudaStream_t current_stream(int device) {
+  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+}
 
-// A tensor as every op binding takes it: a spec (data_ptr, shape, dtype code) of a contiguous
-// tensor (shape: a tuple, e.g. torch.Size), or None for an absent one (ndim 0). Called with the
-// GIL held.
-ncclEpTensor_t tensor(const py::handle& spec, ncclEpTensorTag_t tag) {
-  ncclEpTensor_t t{};
-  if (spec.is_none()) return t;
-  if (!py::isinstance<py::tuple>(spec) || py::len(spec) != 3 ||
-      !py::isinstance<py::tuple>(py::reinterpret_borrow<py::tuple>(spec)[1]))
-    throw ValueErrorEx("a tensor must be given as (data_ptr, shape tuple, dtype code) or None");
-  const py::tuple tup = py::reinterpret_borrow<py::tuple>(spec);
-  const py::tuple shape = py::reinterpret_borrow<py::tuple>(tup[1]);
-  if (shape.size() > NCCL_EP_MAX_NDIM) throw ValueErrorEx("tensor: too many dimensions");
-  t.data = reinterpret_cast<void*>(tup[0].cast<uintptr_t>());
-  t.ndim = (int)shape.size();
-  int64_t stride = 1;
-  for (int i = t.ndim - 1; i >= 0; --i) {
-    t.sizes[i] = shape[(size_t)i].cast<int64_t>();
-    t.strides[i] = stride;
-    stride *= t.sizes[i];
+ncclDataType_t nccl_dtype(at::ScalarType s) {
+  switch (s) {
+    case at::kBool: return ncclUint8;  // routing maps (no other 8-bit integer tensor passes)
+    case at::kInt: return ncclInt32;
+    case at::kLong: return ncclInt64;
+    case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kFloat: return ncclFloat32;
+    case at::kDouble: return ncclFloat64;
+    case at::kFloat8_e4m3fn: return ncclFloat8e4m3;
+    default:
+      throw ValueErrorEx(std::string("dtype ") + c10::toString(s) +
+                         " has no NCCL EP data type");
   }
-  t.dtype = static_cast<ncclDataType_t>(tup[2].cast<int>());
-  t.tag = tag;
-  return t;
+}
+
+// A tensor as the C API takes it, its sizes and strides as they are. `device`: the group's CUDA
+// device, where every tensor of an op must be; -1: a host tensor (tokens per expert read to the
+// host). Called with the GIL held.
+ncclEpTensor_t tensor(const at::Tensor& t, ncclEpTensorTag_t tag, int device, const char* name) {
+  const bool placed = device < 0 ? t.device().is_cpu() : t.is_cuda() && t.get_device() == device;
+  if (!placed)
+    throw ValueErrorEx(std::string(name) + " must be on " +
+                       (device < 0 ? std::string("cpu") : "cuda:" + std::to_string(device)) +
+                       ", got " + t.device().str());
+  ncclEpTensor_t c{};
+  if (t.dim() > NCCL_EP_MAX_NDIM)
+    throw ValueErrorEx(std::string(name) + " has " + std::to_string(t.dim()) +
+                       " dimensions, more than " + std::to_string(NCCL_EP_MAX_NDIM));
+  c.data = t.data_ptr();
+  c.ndim = (int)t.dim();
+  for (int i = 0; i < c.ndim; ++i) {
+    c.sizes[i] = t.size(i);
+    c.strides[i] = t.stride(i);
+  }
+  c.dtype = nccl_dtype(t.scalar_type());
+  c.tag = tag;
+  return c;
+}
+
+// An optional tensor: absent is ndim 0.
+ncclEpTensor_t tensor(const OptTensor& t, ncclEpTensorTag_t tag, int device, const char* name) {
+  return t.has_value() ? tensor(*t, tag, device, name) : ncclEpTensor_t{};
+}
+
+at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype, int device) {
+  return at::empty(sizes, at::TensorOptions()
+                              .dtype(dtype)
+                              .device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))));
 }
 
 // Routing weights: [T, K] in slot order, or a router's dense [T, E].
@@ -91,22 +138,62 @@ ncclEpOpConfig_t op_config(bool send_only) {
   return c;
 }
 
+// One LL dispatch's outputs, in the order of megatron_nccl_ep.outputs.LLDispatchOutput's fields
+// and with its names; where each goes in ncclEpDispatchOutputs_t, with its tag.
+struct LLField {
+  const char* name;
+  ncclEpTensor_t ncclEpDispatchOutputs_t::*slot;
+  ncclEpTensorTag_t tag;
+};
+constexpr int kLLFields = 6;
+const LLField kLLFieldsOf[kLLFields] = {
+    {"x", &ncclEpDispatchOutputs_t::recv_tokens, NCCL_EP_TENSOR_TOKENS},
+    {"count", &ncclEpDispatchOutputs_t::recv_count, NCCL_EP_TENSOR_RECV_COUNT},
+    {"scales", &ncclEpDispatchOutputs_t::recv_scales, NCCL_EP_TENSOR_SCALES},
+    {"src", &ncclEpDispatchOutputs_t::recv_src, NCCL_EP_TENSOR_RECV_SRC},
+    {"topk_idx", &ncclEpDispatchOutputs_t::recv_topk_idx, NCCL_EP_TENSOR_TOPK_IDX},
+    {"topk_weights", &ncclEpDispatchOutputs_t::recv_topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS},
+};
+
+// The shapes and dtypes of one LL group's dispatch outputs (outputs.ll_dispatch_fields: one
+// statement of them), held once per group and kind of dispatch (with or without weights).
+struct LLOutputs {
+  std::array<bool, kLLFields> present{};
+  std::array<std::vector<int64_t>, kLLFields> sizes;
+  std::array<at::ScalarType, kLLFields> dtypes{};
+};
+
+LLOutputs ll_outputs(const py::sequence& fields) {
+  if (py::len(fields) != kLLFields)
+    throw ValueErrorEx("LLOutputs: expected " + std::to_string(kLLFields) +
+                       " fields ((shape, dtype) or None each)");
+  LLOutputs o;
+  for (int i = 0; i < kLLFields; ++i) {
+    const py::object f = fields[i];
+    if (f.is_none()) continue;
+    const auto spec = f.cast<std::pair<std::vector<int64_t>, at::ScalarType>>();
+    o.present[i] = true;
+    o.sizes[i] = spec.first;
+    o.dtypes[i] = spec.second;
+  }
+  return o;
+}
+
+// A field of a given LLDispatchOutput: its tensor, or None.
+OptTensor out_field(const py::handle& out, const char* name) {
+  const py::object v = out.attr(name);
+  if (v.is_none()) return std::nullopt;
+  if (!THPVariable_Check(v.ptr()))
+    throw py::type_error(std::string("out.") + name + " must be a torch.Tensor or None");
+  return THPVariable_Unpack(v.ptr());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "megatron_nccl_ep CUDA backend: bindings of the nccl_ep.h C API";
   m.attr("API_VERSION") = NCCL_EP_API_VERSION;
   m.attr("NCCL_BUILD_VERSION") = NCCL_VERSION_CODE;
-  py::dict dtypes;
-  dtypes["bool"] = (int)ncclUint8;
-  dtypes["int32"] = (int)ncclInt32;
-  dtypes["int64"] = (int)ncclInt64;
-  dtypes["float16"] = (int)ncclFloat16;
-  dtypes["bfloat16"] = (int)ncclBfloat16;
-  dtypes["float32"] = (int)ncclFloat32;
-  dtypes["float64"] = (int)ncclFloat64;
-  dtypes["float8_e4m3fn"] = (int)ncclFloat8e4m3;
-  m.attr("DTYPES") = dtypes;
   nccl_ep_error =
       py::object(py::module_::import("megatron_nccl_ep.errors").attr("NcclEpError")).release().ptr();
   py::register_local_exception_translator([](std::exception_ptr p) {
@@ -153,7 +240,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("comm"), py::call_guard<py::gil_scoped_release>());
 
   // --- group ---------------------------------------------------------------------------------
-  // The group configuration: NCCL_EP_GROUP_CONFIG_INITIALIZER, fields set by name.
+  // The group configuration: NCCL_EP_GROUP_CONFIG_INITIALIZER, fields set by name (token_dtype
+  // as a torch.dtype).
   py::class_<ncclEpGroupConfig_t>(m, "GroupConfig")
       .def(py::init([]() {
         ncclEpGroupConfig_t cfg = NCCL_EP_GROUP_CONFIG_INITIALIZER;
@@ -165,7 +253,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("max_topk", &ncclEpGroupConfig_t::max_topk)
       .def_property(
           "token_dtype", [](const ncclEpGroupConfig_t& c) { return (int)c.token_dtype; },
-          [](ncclEpGroupConfig_t& c, int v) { c.token_dtype = static_cast<ncclDataType_t>(v); })
+          [](ncclEpGroupConfig_t& c, at::ScalarType v) { c.token_dtype = nccl_dtype(v); })
       .def_property(
           "recv_count_mode", [](const ncclEpGroupConfig_t& c) { return (int)c.recv_count_mode; },
           [](ncclEpGroupConfig_t& c, int v) {
@@ -199,23 +287,27 @@ PYBIND11_MODULE(_C, m) {
         return d;
       },
       py::arg("config"), py::arg("nranks"));
+  // Group setup takes its stream as an int (cudaStream_t; 0 = the legacy default stream), so
+  // that its configuration checks, which come before any CUDA call, run without a GPU.
   m.def(
       "create_group",
       [](uintptr_t comm, const ncclEpGroupConfig_t& cfg, uintptr_t stream) {
         ncclEpGroup_t g = nullptr;
-        check(ncclEpCreateGroup(&g, as_ptr<ncclComm>(comm), &cfg, as_stream(stream)),
+        py::gil_scoped_release nogil;
+        check(ncclEpCreateGroup(&g, as_ptr<ncclComm>(comm), &cfg,
+                                reinterpret_cast<cudaStream_t>(stream)),
               "ncclEpCreateGroup");
         return reinterpret_cast<uintptr_t>(g);
       },
-      py::arg("comm"), py::arg("config"), py::arg("stream"),
-      py::call_guard<py::gil_scoped_release>());
+      py::arg("comm"), py::arg("config"), py::arg("stream"));
   m.def(
       "create_local_team",
       [](int nranks, const ncclEpGroupConfig_t& cfg, uintptr_t stream) {
         std::vector<ncclEpGroup_t> groups(nranks > 0 ? nranks : 1, nullptr);
         {
           py::gil_scoped_release nogil;
-          check(ncclEpCreateLocalTeam(groups.data(), nranks, &cfg, as_stream(stream)),
+          check(ncclEpCreateLocalTeam(groups.data(), nranks, &cfg,
+                                      reinterpret_cast<cudaStream_t>(stream)),
                 "ncclEpCreateLocalTeam");
         }
         py::list out;
@@ -260,25 +352,33 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "create_handle",
       // routing: topk_idx [T, K] (is_map false) or a routing map [T, E].
-      [](uintptr_t group, const py::object& routing, bool is_map, uintptr_t stream) {
+      [](uintptr_t group, const at::Tensor& routing, bool is_map, int device) {
         const ncclEpTensor_t r =
-            tensor(routing, is_map ? NCCL_EP_TENSOR_ROUTING_MAP : NCCL_EP_TENSOR_TOPK_IDX);
+            tensor(routing, is_map ? NCCL_EP_TENSOR_ROUTING_MAP : NCCL_EP_TENSOR_TOPK_IDX, device,
+                   is_map ? "routing_map" : "topk_idx");
+        const cudaStream_t stream = current_stream(device);
         ncclEpHandle_t h = nullptr;
         py::gil_scoped_release nogil;
-        check(ncclEpCreateHandle(&h, as_ptr<ncclEpGroup>(group), &r, nullptr, as_stream(stream)),
+        check(ncclEpCreateHandle(&h, as_ptr<ncclEpGroup>(group), &r, nullptr, stream),
               "ncclEpCreateHandle");
         return reinterpret_cast<uintptr_t>(h);
       },
-      py::arg("group"), py::arg("routing"), py::arg("is_map"), py::arg("stream"));
+      py::arg("group"), py::arg("routing"), py::arg("is_map"), py::arg("device"));
   m.def(
       "handle_topk_idx",
-      [](uintptr_t handle, const py::object& out, uintptr_t stream) {
-        ncclEpTensor_t t = tensor(out, NCCL_EP_TENSOR_TOPK_IDX);
-        py::gil_scoped_release nogil;
-        check(ncclEpHandleGetTopkIdx(as_ptr<ncclEpHandle>(handle), &t, as_stream(stream)),
-              "ncclEpHandleGetTopkIdx");
+      // [T, K] int64 on `device`.
+      [](uintptr_t handle, int64_t num_tokens, int64_t topk, int device) {
+        at::Tensor out = empty({num_tokens, topk}, at::kLong, device);
+        ncclEpTensor_t t = tensor(out, NCCL_EP_TENSOR_TOPK_IDX, device, "topk_idx");
+        const cudaStream_t stream = current_stream(device);
+        {
+          py::gil_scoped_release nogil;
+          check(ncclEpHandleGetTopkIdx(as_ptr<ncclEpHandle>(handle), &t, stream),
+                "ncclEpHandleGetTopkIdx");
+        }
+        return out;
       },
-      py::arg("handle"), py::arg("out"), py::arg("stream"));
+      py::arg("handle"), py::arg("num_tokens"), py::arg("topk"), py::arg("device"));
   m.def(
       "handle_destroy",
       [](uintptr_t handle) {
@@ -296,77 +396,177 @@ PYBIND11_MODULE(_C, m) {
       py::arg("handle"), py::call_guard<py::gil_scoped_release>());
   m.def(
       "handle_tokens_per_expert",
-      [](uintptr_t handle, const py::object& out, bool on_device, uintptr_t stream) {
+      // [L] int64: in host memory (exact mode: the count read), or on `device` in stream order.
+      [](uintptr_t handle, int64_t num_local_experts, bool on_device, int device) {
+        at::Tensor out = on_device ? empty({num_local_experts}, at::kLong, device)
+                                   : at::empty({num_local_experts}, at::kLong);
         ncclEpTensor_t t = tensor(out, on_device ? NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_DEVICE
-                                                 : NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_HOST);
-        py::gil_scoped_release nogil;
-        check(ncclEpHandleGetTokensPerExpert(as_ptr<ncclEpHandle>(handle), &t, as_stream(stream)),
-              "ncclEpHandleGetTokensPerExpert");
+                                                 : NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_HOST,
+                                  on_device ? device : -1, "tokens_per_expert");
+        const cudaStream_t stream = current_stream(device);
+        {
+          py::gil_scoped_release nogil;
+          check(ncclEpHandleGetTokensPerExpert(as_ptr<ncclEpHandle>(handle), &t, stream),
+                "ncclEpHandleGetTokensPerExpert");
+        }
+        return out;
       },
-      py::arg("handle"), py::arg("out"), py::arg("on_device"), py::arg("stream"));
+      py::arg("handle"), py::arg("num_local_experts"), py::arg("on_device"), py::arg("device"));
 
-  // --- operations (HT and LL: docs/design.md sections 3, 4 and 9) ------------------------------
+  // --- HT operations (docs/design.md sections 3 and 4) ----------------------------------------
   m.def(
       "dispatch",
-      // topk_weights: [T, K] in slot order, or dense [T, E] (HT); None: no weights.
-      [](uintptr_t handle, const py::object& x, const py::object& topk_weights, bool dense,
-         const py::object& recv_x, const py::object& recv_topk_weights,
-         const py::object& recv_scales, const py::object& recv_count,
-         const py::object& recv_src, const py::object& recv_topk_idx, bool send_only,
-         uintptr_t stream) {
+      // x [T, H]; probs: [T, K] in slot order, or dense [T, E]; None: no probs. Returns (recv_x
+      // [N, H] of x's dtype, recv_probs [N] of the probs' dtype or None).
+      [](uintptr_t handle, const at::Tensor& x, const OptTensor& probs, bool dense, int device) {
         ncclEpDispatchInputs_t in{};
         ncclEpDispatchOutputs_t out{};
-        in.tokens = tensor(x, NCCL_EP_TENSOR_TOKENS);
-        in.topk_weights = tensor(topk_weights, weights_tag(dense));
-        out.recv_tokens = tensor(recv_x, NCCL_EP_TENSOR_TOKENS);
-        out.recv_topk_weights = tensor(recv_topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS);
-        out.recv_scales = tensor(recv_scales, NCCL_EP_TENSOR_SCALES);
-        out.recv_count = tensor(recv_count, NCCL_EP_TENSOR_RECV_COUNT);
-        out.recv_src = tensor(recv_src, NCCL_EP_TENSOR_RECV_SRC);
-        out.recv_topk_idx = tensor(recv_topk_idx, NCCL_EP_TENSOR_TOPK_IDX);
-        const ncclEpOpConfig_t cfg = op_config(send_only);
-        py::gil_scoped_release nogil;
-        check(ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, as_stream(stream)),
-              "ncclEpDispatch");
+        in.tokens = tensor(x, NCCL_EP_TENSOR_TOKENS, device, "x");
+        in.topk_weights = tensor(probs, weights_tag(dense), device, "probs");
+        if (x.dim() != 2) throw ValueErrorEx("x must be 2-D [T, H]");
+        int64_t n = 0;
+        {
+          // Exact mode: the handle's first call waits here for its layout.
+          py::gil_scoped_release nogil;
+          check(ncclEpHandleGetNumRecvTokens(as_ptr<ncclEpHandle>(handle), &n),
+                "ncclEpHandleGetNumRecvTokens");
+        }
+        at::Tensor recv_x = empty({n, x.size(1)}, x.scalar_type(), device);
+        OptTensor recv_probs;
+        if (probs.has_value()) recv_probs = empty({n}, probs->scalar_type(), device);
+        out.recv_tokens = tensor(recv_x, NCCL_EP_TENSOR_TOKENS, device, "recv_x");
+        out.recv_topk_weights = tensor(recv_probs, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
+                                       "recv_probs");
+        const ncclEpOpConfig_t cfg = op_config(false);
+        const cudaStream_t stream = current_stream(device);
+        {
+          py::gil_scoped_release nogil;
+          check(ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, stream),
+                "ncclEpDispatch");
+        }
+        return py::make_tuple(recv_x, recv_probs);
       },
-      py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("dense"),
-      py::arg("recv_x"), py::arg("recv_topk_weights"), py::arg("recv_scales"),
-      py::arg("recv_count"), py::arg("recv_src"), py::arg("recv_topk_idx"), py::arg("send_only"),
-      py::arg("stream"));
+      py::arg("handle"), py::arg("x"), py::arg("probs"), py::arg("dense"), py::arg("device"));
   m.def(
       "combine",
-      // topk_weights: LL expert-major's weights of the sum; None otherwise.
-      [](uintptr_t handle, const py::object& expert_out, const py::object& topk_weights,
-         const py::object& y, bool send_only, uintptr_t stream) {
+      // expert_out [N, H] -> y [num_tokens, H] of its dtype.
+      [](uintptr_t handle, const at::Tensor& expert_out, int64_t num_tokens, int device) {
         ncclEpCombineInputs_t in{};
         ncclEpCombineOutputs_t out{};
-        in.expert_tokens = tensor(expert_out, NCCL_EP_TENSOR_TOKENS);
-        in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS);
-        out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS);
-        const ncclEpOpConfig_t cfg = op_config(send_only);
-        py::gil_scoped_release nogil;
-        check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, as_stream(stream)),
-              "ncclEpCombine");
+        in.expert_tokens = tensor(expert_out, NCCL_EP_TENSOR_TOKENS, device, "expert_out");
+        if (expert_out.dim() != 2) throw ValueErrorEx("expert_out must be 2-D [N, H]");
+        at::Tensor y = empty({num_tokens, expert_out.size(1)}, expert_out.scalar_type(), device);
+        out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "y");
+        const ncclEpOpConfig_t cfg = op_config(false);
+        const cudaStream_t stream = current_stream(device);
+        {
+          py::gil_scoped_release nogil;
+          check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, stream),
+                "ncclEpCombine");
+        }
+        return y;
       },
-      py::arg("handle"), py::arg("expert_out"), py::arg("topk_weights"), py::arg("y"),
-      py::arg("send_only"), py::arg("stream"));
+      py::arg("handle"), py::arg("expert_out"), py::arg("num_tokens"), py::arg("device"));
   m.def(
       "combine_topk_weights",
-      // grad: [T, K] in slot order, or dense [T, E].
-      [](uintptr_t handle, const py::object& grad_recv, const py::object& grad, bool dense,
-         uintptr_t stream) {
-        ncclEpTensor_t in = tensor(grad_recv, NCCL_EP_TENSOR_TOPK_WEIGHTS);
-        ncclEpTensor_t out = tensor(grad, weights_tag(dense));
-        py::gil_scoped_release nogil;
-        check(ncclEpCombineTopkWeights(as_ptr<ncclEpHandle>(handle), &in, &out, as_stream(stream)),
-              "ncclEpCombineTopkWeights");
+      // grad_recv [N] -> [num_tokens, cols] of its dtype: cols K in slot order, or E dense.
+      [](uintptr_t handle, const at::Tensor& grad_recv, int64_t num_tokens, int64_t cols,
+         bool dense, int device) {
+        ncclEpTensor_t in = tensor(grad_recv, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
+                                   "grad_recv_probs");
+        at::Tensor grad = empty({num_tokens, cols}, grad_recv.scalar_type(), device);
+        ncclEpTensor_t out = tensor(grad, weights_tag(dense), device, "grad_probs");
+        const cudaStream_t stream = current_stream(device);
+        {
+          py::gil_scoped_release nogil;
+          check(ncclEpCombineTopkWeights(as_ptr<ncclEpHandle>(handle), &in, &out, stream),
+                "ncclEpCombineTopkWeights");
+        }
+        return grad;
       },
-      py::arg("handle"), py::arg("grad_recv"), py::arg("grad"), py::arg("dense"),
-      py::arg("stream"));
+      py::arg("handle"), py::arg("grad_recv"), py::arg("num_tokens"), py::arg("cols"),
+      py::arg("dense"), py::arg("device"));
+
+  // --- LL operations (docs/design.md section 9) -----------------------------------------------
+  py::class_<LLOutputs>(m, "LLOutputs")
+      .def(py::init(&ll_outputs), py::arg("fields"),
+           "One LL group's dispatch outputs: outputs.ll_dispatch_fields' (shape, dtype) or None "
+           "per field of LLDispatchOutput, in its order.");
+  m.def(
+      "ll_dispatch",
+      // x [T, H]; topk_weights [T, K] fp32 or None. out: None, to allocate `outputs` (returns
+      // the LLDispatchOutput fields, in order, tensors or None); or an LLDispatchOutput with
+      // exactly the fields `outputs` has, written in place (returns None).
+      [](uintptr_t handle, const at::Tensor& x, const OptTensor& topk_weights, bool send_only,
+         const LLOutputs& outputs, const py::object& given, int device) {
+        ncclEpDispatchInputs_t in{};
+        ncclEpDispatchOutputs_t out{};
+        in.tokens = tensor(x, NCCL_EP_TENSOR_TOKENS, device, "x");
+        in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
+                                 "topk_weights");
+        std::array<OptTensor, kLLFields> made;
+        for (int i = 0; i < kLLFields; ++i) {
+          const LLField& f = kLLFieldsOf[i];
+          if (given.is_none()) {
+            if (outputs.present[i])
+              made[i] = empty(outputs.sizes[i], outputs.dtypes[i], device);
+          } else {
+            made[i] = out_field(given, f.name);
+            if (made[i].has_value() != outputs.present[i])
+              throw ValueErrorEx(std::string("out.") + f.name +
+                                 (outputs.present[i] ? " is required" : " must be None") +
+                                 " for this group's layout and weights");
+          }
+          out.*f.slot = tensor(made[i], f.tag, device, f.name);
+        }
+        const ncclEpOpConfig_t cfg = op_config(send_only);
+        const cudaStream_t stream = current_stream(device);
+        {
+          py::gil_scoped_release nogil;
+          check(ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, stream),
+                "ncclEpDispatch");
+        }
+        if (!given.is_none()) return py::object(py::none());
+        py::tuple result(kLLFields);
+        for (int i = 0; i < kLLFields; ++i) result[i] = py::cast(made[i]);
+        return py::object(result);
+      },
+      py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("send_only"),
+      py::arg("outputs"), py::arg("out"), py::arg("device"));
+  m.def(
+      "ll_combine",
+      // expert_out in the dispatch's layout; topk_weights: expert-major's [T, K] fp32, else
+      // None. Returns y [num_tokens, H] of expert_out's dtype (`out` when given).
+      [](uintptr_t handle, const at::Tensor& expert_out, const OptTensor& topk_weights,
+         bool send_only, const OptTensor& given, int64_t num_tokens, int device) {
+        ncclEpCombineInputs_t in{};
+        ncclEpCombineOutputs_t out{};
+        in.expert_tokens = tensor(expert_out, NCCL_EP_TENSOR_TOKENS, device, "expert_out");
+        in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
+                                 "topk_weights");
+        if (expert_out.dim() < 1) throw ValueErrorEx("expert_out must have a hidden dimension");
+        const at::Tensor y =
+            given.has_value()
+                ? *given
+                : empty({num_tokens, expert_out.size(-1)}, expert_out.scalar_type(), device);
+        out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "out");
+        const ncclEpOpConfig_t cfg = op_config(send_only);
+        const cudaStream_t stream = current_stream(device);
+        {
+          py::gil_scoped_release nogil;
+          check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, stream),
+                "ncclEpCombine");
+        }
+        return y;
+      },
+      py::arg("handle"), py::arg("expert_out"), py::arg("topk_weights"), py::arg("send_only"),
+      py::arg("out"), py::arg("num_tokens"), py::arg("device"));
   m.def(
       "complete",
-      [](uintptr_t handle, uintptr_t stream) {
-        check(ncclEpComplete(as_ptr<ncclEpHandle>(handle), as_stream(stream)), "ncclEpComplete");
+      [](uintptr_t handle, int device) {
+        const cudaStream_t stream = current_stream(device);
+        py::gil_scoped_release nogil;
+        check(ncclEpComplete(as_ptr<ncclEpHandle>(handle), stream), "ncclEpComplete");
       },
-      py::arg("handle"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+      py::arg("handle"), py::arg("device"));
 }
