@@ -172,6 +172,8 @@ class LLHandle(BackendHandle):
             ``LLDispatchOutput`` (``out`` when given; its fields' shapes and dtypes:
             outputs.py): expert-major ``x [L, R*T_max, H]``, ``count [L]``, ``src``; rank-major
             ``x [R*T_max, H]``, ``count [1]``, ``topk_idx`` and ``topk_weights``; FP8 ``scales``.
+            The cuda backend's new outputs are separate tensors in one allocation (one call of
+            the caching allocator): the memory is freed when none of them is left.
         """
         group = self.group
         send_only = bool(send_only)

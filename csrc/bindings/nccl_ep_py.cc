@@ -156,11 +156,15 @@ const LLField kLLFieldsOf[kLLFields] = {
 };
 
 // The shapes and dtypes of one LL group's dispatch outputs (outputs.ll_dispatch_fields: one
-// statement of them), held once per group and kind of dispatch (with or without weights).
+// statement of them), held once per group and kind of dispatch (with or without weights), and
+// where each lies in the one allocation that holds them all.
 struct LLOutputs {
   std::array<bool, kLLFields> present{};
   std::array<std::vector<int64_t>, kLLFields> sizes;
   std::array<at::ScalarType, kLLFields> dtypes{};
+  std::array<int64_t, kLLFields> offsets{};  // bytes, each a multiple of kAlign
+  int64_t bytes = 0;
+  static constexpr int64_t kAlign = 256;
 };
 
 LLOutputs ll_outputs(const py::sequence& fields) {
@@ -175,8 +179,29 @@ LLOutputs ll_outputs(const py::sequence& fields) {
     o.present[i] = true;
     o.sizes[i] = spec.first;
     o.dtypes[i] = spec.second;
+    int64_t bytes = (int64_t)c10::elementSize(spec.second);
+    for (const int64_t n : spec.first) bytes *= n;
+    o.offsets[i] = o.bytes;
+    o.bytes += (bytes + LLOutputs::kAlign - 1) / LLOutputs::kAlign * LLOutputs::kAlign;
   }
   return o;
+}
+
+// A new LL dispatch's outputs: one call of the caching allocator for all of them (the host cost
+// of an op is mostly per allocation), each field a tensor of its own (not a view) at its offset
+// in that storage, as at::empty builds one.
+void allocate(const LLOutputs& o, int device, std::array<OptTensor, kLLFields>& made) {
+  const at::Tensor block = empty({o.bytes}, at::kByte, device);
+  for (int i = 0; i < kLLFields; ++i) {
+    if (!o.present[i]) continue;
+    at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
+        c10::Storage(block.storage()), c10::DispatchKeySet(c10::DispatchKey::CUDA),
+        c10::scalarTypeToTypeMeta(o.dtypes[i]));
+    t.unsafeGetTensorImpl()->set_sizes_contiguous(o.sizes[i]);
+    t.unsafeGetTensorImpl()->set_storage_offset(o.offsets[i] /
+                                                (int64_t)c10::elementSize(o.dtypes[i]));
+    made[i] = std::move(t);
+  }
 }
 
 // A field of a given LLDispatchOutput: its tensor, or None.
@@ -505,12 +530,10 @@ PYBIND11_MODULE(_C, m) {
         in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
                                  "topk_weights");
         std::array<OptTensor, kLLFields> made;
+        if (given.is_none()) allocate(outputs, device, made);
         for (int i = 0; i < kLLFields; ++i) {
           const LLField& f = kLLFieldsOf[i];
-          if (given.is_none()) {
-            if (outputs.present[i])
-              made[i] = empty(outputs.sizes[i], outputs.dtypes[i], device);
-          } else {
+          if (!given.is_none()) {
             made[i] = out_field(given, f.name);
             if (made[i].has_value() != outputs.present[i])
               throw ValueErrorEx(std::string("out.") + f.name +
