@@ -12,7 +12,7 @@ import torch
 from .limits import FP8_BLOCK
 
 
-@dataclasses.dataclass(slots=True)  # slots: one is made per LL dispatch
+@dataclasses.dataclass
 class LLDispatchOutput:
     """One LL dispatch's outputs, all on the group's device (docs/design.md §9).
 
