@@ -1,5 +1,6 @@
-"""The ops' lean path on the cuda backend (EP=1): the cases of tests/test_lean_path.py, whose
-wrong calls after valid ones must raise the full checks' errors, and whose out= outputs must hold
+"""The ops' checks on the cuda backend (EP=1; the bindings check each call, the front end only
+the calls they refuse): the cases of tests/test_lean_path.py, whose wrong calls after valid ones
+must raise the front end's errors, and whose out= outputs must hold
 the bits of fresh ones (the library writes into them, and its own checks see their shapes)."""
 
 from __future__ import annotations
