@@ -253,10 +253,10 @@ class CudaBackend:
 
     # -- handles -------------------------------------------------------------------------------
     def create_handle(self, routing: torch.Tensor, from_map: bool) -> CudaHandleState:
-        tokens, cols = routing.shape
-        topk = self.config.max_topk if from_map else cols
         ptr = _C.create_handle(self._group, routing, from_map, self._device_index)
         self._handles.add(ptr)
+        tokens, cols = routing.shape  # 2-D: the library took it
+        topk = self.config.max_topk if from_map else cols
         try:
             rows = self._capacity_rows
             if rows is None and self.config.recv_mode == "capacity":  # the group's, once
@@ -296,9 +296,9 @@ class CudaBackend:
 
     # -- LL (docs/design.md §9) -----------------------------------------------------------------
     def ll_create_handle(self, topk_idx: torch.Tensor) -> CudaLLHandleState:
-        tokens, topk = topk_idx.shape
         ptr = _C.create_handle(self._group, topk_idx, False, self._device_index)
         self._handles.add(ptr)
+        tokens, topk = topk_idx.shape  # 2-D: the library took it
         return CudaLLHandleState(ptr, tokens, topk)
 
     def ll_dispatch(self, state: CudaLLHandleState, x: torch.Tensor,

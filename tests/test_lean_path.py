@@ -80,6 +80,8 @@ HT_WRONG = {
         ValueError, rf"routing_map must have shape \('\*', {E}\), got \({T}, {E + 1}\)"),
     "create_topk_idx_float": (lambda h, g, x, p: g.create_handle(h.topk_idx.float()), TypeError,
                               r"topk_idx must have dtype"),
+    "create_topk_idx_not_a_tensor": (lambda h, g, x, p: g.create_handle(h.topk_idx.tolist()),
+                                     TypeError, r"topk_idx must be a torch\.Tensor, got list"),
     "create_topk_idx_wrong_device": (lambda h, g, x, p: g.create_handle(h.topk_idx.to("meta")),
                                      ValueError, r"topk_idx must be on <device>, got meta"),
     "destroyed_handle": (lambda h, g, x, p: (h.destroy(), h.dispatch(x, p)), RuntimeError,
@@ -217,6 +219,12 @@ LL_WRONG = {
         rf"topk_idx has {T_MAX + 1} tokens, more than max_tokens_per_rank"),
     "create_topk_idx_float": ("expert_major", lambda h, x, w, o, eo, cw: h.group.create_handle(
         torch.zeros(T_MAX, K_MAX, device=x.device)), TypeError, r"topk_idx must have dtype"),
+    "create_topk_idx_3d": ("rank_major", lambda h, x, w, o, eo, cw: h.group.create_handle(
+        torch.zeros(1, T_MAX, K_MAX, dtype=torch.int64, device=x.device)), ValueError,
+        r"topk_idx must be 2-D"),
+    "create_topk_idx_not_a_tensor": (
+        "rank_major", lambda h, x, w, o, eo, cw: h.group.create_handle([[0] * K_MAX] * T_MAX),
+        TypeError, r"topk_idx must be a torch\.Tensor, got list"),
     "create_topk_idx_wrong_device": (
         "rank_major", lambda h, x, w, o, eo, cw: h.group.create_handle(
             torch.zeros(T_MAX, K_MAX, dtype=torch.int64, device="meta")), ValueError,
