@@ -135,6 +135,30 @@ def test_ht_strided_input_after_contiguous_is_copied(world_size, seed):
     dist.run(world_size, check_ht_strided_after_contiguous, seed, timeout=60)
 
 
+def check_ht_strided_routing(seed: int, device="cpu") -> None:
+    """A strided routing (top-k ids, a routing map) gives the handle its contiguous copy gives:
+    the cuda backend's library reads it through its strides."""
+    _, _, group, x, idx, probs = ht_setup(seed, device)
+    want_x, want_p = group.create_handle(idx).dispatch(x, probs)
+    strided = idx.t().contiguous().t()
+    assert not strided.is_contiguous()
+    got_x, got_p = group.create_handle(strided).dispatch(x, probs)
+    dense.assert_bitwise_equal(got_x, want_x, "recv_x of a strided topk_idx")
+    dense.assert_bitwise_equal(got_p, want_p, "recv_probs of a strided topk_idx")
+    routing_map = torch.zeros(idx.shape[0], E, dtype=torch.bool, device=idx.device)
+    routing_map.scatter_(1, idx.clamp(min=0), idx >= 0)
+    want_rows = group.create_handle(routing_map=routing_map).dispatch(x)[0]
+    strided_map = routing_map.t().contiguous().t()
+    assert not strided_map.is_contiguous()
+    got_rows = group.create_handle(routing_map=strided_map).dispatch(x)[0]
+    dense.assert_bitwise_equal(got_rows, want_rows, "recv_x of a strided routing_map")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_ht_strided_routing_makes_the_same_handle(world_size, seed):
+    dist.run(world_size, check_ht_strided_routing, seed, timeout=60)
+
+
 # ------------------------------------------------------------------------------------------------
 # LL: the same, and out=
 # ------------------------------------------------------------------------------------------------
@@ -263,7 +287,8 @@ def test_ll_wrong_call_after_valid_calls_raises(case_name, world_size, seed):
 
 def check_ll_strided_and_bf16_after_valid(layout: str, seed: int, device="cpu") -> None:
     """After valid calls, a strided x is copied and bf16 weights are taken as the fp32 they are
-    sent as: the bits of the same call with a contiguous x and those weights in fp32."""
+    sent as: the bits of the same call with a contiguous x and those weights in fp32; a strided
+    topk_idx makes the same handle."""
     rank, world, problem, group = ll_setup(layout, seed, device)
     x, w, want, eo, cw = ll_inputs(problem, rank, layout, seed, world, group)
     handle = group.create_handle(problem.topk_idx[rank].to(group.device))
@@ -274,6 +299,10 @@ def check_ll_strided_and_bf16_after_valid(layout: str, seed: int, device="cpu") 
     exact = handle.dispatch(x, w16.float())
     strided = handle.dispatch(x.t().contiguous().t(), w16)
     assert not ll_cases.dispatch_mismatches(strided, exact, layout)
+    # A strided topk_idx (the library reads it through its strides) makes the same handle.
+    idx = problem.topk_idx[rank].to(group.device)
+    again = group.create_handle(idx.t().contiguous().t()).dispatch(x, w16.float())
+    assert not ll_cases.dispatch_mismatches(again, exact, layout)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -22,6 +22,10 @@ def test_ht_strided_input_after_contiguous_is_copied(seed):
     cases.check_ht_strided_after_contiguous(seed, this_device())
 
 
+def test_ht_strided_routing_makes_the_same_handle(seed):
+    cases.check_ht_strided_routing(seed, this_device())
+
+
 @pytest.mark.parametrize("case_name", list(cases.LL_WRONG))
 def test_ll_wrong_call_after_valid_calls_raises(case_name, seed):
     cases.check_ll_wrong_after_valid(case_name, seed, this_device())
