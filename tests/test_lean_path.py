@@ -136,8 +136,8 @@ def test_ht_strided_input_after_contiguous_is_copied(world_size, seed):
 
 
 def check_ht_strided_routing(seed: int, device="cpu") -> None:
-    """A strided routing (top-k ids, a routing map) gives the handle its contiguous copy gives:
-    the cuda backend's library reads it through its strides."""
+    """A strided routing (top-k ids, a routing map) gives the handle its contiguous copy gives
+    (the cuda backend's binding refuses it, and the front end passes a contiguous copy)."""
     _, _, group, x, idx, probs = ht_setup(seed, device)
     want_x, want_p = group.create_handle(idx).dispatch(x, probs)
     strided = idx.t().contiguous().t()
@@ -299,7 +299,7 @@ def check_ll_strided_and_bf16_after_valid(layout: str, seed: int, device="cpu") 
     exact = handle.dispatch(x, w16.float())
     strided = handle.dispatch(x.t().contiguous().t(), w16)
     assert not ll_cases.dispatch_mismatches(strided, exact, layout)
-    # A strided topk_idx (the library reads it through its strides) makes the same handle.
+    # A strided topk_idx makes the same handle.
     idx = problem.topk_idx[rank].to(group.device)
     again = group.create_handle(idx.t().contiguous().t()).dispatch(x, w16.float())
     assert not ll_cases.dispatch_mismatches(again, exact, layout)

@@ -122,9 +122,8 @@ ncclEpTensor_t tensor(const OptTensor& t, ncclEpTensorTag_t tag, int device, con
 }
 
 at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype, int device) {
-  return at::empty(sizes, at::TensorOptions()
-                              .dtype(dtype)
-                              .device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))));
+  const at::Device where(at::kCUDA, static_cast<c10::DeviceIndex>(device));
+  return at::empty(sizes, at::TensorOptions().dtype(dtype).device(where));
 }
 
 // Routing weights: [T, K] in slot order, or a router's dense [T, E].
@@ -376,11 +375,13 @@ PYBIND11_MODULE(_C, m) {
   // --- handle --------------------------------------------------------------------------------
   m.def(
       "create_handle",
-      // routing: topk_idx [T, K] (is_map false) or a routing map [T, E].
+      // routing: topk_idx [T, K] (is_map false) or a routing map [T, E], contiguous (the
+      // library reads strides too; the package hands it contiguous copies, as it always has).
       [](uintptr_t group, const at::Tensor& routing, bool is_map, int device) {
-        const ncclEpTensor_t r =
-            tensor(routing, is_map ? NCCL_EP_TENSOR_ROUTING_MAP : NCCL_EP_TENSOR_TOPK_IDX, device,
-                   is_map ? "routing_map" : "topk_idx");
+        const char* name = is_map ? "routing_map" : "topk_idx";
+        const ncclEpTensor_t r = tensor(
+            routing, is_map ? NCCL_EP_TENSOR_ROUTING_MAP : NCCL_EP_TENSOR_TOPK_IDX, device, name);
+        if (!routing.is_contiguous()) throw ValueErrorEx(std::string(name) + " must be contiguous");
         const cudaStream_t stream = current_stream(device);
         ncclEpHandle_t h = nullptr;
         py::gil_scoped_release nogil;
