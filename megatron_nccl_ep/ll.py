@@ -100,13 +100,15 @@ class LLHandle(BackendHandle):
         if w is not None:
             self.group._check_tensor(name, w, 2, PROB_DTYPES, (self.num_tokens, self.topk))
 
-    def _ready(self, kind: str, out) -> bool:
-        """Whether the state lets an op of ``kind`` go to a backend that checks its calls as it
-        is: a live handle and group, no op of this handle pending, no op of ``kind`` in flight on
-        the group, and with ``out`` none of either kind (whose outputs ``out`` might share:
-        ``_check_not_pending``); else ``_check_ready`` and the full checks run first."""
-        pending = self._shared.in_flight.pending
-        return (self._state is not None and self._pending is None and not pending[kind]
+    def _trusted(self, kind: str, out) -> bool:
+        """Whether an op of ``kind`` may go to the backend unchecked (``checked_call``): a backend
+        that checks its calls, a live handle and group, no op of this handle pending, no op of
+        ``kind`` in flight on the group, and with ``out`` none of either kind (whose outputs
+        ``out`` might share: ``_check_not_pending``); else ``_check_ready`` and the front end's
+        checks run first."""
+        backend, pending = self.group._backend, self._shared.in_flight.pending
+        return (backend is not None and backend.checks_calls and self._state is not None
+                and self._pending is None and not pending[kind]
                 and (out is None or not any(pending.values())))
 
     def _check_out(self, out, with_weights: bool) -> None:
@@ -148,7 +150,7 @@ class LLHandle(BackendHandle):
                         "complete() on that handle first, or pass another output")
 
     # -- ops ---------------------------------------------------------------------------------------
-    # Each op is one call of the backend (checked_call) once the state allows it (_ready): a
+    # Each op is one call of the backend (checked_call) once the state allows it (_trusted): a
     # backend that checks its calls gets the arguments as given, and the front end's checks run
     # only on a call it refused (or on every call of the reference backend), with the same
     # errors.
@@ -178,9 +180,8 @@ class LLHandle(BackendHandle):
         group = self.group
         send_only = bool(send_only)
         weighted = topk_weights is not None
-        trusted = (group._backend is not None and group._backend.checks_calls
-                   and self._ready("dispatch", out)
-                   and (out is None or type(out) is LLDispatchOutput))
+        trusted = self._trusted("dispatch", out) and (out is None
+                                                      or type(out) is LLDispatchOutput)
         if not trusted:
             self._check_ready("dispatch")
 
@@ -219,8 +220,7 @@ class LLHandle(BackendHandle):
         """
         group = self.group
         send_only = bool(send_only)
-        trusted = (group._backend is not None and group._backend.checks_calls
-                   and self._ready("combine", out) and self._dispatched)
+        trusted = self._trusted("combine", out) and self._dispatched
         if not trusted:
             self._check_ready("combine")
 

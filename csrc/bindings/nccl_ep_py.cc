@@ -76,6 +76,15 @@ cudaStream_t current_stream(int device) {
   return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
 }
 
+// Runs `call(stream)`, one C entry point on the current stream of `device`, without the GIL (it
+// may wait: the local team's gate, exact mode's count read), and raises its failure.
+template <typename Call>
+void on_stream(int device, const char* what, Call&& call) {
+  const cudaStream_t stream = current_stream(device);
+  py::gil_scoped_release nogil;
+  check(call(stream), what);
+}
+
 ncclDataType_t nccl_dtype(at::ScalarType s) {
   switch (s) {
     case at::kBool: return ncclUint8;  // routing maps (no other 8-bit integer tensor passes)
@@ -382,11 +391,10 @@ PYBIND11_MODULE(_C, m) {
         const ncclEpTensor_t r = tensor(
             routing, is_map ? NCCL_EP_TENSOR_ROUTING_MAP : NCCL_EP_TENSOR_TOPK_IDX, device, name);
         if (!routing.is_contiguous()) throw ValueErrorEx(std::string(name) + " must be contiguous");
-        const cudaStream_t stream = current_stream(device);
         ncclEpHandle_t h = nullptr;
-        py::gil_scoped_release nogil;
-        check(ncclEpCreateHandle(&h, as_ptr<ncclEpGroup>(group), &r, nullptr, stream),
-              "ncclEpCreateHandle");
+        on_stream(device, "ncclEpCreateHandle", [&](cudaStream_t stream) {
+          return ncclEpCreateHandle(&h, as_ptr<ncclEpGroup>(group), &r, nullptr, stream);
+        });
         return reinterpret_cast<uintptr_t>(h);
       },
       py::arg("group"), py::arg("routing"), py::arg("is_map"), py::arg("device"));
@@ -396,12 +404,9 @@ PYBIND11_MODULE(_C, m) {
       [](uintptr_t handle, int64_t num_tokens, int64_t topk, int device) {
         at::Tensor out = empty({num_tokens, topk}, at::kLong, device);
         ncclEpTensor_t t = tensor(out, NCCL_EP_TENSOR_TOPK_IDX, device, "topk_idx");
-        const cudaStream_t stream = current_stream(device);
-        {
-          py::gil_scoped_release nogil;
-          check(ncclEpHandleGetTopkIdx(as_ptr<ncclEpHandle>(handle), &t, stream),
-                "ncclEpHandleGetTopkIdx");
-        }
+        on_stream(device, "ncclEpHandleGetTopkIdx", [&](cudaStream_t stream) {
+          return ncclEpHandleGetTopkIdx(as_ptr<ncclEpHandle>(handle), &t, stream);
+        });
         return out;
       },
       py::arg("handle"), py::arg("num_tokens"), py::arg("topk"), py::arg("device"));
@@ -429,12 +434,9 @@ PYBIND11_MODULE(_C, m) {
         ncclEpTensor_t t = tensor(out, on_device ? NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_DEVICE
                                                  : NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_HOST,
                                   on_device ? device : -1, "tokens_per_expert");
-        const cudaStream_t stream = current_stream(device);
-        {
-          py::gil_scoped_release nogil;
-          check(ncclEpHandleGetTokensPerExpert(as_ptr<ncclEpHandle>(handle), &t, stream),
-                "ncclEpHandleGetTokensPerExpert");
-        }
+        on_stream(device, "ncclEpHandleGetTokensPerExpert", [&](cudaStream_t stream) {
+          return ncclEpHandleGetTokensPerExpert(as_ptr<ncclEpHandle>(handle), &t, stream);
+        });
         return out;
       },
       py::arg("handle"), py::arg("num_local_experts"), py::arg("on_device"), py::arg("device"));
@@ -464,12 +466,9 @@ PYBIND11_MODULE(_C, m) {
         out.recv_topk_weights = tensor(recv_probs, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
                                        "recv_probs");
         const ncclEpOpConfig_t cfg = op_config(false);
-        const cudaStream_t stream = current_stream(device);
-        {
-          py::gil_scoped_release nogil;
-          check(ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, stream),
-                "ncclEpDispatch");
-        }
+        on_stream(device, "ncclEpDispatch", [&](cudaStream_t stream) {
+          return ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, stream);
+        });
         return py::make_tuple(recv_x, recv_probs);
       },
       py::arg("handle"), py::arg("x"), py::arg("probs"), py::arg("dense"), py::arg("device"));
@@ -484,12 +483,9 @@ PYBIND11_MODULE(_C, m) {
         at::Tensor y = empty({num_tokens, expert_out.size(1)}, expert_out.scalar_type(), device);
         out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "y");
         const ncclEpOpConfig_t cfg = op_config(false);
-        const cudaStream_t stream = current_stream(device);
-        {
-          py::gil_scoped_release nogil;
-          check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, stream),
-                "ncclEpCombine");
-        }
+        on_stream(device, "ncclEpCombine", [&](cudaStream_t stream) {
+          return ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, stream);
+        });
         return y;
       },
       py::arg("handle"), py::arg("expert_out"), py::arg("num_tokens"), py::arg("device"));
@@ -502,12 +498,9 @@ PYBIND11_MODULE(_C, m) {
                                    "grad_recv_probs");
         at::Tensor grad = empty({num_tokens, cols}, grad_recv.scalar_type(), device);
         ncclEpTensor_t out = tensor(grad, weights_tag(dense), device, "grad_probs");
-        const cudaStream_t stream = current_stream(device);
-        {
-          py::gil_scoped_release nogil;
-          check(ncclEpCombineTopkWeights(as_ptr<ncclEpHandle>(handle), &in, &out, stream),
-                "ncclEpCombineTopkWeights");
-        }
+        on_stream(device, "ncclEpCombineTopkWeights", [&](cudaStream_t stream) {
+          return ncclEpCombineTopkWeights(as_ptr<ncclEpHandle>(handle), &in, &out, stream);
+        });
         return grad;
       },
       py::arg("handle"), py::arg("grad_recv"), py::arg("num_tokens"), py::arg("cols"),
@@ -544,12 +537,9 @@ PYBIND11_MODULE(_C, m) {
           out.*f.slot = tensor(made[i], f.tag, device, f.name);
         }
         const ncclEpOpConfig_t cfg = op_config(send_only);
-        const cudaStream_t stream = current_stream(device);
-        {
-          py::gil_scoped_release nogil;
-          check(ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, stream),
-                "ncclEpDispatch");
-        }
+        on_stream(device, "ncclEpDispatch", [&](cudaStream_t stream) {
+          return ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, stream);
+        });
         if (!given.is_none()) return py::object(py::none());
         py::tuple result(kLLFields);
         for (int i = 0; i < kLLFields; ++i) result[i] = py::cast(made[i]);
@@ -575,12 +565,9 @@ PYBIND11_MODULE(_C, m) {
                 : empty({num_tokens, expert_out.size(-1)}, expert_out.scalar_type(), device);
         out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "out");
         const ncclEpOpConfig_t cfg = op_config(send_only);
-        const cudaStream_t stream = current_stream(device);
-        {
-          py::gil_scoped_release nogil;
-          check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, stream),
-                "ncclEpCombine");
-        }
+        on_stream(device, "ncclEpCombine", [&](cudaStream_t stream) {
+          return ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, stream);
+        });
         return y;
       },
       py::arg("handle"), py::arg("expert_out"), py::arg("topk_weights"), py::arg("send_only"),
@@ -588,9 +575,9 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "complete",
       [](uintptr_t handle, int device) {
-        const cudaStream_t stream = current_stream(device);
-        py::gil_scoped_release nogil;
-        check(ncclEpComplete(as_ptr<ncclEpHandle>(handle), stream), "ncclEpComplete");
+        on_stream(device, "ncclEpComplete", [&](cudaStream_t stream) {
+          return ncclEpComplete(as_ptr<ncclEpHandle>(handle), stream);
+        });
       },
       py::arg("handle"), py::arg("device"));
 }
