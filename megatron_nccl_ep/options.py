@@ -106,23 +106,22 @@ def options_from_args(args) -> NcclEpOptions:
 
 
 # -- the process-wide options ----------------------------------------------------------------
-_get_args = None  # megatron.training's get_args once imported; False: not importable
+_global_vars = None  # megatron.training.global_vars once imported; False: not importable
 
 
 def training_args():
-    """Megatron's parsed training arguments, or None outside Megatron training."""
-    global _get_args
-    if _get_args is None:
+    """Megatron's parsed training arguments, or None outside Megatron training. Read as
+    ``get_args()`` returns them, without its assertion: every forward of every layer asks, and
+    outside training (inference, tests) the assertion's exception would be raised each time."""
+    global _global_vars
+    if _global_vars is None:
         try:
-            from megatron.training.global_vars import get_args as _get_args
+            from megatron.training import global_vars as _global_vars
         except ImportError:
-            _get_args = False
-    if _get_args is False:
+            _global_vars = False
+    if _global_vars is False:
         return None
-    try:
-        return _get_args()
-    except AssertionError:  # not parsed yet
-        return None
+    return getattr(_global_vars, "_GLOBAL_ARGS", None)
 
 
 _options: Optional[NcclEpOptions] = None  # set_options()'s; None: never called

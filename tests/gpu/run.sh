@@ -321,6 +321,14 @@ if wants micro; then
                 benchmarks/micro/peer_ceilings.cu &&
                 timeout -k 5 "$(limit "${MICRO_TIMEOUT:-90}")" /tmp/peer_ceilings
         fi
+        echo "== benchmarks/micro/host_floor.cu"
+        nccl=$("$PY" -c 'import glob, os, nvidia
+print(next(p for b in nvidia.__path__ for p in glob.glob(os.path.join(b, "nccl"))
+           if os.path.exists(os.path.join(p, "include", "nccl.h"))))') &&
+            nvcc -O2 -std=c++17 -arch=sm_90 -o /tmp/host_floor benchmarks/micro/host_floor.cu \
+                -Icsrc/include -I"$nccl/include" -Lmegatron_nccl_ep -l:libmegatron_nccl_ep.so \
+                -L"$nccl/lib" -l:libnccl.so.2 -Xlinker -rpath,"$PWD/megatron_nccl_ep:$nccl/lib" &&
+            timeout -k 5 "$(limit "${MICRO_TIMEOUT:-90}")" /tmp/host_floor
     } >"$OUT/micro.log" 2>&1
     rc=$?
     [ $rc -eq 0 ] || STATUS=1
