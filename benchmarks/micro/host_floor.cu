@@ -151,7 +151,7 @@ ncclEpGroup_t make_group(ncclComm_t comm, cudaStream_t s, ncclEpMode_t mode, int
   c.max_topk = kTopk;
   c.token_dtype = ncclBfloat16;
   c.num_sms = num_sms;
-  c.layout = ncclEpLayoutRankMajor;
+  if (mode == ncclEpModeLowLatency) c.layout = ncclEpLayoutRankMajor;
   if (capacity > 0) {
     c.recv_count_mode = ncclEpRecvCountCapacity;
     c.max_recv_tokens_per_rank = capacity;
