@@ -360,7 +360,8 @@ class BuildExt(build_ext):
         torch_lib = tools["torch"][1]
         link = [cxx, "-shared", "-o", out] + binding_objects + [
             "-L" + out_dir, "-l:" + LIBRARY, "-L" + nccl_lib, "-l:libnccl.so.2",
-            "-L" + torch_lib, "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu", "-ltorch_python",
+            "-L" + torch_lib, "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu", "-ltorch_cuda",
+            "-ltorch_python",
             "-Wl,-rpath,$ORIGIN", "-Wl,-rpath," + nccl_lib,
             "-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib", "-Wl,-rpath," + torch_lib,
             "-Wl,-rpath,$ORIGIN/../torch/lib"]

@@ -12,12 +12,16 @@
  *    argument before its first launch; outputs allocated before a refusal are freed unused), so
  *    a caller may check and retry a refused call (megatron_nccl_ep's front end does, for its own
  *    messages).
+ *  - An op runs without the GIL from its arguments' conversion to its result's (it may wait:
+ *    the local team's gate, exact mode's count read): nothing between touches a Python object.
  *  - Failures raise ValueError (ncclInvalidArgument / ncclInvalidUsage, or an argument this file
  *    refuses) or megatron_nccl_ep.errors.NcclEpError (others, a RuntimeError) with
  *    ncclEpGetLastError()'s text. Calls that may block (the local team's gate, exact mode's
  *    count read, communicator and group setup) release the GIL.
  */
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAStream.h>
 #include <pybind11/pybind11.h>
@@ -76,14 +80,8 @@ cudaStream_t current_stream(int device) {
   return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
 }
 
-// Runs `call(stream)`, one C entry point on the current stream of `device`, without the GIL (it
-// may wait: the local team's gate, exact mode's count read), and raises its failure.
-template <typename Call>
-void on_stream(int device, const char* what, Call&& call) {
-  const cudaStream_t stream = current_stream(device);
-  py::gil_scoped_release nogil;
-  check(call(stream), what);
-}
+// An op's binding: its body runs without the GIL (module NOTES).
+using NoGil = py::call_guard<py::gil_scoped_release>;
 
 ncclDataType_t nccl_dtype(at::ScalarType s) {
   switch (s) {
@@ -130,9 +128,15 @@ ncclEpTensor_t tensor(const OptTensor& t, ncclEpTensorTag_t tag, int device, con
   return t.has_value() ? tensor(*t, tag, device, name) : ncclEpTensor_t{};
 }
 
+// An op's output: the tensor at::empty returns, straight from the caching allocator (an op's
+// host time is mostly per allocation; the dispatcher's part is skipped), except where torch's
+// deterministic mode fills new memory: at::empty does that.
 at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype, int device) {
   const at::Device where(at::kCUDA, static_cast<c10::DeviceIndex>(device));
-  return at::empty(sizes, at::TensorOptions().dtype(dtype).device(where));
+  const at::Context& ctx = at::globalContext();
+  if (ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory())
+    return at::empty(sizes, at::TensorOptions().dtype(dtype).device(where));
+  return at::detail::empty_cuda(sizes, dtype, where, std::nullopt);
 }
 
 // Routing weights: [T, K] in slot order, or a router's dense [T, E].
@@ -270,7 +274,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "comm_destroy",
       [](uintptr_t comm) { check_nccl(ncclCommDestroy(as_ptr<ncclComm>(comm)), "ncclCommDestroy"); },
-      py::arg("comm"), py::call_guard<py::gil_scoped_release>());
+      py::arg("comm"), NoGil());
 
   // --- group ---------------------------------------------------------------------------------
   // The group configuration: NCCL_EP_GROUP_CONFIG_INITIALIZER, fields set by name (token_dtype
@@ -373,13 +377,13 @@ PYBIND11_MODULE(_C, m) {
       [](uintptr_t group) {
         check(ncclEpGroupDestroy(as_ptr<ncclEpGroup>(group)), "ncclEpGroupDestroy");
       },
-      py::arg("group"), py::call_guard<py::gil_scoped_release>());
+      py::arg("group"), NoGil());
   m.def(
       "group_check_errors",
       [](uintptr_t group) {
         check(ncclEpGroupCheckErrors(as_ptr<ncclEpGroup>(group)), "ncclEpGroupCheckErrors");
       },
-      py::arg("group"), py::call_guard<py::gil_scoped_release>());
+      py::arg("group"), NoGil());
 
   // --- handle --------------------------------------------------------------------------------
   m.def(
@@ -392,30 +396,29 @@ PYBIND11_MODULE(_C, m) {
             routing, is_map ? NCCL_EP_TENSOR_ROUTING_MAP : NCCL_EP_TENSOR_TOPK_IDX, device, name);
         if (!routing.is_contiguous()) throw ValueErrorEx(std::string(name) + " must be contiguous");
         ncclEpHandle_t h = nullptr;
-        on_stream(device, "ncclEpCreateHandle", [&](cudaStream_t stream) {
-          return ncclEpCreateHandle(&h, as_ptr<ncclEpGroup>(group), &r, nullptr, stream);
-        });
+        check(ncclEpCreateHandle(&h, as_ptr<ncclEpGroup>(group), &r, nullptr,
+                                 current_stream(device)),
+              "ncclEpCreateHandle");
         return reinterpret_cast<uintptr_t>(h);
       },
-      py::arg("group"), py::arg("routing"), py::arg("is_map"), py::arg("device"));
+      py::arg("group"), py::arg("routing"), py::arg("is_map"), py::arg("device"), NoGil());
   m.def(
       "handle_topk_idx",
       // [T, K] int64 on `device`.
       [](uintptr_t handle, int64_t num_tokens, int64_t topk, int device) {
         at::Tensor out = empty({num_tokens, topk}, at::kLong, device);
         ncclEpTensor_t t = tensor(out, NCCL_EP_TENSOR_TOPK_IDX, device, "topk_idx");
-        on_stream(device, "ncclEpHandleGetTopkIdx", [&](cudaStream_t stream) {
-          return ncclEpHandleGetTopkIdx(as_ptr<ncclEpHandle>(handle), &t, stream);
-        });
+        check(ncclEpHandleGetTopkIdx(as_ptr<ncclEpHandle>(handle), &t, current_stream(device)),
+              "ncclEpHandleGetTopkIdx");
         return out;
       },
-      py::arg("handle"), py::arg("num_tokens"), py::arg("topk"), py::arg("device"));
+      py::arg("handle"), py::arg("num_tokens"), py::arg("topk"), py::arg("device"), NoGil());
   m.def(
       "handle_destroy",
       [](uintptr_t handle) {
         check(ncclEpHandleDestroy(as_ptr<ncclEpHandle>(handle)), "ncclEpHandleDestroy");
       },
-      py::arg("handle"), py::call_guard<py::gil_scoped_release>());
+      py::arg("handle"), NoGil());
   m.def(
       "handle_num_recv_tokens",
       [](uintptr_t handle) {
@@ -424,7 +427,7 @@ PYBIND11_MODULE(_C, m) {
               "ncclEpHandleGetNumRecvTokens");
         return n;
       },
-      py::arg("handle"), py::call_guard<py::gil_scoped_release>());
+      py::arg("handle"), NoGil());
   m.def(
       "handle_tokens_per_expert",
       // [L] int64: in host memory (exact mode: the count read), or on `device` in stream order.
@@ -434,12 +437,13 @@ PYBIND11_MODULE(_C, m) {
         ncclEpTensor_t t = tensor(out, on_device ? NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_DEVICE
                                                  : NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_HOST,
                                   on_device ? device : -1, "tokens_per_expert");
-        on_stream(device, "ncclEpHandleGetTokensPerExpert", [&](cudaStream_t stream) {
-          return ncclEpHandleGetTokensPerExpert(as_ptr<ncclEpHandle>(handle), &t, stream);
-        });
+        check(ncclEpHandleGetTokensPerExpert(as_ptr<ncclEpHandle>(handle), &t,
+                                             current_stream(device)),
+              "ncclEpHandleGetTokensPerExpert");
         return out;
       },
-      py::arg("handle"), py::arg("num_local_experts"), py::arg("on_device"), py::arg("device"));
+      py::arg("handle"), py::arg("num_local_experts"), py::arg("on_device"), py::arg("device"),
+      NoGil());
 
   // --- HT operations (docs/design.md sections 3 and 4) ----------------------------------------
   m.def(
@@ -452,13 +456,9 @@ PYBIND11_MODULE(_C, m) {
         in.tokens = tensor(x, NCCL_EP_TENSOR_TOKENS, device, "x");
         in.topk_weights = tensor(probs, weights_tag(dense), device, "probs");
         if (x.dim() != 2) throw ValueErrorEx("x must be 2-D [T, H]");
-        int64_t n = 0;
-        {
-          // Exact mode: the handle's first call waits here for its layout.
-          py::gil_scoped_release nogil;
-          check(ncclEpHandleGetNumRecvTokens(as_ptr<ncclEpHandle>(handle), &n),
-                "ncclEpHandleGetNumRecvTokens");
-        }
+        int64_t n = 0;  // exact mode: the handle's first call waits here for its layout
+        check(ncclEpHandleGetNumRecvTokens(as_ptr<ncclEpHandle>(handle), &n),
+              "ncclEpHandleGetNumRecvTokens");
         at::Tensor recv_x = empty({n, x.size(1)}, x.scalar_type(), device);
         OptTensor recv_probs;
         if (probs.has_value()) recv_probs = empty({n}, probs->scalar_type(), device);
@@ -466,12 +466,13 @@ PYBIND11_MODULE(_C, m) {
         out.recv_topk_weights = tensor(recv_probs, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
                                        "recv_probs");
         const ncclEpOpConfig_t cfg = op_config(false);
-        on_stream(device, "ncclEpDispatch", [&](cudaStream_t stream) {
-          return ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, stream);
-        });
-        return py::make_tuple(recv_x, recv_probs);
+        check(ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
+                             current_stream(device)),
+              "ncclEpDispatch");
+        return std::make_tuple(recv_x, recv_probs);
       },
-      py::arg("handle"), py::arg("x"), py::arg("probs"), py::arg("dense"), py::arg("device"));
+      py::arg("handle"), py::arg("x"), py::arg("probs"), py::arg("dense"), py::arg("device"),
+      NoGil());
   m.def(
       "combine",
       // expert_out [N, H] -> y [num_tokens, H] of its dtype.
@@ -483,12 +484,13 @@ PYBIND11_MODULE(_C, m) {
         at::Tensor y = empty({num_tokens, expert_out.size(1)}, expert_out.scalar_type(), device);
         out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "y");
         const ncclEpOpConfig_t cfg = op_config(false);
-        on_stream(device, "ncclEpCombine", [&](cudaStream_t stream) {
-          return ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, stream);
-        });
+        check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
+                            current_stream(device)),
+              "ncclEpCombine");
         return y;
       },
-      py::arg("handle"), py::arg("expert_out"), py::arg("num_tokens"), py::arg("device"));
+      py::arg("handle"), py::arg("expert_out"), py::arg("num_tokens"), py::arg("device"),
+      NoGil());
   m.def(
       "combine_topk_weights",
       // grad_recv [N] -> [num_tokens, cols] of its dtype: cols K in slot order, or E dense.
@@ -498,13 +500,13 @@ PYBIND11_MODULE(_C, m) {
                                    "grad_recv_probs");
         at::Tensor grad = empty({num_tokens, cols}, grad_recv.scalar_type(), device);
         ncclEpTensor_t out = tensor(grad, weights_tag(dense), device, "grad_probs");
-        on_stream(device, "ncclEpCombineTopkWeights", [&](cudaStream_t stream) {
-          return ncclEpCombineTopkWeights(as_ptr<ncclEpHandle>(handle), &in, &out, stream);
-        });
+        check(ncclEpCombineTopkWeights(as_ptr<ncclEpHandle>(handle), &in, &out,
+                                       current_stream(device)),
+              "ncclEpCombineTopkWeights");
         return grad;
       },
       py::arg("handle"), py::arg("grad_recv"), py::arg("num_tokens"), py::arg("cols"),
-      py::arg("dense"), py::arg("device"));
+      py::arg("dense"), py::arg("device"), NoGil());
 
   // --- LL operations (docs/design.md section 9) -----------------------------------------------
   py::class_<LLOutputs>(m, "LLOutputs")
@@ -518,29 +520,34 @@ PYBIND11_MODULE(_C, m) {
       // exactly the fields `outputs` has, written in place (returns None).
       [](uintptr_t handle, const at::Tensor& x, const OptTensor& topk_weights, bool send_only,
          const LLOutputs& outputs, const py::object& given, int device) {
-        ncclEpDispatchInputs_t in{};
-        ncclEpDispatchOutputs_t out{};
-        in.tokens = tensor(x, NCCL_EP_TENSOR_TOKENS, device, "x");
-        in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
-                                 "topk_weights");
+        const bool fresh = given.is_none();
         std::array<OptTensor, kLLFields> made;
-        if (given.is_none()) allocate(outputs, device, made);
-        for (int i = 0; i < kLLFields; ++i) {
+        for (int i = 0; i < kLLFields && !fresh; ++i) {
           const LLField& f = kLLFieldsOf[i];
-          if (!given.is_none()) {
-            made[i] = out_field(given, f.name);
-            if (made[i].has_value() != outputs.present[i])
-              throw ValueErrorEx(std::string("out.") + f.name +
-                                 (outputs.present[i] ? " is required" : " must be None") +
-                                 " for this group's layout and weights");
-          }
-          out.*f.slot = tensor(made[i], f.tag, device, f.name);
+          made[i] = out_field(given, f.name);
+          if (made[i].has_value() != outputs.present[i])
+            throw ValueErrorEx(std::string("out.") + f.name +
+                               (outputs.present[i] ? " is required" : " must be None") +
+                               " for this group's layout and weights");
         }
-        const ncclEpOpConfig_t cfg = op_config(send_only);
-        on_stream(device, "ncclEpDispatch", [&](cudaStream_t stream) {
-          return ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, stream);
-        });
-        if (!given.is_none()) return py::object(py::none());
+        {
+          py::gil_scoped_release nogil;
+          ncclEpDispatchInputs_t in{};
+          ncclEpDispatchOutputs_t out{};
+          in.tokens = tensor(x, NCCL_EP_TENSOR_TOKENS, device, "x");
+          in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
+                                   "topk_weights");
+          if (fresh) allocate(outputs, device, made);
+          for (int i = 0; i < kLLFields; ++i) {
+            const LLField& f = kLLFieldsOf[i];
+            out.*f.slot = tensor(made[i], f.tag, device, f.name);
+          }
+          const ncclEpOpConfig_t cfg = op_config(send_only);
+          check(ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
+                               current_stream(device)),
+                "ncclEpDispatch");
+        }
+        if (!fresh) return py::object(py::none());
         py::tuple result(kLLFields);
         for (int i = 0; i < kLLFields; ++i) result[i] = py::cast(made[i]);
         return py::object(result);
@@ -565,19 +572,18 @@ PYBIND11_MODULE(_C, m) {
                 : empty({num_tokens, expert_out.size(-1)}, expert_out.scalar_type(), device);
         out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "out");
         const ncclEpOpConfig_t cfg = op_config(send_only);
-        on_stream(device, "ncclEpCombine", [&](cudaStream_t stream) {
-          return ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg, stream);
-        });
+        check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
+                            current_stream(device)),
+              "ncclEpCombine");
         return y;
       },
       py::arg("handle"), py::arg("expert_out"), py::arg("topk_weights"), py::arg("send_only"),
-      py::arg("out"), py::arg("num_tokens"), py::arg("device"));
+      py::arg("out"), py::arg("num_tokens"), py::arg("device"), NoGil());
   m.def(
       "complete",
       [](uintptr_t handle, int device) {
-        on_stream(device, "ncclEpComplete", [&](cudaStream_t stream) {
-          return ncclEpComplete(as_ptr<ncclEpHandle>(handle), stream);
-        });
+        check(ncclEpComplete(as_ptr<ncclEpHandle>(handle), current_stream(device)),
+              "ncclEpComplete");
       },
-      py::arg("handle"), py::arg("device"));
+      py::arg("handle"), py::arg("device"), NoGil());
 }
