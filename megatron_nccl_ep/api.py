@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import rendezvous
-from .backend import Backend, checked_call
+from .backend import Backend, checked_call, contiguous_args
 from .config import INDEX_DTYPES, PROB_DTYPES, GroupConfig
 from .errors import NcclEpError  # noqa: F401  (re-exported: megatron_nccl_ep.NcclEpError)
 from .handle_lifetime import BackendHandle
@@ -293,33 +293,31 @@ class Group:
             # docs/design.md §9: no communication; routing values are checked by the backend.
             if from_map:
                 raise TypeError("an LL group's handles take topk_idx [T, K], not a routing_map")
-
-            def check():
-                try:
-                    check_ll_routing(self, topk_idx)
-                except (TypeError, ValueError) as exc:
-                    # No communication here: the reference backend marks this rank stopped, so
-                    # its peers' next collective raises at once naming it.
-                    backend.stop_after_local_error("LL create_handle", exc)
-                    raise
-
             state = checked_call(backend.checks_calls, backend.ll_create_handle, (topk_idx,),
-                                 check, lambda: (topk_idx.contiguous(),))
+                                 self, Group._check_ll_routing, contiguous_args)
             return LLHandle(self, state, topk_idx.shape[0], topk_idx.shape[1])
-
-        def check():
-            if from_map:
-                self._check_tensor("routing_map", routing_map, 2, (torch.bool,),
-                                   (None, self.config.num_experts))
-            else:
-                self._check_tensor("topk_idx", topk_idx, 2, INDEX_DTYPES)
-
         # Bounds on T and K are checked by the backends inside the collective (see
         # shape_error), so that every rank raises together instead of leaving peers waiting.
         state = checked_call(backend.checks_calls, backend.create_handle, (routing, from_map),
-                             check, lambda: (routing.contiguous(), from_map))
+                             self, Group._check_routing, contiguous_args)
         return Handle(self, state, routing.shape[0],
                       self.config.max_topk if from_map else topk_idx.shape[1])
+
+    def _check_ll_routing(self, topk_idx: torch.Tensor) -> None:
+        try:
+            check_ll_routing(self, topk_idx)
+        except (TypeError, ValueError) as exc:
+            # No communication here: the reference backend marks this rank stopped, so its
+            # peers' next collective raises at once naming it.
+            self._backend.stop_after_local_error("LL create_handle", exc)
+            raise
+
+    def _check_routing(self, routing: torch.Tensor, from_map: bool) -> None:
+        if from_map:
+            self._check_tensor("routing_map", routing, 2, (torch.bool,),
+                               (None, self.config.num_experts))
+        else:
+            self._check_tensor("topk_idx", routing, 2, INDEX_DTYPES)
 
     def check_errors(self) -> None:
         """Synchronizes the current stream and raises the group's pending device-side error.
@@ -438,10 +436,16 @@ class Handle(BackendHandle):
             own dtype.
         """
         self._require_alive()
-        group = self.group
         if dense is None:
             dense = isinstance(probs, torch.Tensor) and self.probs_are_dense(probs)
         dense = bool(dense) and probs is not None
+        backend = self.group._backend
+        return checked_call(backend.checks_calls, backend.dispatch, (self._state, x, probs, dense),
+                            self, Handle._check_dispatch, contiguous_args)
+
+    def _check_dispatch(self, state, x: torch.Tensor, probs: Optional[torch.Tensor],
+                        dense: bool) -> None:
+        group = self.group
 
         def check():
             cfg = group.config
@@ -450,12 +454,7 @@ class Handle(BackendHandle):
             if probs is not None:
                 group._check_tensor("probs", probs, 2, PROB_DTYPES, (self.num_tokens, cols))
 
-        backend = group._backend
-        return checked_call(
-            backend.checks_calls, backend.dispatch, (self._state, x, probs, dense),
-            lambda: self._check_agreed("dispatch", check),
-            lambda: (self._state, x.contiguous(), None if probs is None else probs.contiguous(),
-                     dense))
+        self._check_agreed("dispatch", check)
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """Collective: each token's expert rows summed back at its source, in the fixed order of
@@ -469,14 +468,15 @@ class Handle(BackendHandle):
             ``y [T, H]``, the group's dtype.
         """
         self._require_alive()
+        backend = self.group._backend
+        return checked_call(backend.checks_calls, backend.combine, (self._state, expert_out),
+                            self, Handle._check_combine, contiguous_args)
+
+    def _check_combine(self, state, expert_out: torch.Tensor) -> None:
         group = self.group
-        backend = group._backend
-        return checked_call(
-            backend.checks_calls, backend.combine, (self._state, expert_out),
-            lambda: self._check_agreed("combine", lambda: group._check_tensor(
-                "expert_out", expert_out, 2, (group.config.dtype,),
-                (self.num_recv_tokens, group.config.hidden))),
-            lambda: (self._state, expert_out.contiguous()))
+        self._check_agreed("combine", lambda: group._check_tensor(
+            "expert_out", expert_out, 2, (group.config.dtype,),
+            (self.num_recv_tokens, group.config.hidden)))
 
     def combine_probs(self, grad_recv_probs: torch.Tensor, dense: bool = False) -> torch.Tensor:
         """Collective: the reverse of the probs' dispatch (their gradient's path back).
@@ -490,13 +490,15 @@ class Handle(BackendHandle):
             every unrouted expert), the dtype of ``grad_recv_probs``.
         """
         self._require_alive()
+        backend = self.group._backend
+        return checked_call(backend.checks_calls, backend.combine_probs,
+                            (self._state, grad_recv_probs, dense), self,
+                            Handle._check_combine_probs, contiguous_args)
+
+    def _check_combine_probs(self, state, grad_recv_probs: torch.Tensor, dense: bool) -> None:
         group = self.group
-        backend = group._backend
-        return checked_call(
-            backend.checks_calls, backend.combine_probs, (self._state, grad_recv_probs, dense),
-            lambda: self._check_agreed("combine_probs", lambda: group._check_tensor(
-                "grad_recv_probs", grad_recv_probs, 1, PROB_DTYPES, (self.num_recv_tokens,))),
-            lambda: (self._state, grad_recv_probs.contiguous(), dense))
+        self._check_agreed("combine_probs", lambda: group._check_tensor(
+            "grad_recv_probs", grad_recv_probs, 1, PROB_DTYPES, (self.num_recv_tokens,)))
 
 
 def run_local_team(groups: "list[Group]", fn, *, prepare=None, timeout_s: float = 300.0) -> list:

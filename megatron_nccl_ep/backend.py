@@ -120,24 +120,32 @@ class Backend(Protocol):
         """Frees the group's resources, live handles included."""
 
 
-def checked_call(trusted: bool, op: Callable, args: tuple, check: Callable[[], None],
-                 prepare: Callable[[], tuple]):
+def checked_call(trusted: bool, op: Callable, args: tuple, owner,
+                 check: Callable[..., None], prepare: Callable[..., tuple]):
     """How the front end calls one backend op. ``trusted``: the backend checks its calls
     (``checks_calls``: the cuda backend's bindings compare each call's tensors with the handle's
     and refuse a mismatch before enqueueing anything) and nothing but the arguments is in
     question; then ``op(*args)`` runs as given. On its refusal (ValueError / TypeError), and
-    always when not ``trusted``, ``check()`` runs the front end's checks, whose errors name the
-    argument and the expected value, then ``op(*prepare())`` runs with the arguments made what
-    the backend takes (contiguous copies, fp32 weights); a refused call that preparing leaves
-    unchanged raises the backend's own error (routing errors, misuse)."""
+    always when not ``trusted``, ``check(owner, *args)`` runs the front end's checks, whose
+    errors name the argument and the expected value, then ``op(*prepare(owner, *args))`` runs
+    with the arguments made what the backend takes (contiguous copies, fp32 weights); a refused
+    call that preparing leaves unchanged raises the backend's own error (routing errors,
+    misuse). ``check`` and ``prepare`` are plain functions of the owner (the group or handle)
+    and the op's arguments: a trusted call makes no closure."""
     refused = None
     if trusted:
         try:
             return op(*args)
         except (TypeError, ValueError) as exc:
             refused = exc
-    check()
-    prepared = prepare()
+    check(owner, *args)
+    prepared = prepare(owner, *args)
     if refused is not None and all(p is a for p, a in zip(prepared, args)):
         raise refused
     return op(*prepared)
+
+
+def contiguous_args(owner, *args) -> tuple:
+    """``checked_call``'s ``prepare`` for an op whose tensors the backend takes contiguous: each
+    tensor argument contiguous (itself when it is), the others as they are."""
+    return tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)

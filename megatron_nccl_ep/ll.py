@@ -177,30 +177,31 @@ class LLHandle(BackendHandle):
             The cuda backend's new outputs are separate tensors in one allocation (one call of
             the caching allocator): the memory is freed when none of them is left.
         """
-        group = self.group
         send_only = bool(send_only)
-        weighted = topk_weights is not None
         trusted = self._trusted("dispatch", out) and (out is None
                                                       or type(out) is LLDispatchOutput)
         if not trusted:
             self._check_ready("dispatch")
+        result = checked_call(trusted, self.group._backend.ll_dispatch,
+                              (self._state, x, topk_weights, send_only, out), self,
+                              LLHandle._check_dispatch, _prepare)
+        self._dispatched = True
+        self._after_send("dispatch", send_only, result)
+        return result
+
+    def _check_dispatch(self, state, x: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                        send_only: bool, out: Optional[LLDispatchOutput]) -> None:
+        group = self.group
 
         def check():
             cfg = group.config
             group._check_tensor("x", x, 2, (cfg.dtype,), (self.num_tokens, cfg.hidden))
             self._check_weights("topk_weights", topk_weights)
             if out is not None:
-                self._check_out(out, weighted)
+                self._check_out(out, topk_weights is not None)
                 self._check_not_pending("dispatch", _tensors(out))
 
-        backend = group._backend
-        result = checked_call(
-            trusted, backend.ll_dispatch, (self._state, x, topk_weights, send_only, out),
-            lambda: group._check_agreed("LL dispatch", check),
-            lambda: (self._state, x.contiguous(), _fp32(topk_weights), send_only, out))
-        self._dispatched = True
-        self._after_send("dispatch", send_only, result)
-        return result
+        group._check_agreed("LL dispatch", check)
 
     def combine(self, expert_out: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, *,
                 send_only: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -218,11 +219,20 @@ class LLHandle(BackendHandle):
         Returns:
             ``y [T, H]`` (``out`` when given), the group's dtype.
         """
-        group = self.group
         send_only = bool(send_only)
         trusted = self._trusted("combine", out) and self._dispatched
         if not trusted:
             self._check_ready("combine")
+        y = checked_call(trusted, self.group._backend.ll_combine,
+                         (self._state, expert_out, topk_weights, send_only, out), self,
+                         LLHandle._check_combine, _prepare)
+        self._after_send("combine", send_only, y)
+        return y
+
+    def _check_combine(self, state, expert_out: torch.Tensor,
+                       topk_weights: Optional[torch.Tensor], send_only: bool,
+                       out: Optional[torch.Tensor]) -> None:
+        group = self.group
 
         def check():
             cfg = group.config
@@ -240,13 +250,7 @@ class LLHandle(BackendHandle):
                 self._check_written("out", out, cfg.dtype, (self.num_tokens, cfg.hidden))
                 self._check_not_pending("combine", [out])
 
-        backend = group._backend
-        y = checked_call(
-            trusted, backend.ll_combine, (self._state, expert_out, topk_weights, send_only, out),
-            lambda: group._check_agreed("LL combine", check),
-            lambda: (self._state, expert_out.contiguous(), _fp32(topk_weights), send_only, out))
-        self._after_send("combine", send_only, y)
-        return y
+        group._check_agreed("LL combine", check)
 
     def complete(self) -> None:
         """Receives this handle's op sent with ``send_only=True`` (stream-ordered)."""
@@ -272,6 +276,13 @@ class LLHandle(BackendHandle):
         if self._pending is not None:
             self._in_flight().finish(self._pending, self)
             self._pending, self._pending_out = None, []
+
+
+def _prepare(handle, state, x: torch.Tensor, topk_weights: Optional[torch.Tensor],
+             send_only: bool, out) -> tuple:
+    """An LL op's arguments as the backend takes them (``checked_call``'s ``prepare``): its
+    tokens or rows contiguous, the weights fp32; ``out`` as given (written in place)."""
+    return state, x.contiguous(), _fp32(topk_weights), send_only, out
 
 
 def _fp32(w: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
