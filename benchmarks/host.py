@@ -15,7 +15,8 @@ graphs need capacity mode); LL at each ``--host-ll-tokens`` T (T_max = T), in ea
   first (the steady state of a loop), ``(host, first)`` of the first, which follows a device
   synchronize. Exact mode's count read waits for the GPU: it runs untimed between the handle
   and the dispatch, the GPU held again after it;
-* ``<op> (kernel)``: the same call's device time, CUDA events around it in the same iterations;
+* ``<op> (kernel)``: the same call's device time, CUDA events around it, in a second pass of
+  each iteration (an event recorded just before a call adds to its enqueue time);
 * ``step (eager)``: handle + dispatch + combine, ``HOST_STEPS`` steps back to back from an idle
   GPU, the wall time per step: what an eager decode or training loop sees (host and GPU
   overlap; the slower sets the pace);
@@ -76,32 +77,43 @@ def _inputs(me: Rank, tokens: int) -> list:
 def _enqueue_costs(me: Rank, prefix: str, script) -> None:
     """``script(j)``: repeat j's calls in order, each ``(name, fn)`` (timed) or ``(None, fn)``
     (untimed, the GPU held again after it). Emits ``<name> (host)``, ``<name> (host, first)``
-    and ``<name> (kernel)`` per timed call."""
+    and ``<name> (kernel)`` per timed call. Each iteration runs the repeats twice: once timed on
+    the host alone, once between CUDA events for the kernels (an event recorded before a call
+    adds to that call's enqueue time, which a loop without events does not pay)."""
     torch, args = me.torch, me.args
     host, first, kernel = defaultdict(list), defaultdict(list), defaultdict(list)
-    for i in range(args.warmup + args.iters):
+
+    def repeats(i: int, timed: bool) -> list:
+        events = []
         torch.cuda.synchronize()
         torch.cuda._sleep(HOLD_CYCLES * HOST_REPEATS)
-        events = []
         for repeat in range(HOST_REPEATS):
             for name, fn in script(i * HOST_REPEATS + repeat):
                 if name is None:
                     fn()
                     torch.cuda._sleep(HOLD_CYCLES)  # for the rest of this repeat
                     continue
+                if timed:
+                    t0 = time.perf_counter()
+                    fn()
+                    t1 = time.perf_counter()
+                    if i >= args.warmup:
+                        (host if repeat else first)[name].append((t1 - t0) * 1e3)
+                    continue
                 start, end = (torch.cuda.Event(enable_timing=True),
                               torch.cuda.Event(enable_timing=True))
                 start.record()
-                t0 = time.perf_counter()
                 fn()
-                t1 = time.perf_counter()
                 end.record()
-                if i >= args.warmup:
-                    (host if repeat else first)[name].append((t1 - t0) * 1e3)
-                    events.append((name, start, end))
+                events.append((name, start, end))
         torch.cuda.synchronize()
-        for name, start, end in events:
-            kernel[name].append(start.elapsed_time(end))
+        return events
+
+    for i in range(args.warmup + args.iters):
+        repeats(i, True)
+        for name, start, end in repeats(i, False):
+            if i >= args.warmup:
+                kernel[name].append(start.elapsed_time(end))
     for name in host:
         me.emit("times", f"{prefix}: {name} (host)", times_ms=host[name])
         me.emit("times", f"{prefix}: {name} (host, first)", times_ms=first[name])
