@@ -17,6 +17,8 @@ graphs need capacity mode); LL at each ``--host-ll-tokens`` T (T_max = T), in ea
   and the dispatch, the GPU held again after it;
 * ``<op> (kernel)``: the same call's device time, CUDA events around it, in a second pass of
   each iteration (an event recorded just before a call adds to its enqueue time);
+* ``floor: one torch kernel (host)``: the same for ``torch.cuda._sleep(1)``, the host's floor
+  under every call (one launch through torch);
 * ``step (eager)``: handle + dispatch + combine, ``HOST_STEPS`` steps back to back from an idle
   GPU, the wall time per step: what an eager decode or training loop sees (host and GPU
   overlap; the slower sets the pace);
@@ -51,6 +53,9 @@ HOST_REPEATS = 8  # the calls of one iteration, in a row under one hold
 HOST_STEPS = 20  # steps (or replays) back to back per iteration of the step items
 HOST_OPS = ("handle", "dispatch", "combine", "dispatch out=", "combine out=")
 HOST_KINDS = ("host", "host, first", "kernel")  # the rows of each configuration
+# The host's floor, measured as the calls are: one kernel launched through torch (the cheapest
+# op that launches one), the configuration FLOOR's item FLOOR_OP.
+FLOOR, FLOOR_OP = "floor", "one torch kernel"
 # Where the host time goes: the configurations profiled (their prefixes) and the rows kept.
 PROFILED = ("HT T=128 exact", "LL T=128 rank-major", "megatron T=128", "megatron T=4096")
 PROFILE_ROWS = 15
@@ -273,6 +278,9 @@ def _megatron(me: Rank, tokens: int) -> None:
 
 def section(me: Rank) -> None:
     args = me.args
+    torch = me.torch
+    me.attempt(FLOOR, lambda: _enqueue_costs(
+        me, FLOOR, lambda i: [(FLOOR_OP, lambda: torch.cuda._sleep(1))]))
     for tokens in args.host_ht_tokens:
         for mode in ("exact", "capacity"):
             me.attempt(ht_prefix(tokens, mode), lambda: _ht(me, tokens, mode))

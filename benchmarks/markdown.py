@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 
-from .host import HOST_OPS, HOST_REPEATS
+from .host import FLOOR_OP, HOST_OPS, HOST_REPEATS
 from .kernels import HANDLE, RANK_MAJOR
 from .report import (LL_TARGET_TOKENS, cells, ceiling_rows, check_rows, first_line, floor_rates,
-                     host_rows, kernel_cells, ll_check_summary, ll_header, ll_memory_rows, ll_rows,
-                     ll_target_text, ll_targets, megatron_rows, shape_extras, sweep_rows,
-                     team_rows, times_us)
+                     host_floor_us, host_rows, kernel_cells, ll_check_summary, ll_header,
+                     ll_memory_rows, ll_rows, ll_target_text, ll_targets, megatron_rows,
+                     shape_extras, sweep_rows, team_rows, times_us)
 from .runner import e2e_mode, item_name, kernel_mode
 from .sweeps import sweep_mode
 from .team import PROXY_NOTE
@@ -167,6 +167,10 @@ def _host(result: dict, out: list) -> None:
             "LL on every SM, T_max = T. Times in us.", ""]
     if op_rows:
         out += _table(["configuration", "", *HOST_OPS], op_rows, (".1f",) * len(HOST_OPS))
+    floor = host_floor_us(result)
+    if floor is not None:
+        out += [f"The floor of this run: {FLOOR_OP} (`torch.cuda._sleep(1)`, one launch through "
+                f"torch) costs the host {floor:.1f} us to enqueue, measured as the calls are.", ""]
     if step_rows:
         out += ["A step = handle + dispatch + combine. eager: steps back to back from an idle "
                 "GPU, wall time per step; graph: the step captured once and replayed back to "

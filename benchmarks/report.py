@@ -14,10 +14,11 @@ import hashlib
 import json
 import os
 import subprocess
+from typing import Optional
 
 from megatron_nccl_ep.build_info import PACKAGE_DIR
 from .ceilings import HBM_COPY, PEER_COPY_ALL, PEER_COPY_ONE
-from .host import HOST_KINDS, HOST_OPS, ht_prefix, megatron_prefix
+from .host import FLOOR, FLOOR_OP, HOST_KINDS, HOST_OPS, ht_prefix, megatron_prefix
 from .ll import LL_OPS, ht_item, ll_item
 from .ll import add_floors as ll_add_floors
 from .ll import points as ll_points
@@ -205,6 +206,13 @@ def host_rows(result: dict) -> tuple:
                          combine, combine_k,
                          combine - combine_k if None not in (combine, combine_k) else None))
     return op_rows, step_rows, meg_rows
+
+
+def host_floor_us(result: dict) -> Optional[float]:
+    """The host section's floor (us): one kernel launched through torch, enqueued as the calls
+    are; None when not measured."""
+    row = (result.get("host") or {}).get(f"{FLOOR}: {FLOOR_OP} (host)")
+    return None if row is None else row["median_ms"] * 1e3
 
 
 def team_rows(result: dict) -> list:
@@ -493,6 +501,9 @@ def _host(result: dict) -> list:
         lines += _text_table("configuration", 34, [op.replace(" ", "_") for op in HOST_OPS],
                              ("13.1f",) * len(HOST_OPS),
                              [(f"{config} {kind}", *values) for config, kind, *values in op_rows])
+    floor = host_floor_us(result)
+    if floor is not None:
+        lines.append(f"floor: {FLOOR_OP} (torch.cuda._sleep) {floor:.1f} us to enqueue")
     if step_rows:
         lines += _text_table("configuration", 34, ["eager_step", "graph_step", "graph_kernel",
                                                    "eager/graph"],

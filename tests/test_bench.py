@@ -271,8 +271,10 @@ def test_host_report_puts_costs_steps_and_megatron_beside_the_kernels():
         f"{ll_cfg}: step (graph)": row(21.0), f"{ll_cfg}: graph (kernel)": row(20.0),
         f"{host.megatron_prefix(128)}: dispatch": row(95.0),
         f"{host.megatron_prefix(128)}: combine": row(35.0),
+        f"{host.FLOOR}: {host.FLOOR_OP} (host)": row(3.5),
     }
     op_rows, step_rows, meg_rows = report.host_rows(result)
+    assert all(config != host.FLOOR for config, *_ in op_rows + step_rows)
     assert (ht, "host", 12.0, 8.0, 6.0, None, None) in op_rows
     assert (ll_cfg, "host", None, None, None, 5.0, None) in op_rows
     assert (ht, 120.0, None, None, None) in step_rows
@@ -288,6 +290,9 @@ def test_host_report_puts_costs_steps_and_megatron_beside_the_kernels():
     assert "## Host cost: what a call costs the host, next to its kernels" in text
     assert "| 128 | 95.0 | 70.0 | 25.0 | 35.0 | 24.0 | 11.0 |" in text
     assert "| cudaLaunchKernel | 3 | 7.5 |" in text
+    assert ("one torch kernel (`torch.cuda._sleep(1)`, one launch through torch) costs the host "
+            "3.5 us") in text
+    assert "floor: one torch kernel (torch.cuda._sleep) 3.5 us to enqueue" in table
 
 
 def test_collect_keeps_point_facts_apart_from_the_items():
