@@ -17,8 +17,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -124,20 +122,23 @@ void routing(int T, void** idx, void** w) {
   CK(cudaMemcpy(*w, h_w.data(), h_w.size() * 4, cudaMemcpyHostToDevice));
 }
 
-// Runs `repeat(timer)` kIters x kRepeats times (after 4 iterations of warm-up), each iteration
-// under one hold of the GPU, then `after()` with the GPU idle. The first repeat of an iteration
-// follows a synchronize: it is not counted (the bench's "(host, first)").
-template <class Repeat, class After>
-void measure(Timer& timer, cudaStream_t s, Repeat&& repeat, After&& after) {
+// Runs `repeat(timer, made)` kIters x kRepeats times (after 4 iterations of warm-up), each
+// iteration under one hold of the GPU, then destroys the handles it `made` with the GPU idle.
+// The first repeat of an iteration follows a synchronize: it is not counted (the bench's
+// "(host, first)").
+template <class Repeat>
+void measure(Timer& timer, cudaStream_t s, Repeat&& repeat) {
+  std::vector<ncclEpHandle_t> made;
   for (int i = 0; i < 4 + kIters; ++i) {
     CK(cudaStreamSynchronize(s));
     hold<<<1, 1, 0, s>>>(kHoldNs);
     for (int r = 0; r < kRepeats; ++r) {
       Timer scratch;
-      repeat(i >= 4 && r > 0 ? timer : scratch);
+      repeat(i >= 4 && r > 0 ? timer : scratch, made);
     }
     CK(cudaStreamSynchronize(s));
-    after();
+    for (ncclEpHandle_t h : made) EP(ncclEpHandleDestroy(h));
+    made.clear();
   }
 }
 
@@ -185,21 +186,14 @@ void ll(ncclComm_t comm, cudaStream_t s, int T, int sms) {
   cin.expert_tokens = dout.recv_tokens;
   ncclEpCombineOutputs_t cout{};
   cout.tokens = tensor(y, {T, kHidden}, ncclBfloat16, NCCL_EP_TENSOR_TOKENS);
-  std::vector<ncclEpHandle_t> made;
   Timer timer;
-  measure(
-      timer, s,
-      [&](Timer& t) {
-        ncclEpHandle_t h = nullptr;
-        t.time("handle", [&] { EP(ncclEpCreateHandle(&h, g, &routing_t, nullptr, s)); });
-        made.push_back(h);
-        t.time("dispatch", [&] { EP(ncclEpDispatch(h, &din, &dout, nullptr, s)); });
-        t.time("combine", [&] { EP(ncclEpCombine(h, &cin, &cout, nullptr, s)); });
-      },
-      [&] {
-        for (ncclEpHandle_t h : made) EP(ncclEpHandleDestroy(h));
-        made.clear();
-      });
+  measure(timer, s, [&](Timer& t, std::vector<ncclEpHandle_t>& made) {
+    ncclEpHandle_t h = nullptr;
+    t.time("handle", [&] { EP(ncclEpCreateHandle(&h, g, &routing_t, nullptr, s)); });
+    made.push_back(h);
+    t.time("dispatch", [&] { EP(ncclEpDispatch(h, &din, &dout, nullptr, s)); });
+    t.time("combine", [&] { EP(ncclEpCombine(h, &cin, &cout, nullptr, s)); });
+  });
   timer.print(("LL T=" + std::to_string(T) + " rank-major").c_str());
   EP(ncclEpGroupDestroy(g));
   for (void* p : {idx, w, x, recv_x, count, recv_idx, recv_w, y}) CK(cudaFree(p));
@@ -219,31 +213,24 @@ void ht(ncclComm_t comm, cudaStream_t s, int T, bool capacity) {
   ncclEpDispatchInputs_t din{};
   din.tokens = tensor(x, {T, kHidden}, ncclBfloat16, NCCL_EP_TENSOR_TOKENS);
   din.topk_weights = tensor(w, {T, kTopk}, ncclFloat32, NCCL_EP_TENSOR_TOPK_WEIGHTS);
-  std::vector<ncclEpHandle_t> made;
   Timer timer;
-  measure(
-      timer, s,
-      [&](Timer& t) {
-        ncclEpHandle_t h = nullptr;
-        t.time("handle", [&] { EP(ncclEpCreateHandle(&h, g, &routing_t, nullptr, s)); });
-        made.push_back(h);
-        int64_t n = 0;
-        EP(ncclEpHandleGetNumRecvTokens(h, &n));  // exact mode: waits for the layout
-        ncclEpDispatchOutputs_t dout{};
-        dout.recv_tokens = tensor(recv_x, {n, kHidden}, ncclBfloat16, NCCL_EP_TENSOR_TOKENS);
-        dout.recv_topk_weights = tensor(recv_w, {n}, ncclFloat32, NCCL_EP_TENSOR_TOPK_WEIGHTS);
-        ncclEpCombineInputs_t cin{};
-        cin.expert_tokens = dout.recv_tokens;
-        ncclEpCombineOutputs_t cout{};
-        cout.tokens = tensor(y, {T, kHidden}, ncclBfloat16, NCCL_EP_TENSOR_TOKENS);
-        hold<<<1, 1, 0, s>>>(kHoldNs / kRepeats);  // the read waited for the GPU: hold it again
-        t.time("dispatch", [&] { EP(ncclEpDispatch(h, &din, &dout, nullptr, s)); });
-        t.time("combine", [&] { EP(ncclEpCombine(h, &cin, &cout, nullptr, s)); });
-      },
-      [&] {
-        for (ncclEpHandle_t m : made) EP(ncclEpHandleDestroy(m));
-        made.clear();
-      });
+  measure(timer, s, [&](Timer& t, std::vector<ncclEpHandle_t>& made) {
+    ncclEpHandle_t h = nullptr;
+    t.time("handle", [&] { EP(ncclEpCreateHandle(&h, g, &routing_t, nullptr, s)); });
+    made.push_back(h);
+    int64_t n = 0;
+    EP(ncclEpHandleGetNumRecvTokens(h, &n));  // exact mode: waits for the layout
+    ncclEpDispatchOutputs_t dout{};
+    dout.recv_tokens = tensor(recv_x, {n, kHidden}, ncclBfloat16, NCCL_EP_TENSOR_TOKENS);
+    dout.recv_topk_weights = tensor(recv_w, {n}, ncclFloat32, NCCL_EP_TENSOR_TOPK_WEIGHTS);
+    ncclEpCombineInputs_t cin{};
+    cin.expert_tokens = dout.recv_tokens;
+    ncclEpCombineOutputs_t cout{};
+    cout.tokens = tensor(y, {T, kHidden}, ncclBfloat16, NCCL_EP_TENSOR_TOKENS);
+    hold<<<1, 1, 0, s>>>(kHoldNs / kRepeats);  // the read waited for the GPU: hold it again
+    t.time("dispatch", [&] { EP(ncclEpDispatch(h, &din, &dout, nullptr, s)); });
+    t.time("combine", [&] { EP(ncclEpCombine(h, &cin, &cout, nullptr, s)); });
+  });
   timer.print(("HT T=" + std::to_string(T) + (capacity ? " capacity" : " exact")).c_str());
   EP(ncclEpGroupDestroy(g));
   for (void* p : {idx, w, x, recv_x, recv_w, y}) CK(cudaFree(p));
@@ -258,20 +245,17 @@ int main() {
   cudaStream_t s = 0;  // the legacy default stream: torch's current stream unless set
   Timer timer;
   Args440 big{};
-  measure(
-      timer, s,
-      [&](Timer& t) {
-        t.time("empty kernel, 8 B of args", [&] { empty8<<<prop.multiProcessorCount, 512, 0, s>>>(0); });
-        t.time("empty kernel, 440 B of args",
-               [&] { empty440<<<prop.multiProcessorCount, 512, 0, s>>>(big); });
-        cudaStreamCaptureStatus st;
-        unsigned long long capture_id = 0;
-        cudaGraph_t graph = nullptr;
-        t.time("cudaStreamGetCaptureInfo",
-               [&] { CK(cudaStreamGetCaptureInfo(s, &st, &capture_id, &graph)); });
-        t.time("cudaGetLastError", [&] { CK(cudaGetLastError()); });
-      },
-      [] {});
+  measure(timer, s, [&](Timer& t, std::vector<ncclEpHandle_t>&) {
+    const int sms = prop.multiProcessorCount;
+    t.time("empty kernel, 8 B of args", [&] { empty8<<<sms, 512, 0, s>>>(0); });
+    t.time("empty kernel, 440 B of args", [&] { empty440<<<sms, 512, 0, s>>>(big); });
+    cudaStreamCaptureStatus st;
+    unsigned long long capture_id = 0;
+    cudaGraph_t graph = nullptr;
+    t.time("cudaStreamGetCaptureInfo",
+           [&] { CK(cudaStreamGetCaptureInfo(s, &st, &capture_id, &graph)); });
+    t.time("cudaGetLastError", [&] { CK(cudaGetLastError()); });
+  });
   timer.print("runtime");
   ncclUniqueId id;
   if (ncclGetUniqueId(&id) != ncclSuccess) return 1;
