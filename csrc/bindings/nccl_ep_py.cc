@@ -5,7 +5,8 @@
  * library cannot check) and passed with its real sizes and strides, so the C library's checks of
  * shape, dtype and layout are the checks of a call. One binding per C entry point (dispatch and
  * combine serve HT and LL, as ncclEpDispatch and ncclEpCombine do); an op allocates its outputs
- * (at::empty, on the current stream of the group's device) and launches in this one call.
+ * (from the caching allocator, on the current stream of the group's device) and launches in this
+ * one call.
  *
  * NOTES:
  *  - An op refuses bad arguments before it enqueues anything (the C library checks every
@@ -101,7 +102,7 @@ ncclDataType_t nccl_dtype(at::ScalarType s) {
 
 // A tensor as the C API takes it, its sizes and strides as they are. `device`: the group's CUDA
 // device, where every tensor of an op must be; -1: a host tensor (tokens per expert read to the
-// host). Called with the GIL held.
+// host). Touches no Python object (ops call it without the GIL).
 ncclEpTensor_t tensor(const at::Tensor& t, ncclEpTensorTag_t tag, int device, const char* name) {
   const bool placed = device < 0 ? t.device().is_cpu() : t.is_cuda() && t.get_device() == device;
   if (!placed)

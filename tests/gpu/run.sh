@@ -312,6 +312,7 @@ fi
 
 if wants micro; then
     start=$SECONDS
+    rc=0  # 1 when either tool fails
     {
         echo "== benchmarks/micro/peer_ceilings.cu"
         if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
@@ -319,7 +320,7 @@ if wants micro; then
         else
             nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/peer_ceilings \
                 benchmarks/micro/peer_ceilings.cu &&
-                timeout -k 5 "$(limit "${MICRO_TIMEOUT:-90}")" /tmp/peer_ceilings
+                timeout -k 5 "$(limit "${MICRO_TIMEOUT:-90}")" /tmp/peer_ceilings || rc=1
         fi
         echo "== benchmarks/micro/host_floor.cu"
         nccl=$("$PY" -c 'import glob, os, nvidia
@@ -328,9 +329,8 @@ print(next(p for b in nvidia.__path__ for p in glob.glob(os.path.join(b, "nccl")
             nvcc -O2 -std=c++17 -arch=sm_90 -o /tmp/host_floor benchmarks/micro/host_floor.cu \
                 -Icsrc/include -I"$nccl/include" -Lmegatron_nccl_ep -l:libmegatron_nccl_ep.so \
                 -L"$nccl/lib" -l:libnccl.so.2 -Xlinker -rpath,"$PWD/megatron_nccl_ep:$nccl/lib" &&
-            timeout -k 5 "$(limit "${MICRO_TIMEOUT:-90}")" /tmp/host_floor
+            timeout -k 5 "$(limit "${MICRO_TIMEOUT:-90}")" /tmp/host_floor || rc=1
     } >"$OUT/micro.log" 2>&1
-    rc=$?
     [ $rc -eq 0 ] || STATUS=1
     note "- micro: rc $rc ($((SECONDS - start)) s; micro.log)"
 fi
