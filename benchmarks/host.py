@@ -16,7 +16,8 @@ graphs need capacity mode); LL at each ``--host-ll-tokens`` T (T_max = T), in ea
   synchronize. Exact mode's count read waits for the GPU: it runs untimed between the handle
   and the dispatch, the GPU held again after it;
 * ``<op> (kernel)``: the same call's device time, CUDA events around it, in a second pass of
-  each iteration (an event recorded just before a call adds to its enqueue time);
+  each iteration of ``KERNEL_REPEATS`` repeats (an event recorded just before a call adds to its
+  enqueue time);
 * ``floor: one torch kernel (host)``: the same for ``torch.cuda._sleep(1)``, the host's floor
   under every call (one launch through torch);
 * ``step (eager)``: handle + dispatch + combine, ``HOST_STEPS`` steps back to back from an idle
@@ -50,6 +51,7 @@ from .runner import Rank, e2e_mode, run_into
 # longer than any repeat's host work (an iteration holds it HOST_REPEATS times as long).
 HOLD_CYCLES = 10_000_000
 HOST_REPEATS = 8  # the calls of one iteration, in a row under one hold
+KERNEL_REPEATS = 2  # the same for the pass that times the kernels (device times need no loop)
 HOST_STEPS = 20  # steps (or replays) back to back per iteration of the step items
 HOST_OPS = ("handle", "dispatch", "combine", "dispatch out=", "combine out=")
 HOST_KINDS = ("host", "host, first", "kernel")  # the rows of each configuration
@@ -82,17 +84,18 @@ def _inputs(me: Rank, tokens: int) -> list:
 def _enqueue_costs(me: Rank, prefix: str, script) -> None:
     """``script(j)``: repeat j's calls in order, each ``(name, fn)`` (timed) or ``(None, fn)``
     (untimed, the GPU held again after it). Emits ``<name> (host)``, ``<name> (host, first)``
-    and ``<name> (kernel)`` per timed call. Each iteration runs the repeats twice: once timed on
-    the host alone, once between CUDA events for the kernels (an event recorded before a call
-    adds to that call's enqueue time, which a loop without events does not pay)."""
+    and ``<name> (kernel)`` per timed call. Each iteration runs its repeats twice: HOST_REPEATS
+    timed on the host alone, then KERNEL_REPEATS between CUDA events for the kernels (an event
+    recorded before a call adds to that call's enqueue time, which a loop without events does
+    not pay)."""
     torch, args = me.torch, me.args
     host, first, kernel = defaultdict(list), defaultdict(list), defaultdict(list)
 
     def repeats(i: int, timed: bool) -> list:
-        events = []
+        events, count = [], HOST_REPEATS if timed else KERNEL_REPEATS
         torch.cuda.synchronize()
-        torch.cuda._sleep(HOLD_CYCLES * HOST_REPEATS)
-        for repeat in range(HOST_REPEATS):
+        torch.cuda._sleep(HOLD_CYCLES * count)
+        for repeat in range(count):
             for name, fn in script(i * HOST_REPEATS + repeat):
                 if name is None:
                     fn()
