@@ -5,7 +5,7 @@ The library runs on its own NCCL communicator (same ranks as the torch process g
 creates the unique id, the process group broadcasts it, every rank calls ``ncclCommInitRank``.
 ``CudaBackend.local_team`` makes every rank of a group inside one process instead (no NCCL).
 Each op is one binding call: it takes the tensors as they are, with the group's device index,
-allocates the outputs (``at::empty`` on that device, so the caching allocator keeps them
+allocates the outputs (from the caching allocator on that device, so they stay
 stream-ordered) and launches on the device's current stream. The bindings check each call's
 tensors against the handle before enqueueing anything (``checks_calls``): the front end runs its
 own checks only on a call they refused, for its messages.
@@ -286,7 +286,8 @@ class CudaBackend:
         return recv_x, recv_probs
 
     def combine(self, state: CudaHandleState, expert_out: torch.Tensor) -> torch.Tensor:
-        return _C.combine(state.ptr, expert_out, state.num_tokens, self._device_index)
+        return _C.combine(state.ptr, expert_out, None, False, None, state.num_tokens,
+                          self._device_index)
 
     def combine_probs(self, state: CudaHandleState, grad_recv_probs: torch.Tensor,
                       dense: bool = False) -> torch.Tensor:
@@ -311,8 +312,8 @@ class CudaBackend:
     def ll_combine(self, state: CudaLLHandleState, expert_out: torch.Tensor,
                    topk_weights: Optional[torch.Tensor], send_only: bool,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return _C.ll_combine(state.ptr, expert_out, topk_weights, send_only, out, state.num_tokens,
-                             self._device_index)
+        return _C.combine(state.ptr, expert_out, topk_weights, send_only, out, state.num_tokens,
+                          self._device_index)
 
     def ll_complete(self, state: CudaLLHandleState) -> None:
         _C.complete(state.ptr, self._device_index)

@@ -123,15 +123,14 @@ def test_op_bindings_refuse_a_tensor_off_the_group_device(ext):
         "topk_idx": lambda: ext.create_handle(0, idx, False, 0),
         "routing_map": lambda: ext.create_handle(0, idx.bool(), True, 0),
         "x": lambda: ext.dispatch(0, x, None, False, 0),
-        "expert_out": lambda: ext.combine(0, x, 4, 0),
+        "expert_out": lambda: ext.combine(0, x, None, False, None, 4, 0),
         "grad_recv_probs": lambda: ext.combine_topk_weights(0, x[:, 0].float(), 4, 2, False, 0),
         "x ": lambda: ext.ll_dispatch(0, x, None, False, outputs, None, 0),
-        "expert_out ": lambda: ext.ll_combine(0, x, None, False, None, 4, 0),
     }
     for name, call in calls.items():
         with pytest.raises(ValueError, match=f"^{name.strip()} must be on cuda:0, got cpu$"):
             call()
     with pytest.raises(TypeError):
-        ext.combine(0, x.tolist(), 4, 0)
+        ext.combine(0, x.tolist(), None, False, None, 4, 0)
     with pytest.raises(ValueError, match="expected 6 fields"):
         ext.LLOutputs([None] * 5)

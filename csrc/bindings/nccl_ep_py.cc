@@ -446,7 +446,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("handle"), py::arg("num_local_experts"), py::arg("on_device"), py::arg("device"),
       NoGil());
 
-  // --- HT operations (docs/design.md sections 3 and 4) ----------------------------------------
+  // --- HT operations, and the combine of both modes (docs/design.md sections 3, 4 and 9) ------
   m.def(
       "dispatch",
       // x [T, H]; probs: [T, K] in slot order, or dense [T, E]; None: no probs. Returns (recv_x
@@ -476,22 +476,30 @@ PYBIND11_MODULE(_C, m) {
       NoGil());
   m.def(
       "combine",
-      // expert_out [N, H] -> y [num_tokens, H] of its dtype.
-      [](uintptr_t handle, const at::Tensor& expert_out, int64_t num_tokens, int device) {
+      // expert_out: HT [N, H]; LL the dispatch's layout. topk_weights: LL expert-major's [T, K]
+      // fp32, else None. send_only: LL only. Returns y [num_tokens, H] of expert_out's dtype
+      // (`out` when given).
+      [](uintptr_t handle, const at::Tensor& expert_out, const OptTensor& topk_weights,
+         bool send_only, const OptTensor& given, int64_t num_tokens, int device) {
         ncclEpCombineInputs_t in{};
         ncclEpCombineOutputs_t out{};
         in.expert_tokens = tensor(expert_out, NCCL_EP_TENSOR_TOKENS, device, "expert_out");
-        if (expert_out.dim() != 2) throw ValueErrorEx("expert_out must be 2-D [N, H]");
-        at::Tensor y = empty({num_tokens, expert_out.size(1)}, expert_out.scalar_type(), device);
-        out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "y");
-        const ncclEpOpConfig_t cfg = op_config(false);
+        in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
+                                 "topk_weights");
+        if (expert_out.dim() < 1) throw ValueErrorEx("expert_out must have a hidden dimension");
+        const at::Tensor y =
+            given.has_value()
+                ? *given
+                : empty({num_tokens, expert_out.size(-1)}, expert_out.scalar_type(), device);
+        out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "out");
+        const ncclEpOpConfig_t cfg = op_config(send_only);
         check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
                             current_stream(device)),
               "ncclEpCombine");
         return y;
       },
-      py::arg("handle"), py::arg("expert_out"), py::arg("num_tokens"), py::arg("device"),
-      NoGil());
+      py::arg("handle"), py::arg("expert_out"), py::arg("topk_weights"), py::arg("send_only"),
+      py::arg("out"), py::arg("num_tokens"), py::arg("device"), NoGil());
   m.def(
       "combine_topk_weights",
       // grad_recv [N] -> [num_tokens, cols] of its dtype: cols K in slot order, or E dense.
@@ -555,31 +563,6 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("send_only"),
       py::arg("outputs"), py::arg("out"), py::arg("device"));
-  m.def(
-      "ll_combine",
-      // expert_out in the dispatch's layout; topk_weights: expert-major's [T, K] fp32, else
-      // None. Returns y [num_tokens, H] of expert_out's dtype (`out` when given).
-      [](uintptr_t handle, const at::Tensor& expert_out, const OptTensor& topk_weights,
-         bool send_only, const OptTensor& given, int64_t num_tokens, int device) {
-        ncclEpCombineInputs_t in{};
-        ncclEpCombineOutputs_t out{};
-        in.expert_tokens = tensor(expert_out, NCCL_EP_TENSOR_TOKENS, device, "expert_out");
-        in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
-                                 "topk_weights");
-        if (expert_out.dim() < 1) throw ValueErrorEx("expert_out must have a hidden dimension");
-        const at::Tensor y =
-            given.has_value()
-                ? *given
-                : empty({num_tokens, expert_out.size(-1)}, expert_out.scalar_type(), device);
-        out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "out");
-        const ncclEpOpConfig_t cfg = op_config(send_only);
-        check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
-                            current_stream(device)),
-              "ncclEpCombine");
-        return y;
-      },
-      py::arg("handle"), py::arg("expert_out"), py::arg("topk_weights"), py::arg("send_only"),
-      py::arg("out"), py::arg("num_tokens"), py::arg("device"), NoGil());
   m.def(
       "complete",
       [](uintptr_t handle, int device) {
