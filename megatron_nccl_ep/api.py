@@ -435,16 +435,25 @@ class Handle(BackendHandle):
             by expert (``tokens_per_expert``), padding rows zero with prob 0; probs in their
             own dtype.
         """
-        self._require_alive()
+        return self._dispatch(x, probs, self._settle_dense(probs, dense), None)
+
+    def _settle_dense(self, probs: Optional[torch.Tensor], dense: Optional[bool]) -> bool:
+        """``dispatch``'s ``dense`` as the backends take it: resolved, and False without probs."""
         if dense is None:
             dense = isinstance(probs, torch.Tensor) and self.probs_are_dense(probs)
-        dense = bool(dense) and probs is not None
+        return bool(dense) and probs is not None
+
+    def _dispatch(self, x: torch.Tensor, probs: Optional[torch.Tensor], dense: bool, backward):
+        """``dispatch`` with ``dense`` settled. ``backward``: None, or (autograd.py, on a backend
+        that ``records_grad_fn``) what the outputs get as their grad_fn."""
+        self._require_alive()
         backend = self.group._backend
-        return checked_call(backend.checks_calls, backend.dispatch, (self._state, x, probs, dense),
-                            self, Handle._check_dispatch, contiguous_args)
+        return checked_call(backend.checks_calls, backend.dispatch,
+                            (self._state, x, probs, dense, backward), self,
+                            Handle._check_dispatch, contiguous_args)
 
     def _check_dispatch(self, state, x: torch.Tensor, probs: Optional[torch.Tensor],
-                        dense: bool) -> None:
+                        dense: bool, backward) -> None:
         group = self.group
 
         def check():
@@ -467,12 +476,17 @@ class Handle(BackendHandle):
         Returns:
             ``y [T, H]``, the group's dtype.
         """
+        return self._combine(expert_out, None)
+
+    def _combine(self, expert_out: torch.Tensor, backward):
+        """``combine``; ``backward`` as for ``_dispatch``."""
         self._require_alive()
         backend = self.group._backend
-        return checked_call(backend.checks_calls, backend.combine, (self._state, expert_out),
-                            self, Handle._check_combine, contiguous_args)
+        return checked_call(backend.checks_calls, backend.combine,
+                            (self._state, expert_out, backward), self, Handle._check_combine,
+                            contiguous_args)
 
-    def _check_combine(self, state, expert_out: torch.Tensor) -> None:
+    def _check_combine(self, state, expert_out: torch.Tensor, backward) -> None:
         group = self.group
         self._check_agreed("combine", lambda: group._check_tensor(
             "expert_out", expert_out, 2, (group.config.dtype,),

@@ -4,15 +4,19 @@
   layout the probs came in ([T, K] slot order, or a router's dense [T, E]);
 * combine: grad expert_out = dispatch(grad y).
 
-The Function's context holds the Handle, so the handle lives exactly as long as the autograd graph
-that needs it. Every rank runs the same collectives in the same order: gradients are materialized
-(zeros) rather than skipped, so no rank skips a collective its peers enter. A local team's
+The outputs' grad_fn holds the Handle, so the handle lives exactly as long as the autograd graph
+that needs it: on the cuda backend a node that the binding attaches in the op's own call
+(csrc/bindings/py_backward.h: it spares the forward a torch.autograd.Function's host time),
+elsewhere a Function's context. Every rank runs the same collectives in the same order:
+gradients are materialized (zeros) rather than skipped, so no rank skips a collective its peers
+enter. A local team's
 backward must run on the thread of its forward (``run_local_team`` arranges it): autograd's
 worker thread, shared by every rank of a GPU, would make the ranks' calls wait for each other.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Optional
 
@@ -21,10 +25,10 @@ import torch
 from .api import Handle
 
 
-def _check_backward_thread(ctx) -> None:
+def _check_backward_thread(handle: Handle, thread: int) -> None:
     """A local team's backward on another thread than its forward: refused, naming the fix,
     before any rank waits at the team's gate for calls that the shared thread never makes."""
-    if ctx.handle.group.is_local_team and threading.get_ident() != ctx.thread:
+    if handle.group.is_local_team and threading.get_ident() != thread:
         raise RuntimeError(
             "the backward of a local team's dispatch or combine runs on another thread than its "
             "forward (autograd's worker thread, which every rank of the GPU shares, so the "
@@ -33,39 +37,53 @@ def _check_backward_thread(ctx) -> None:
             "torch.autograd.set_multithreading_enabled(False)")
 
 
+# The backward of each op, for both ways of recording it (a backend that records_grad_fn calls
+# them from the outputs' grad_fn; else the Functions below do).
+def _dispatch_backward(handle: Handle, thread: int, has_probs: bool, dense: bool,
+                       grad_recv_x: torch.Tensor, grad_recv_probs: Optional[torch.Tensor]):
+    _check_backward_thread(handle, thread)
+    grad_x = handle.combine(grad_recv_x)
+    grad_probs = None
+    if has_probs:  # [T, K], or [T, E] (zero where unrouted) for dense probs
+        grad_probs = handle.combine_probs(grad_recv_probs, dense=dense)
+    return grad_x, grad_probs
+
+
+def _combine_backward(handle: Handle, thread: int, grad_y: torch.Tensor):
+    _check_backward_thread(handle, thread)
+    grad_expert_out, _ = handle.dispatch(grad_y.contiguous(), None)
+    return (grad_expert_out,)
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, handle: Handle, x: torch.Tensor, probs: Optional[torch.Tensor],
-                dense: Optional[bool]):
+                dense: bool):
         ctx.handle, ctx.thread = handle, threading.get_ident()
-        ctx.has_probs = probs is not None
-        if dense is None:
-            dense = probs is not None and handle.probs_are_dense(probs)
-        ctx.dense = bool(dense) and probs is not None
-        recv_x, recv_probs = handle.dispatch(x, probs, dense=ctx.dense)
-        return recv_x, recv_probs
+        ctx.has_probs, ctx.dense = probs is not None, dense
+        return handle._dispatch(x, probs, dense, None)
 
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_probs):
-        _check_backward_thread(ctx)
-        grad_x = ctx.handle.combine(grad_recv_x)
-        grad_probs = None
-        if ctx.has_probs:  # [T, K], or [T, E] (zero where unrouted) for dense probs
-            grad_probs = ctx.handle.combine_probs(grad_recv_probs, dense=ctx.dense)
-        return None, grad_x, grad_probs, None
+        return (None, *_dispatch_backward(ctx.handle, ctx.thread, ctx.has_probs, ctx.dense,
+                                          grad_recv_x, grad_recv_probs), None)
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, handle: Handle, expert_out: torch.Tensor):
         ctx.handle, ctx.thread = handle, threading.get_ident()
-        return handle.combine(expert_out)
+        return handle._combine(expert_out, None)
 
     @staticmethod
     def backward(ctx, grad_y):
-        _check_backward_thread(ctx)
-        grad_expert_out, _ = ctx.handle.dispatch(grad_y.contiguous(), None)
-        return None, grad_expert_out
+        return (None, *_combine_backward(ctx.handle, ctx.thread, grad_y))
+
+
+def _records_grad_fn(handle: Handle) -> bool:
+    """Whether the handle's backend attaches the backward itself (None: a destroyed group, whose
+    op raises)."""
+    return getattr(handle.group._backend, "records_grad_fn", False)
 
 
 def dispatch(handle: Handle, x: torch.Tensor, probs: Optional[torch.Tensor] = None, *,
@@ -85,6 +103,10 @@ def dispatch(handle: Handle, x: torch.Tensor, probs: Optional[torch.Tensor] = No
     if not (torch.is_grad_enabled() and (getattr(x, "requires_grad", False)
                                          or getattr(probs, "requires_grad", False))):
         return handle.dispatch(x, probs, dense=dense)  # no graph to record: the plain op
+    dense = handle._settle_dense(probs, dense)
+    if _records_grad_fn(handle):
+        return handle._dispatch(x, probs, dense, functools.partial(
+            _dispatch_backward, handle, threading.get_ident(), probs is not None, dense))
     return _Dispatch.apply(handle, x, probs, dense)
 
 
@@ -100,4 +122,7 @@ def combine(handle: Handle, expert_out: torch.Tensor) -> torch.Tensor:
     """
     if not (torch.is_grad_enabled() and getattr(expert_out, "requires_grad", False)):
         return handle.combine(expert_out)  # no graph to record: the plain op
+    if _records_grad_fn(handle):
+        return handle._combine(expert_out, functools.partial(_combine_backward, handle,
+                                                             threading.get_ident()))
     return _Combine.apply(handle, expert_out)

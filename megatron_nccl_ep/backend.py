@@ -38,6 +38,9 @@ class Backend(Protocol):
     #: Whether every op refuses, before enqueueing anything, a call whose tensors do not fit the
     #: handle (``checked_call``).
     checks_calls: bool
+    #: Whether ``dispatch`` and ``combine`` take a ``backward`` to attach to their outputs as
+    #: their grad_fn (autograd.py; else autograd wraps the ops in a torch.autograd.Function).
+    records_grad_fn: bool
 
     @staticmethod
     def check(config: GroupConfig, world_size: int, device: Optional[torch.device]) -> None:
@@ -71,14 +74,19 @@ class Backend(Protocol):
         """``[T, K]`` int64 on the group's device: the routing as top-k ids (-1 = masked)."""
 
     def dispatch(self, state: HandleState, x: torch.Tensor, probs: Optional[torch.Tensor],
-                 dense: bool) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
+                 dense: bool, backward: Optional[Callable] = None
+                 ) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
         """Collective: ``x [T, H]``, ``probs`` ``[T, K]`` in slot order (``[T, E]`` when
         ``dense``) or None -> ``(recv_x [N, H], recv_probs [N] or None)`` in the expert-major
-        layout (docs/design.md §3)."""
+        layout (docs/design.md §3). ``backward`` (only where ``records_grad_fn``):
+        ``(grad recv_x, grad recv_probs or None) -> (grad x, grad probs or None)``, the outputs'
+        grad_fn."""
 
-    def combine(self, state: HandleState, expert_out: torch.Tensor) -> torch.Tensor:
+    def combine(self, state: HandleState, expert_out: torch.Tensor,
+                backward: Optional[Callable] = None) -> torch.Tensor:
         """Collective: ``expert_out [N, H]`` -> ``y [T, H]``, each token's ordered sum
-        (docs/design.md §4)."""
+        (docs/design.md §4). ``backward`` (only where ``records_grad_fn``): ``grad y ->
+        (grad expert_out,)``, y's grad_fn."""
 
     def combine_probs(self, state: HandleState, grad_recv_probs: torch.Tensor,
                       dense: bool) -> torch.Tensor:

@@ -154,6 +154,8 @@ class CudaBackend:
     #: Every op's binding refuses (ValueError / TypeError) a call whose tensors do not fit the
     #: handle before it enqueues anything, so the front end checks only refused calls.
     checks_calls = True
+    #: The bindings attach autograd's backward to an op's outputs (csrc/bindings/py_backward.h).
+    records_grad_fn = True
 
     @staticmethod
     def check(config: GroupConfig, world_size: int, device: Optional[torch.device]) -> None:
@@ -279,15 +281,17 @@ class CudaBackend:
 
     # -- operations ----------------------------------------------------------------------------
     def dispatch(self, state: CudaHandleState, x: torch.Tensor, probs: Optional[torch.Tensor],
-                 dense: bool = False):
-        recv_x, recv_probs = _C.dispatch(state.ptr, x, probs, dense, self._device_index)
+                 dense: bool = False, backward=None):
+        recv_x, recv_probs = _C.dispatch(state.ptr, x, probs, dense, self._device_index,
+                                         backward)
         if state._num_recv is None:  # exact mode: the binding read the count
             state._num_recv = recv_x.shape[0]
         return recv_x, recv_probs
 
-    def combine(self, state: CudaHandleState, expert_out: torch.Tensor) -> torch.Tensor:
+    def combine(self, state: CudaHandleState, expert_out: torch.Tensor,
+                backward=None) -> torch.Tensor:
         return _C.combine(state.ptr, expert_out, None, False, None, state.num_tokens,
-                          self._device_index)
+                          self._device_index, backward)
 
     def combine_probs(self, state: CudaHandleState, grad_recv_probs: torch.Tensor,
                       dense: bool = False) -> torch.Tensor:

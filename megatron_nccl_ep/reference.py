@@ -121,6 +121,8 @@ class ReferenceBackend:
     name = "torch"
     #: The front end checks every call (the reference takes what it is given).
     checks_calls = False
+    #: autograd.py wraps its ops in torch.autograd.Functions (``backward`` is always None).
+    records_grad_fn = False
 
     @staticmethod
     def check(config: GroupConfig, world_size: int, device) -> None:
@@ -404,7 +406,7 @@ class ReferenceBackend:
 
     # -- operations --------------------------------------------------------------------------------
     def dispatch(self, state: ReferenceHandleState, x: torch.Tensor,
-                 probs: Optional[torch.Tensor], dense: bool = False):
+                 probs: Optional[torch.Tensor], dense: bool = False, backward=None):
         hidden_bytes = x.shape[1] * x.element_size()
         if probs is not None and dense:  # [T, E] -> slot order (masked slots carry nothing)
             probs = probs.gather(1, state.topk_idx.clamp(min=0))
@@ -429,7 +431,8 @@ class ReferenceBackend:
         recv_probs[rows] = recv_slot_probs[slot_valid]
         return recv_x, recv_probs
 
-    def combine(self, state: ReferenceHandleState, expert_out: torch.Tensor) -> torch.Tensor:
+    def combine(self, state: ReferenceHandleState, expert_out: torch.Tensor,
+                backward=None) -> torch.Tensor:
         acc_dtype = accumulation_dtype(expert_out.dtype)
         hidden = expert_out.shape[1]
         # Stage 1, here: one partial per received token, slots in ascending k, rounded.

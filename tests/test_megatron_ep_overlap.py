@@ -45,22 +45,22 @@ def record_order(events: list):
     from megatron_nccl_ep import autograd
     from megatron_nccl_ep.dispatcher import NcclEpTokenDispatcher
 
-    token_dispatch, backward = NcclEpTokenDispatcher.token_dispatch, autograd._Dispatch.backward
+    token_dispatch, backward = NcclEpTokenDispatcher.token_dispatch, autograd._dispatch_backward
 
     def recorded_dispatch(self, *args, **kwargs):
         events.append("F")
         return token_dispatch(self, *args, **kwargs)
 
-    def recorded_backward(ctx, *grads):
+    def recorded_backward(*args):  # the dispatch's backward, however it was recorded
         events.append("B")
-        return backward(ctx, *grads)
+        return backward(*args)
 
     NcclEpTokenDispatcher.token_dispatch = recorded_dispatch
-    autograd._Dispatch.backward = staticmethod(recorded_backward)
+    autograd._dispatch_backward = recorded_backward
 
     def undo():
         NcclEpTokenDispatcher.token_dispatch = token_dispatch
-        autograd._Dispatch.backward = staticmethod(backward)
+        autograd._dispatch_backward = backward
 
     return undo
 

@@ -13,8 +13,9 @@
  *    argument before its first launch; outputs allocated before a refusal are freed unused), so
  *    a caller may check and retry a refused call (megatron_nccl_ep's front end does, for its own
  *    messages).
- *  - An op runs without the GIL from its arguments' conversion to its result's (it may wait:
- *    the local team's gate, exact mode's count read): nothing between touches a Python object.
+ *  - An op runs without the GIL from its arguments' conversion to its launch (it may wait: the
+ *    local team's gate, exact mode's count read): nothing between touches a Python object. A
+ *    backward given to dispatch or combine is attached after the launch, with the GIL.
  *  - Failures raise ValueError (ncclInvalidArgument / ncclInvalidUsage, or an argument this file
  *    refuses) or megatron_nccl_ep.errors.NcclEpError (others, a RuntimeError) with
  *    ncclEpGetLastError()'s text. Calls that may block (the local team's gate, exact mode's
@@ -38,6 +39,7 @@
 #include <vector>
 
 #include "../include/nccl_ep.h"
+#include "py_backward.h"
 
 namespace py = pybind11;
 
@@ -450,56 +452,72 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "dispatch",
       // x [T, H]; probs: [T, K] in slot order, or dense [T, E]; None: no probs. Returns (recv_x
-      // [N, H] of x's dtype, recv_probs [N] of the probs' dtype or None).
-      [](uintptr_t handle, const at::Tensor& x, const OptTensor& probs, bool dense, int device) {
-        ncclEpDispatchInputs_t in{};
-        ncclEpDispatchOutputs_t out{};
-        in.tokens = tensor(x, NCCL_EP_TENSOR_TOKENS, device, "x");
-        in.topk_weights = tensor(probs, weights_tag(dense), device, "probs");
-        if (x.dim() != 2) throw ValueErrorEx("x must be 2-D [T, H]");
-        int64_t n = 0;  // exact mode: the handle's first call waits here for its layout
-        check(ncclEpHandleGetNumRecvTokens(as_ptr<ncclEpHandle>(handle), &n),
-              "ncclEpHandleGetNumRecvTokens");
-        at::Tensor recv_x = empty({n, x.size(1)}, x.scalar_type(), device);
+      // [N, H] of x's dtype, recv_probs [N] of the probs' dtype or None). backward: None, or
+      // (grad recv_x, grad recv_probs) -> (grad x, grad probs), attached as the outputs'
+      // grad_fn (py_backward.h).
+      [](uintptr_t handle, const at::Tensor& x, const OptTensor& probs, bool dense, int device,
+         const py::object& backward) {
+        at::Tensor recv_x;
         OptTensor recv_probs;
-        if (probs.has_value()) recv_probs = empty({n}, probs->scalar_type(), device);
-        out.recv_tokens = tensor(recv_x, NCCL_EP_TENSOR_TOKENS, device, "recv_x");
-        out.recv_topk_weights = tensor(recv_probs, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
-                                       "recv_probs");
-        const ncclEpOpConfig_t cfg = op_config(false);
-        check(ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
-                             current_stream(device)),
-              "ncclEpDispatch");
-        return std::make_tuple(recv_x, recv_probs);
+        {
+          py::gil_scoped_release nogil;
+          ncclEpDispatchInputs_t in{};
+          ncclEpDispatchOutputs_t out{};
+          in.tokens = tensor(x, NCCL_EP_TENSOR_TOKENS, device, "x");
+          in.topk_weights = tensor(probs, weights_tag(dense), device, "probs");
+          if (x.dim() != 2) throw ValueErrorEx("x must be 2-D [T, H]");
+          int64_t n = 0;  // exact mode: the handle's first call waits here for its layout
+          check(ncclEpHandleGetNumRecvTokens(as_ptr<ncclEpHandle>(handle), &n),
+                "ncclEpHandleGetNumRecvTokens");
+          recv_x = empty({n, x.size(1)}, x.scalar_type(), device);
+          if (probs.has_value()) recv_probs = empty({n}, probs->scalar_type(), device);
+          out.recv_tokens = tensor(recv_x, NCCL_EP_TENSOR_TOKENS, device, "recv_x");
+          out.recv_topk_weights = tensor(recv_probs, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
+                                         "recv_probs");
+          const ncclEpOpConfig_t cfg = op_config(false);
+          check(ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
+                               current_stream(device)),
+                "ncclEpDispatch");
+        }
+        if (!backward.is_none())
+          nccl_ep_py::attach_backward(backward, {x, probs.value_or(at::Tensor())},
+                                      {recv_x, recv_probs.value_or(at::Tensor())});
+        return py::make_tuple(recv_x, recv_probs);
       },
       py::arg("handle"), py::arg("x"), py::arg("probs"), py::arg("dense"), py::arg("device"),
-      NoGil());
+      py::arg("backward") = py::none());
   m.def(
       "combine",
       // expert_out: HT [N, H]; LL the dispatch's layout. topk_weights: LL expert-major's [T, K]
       // fp32, else None. send_only: LL only. Returns y [num_tokens, H] of expert_out's dtype
-      // (`out` when given).
+      // (`out` when given). backward: None, or (grad y) -> (grad expert_out,), attached as y's
+      // grad_fn (py_backward.h).
       [](uintptr_t handle, const at::Tensor& expert_out, const OptTensor& topk_weights,
-         bool send_only, const OptTensor& given, int64_t num_tokens, int device) {
-        ncclEpCombineInputs_t in{};
-        ncclEpCombineOutputs_t out{};
-        in.expert_tokens = tensor(expert_out, NCCL_EP_TENSOR_TOKENS, device, "expert_out");
-        in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
-                                 "topk_weights");
-        if (expert_out.dim() < 1) throw ValueErrorEx("expert_out must have a hidden dimension");
-        const at::Tensor y =
-            given.has_value()
-                ? *given
-                : empty({num_tokens, expert_out.size(-1)}, expert_out.scalar_type(), device);
-        out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "out");
-        const ncclEpOpConfig_t cfg = op_config(send_only);
-        check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
-                            current_stream(device)),
-              "ncclEpCombine");
+         bool send_only, const OptTensor& given, int64_t num_tokens, int device,
+         const py::object& backward) {
+        at::Tensor y;
+        {
+          py::gil_scoped_release nogil;
+          ncclEpCombineInputs_t in{};
+          ncclEpCombineOutputs_t out{};
+          in.expert_tokens = tensor(expert_out, NCCL_EP_TENSOR_TOKENS, device, "expert_out");
+          in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
+                                   "topk_weights");
+          if (expert_out.dim() < 1) throw ValueErrorEx("expert_out must have a hidden dimension");
+          y = given.has_value()
+                  ? *given
+                  : empty({num_tokens, expert_out.size(-1)}, expert_out.scalar_type(), device);
+          out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "out");
+          const ncclEpOpConfig_t cfg = op_config(send_only);
+          check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
+                              current_stream(device)),
+                "ncclEpCombine");
+        }
+        if (!backward.is_none()) nccl_ep_py::attach_backward(backward, {expert_out}, {y});
         return y;
       },
       py::arg("handle"), py::arg("expert_out"), py::arg("topk_weights"), py::arg("send_only"),
-      py::arg("out"), py::arg("num_tokens"), py::arg("device"), NoGil());
+      py::arg("out"), py::arg("num_tokens"), py::arg("device"), py::arg("backward") = py::none());
   m.def(
       "combine_topk_weights",
       // grad_recv [N] -> [num_tokens, cols] of its dtype: cols K in slot order, or E dense.
