@@ -29,7 +29,8 @@ graphs need capacity mode); LL at each ``--host-ll-tokens`` T (T_max = T), in ea
 * ``profile``: for the configurations of ``PROFILED``, ``torch.profiler`` over ``HOST_STEPS``
   eager steps (CPU and CUDA activity: torch's ops and the CUDA runtime calls of every library
   in the process): the ``PROFILE_ROWS`` events of most self CPU time, per step; for Megatron's
-  methods a step is their forward (dispatch, the stand-in expert, combine);
+  methods a step is their forward (dispatch, the stand-in expert, combine). The profiles run
+  after every timed item, each on a new group (``section``);
 * ``megatron T=<T>: dispatch`` / ``combine``: ``NcclEpTokenDispatcher``'s methods as MoELayer
   calls them (``benchmarks.dispatchers.MethodDriver``), e2e as the megatron section times them,
   at the group's receive mode (``--recv-mode``); the report puts the HT kernels of the same T
@@ -145,7 +146,6 @@ def _steps(me: Rank, prefix: str, step, graphed: bool) -> None:
         return walls
 
     me.emit("times", f"{prefix}: step (eager)", times_ms=back_to_back(step))
-    _profile(me, prefix, step)
     if not graphed:
         return
     graph, _kept = capture(lambda: step(0))
@@ -173,12 +173,14 @@ def _steps(me: Rank, prefix: str, step, graphed: bool) -> None:
 def _profile(me: Rank, prefix: str, step) -> None:
     """For a configuration of ``PROFILED``: emits ``<prefix>: profile``, ``[name, calls per step,
     self CPU us per step]`` of the events of most self CPU time over ``HOST_STEPS`` eager
-    steps."""
+    steps, after ``HOST_STEPS`` steps unprofiled (a new group's first calls)."""
     if prefix not in PROFILED:
         return
     from torch.profiler import ProfilerActivity, profile
 
     torch = me.torch
+    for i in range(HOST_STEPS):
+        step(i)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(HOST_STEPS):
@@ -199,7 +201,7 @@ def _group(me: Rank, tokens: int, **fields):
                  timeout_s=args.device_timeout, **fields)
 
 
-def _ht(me: Rank, tokens: int, mode: str) -> None:
+def _ht(me: Rank, tokens: int, mode: str, profile_only: bool) -> None:
     args = me.args
     fields = {"num_sms": args.num_sms}
     if mode == "capacity":
@@ -216,21 +218,23 @@ def _ht(me: Rank, tokens: int, mode: str) -> None:
                     ("dispatch", lambda: st.update(d=st["h"].dispatch(x, probs))),
                     ("combine", lambda: st["h"].combine(st["d"][0]))]
 
-        _enqueue_costs(me, prefix, script)
-
         def step(i):
             topk, probs, x = sets[i % len(sets)]
             handle = group.create_handle(topk)
             recv_x, _ = handle.dispatch(x, probs)
             return handle, handle.combine(recv_x)
 
+        if profile_only:
+            _profile(me, prefix, step)
+            return
+        _enqueue_costs(me, prefix, script)
         _steps(me, prefix, step, graphed=mode == "capacity")
     finally:
         me.torch.cuda.synchronize()
         group.destroy()
 
 
-def _ll(me: Rank, tokens: int, layout: str) -> None:
+def _ll(me: Rank, tokens: int, layout: str, profile_only: bool) -> None:
     sms = me.torch.cuda.get_device_properties(me.device).multi_processor_count
     group = _group(me, tokens, mode="ll", ll_layout=layout, num_sms=sms)
     sets = _inputs(me, tokens)
@@ -248,29 +252,34 @@ def _ll(me: Rank, tokens: int, layout: str) -> None:
                 (HOST_OPS[3], lambda: st["h"].dispatch(x, weights, out=st["d"])),
                 (HOST_OPS[4], lambda: st["h"].combine(st["d"].x, combine_w, out=st["y"]))]
 
-        _enqueue_costs(me, prefix, script)
-
         def step(i):
             topk, weights, x = sets[i % len(sets)]
             handle = group.create_handle(topk)
             out = handle.dispatch(x, weights)
             return handle, out, handle.combine(out.x, weights if expert_major else None)
 
+        if profile_only:
+            _profile(me, prefix, step)
+            return
+        _enqueue_costs(me, prefix, script)
         _steps(me, prefix, step, graphed=True)
     finally:
         me.torch.cuda.synchronize()
         group.destroy()
 
 
-def _megatron(me: Rank, tokens: int) -> None:
+def _megatron(me: Rank, tokens: int, profile_only: bool) -> None:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     drive = MethodDriver(build_dispatcher(me, "nccl_ep", pg_collection, tokens),
                          megatron_inputs(me, tokens))
     prefix, mode = megatron_prefix(tokens), e2e_mode("cuda")
-    me.measure(f"{prefix}: dispatch", drive.dispatch, mode=mode, setup=drive.leaf_inputs)
-    me.measure(f"{prefix}: combine", drive.combine_kept, mode=mode, setup=drive.dispatched_rows)
+    if not profile_only:
+        me.measure(f"{prefix}: dispatch", drive.dispatch, mode=mode, setup=drive.leaf_inputs)
+        me.measure(f"{prefix}: combine", drive.combine_kept, mode=mode,
+                   setup=drive.dispatched_rows)
+        return
 
     def forward(i):  # the methods' forward around the stand-in expert (its ops show apart)
         drive.leaf_inputs(i)
@@ -280,30 +289,45 @@ def _megatron(me: Rank, tokens: int) -> None:
 
 
 def section(me: Rank) -> None:
+    """Every timed item first, then the profiles (``PROFILED``): a torch.profiler run leaves
+    CUPTI attached to the process (kineto detaches it only under ``TEARDOWN_CUPTI=1``), which
+    adds to the host time of every CUDA call after it."""
     args = me.args
     torch = me.torch
     me.attempt(FLOOR, lambda: _enqueue_costs(
         me, FLOOR, lambda i: [(FLOOR_OP, lambda: torch.cuda._sleep(1))]))
+    kernels = []  # (prefix, run(profile_only)) of the HT and LL configurations
     for tokens in args.host_ht_tokens:
         for mode in ("exact", "capacity"):
-            me.attempt(ht_prefix(tokens, mode), lambda: _ht(me, tokens, mode))
+            kernels.append((ht_prefix(tokens, mode), lambda p, t=tokens, m=mode: _ht(me, t, m, p)))
     for tokens in args.host_ll_tokens:
         for layout in args.ll_layouts:
-            me.attempt(ll_prefix(tokens, layout), lambda: _ll(me, tokens, layout))
+            kernels.append((ll_prefix(tokens, layout),
+                            lambda p, t=tokens, lay=layout: _ll(me, t, lay, p)))
+    for prefix, configuration in kernels:
+        me.attempt(prefix, lambda: configuration(False))
+    methods = []  # the same for Megatron's dispatcher methods
     try:
         from megatron.core import parallel_state
     except Exception as exc:  # noqa: BLE001 - the other items stand without Megatron
         me.emit("error", "megatron", error=f"megatron-core does not import: {exc}")
-        return
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=1)
+        parallel_state = None
+    else:
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=1)
+        methods = [(megatron_prefix(tokens), lambda p, t=tokens: _megatron(me, t, p))
+                   for tokens in args.host_ht_tokens]
     try:
-        for tokens in args.host_ht_tokens:
-            me.attempt(megatron_prefix(tokens), lambda: _megatron(me, tokens))
+        for prefix, configuration in methods:
+            me.attempt(prefix, lambda: configuration(False))
+        for prefix, configuration in kernels + methods:
+            if prefix in PROFILED:
+                me.attempt(f"{prefix}: profile", lambda: configuration(True))
     finally:
-        from megatron_nccl_ep.dispatcher import destroy_groups
+        if parallel_state is not None:
+            from megatron_nccl_ep.dispatcher import destroy_groups
 
-        destroy_groups()
-        parallel_state.destroy_model_parallel()
+            destroy_groups()
+            parallel_state.destroy_model_parallel()
 
 
 def run(result: dict, args: argparse.Namespace, budget_end: float) -> None:
