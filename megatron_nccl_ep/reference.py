@@ -115,6 +115,14 @@ class ReferenceLLState:
     routing_released: ClassVar[bool] = True  # the routing is copied at creation
 
 
+def _records_nothing(backward) -> None:
+    """The reference's ops record no autograd (``records_grad_fn`` False: autograd.py wraps them
+    in Functions)."""
+    if backward is not None:
+        raise TypeError("the reference backend records no backward in its ops (records_grad_fn "
+                        "is False): call it with backward=None")
+
+
 class ReferenceBackend:
     """``backend.Backend`` in plain PyTorch."""
 
@@ -407,6 +415,7 @@ class ReferenceBackend:
     # -- operations --------------------------------------------------------------------------------
     def dispatch(self, state: ReferenceHandleState, x: torch.Tensor,
                  probs: Optional[torch.Tensor], dense: bool = False, backward=None):
+        _records_nothing(backward)
         hidden_bytes = x.shape[1] * x.element_size()
         if probs is not None and dense:  # [T, E] -> slot order (masked slots carry nothing)
             probs = probs.gather(1, state.topk_idx.clamp(min=0))
@@ -433,6 +442,7 @@ class ReferenceBackend:
 
     def combine(self, state: ReferenceHandleState, expert_out: torch.Tensor,
                 backward=None) -> torch.Tensor:
+        _records_nothing(backward)
         acc_dtype = accumulation_dtype(expert_out.dtype)
         hidden = expert_out.shape[1]
         # Stage 1, here: one partial per received token, slots in ascending k, rounded.

@@ -134,3 +134,35 @@ def test_op_bindings_refuse_a_tensor_off_the_group_device(ext):
         ext.combine(0, x.tolist(), None, False, None, 4, 0)
     with pytest.raises(ValueError, match="expected 6 fields"):
         ext.LLOutputs([None] * 5)
+
+
+def test_op_bindings_refuse_a_backward_they_cannot_record(ext):
+    """dispatch and combine record a given ``backward`` as their outputs' grad_fn
+    (csrc/bindings/py_backward.h) where autograd records: they refuse, before anything reaches the
+    library, a backward with a combine that writes ``out``, sends only or takes LL weights, and
+    forward-mode AD; without grad mode, or with no input that requires grad, the backward is
+    ignored and the call goes on (here to the device check)."""
+    x = torch.zeros(4, 8, dtype=torch.bfloat16, requires_grad=True)
+
+    def backward(*grads):
+        return grads
+
+    refused = {
+        "out": lambda: ext.combine(0, x, None, False, x.detach(), 4, 0, backward),
+        "send_only": lambda: ext.combine(0, x, None, True, None, 4, 0, backward),
+        "topk_weights": lambda: ext.combine(0, x, torch.ones(4, 2), False, None, 4, 0, backward),
+    }
+    for call in refused.values():
+        with pytest.raises(ValueError, match="backward is recorded for HT's combine only"):
+            call()
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x.detach(), torch.ones_like(x))
+        with pytest.raises(ValueError, match="forward-mode AD"):
+            ext.dispatch(0, dual, None, False, 0, backward)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="^expert_out must be on cuda:0, got cpu$"):
+            ext.combine(0, x, None, False, x.detach(), 4, 0, backward)
+    with pytest.raises(ValueError, match="^x must be on cuda:0, got cpu$"):
+        ext.dispatch(0, x.detach(), None, False, 0, backward)

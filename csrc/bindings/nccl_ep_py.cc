@@ -453,10 +453,12 @@ PYBIND11_MODULE(_C, m) {
       "dispatch",
       // x [T, H]; probs: [T, K] in slot order, or dense [T, E]; None: no probs. Returns (recv_x
       // [N, H] of x's dtype, recv_probs [N] of the probs' dtype or None). backward: None, or
-      // (grad recv_x, grad recv_probs) -> (grad x, grad probs), attached as the outputs'
-      // grad_fn (py_backward.h).
+      // (grad recv_x, grad recv_probs) -> (grad x, grad probs), the outputs' grad_fn where
+      // autograd records (py_backward.h).
       [](uintptr_t handle, const at::Tensor& x, const OptTensor& probs, bool dense, int device,
          const py::object& backward) {
+        const bool record =
+            nccl_ep_py::records_backward(backward, {x, probs.value_or(at::Tensor())});
         at::Tensor recv_x;
         OptTensor recv_probs;
         {
@@ -479,8 +481,9 @@ PYBIND11_MODULE(_C, m) {
                                current_stream(device)),
                 "ncclEpDispatch");
         }
-        if (!backward.is_none())
-          nccl_ep_py::attach_backward(backward, {x, probs.value_or(at::Tensor())},
+        if (record)
+          nccl_ep_py::attach_backward("NcclEpDispatchBackward", backward,
+                                      {x, probs.value_or(at::Tensor())},
                                       {recv_x, recv_probs.value_or(at::Tensor())});
         return py::make_tuple(recv_x, recv_probs);
       },
@@ -490,11 +493,16 @@ PYBIND11_MODULE(_C, m) {
       "combine",
       // expert_out: HT [N, H]; LL the dispatch's layout. topk_weights: LL expert-major's [T, K]
       // fp32, else None. send_only: LL only. Returns y [num_tokens, H] of expert_out's dtype
-      // (`out` when given). backward: None, or (grad y) -> (grad expert_out,), attached as y's
-      // grad_fn (py_backward.h).
+      // (`out` when given). backward: None, or (grad y) -> (grad expert_out,), y's grad_fn where
+      // autograd records (py_backward.h).
       [](uintptr_t handle, const at::Tensor& expert_out, const OptTensor& topk_weights,
          bool send_only, const OptTensor& given, int64_t num_tokens, int device,
          const py::object& backward) {
+        const bool record = nccl_ep_py::records_backward(backward, {expert_out});
+        if (record && (given.has_value() || send_only || topk_weights.has_value()))
+          throw ValueErrorEx(
+              "combine: a backward is recorded for HT's combine only, without out, send_only "
+              "or topk_weights");
         at::Tensor y;
         {
           py::gil_scoped_release nogil;
@@ -513,7 +521,8 @@ PYBIND11_MODULE(_C, m) {
                               current_stream(device)),
                 "ncclEpCombine");
         }
-        if (!backward.is_none()) nccl_ep_py::attach_backward(backward, {expert_out}, {y});
+        if (record)
+          nccl_ep_py::attach_backward("NcclEpCombineBackward", backward, {expert_out}, {y});
         return y;
       },
       py::arg("handle"), py::arg("expert_out"), py::arg("topk_weights"), py::arg("send_only"),

@@ -3,6 +3,8 @@
  */
 #include "py_backward.h"
 
+#include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -29,7 +31,7 @@ bool finalizing() {
 }
 
 struct PyBackward : torch::autograd::Node {
-  explicit PyBackward(py::object fn) : fn_(std::move(fn)) {}
+  PyBackward(const char* name, py::object fn) : name_(name), fn_(std::move(fn)) {}
 
   ~PyBackward() override {
     // The graph may be freed on autograd's worker thread, or at exit after the interpreter.
@@ -41,7 +43,7 @@ struct PyBackward : torch::autograd::Node {
     fn_ = py::object();
   }
 
-  std::string name() const override { return "NcclEpBackward"; }
+  std::string name() const override { return name_; }
 
   variable_list apply(variable_list&& grads) override {
     py::gil_scoped_acquire gil;
@@ -56,20 +58,36 @@ struct PyBackward : torch::autograd::Node {
       }
     }
     PyObject* result = PyObject_CallObject(fn_.ptr(), args.ptr());
-    if (result == nullptr) {
-      python_error err;
-      err.persist();
-      throw std::move(err);
+    if (result == nullptr) throw_python_error();
+    const py::object returned = py::reinterpret_steal<py::object>(result);
+    if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != (Py_ssize_t)num_outputs()) {
+      PyErr_Format(PyExc_TypeError, "%s: the backward must return a tuple of %d gradients, got %R",
+                   name_.c_str(), (int)num_outputs(), result);
+      throw_python_error();
     }
-    const py::tuple returned = py::reinterpret_steal<py::tuple>(result);
     variable_list out;
-    out.reserve(returned.size());
-    for (const py::handle g : returned)
-      out.push_back(g.is_none() ? at::Tensor() : THPVariable_Unpack(g.ptr()));
+    out.reserve(num_outputs());
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(result); ++i) {
+      PyObject* g = PyTuple_GET_ITEM(result, i);
+      if (g != Py_None && !THPVariable_Check(g)) {
+        PyErr_Format(PyExc_TypeError, "%s: gradient %d must be a tensor or None, got %s",
+                     name_.c_str(), (int)i, Py_TYPE(g)->tp_name);
+        throw_python_error();
+      }
+      out.push_back(g == Py_None ? at::Tensor() : THPVariable_Unpack(g));
+    }
     return out;
   }
 
  private:
+  // The pending Python error, as the engine carries a Function's.
+  [[noreturn]] static void throw_python_error() {
+    python_error err;
+    err.persist();
+    throw std::move(err);
+  }
+
+  std::string name_;
   py::object fn_;
 };
 
@@ -78,24 +96,40 @@ struct PyBackward : torch::autograd::Node {
 using NodePtr = decltype(torch::autograd::Edge::function);
 
 template <typename N>
-NodePtr make_node(py::object fn) {
+NodePtr make_node(const char* name, py::object fn) {
   if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
     // torch's own deleter, which frees a long chain of nodes without deep recursion.
-    return std::shared_ptr<N>(new N(std::move(fn)), [](N* node) { deleteNode(node); });
+    return std::shared_ptr<N>(new N(name, std::move(fn)), [](N* node) { deleteNode(node); });
   } else {
-    return c10::make_intrusive<N>(std::move(fn));
+    return c10::make_intrusive<N>(name, std::move(fn));
   }
 }
 
 }  // namespace
 
-void attach_backward(const py::object& backward, std::initializer_list<at::Tensor> inputs,
+bool records_backward(const py::object& backward, std::initializer_list<at::Tensor> inputs) {
+  if (backward.is_none() || !at::GradMode::is_enabled() || c10::InferenceMode::is_enabled())
+    return false;
+  bool wanted = false;
+  for (const at::Tensor& t : inputs) {
+    if (!t.defined()) continue;
+    if (torch::autograd::isFwGradDefined(t))
+      throw std::invalid_argument(
+          "forward-mode AD (a dual tensor) through dispatch or combine is not supported");
+    wanted = wanted || t.requires_grad();
+  }
+  return wanted;
+}
+
+void attach_backward(const char* name, const py::object& backward,
+                     std::initializer_list<at::Tensor> inputs,
                      std::initializer_list<at::Tensor> outputs) {
-  const NodePtr node = make_node<PyBackward>(backward);
+  const NodePtr node = make_node<PyBackward>(name, backward);
   torch::autograd::edge_list edges;
   edges.reserve(inputs.size());
   for (const at::Tensor& t : inputs)
-    edges.push_back(t.defined() ? torch::autograd::impl::gradient_edge(t) : torch::autograd::Edge());
+    edges.push_back(t.defined() ? torch::autograd::impl::gradient_edge(t)
+                                : torch::autograd::Edge());
   node->set_next_edges(std::move(edges));
   for (const at::Tensor& t : outputs) torch::autograd::set_history(t, node);
 }

@@ -57,7 +57,7 @@ def step(handle, x, probs, dense, via_function: bool, use_probs_grad: bool = Tru
     torch.cuda.synchronize()
     return {"recv_x": recv_x, "recv_probs": recv_probs, "y": y, "grad_x": xg.grad,
             "grad_probs": None if pg is None else pg.grad,
-            "grad_fns": (type(recv_x.grad_fn).__name__, recv_x.grad_fn.name(), y.grad_fn.name())}
+            "grad_fns": (recv_x.grad_fn.name(), y.grad_fn.name())}
 
 
 def assert_same_bits(a: dict, b: dict) -> None:
@@ -78,8 +78,7 @@ def test_recorded_backward_gives_the_bits_of_the_function(probs_form, recv_mode,
     p = None if probs_form == "none" else dense_probs_of(idx, probs, E) if dense else probs
     recorded = step(handle, x, p, dense, via_function=False)
     function = step(handle, x, p, dense, via_function=True)
-    assert recorded["grad_fns"][1:] == ("NcclEpBackward", "NcclEpBackward")
-    assert function["grad_fns"][0] == "_DispatchBackward"
+    assert recorded["grad_fns"] == ("NcclEpDispatchBackward", "NcclEpCombineBackward")
     assert_same_bits(recorded, function)
     group.destroy()
 
@@ -126,4 +125,56 @@ def test_a_destroyed_handle_raises_in_backward(seed):
     handle.destroy()
     with pytest.raises(RuntimeError, match="this Handle was destroyed"):
         recv_x.sum().backward()
+    group.destroy()
+
+
+def test_a_gradient_for_the_probs_alone(seed):
+    """``torch.autograd.grad`` for the probs only (x not a leaf that wants one): the same bits as
+    through the Function."""
+    group, idx, x, probs = setup(seed)
+    handle = group.create_handle(idx)
+    grads = []
+    for via_function in (False, True):
+        pg = leaf(probs)
+        if via_function:
+            recv_x, recv_probs = autograd._Dispatch.apply(handle, x, pg, False)
+        else:
+            recv_x, recv_probs = ep.dispatch(handle, x, pg)
+        weighted = recv_x * recv_probs.unsqueeze(-1).to(recv_x.dtype)
+        y = ep.combine(handle, weighted) if not via_function else \
+            autograd._Combine.apply(handle, weighted)
+        grads.append(torch.autograd.grad(y.float().square().sum(), [pg])[0])
+    torch.cuda.synchronize()
+    assert torch.equal(grads[0], grads[1])
+    group.destroy()
+
+
+def test_without_grad_nothing_is_recorded(seed):
+    group, idx, x, probs = setup(seed)
+    handle = group.create_handle(idx)
+    with torch.no_grad():
+        recv_x, recv_probs = ep.dispatch(handle, leaf(x), leaf(probs))
+        y = ep.combine(handle, recv_x)
+    assert recv_x.grad_fn is None and recv_probs.grad_fn is None and y.grad_fn is None
+    assert not (recv_x.requires_grad or y.requires_grad)
+    group.destroy()
+
+
+def test_the_backward_error_keeps_its_type(seed, monkeypatch):
+    """An exception raised by the backward (here a stand-in for the dispatch that the combine's
+    backward calls) reaches backward()'s caller as itself."""
+
+    class Refused(Exception):
+        pass
+
+    def refuse(handle, thread, grad_y):
+        raise Refused("from the combine's backward")
+
+    monkeypatch.setattr(autograd, "_combine_backward", refuse)
+    group, idx, x, probs = setup(seed)
+    handle = group.create_handle(idx)
+    recv_x, _ = ep.dispatch(handle, leaf(x), None)
+    y = ep.combine(handle, recv_x)
+    with pytest.raises(Refused, match="^from the combine's backward$"):
+        y.sum().backward()
     group.destroy()
