@@ -113,7 +113,7 @@ bool records_backward(const py::object& backward, std::initializer_list<at::Tens
   bool wanted = false;
   for (const at::Tensor& t : inputs) {
     if (!t.defined()) continue;
-    if (torch::autograd::isFwGradDefined(t))
+    if (t._fw_grad(/*level=*/0).defined())
       throw std::invalid_argument(
           "forward-mode AD (a dual tensor) through dispatch or combine is not supported");
     wanted = wanted || t.requires_grad();
