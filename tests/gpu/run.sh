@@ -212,40 +212,60 @@ bench_table() {
 }
 
 if wants bench; then
-    start=$SECONDS
-    budget=$(limit "${BENCH_TIMEOUT:-170}")
-    # Local teams (the team section) need a hardware queue per rank, as in the tests.
-    # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
-    CUDA_DEVICE_MAX_CONNECTIONS=32 timeout -k 10 "$budget" "$PY" -m benchmarks \
-        --json "$OUT/results.json" --markdown "$OUT/RESULTS.md" --plot "$OUT/results.png" \
-        --time-budget $((budget - 15)) $BENCH_ARGS >"$OUT/bench.log" 2>&1
-    rc=$?
-    [ $rc -eq 0 ] || STATUS=1
-    note "- bench: rc $rc ($((SECONDS - start)) s; 1 = some item failed, 124 = timed out)"
-    { echo; bench_table <"$OUT/bench.log"; } >>"$SUMMARY"
+    # The baselines' builds end first, so that none runs beside a timed bench.
+    READY=()
     for i in "${!BASELINES[@]}"; do
         [ -n "${BASELINE_PIDS[$i]:-}" ] || continue
-        dir=/tmp/baseline_$i
-        if ! wait "${BASELINE_PIDS[$i]}"; then
+        if wait "${BASELINE_PIDS[$i]}"; then
+            READY+=("$i")
+        else
             STATUS=1
             note "- baseline ${BASELINES[$i]} build: FAILED; the tail of its log:"
-            { echo '```'; tail -n 12 "$dir/build.log"; echo '```'; } | tee -a "$SUMMARY"
-            continue
+            { echo '```'; tail -n 12 "/tmp/baseline_$i/build.log"; echo '```'; } | tee -a "$SUMMARY"
         fi
+    done
+    # BENCH_ROUNDS > 1 alternates this tree's bench and the baselines' that many times (two
+    # processes of one tree may differ more than two trees do): round 1 of this tree writes the
+    # results files, every round's log goes into bench.log and its table into the summary.
+    ROUNDS=${BENCH_ROUNDS:-1}
+    for ((round = 1; round <= ROUNDS; round++)); do
+        of=""
+        [ "$ROUNDS" -gt 1 ] && of=", round $round of $ROUNDS"
         start=$SECONDS
         budget=$(limit "${BENCH_TIMEOUT:-170}")
-        # The baseline's own bench: benchmarks/ where the tree has it, else the package's.
-        bench=megatron_nccl_ep.bench
-        [ -f "$dir/benchmarks/__main__.py" ] && bench=benchmarks
+        files=()
+        [ "$round" -eq 1 ] && files=(--json "$OUT/results.json" --markdown "$OUT/RESULTS.md"
+                                     --plot "$OUT/results.png")
+        # Local teams (the team section) need a hardware queue per rank, as in the tests.
         # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
-        log=$(cd "$dir" && PYTHONPATH="$dir:$PYTHONPATH" CUDA_DEVICE_MAX_CONNECTIONS=32 \
-            timeout -k 10 "$budget" "$PY" -m "$bench" $BENCH_ARGS \
-            --sections "${BASELINE_SECTIONS:-kernels}" --time-budget $((budget - 15)) 2>&1)
+        log=$(CUDA_DEVICE_MAX_CONNECTIONS=32 timeout -k 10 "$budget" "$PY" -m benchmarks \
+            "${files[@]}" --time-budget $((budget - 15)) $BENCH_ARGS 2>&1)
         rc=$?
         [ $rc -eq 0 ] || STATUS=1
-        { echo "==== baseline ${BASELINES[$i]}"; echo "$log"; } >>"$OUT/bench.log"
-        note "- bench, baseline ${BASELINES[$i]}: rc $rc ($((SECONDS - start)) s)"
-        bench_table <<<"$log" >>"$SUMMARY"
+        if [ "$round" -eq 1 ]; then
+            echo "$log" >"$OUT/bench.log"
+        else
+            { echo "==== this tree$of"; echo "$log"; } >>"$OUT/bench.log"
+        fi
+        note "- bench$of: rc $rc ($((SECONDS - start)) s; 1 = some item failed, 124 = timed out)"
+        { echo; bench_table <<<"$log"; } >>"$SUMMARY"
+        for i in "${READY[@]}"; do
+            dir=/tmp/baseline_$i
+            start=$SECONDS
+            budget=$(limit "${BENCH_TIMEOUT:-170}")
+            # The baseline's own bench: benchmarks/ where the tree has it, else the package's.
+            bench=megatron_nccl_ep.bench
+            [ -f "$dir/benchmarks/__main__.py" ] && bench=benchmarks
+            # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
+            log=$(cd "$dir" && PYTHONPATH="$dir:$PYTHONPATH" CUDA_DEVICE_MAX_CONNECTIONS=32 \
+                timeout -k 10 "$budget" "$PY" -m "$bench" $BENCH_ARGS \
+                --sections "${BASELINE_SECTIONS:-kernels}" --time-budget $((budget - 15)) 2>&1)
+            rc=$?
+            [ $rc -eq 0 ] || STATUS=1
+            { echo "==== baseline ${BASELINES[$i]}$of"; echo "$log"; } >>"$OUT/bench.log"
+            note "- bench, baseline ${BASELINES[$i]}$of: rc $rc ($((SECONDS - start)) s)"
+            bench_table <<<"$log" >>"$SUMMARY"
+        done
     done
 fi
 
