@@ -166,3 +166,25 @@ def test_op_bindings_refuse_a_backward_they_cannot_record(ext):
             ext.combine(0, x, None, False, x.detach(), 4, 0, backward)
     with pytest.raises(ValueError, match="^x must be on cuda:0, got cpu$"):
         ext.dispatch(0, x.detach(), None, False, 0, backward)
+
+
+def test_op_bindings_show_in_torch_profiler(ext):
+    """Each op binding is a span of its own in torch.profiler's trace (named nccl_ep::<op>), as
+    torch's ops are: profiles of a step attribute the binding's host time to it (here calls
+    refused at the device check, which the span covers too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, idx = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64)
+    calls = {
+        "create_handle": lambda: ext.create_handle(0, idx, False, 0),
+        "dispatch": lambda: ext.dispatch(0, x, None, False, 0),
+        "combine": lambda: ext.combine(0, x, None, False, None, 4, 0),
+        "combine_topk_weights": lambda: ext.combine_topk_weights(0, x[:, 0].float(), 4, 2,
+                                                                 False, 0),
+    }
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for call in calls.values():
+            with pytest.raises(ValueError, match="must be on cuda:0"):
+                call()
+    names = {event.key for event in prof.key_averages()}
+    assert {f"nccl_ep::{op}" for op in calls} <= names, names

@@ -25,6 +25,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/EmptyTensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/record_function.h>
 #include <c10/cuda/CUDAStream.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -85,6 +86,10 @@ cudaStream_t current_stream(int device) {
 
 // An op's binding: its body runs without the GIL (module NOTES).
 using NoGil = py::call_guard<py::gil_scoped_release>;
+
+// An op's span in torch.profiler's trace (a row of its own, as torch's ops have): a thread-local
+// check when no profiler runs.
+#define EP_RECORD_OP(name) RECORD_FUNCTION(name, c10::ArrayRef<const c10::IValue>())
 
 ncclDataType_t nccl_dtype(at::ScalarType s) {
   switch (s) {
@@ -394,6 +399,7 @@ PYBIND11_MODULE(_C, m) {
       // routing: topk_idx [T, K] (is_map false) or a routing map [T, E], contiguous (the
       // library reads strides too; the package hands it contiguous copies, as it always has).
       [](uintptr_t group, const at::Tensor& routing, bool is_map, int device) {
+        EP_RECORD_OP("nccl_ep::create_handle");
         const char* name = is_map ? "routing_map" : "topk_idx";
         const ncclEpTensor_t r = tensor(
             routing, is_map ? NCCL_EP_TENSOR_ROUTING_MAP : NCCL_EP_TENSOR_TOPK_IDX, device, name);
@@ -457,6 +463,7 @@ PYBIND11_MODULE(_C, m) {
       // autograd records (py_backward.h).
       [](uintptr_t handle, const at::Tensor& x, const OptTensor& probs, bool dense, int device,
          const py::object& backward) {
+        EP_RECORD_OP("nccl_ep::dispatch");
         const bool record =
             nccl_ep_py::records_backward(backward, {x, probs.value_or(at::Tensor())});
         at::Tensor recv_x;
@@ -498,6 +505,7 @@ PYBIND11_MODULE(_C, m) {
       [](uintptr_t handle, const at::Tensor& expert_out, const OptTensor& topk_weights,
          bool send_only, const OptTensor& given, int64_t num_tokens, int device,
          const py::object& backward) {
+        EP_RECORD_OP("nccl_ep::combine");
         const bool record = nccl_ep_py::records_backward(backward, {expert_out});
         if (record && (given.has_value() || send_only || topk_weights.has_value()))
           throw ValueErrorEx(
@@ -532,6 +540,7 @@ PYBIND11_MODULE(_C, m) {
       // grad_recv [N] -> [num_tokens, cols] of its dtype: cols K in slot order, or E dense.
       [](uintptr_t handle, const at::Tensor& grad_recv, int64_t num_tokens, int64_t cols,
          bool dense, int device) {
+        EP_RECORD_OP("nccl_ep::combine_topk_weights");
         ncclEpTensor_t in = tensor(grad_recv, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
                                    "grad_recv_probs");
         at::Tensor grad = empty({num_tokens, cols}, grad_recv.scalar_type(), device);
@@ -556,6 +565,7 @@ PYBIND11_MODULE(_C, m) {
       // exactly the fields `outputs` has, written in place (returns None).
       [](uintptr_t handle, const at::Tensor& x, const OptTensor& topk_weights, bool send_only,
          const LLOutputs& outputs, const py::object& given, int device) {
+        EP_RECORD_OP("nccl_ep::ll_dispatch");
         const bool fresh = given.is_none();
         std::array<OptTensor, kLLFields> made;
         for (int i = 0; i < kLLFields && !fresh; ++i) {
@@ -593,6 +603,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "complete",
       [](uintptr_t handle, int device) {
+        EP_RECORD_OP("nccl_ep::complete");
         check(ncclEpComplete(as_ptr<ncclEpHandle>(handle), current_stream(device)),
               "ncclEpComplete");
       },
