@@ -9,9 +9,9 @@ that needs it: on the cuda backend a node that the binding attaches in the op's 
 (csrc/bindings/py_backward.h: it spares the forward a torch.autograd.Function's host time),
 elsewhere a Function's context. Every rank runs the same collectives in the same order:
 gradients are materialized (zeros) rather than skipped, so no rank skips a collective its peers
-enter. A local team's
-backward must run on the thread of its forward (``run_local_team`` arranges it): autograd's
-worker thread, shared by every rank of a GPU, would make the ranks' calls wait for each other.
+enter. A local team's backward must run on the thread of its forward (``run_local_team``
+arranges it): autograd's worker thread, shared by every rank of a GPU, would make the ranks'
+calls wait for each other.
 """
 
 from __future__ import annotations
