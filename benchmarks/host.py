@@ -201,6 +201,18 @@ def _group(me: Rank, tokens: int, **fields):
                  timeout_s=args.device_timeout, **fields)
 
 
+def _configuration(me: Rank, prefix: str, script, step, graphed: bool,
+                   profile_only: bool) -> None:
+    """One HT or LL configuration's pass of the section: its profile (the last pass), else its
+    enqueue costs (``script``) and its steps (``step``, replayed from a graph when
+    ``graphed``)."""
+    if profile_only:
+        _profile(me, prefix, step)
+        return
+    _enqueue_costs(me, prefix, script)
+    _steps(me, prefix, step, graphed)
+
+
 def _ht(me: Rank, tokens: int, mode: str, profile_only: bool) -> None:
     args = me.args
     fields = {"num_sms": args.num_sms}
@@ -224,11 +236,7 @@ def _ht(me: Rank, tokens: int, mode: str, profile_only: bool) -> None:
             recv_x, _ = handle.dispatch(x, probs)
             return handle, handle.combine(recv_x)
 
-        if profile_only:
-            _profile(me, prefix, step)
-            return
-        _enqueue_costs(me, prefix, script)
-        _steps(me, prefix, step, graphed=mode == "capacity")
+        _configuration(me, prefix, script, step, mode == "capacity", profile_only)
     finally:
         me.torch.cuda.synchronize()
         group.destroy()
@@ -258,11 +266,7 @@ def _ll(me: Rank, tokens: int, layout: str, profile_only: bool) -> None:
             out = handle.dispatch(x, weights)
             return handle, out, handle.combine(out.x, weights if expert_major else None)
 
-        if profile_only:
-            _profile(me, prefix, step)
-            return
-        _enqueue_costs(me, prefix, script)
-        _steps(me, prefix, step, graphed=True)
+        _configuration(me, prefix, script, step, True, profile_only)
     finally:
         me.torch.cuda.synchronize()
         group.destroy()

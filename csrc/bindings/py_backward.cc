@@ -59,7 +59,7 @@ struct PyBackward : torch::autograd::Node {
     }
     PyObject* result = PyObject_CallObject(fn_.ptr(), args.ptr());
     if (result == nullptr) throw_python_error();
-    const py::object returned = py::reinterpret_steal<py::object>(result);
+    const py::object owned = py::reinterpret_steal<py::object>(result);  // released on return
     if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != (Py_ssize_t)num_outputs()) {
       PyErr_Format(PyExc_TypeError, "%s: the backward must return a tuple of %d gradients, got %R",
                    name_.c_str(), (int)num_outputs(), result);
