@@ -124,11 +124,14 @@ struct DispatchOp {
   // NOTES: a pool, not this channel's range, because CTAs write at different speeds (some SMs
   // reach memory slower than others): with equal ranges the op waits for its slowest CTA, with a
   // pool the faster ones take over the rest. The counter is DeviceState::own_claimed, reset by
-  // the op's last CTA.
-  static __device__ void recv_local(const Args& a, ExchangeShared& sh, int, int j, int,
+  // the op's last CTA. A CTA draws with at most ceil(T / channels) warps: an SM's store rate,
+  // not a warp's, bounds the expansion, and with every warp drawing, the first CTAs to start
+  // would take all tokens of a small op (one per warp) and leave the others idle.
+  static __device__ void recv_local(const Args& a, ExchangeShared& sh, int, int j, int warp,
                                     int, int lane) {
     const ExchangeArgs& e = a.ex;
     const int tokens = sh.tokens[e.rank];
+    if (warp >= (tokens + sh.plan.channels - 1) / sh.plan.channels) return;
     const long long paced = (long long)(j + 1) * sh.plan.chunk * sh.plan.channels;
     const long long stop = j + 1 >= sh.recv_rounds ? tokens : min((long long)tokens, paced);
     const int row_bytes = row_units(a) * (int)sizeof(U);
