@@ -3,8 +3,9 @@
  * library itself stays torch-free). Groups, handles and communicators travel as Python ints;
  * tensors as torch tensors, each checked to be on the group's CUDA device (the one thing the C
  * library cannot check) and passed with its real sizes and strides, so the C library's checks of
- * shape, dtype and layout are the checks of a call. One binding per C entry point (dispatch and
- * combine serve HT and LL, as ncclEpDispatch and ncclEpCombine do); an op allocates its outputs
+ * shape, dtype and layout are the checks of a call. One binding per C entry point (combine serves
+ * HT and LL, as ncclEpCombine does; ncclEpDispatch has two, HT's dispatch and ll_dispatch, whose
+ * outputs differ); an op allocates its outputs
  * (from the caching allocator, on the current stream of the group's device) and launches in this
  * one call.
  *

@@ -48,8 +48,8 @@
 
 // Per-role timers (EP_TRACE builds, device.cuh): each role's leader sums per op the time it
 // waited for peers and the time its warps worked, ops add their items' phases (ItemTimers: the
-// combine's token sums), and CTAs 0 and C - 1 of every rank print one line per op
-// ("EP_TRACE op=...").
+// combine's token sums), and CTA 0 and the op's last active channel of every rank print one
+// line per op ("EP_TRACE op=...").
 
 namespace nccl_ep {
 

@@ -40,9 +40,9 @@
  *    rather than in a kernel of their own: the layout is host-bound in Megatron's path, where a
  *    launch costs more host time than the bases take on the GPU.
  *  - Fixed capacity (expert_capacity C): off[s][l] = l * roundup(R * C, A) + s * C; a slot is kept
- *    iff its position among s's slots for its expert, in token order, is < C. The scatter and the
- *    drop pass decide it with the same scan, from the source's record alone, so the destination's
- *    rows and the source's sends agree without any exchange.
+ *    iff its position among s's slots for its expert, in token order, is < C. The scatter (by its
+ *    stable sort) and the drop pass (by a scan) compute that same position from the source's
+ *    record alone, so the destination's rows and the source's sends agree without any exchange.
  */
 #include <algorithm>
 #include <climits>
@@ -640,8 +640,8 @@ __global__ void __launch_bounds__(kLayoutThreads) scatter_kernel(LayoutArgs a) {
 
 // Fixed capacity: one block per (expert e, node m) masks, in the routing the ops follow for
 // source s = m * G + node_rank (this rank's, or one the rail brings here), every slot naming e
-// past the C-th in s's token order: the scatter's scan for every expert, not only the local ones,
-// so that no rank sends, sums or reports a slot its destination dropped.
+// past the C-th in s's token order (the scatter's position, for every expert, not only the local
+// ones), so that no rank sends, sums or reports a slot its destination dropped.
 // NOTES: blocks of other experts read the ids this one masks; an id turned to -1 never equals
 // theirs, so none of them sees a change.
 __global__ void __launch_bounds__(kLayoutThreads) drop_kernel(LayoutArgs a) {
