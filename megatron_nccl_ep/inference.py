@@ -51,6 +51,12 @@ def ll_num_sms(options, device: torch.device) -> int:
     return options.num_sms
 
 
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, without the call where ``t`` has that dtype already (a ``to`` that
+    returns its tensor still costs a call through torch's dispatcher, per layer and step)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -202,7 +208,8 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
             group = self._look_up_group(hidden_states, dtype, signature[0])
             self._group_memo = (signature[0], signature, group)
         handle = group.create_handle(topk_idx=self.routing_map)
-        out = handle.dispatch(hidden_states.to(dtype), probs, out=None if probs is None else
+        out = handle.dispatch(_as_dtype(hidden_states, dtype), probs,
+                              out=None if probs is None else
                               self._outputs(handle, hidden_states.device))
         if _capturing(hidden_states.device):
             self._captured_handles.append(handle)
@@ -212,7 +219,7 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
             self._publish_count(out.count)
         if self._runs_metadata_sync:
             self.update_metadata(tokens)
-        return out.x.to(hidden_states.dtype), out.topk_weights
+        return _as_dtype(out.x, hidden_states.dtype), out.topk_weights
 
     @staticmethod
     def _valid_rows_tensor(device: torch.device) -> torch.Tensor:
@@ -251,5 +258,5 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
                                "token_dispatch before it")
         handle, self._handle = self._handle, None
         group = handle.group
-        y = handle.combine(hidden_states.to(group.config.dtype))
-        return y.to(torch.bfloat16)
+        y = handle.combine(_as_dtype(hidden_states, group.config.dtype))
+        return _as_dtype(y, torch.bfloat16)
