@@ -195,7 +195,7 @@ if wants tests; then
     # Local teams: every rank's stream in one process, under CUDA's default module loading.
     CUDA_DEVICE_MAX_CONNECTIONS=32 PER_TEST_TIMEOUT=90 \
         run_pytest "tests (local teams: EP 2/4/8 on one GPU)" \
-        "$(limit "${TEAM_TIMEOUT:-200}")" "$OUT/gpu_tests.log" tests/gpu/test_cuda_local_team.py
+        "$(limit "${TEAM_TIMEOUT:-240}")" "$OUT/gpu_tests.log" tests/gpu/test_cuda_local_team.py
     CUDA_DEVICE_MAX_CONNECTIONS=32 PER_TEST_TIMEOUT=90 \
         run_pytest "tests (LL: EP=1 and local teams EP 2/4/8 on one GPU)" \
         "$(limit "${LL_TIMEOUT:-150}")" "$OUT/gpu_tests.log" "${LL_TESTS[@]}"
