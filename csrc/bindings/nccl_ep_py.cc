@@ -5,9 +5,8 @@
  * library cannot check) and passed with its real sizes and strides, so the C library's checks of
  * shape, dtype and layout are the checks of a call. One binding per C entry point (combine serves
  * HT and LL, as ncclEpCombine does; ncclEpDispatch has two, HT's dispatch and ll_dispatch, whose
- * outputs differ); an op allocates its outputs
- * (from the caching allocator, on the current stream of the group's device) and launches in this
- * one call.
+ * outputs differ); an op allocates its outputs (from the caching allocator, on the current stream
+ * of the group's device) and launches in this one call.
  *
  * NOTES:
  *  - An op refuses bad arguments before it enqueues anything (the C library checks every
