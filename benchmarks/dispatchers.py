@@ -14,9 +14,9 @@ from __future__ import annotations
 from .runner import Rank, e2e_mode
 
 
-def build_dispatcher(me: Rank, name: str, pg_collection, tokens: int):
-    """Dispatcher ``name`` for a batch of ``tokens`` tokens per rank, built as MoELayer builds
-    it (``nccl_ep``: its groups sized for ``tokens``)."""
+def _moe_config(me: Rank, **fields):
+    """The run's MoE layer as a TransformerConfig (``fields``: the dispatcher's settings), and
+    this rank's local expert count and indices."""
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -24,12 +24,20 @@ def build_dispatcher(me: Rank, name: str, pg_collection, tokens: int):
     config = TransformerConfig(
         num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
         ffn_hidden_size=args.hidden, num_moe_experts=args.experts, moe_router_topk=args.topk,
-        moe_token_dispatcher_type=name, expert_model_parallel_size=me.world,
+        expert_model_parallel_size=me.world,
         bf16=me.dtype == torch.bfloat16, fp16=me.dtype == torch.float16, params_dtype=me.dtype,
         # Fused permutes need transformer-engine: without it, Megatron's unfused permutes.
-        moe_permute_fusion=False, add_bias_linear=False, use_cpu_initialization=not me.cuda)
+        moe_permute_fusion=False, add_bias_linear=False, use_cpu_initialization=not me.cuda,
+        **fields)
     local = args.experts // me.world
-    indices = list(range(me.rank * local, (me.rank + 1) * local))
+    return config, local, list(range(me.rank * local, (me.rank + 1) * local))
+
+
+def build_dispatcher(me: Rank, name: str, pg_collection, tokens: int):
+    """Dispatcher ``name`` for a batch of ``tokens`` tokens per rank, built as MoELayer builds
+    it (``nccl_ep``: its groups sized for ``tokens``)."""
+    args = me.args
+    config, local, indices = _moe_config(me, moe_token_dispatcher_type=name)
     if name == "nccl_ep":
         import megatron_nccl_ep
 
@@ -53,6 +61,52 @@ def build_dispatcher(me: Rank, name: str, pg_collection, tokens: int):
         cls = {"alltoall": td.MoEAlltoAllTokenDispatcher,
                "allgather": td.MoEAllGatherTokenDispatcher}[name]
     return cls(local, indices, config, pg_collection=pg_collection)
+
+
+def build_inference_dispatcher(me: Rank, pg_collection, tokens: int):
+    """``NcclEpInferenceDispatcher`` (``inference_moe_token_dispatcher_type="nccl_ep"``) for
+    decode steps of at most ``tokens`` tokens per rank: its LL group on every SM, as Megatron's
+    inference MoE layer builds it (the valid-rows tensor allocated first, as the inference
+    context does)."""
+    import megatron_nccl_ep
+    from megatron.core.transformer.moe.token_dispatcher_inference import (
+        InferenceAllGatherDispatcherBase)
+    from megatron_nccl_ep.inference import NcclEpInferenceDispatcher
+    from megatron_nccl_ep.options import NcclEpOptions
+
+    megatron_nccl_ep.register()
+    config, local, indices = _moe_config(me)
+    config.nccl_ep_options = NcclEpOptions(backend=me.args.backend, max_tokens_per_rank=tokens,
+                                           timeout_s=me.args.device_timeout)
+    InferenceAllGatherDispatcherBase._valid_tokens_tensor = me.torch.zeros(
+        1, dtype=me.torch.int32, device=me.device)
+    return NcclEpInferenceDispatcher(local, indices, config, pg_collection=pg_collection)
+
+
+class InferenceDriver:
+    """An inference dispatcher driven as Megatron's inference ``MoELayer`` drives it on input
+    set ``i`` of ``--rotate`` (top-k ids ``[T, K]``, fp32 probs ``[T, K]``, tokens ``[T, H]``);
+    the fused experts' output is a fixed fp32 ``[R*T_max, H]`` (what they return)."""
+
+    def __init__(self, dispatcher, me: Rank, tokens: int):
+        self.dispatcher = dispatcher
+        self.sets = [me.input_set(s, tokens) for s in range(me.args.rotate)]
+        rows = me.world * dispatcher.max_tokens_per_rank()
+        self.expert_out = me.random_tokens(rows, seed=77 + me.rank).float()
+
+    def dispatch(self, i: int):
+        """``dispatch_preprocess`` + ``token_dispatch`` + ``dispatch_postprocess``."""
+        d = self.dispatcher
+        topk, probs, x = self.sets[i % len(self.sets)]
+        h, p = d.dispatch_preprocess(x, topk, probs)
+        h, p = d.token_dispatch(h, p)
+        return d.dispatch_postprocess(h, p)
+
+    def combine(self, i: int = 0):
+        """``combine_preprocess`` + ``token_combine`` + ``combine_postprocess`` of the experts'
+        fixed output."""
+        d = self.dispatcher
+        return d.combine_postprocess(d.token_combine(d.combine_preprocess(self.expert_out)))
 
 
 def megatron_inputs(me: Rank, tokens: int) -> list:

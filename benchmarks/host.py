@@ -36,6 +36,12 @@ graphs need capacity mode); LL at each ``--host-ll-tokens`` T (T_max = T), in ea
   at the group's receive mode (``--recv-mode``); the report puts the HT kernels of the same T
   and mode beside them (like for like in exact mode: in capacity mode the dispatcher sizes its
   rows by the capacity factor, the HT items by T x top-k).
+* ``inference T=<T>``, for each ``--host-ll-tokens`` T: ``NcclEpInferenceDispatcher``'s methods
+  as Megatron's inference MoE layer calls them (``benchmarks.dispatchers.InferenceDriver``: its
+  rank-major LL group on every SM, T_max = T, the experts' fp32 output), timed as a configuration
+  is: ``dispatch`` (preprocess + token_dispatch + postprocess: the handle and the dispatch) and
+  ``combine`` (the same three, with the cast of the experts' output) on the host and on the GPU,
+  beside the ``LL T=<T> rank-major`` calls they make, and the eager step next to its graph.
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ import argparse
 import time
 from collections import defaultdict
 
-from .dispatchers import MethodDriver, build_dispatcher, megatron_inputs
+from .dispatchers import (InferenceDriver, MethodDriver, build_dispatcher,
+                          build_inference_dispatcher, megatron_inputs)
 from .ll import capture
 from .runner import Rank, e2e_mode, run_into
 
@@ -60,7 +67,8 @@ HOST_KINDS = ("host", "host, first", "kernel")  # the rows of each configuration
 # op that launches one), the configuration FLOOR's item FLOOR_OP.
 FLOOR, FLOOR_OP = "floor", "one torch kernel"
 # Where the host time goes: the configurations profiled (their prefixes) and the rows kept.
-PROFILED = ("HT T=128 exact", "LL T=128 rank-major", "megatron T=128", "megatron T=4096")
+PROFILED = ("HT T=128 exact", "LL T=128 rank-major", "megatron T=128", "megatron T=4096",
+            "inference T=128")
 PROFILE_ROWS = 15
 LL_LAYOUT_NAMES = {"rank_major": "rank-major", "expert_major": "expert-major"}
 
@@ -75,6 +83,10 @@ def ll_prefix(tokens: int, layout: str) -> str:
 
 def megatron_prefix(tokens: int) -> str:
     return f"megatron T={tokens}"
+
+
+def inference_prefix(tokens: int) -> str:
+    return f"inference T={tokens}"
 
 
 def _inputs(me: Rank, tokens: int) -> list:
@@ -292,6 +304,21 @@ def _megatron(me: Rank, tokens: int, profile_only: bool) -> None:
     _profile(me, prefix, forward)
 
 
+def _inference(me: Rank, tokens: int, profile_only: bool) -> None:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    drive = InferenceDriver(build_inference_dispatcher(me, pg_collection, tokens), me, tokens)
+
+    def script(i):
+        return [(HOST_OPS[1], lambda: drive.dispatch(i)), (HOST_OPS[2], drive.combine)]
+
+    def step(i):
+        return drive.dispatch(i), drive.combine()
+
+    _configuration(me, inference_prefix(tokens), script, step, True, profile_only)
+
+
 def section(me: Rank) -> None:
     """Every timed item first, then the profiles (``PROFILED``): a torch.profiler run leaves
     CUPTI attached to the process (kineto detaches it only under ``TEARDOWN_CUPTI=1``), which
@@ -320,6 +347,8 @@ def section(me: Rank) -> None:
         parallel_state.initialize_model_parallel(expert_model_parallel_size=1)
         methods = [(megatron_prefix(tokens), lambda p, t=tokens: _megatron(me, t, p))
                    for tokens in args.host_ht_tokens]
+        methods += [(inference_prefix(tokens), lambda p, t=tokens: _inference(me, t, p))
+                    for tokens in args.host_ll_tokens]
     try:
         for prefix, configuration in methods:
             me.attempt(prefix, lambda: configuration(False))
@@ -329,8 +358,10 @@ def section(me: Rank) -> None:
     finally:
         if parallel_state is not None:
             from megatron_nccl_ep.dispatcher import destroy_groups
+            from megatron_nccl_ep.inference import destroy_inference_groups
 
             destroy_groups()
+            destroy_inference_groups()
             parallel_state.destroy_model_parallel()
 
 

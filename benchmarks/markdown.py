@@ -164,7 +164,10 @@ def _host(result: dict, out: list) -> None:
             "synchronize; kernel = the call's "
             "device time; out= = the LL call writing into the previous call's outputs. HT on "
             f"{result['shape']['num_sms']} SMs, exact mode and capacity mode of T x top-k rows; "
-            "LL on every SM, T_max = T. Times in us.", ""]
+            "LL on every SM, T_max = T; inference = NcclEpInferenceDispatcher's methods "
+            "(dispatch: preprocess + token_dispatch + postprocess, the LL handle and dispatch; "
+            "combine: the same three, the cast of the experts' fp32 output too) on a rank-major LL "
+            "group on every SM. Times in us.", ""]
     if op_rows:
         out += _table(["configuration", "", *HOST_OPS], op_rows, (".1f",) * len(HOST_OPS))
     floor = host_floor_us(result)
@@ -172,7 +175,8 @@ def _host(result: dict, out: list) -> None:
         out += [f"The floor of this run: {FLOOR_OP} (`torch.cuda._sleep(1)`, one launch through "
                 f"torch) costs the host {floor:.1f} us to enqueue, measured as the calls are.", ""]
     if step_rows:
-        out += ["A step = handle + dispatch + combine. eager: steps back to back from an idle "
+        out += ["A step = handle + dispatch + combine (inference: its methods' dispatch and "
+                "combine). eager: steps back to back from an idle "
                 "GPU, wall time per step; graph: the step captured once and replayed back to "
                 "back, wall time per replay; graph kernel: one replay's device time.", ""]
         out += _table(["configuration", "eager step", "graph step", "graph kernel",

@@ -271,12 +271,17 @@ def test_host_report_puts_costs_steps_and_megatron_beside_the_kernels():
         f"{ll_cfg}: step (graph)": row(21.0), f"{ll_cfg}: graph (kernel)": row(20.0),
         f"{host.megatron_prefix(128)}: dispatch": row(95.0),
         f"{host.megatron_prefix(128)}: combine": row(35.0),
+        f"{host.inference_prefix(128)}: dispatch (host)": row(9.0),
+        f"{host.inference_prefix(128)}: combine (kernel)": row(11.0),
         f"{host.FLOOR}: {host.FLOOR_OP} (host)": row(3.5),
     }
     op_rows, step_rows, meg_rows = report.host_rows(result)
     assert all(config != host.FLOOR for config, *_ in op_rows + step_rows)
     assert (ht, "host", 12.0, 8.0, 6.0, None, None) in op_rows
     assert (ll_cfg, "host", None, None, None, 5.0, None) in op_rows
+    # The inference dispatcher's methods are a configuration of their own, beside the LL calls.
+    assert (host.inference_prefix(128), "host", None, 9.0, None, None, None) in op_rows
+    assert (host.inference_prefix(128), "kernel", None, None, 11.0, None, None) in op_rows
     assert (ht, 120.0, None, None, None) in step_rows
     assert step_rows[-1] == (ll_cfg, 30.0, 21.0, 20.0, 1.5)
     assert meg_rows == [(128, 95.0, 70.0, 25.0, 35.0, 24.0, 11.0)]
