@@ -101,6 +101,11 @@ class Backend(Protocol):
     def ll_create_handle(self, topk_idx: torch.Tensor) -> HandleState:
         """No communication: ``topk_idx [T, K]`` (bounds checked by the front end)."""
 
+    def ll_new_output(self, with_weights: bool, given: dict) -> "LLDispatchOutput":
+        """A new dispatch's outputs (``outputs.ll_dispatch_fields`` of the group's layout,
+        ``with_weights`` or not), for ``ll_dispatch``'s ``out``: the tensors ``given`` by field
+        name, new ones for the others."""
+
     def ll_dispatch(self, state: HandleState, x: torch.Tensor,
                     topk_weights: Optional[torch.Tensor], send_only: bool,
                     out: Optional["LLDispatchOutput"] = None) -> "LLDispatchOutput":

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from . import build_info
 from .config import GroupConfig
 from .limits import MAX_SLOTS_PER_RANK
-from .outputs import LLDispatchOutput, ll_dispatch_fields
+from .outputs import FIELDS, LLDispatchOutput, ll_dispatch_fields
 
 try:
     from . import _C  # type: ignore[attr-defined]
@@ -305,6 +305,12 @@ class CudaBackend:
         self._handles.add(ptr)
         tokens, topk = topk_idx.shape  # 2-D: the library took it
         return CudaLLHandleState(ptr, tokens, topk)
+
+    def ll_new_output(self, with_weights: bool, given: dict) -> LLDispatchOutput:
+        """One allocation for the fields not ``given``, as a dispatch allocates its own (the
+        given fields' share of it goes unused): one binding call, not a ``torch.empty`` each."""
+        made = _C.ll_new_outputs(self._ll_outputs[with_weights], self._device_index)
+        return LLDispatchOutput(*[given.get(name, t) for name, t in zip(FIELDS, made)])
 
     def ll_dispatch(self, state: CudaLLHandleState, x: torch.Tensor,
                     topk_weights: Optional[torch.Tensor], send_only: bool,

@@ -17,7 +17,7 @@ import torch
 from .backend import checked_call
 from .config import INDEX_DTYPES, PROB_DTYPES
 from .handle_lifetime import BackendHandle
-from .outputs import FIELDS, LLDispatchOutput, ll_dispatch_fields, new_dispatch_output
+from .outputs import FIELDS, LLDispatchOutput, ll_dispatch_fields
 
 _KINDS = ("dispatch", "combine")
 _PLURAL = {"dispatch": "dispatches", "combine": "combines"}
@@ -134,9 +134,15 @@ class LLHandle(BackendHandle):
 
     def new_output(self, with_weights: bool = True, **given) -> LLDispatchOutput:
         """A new ``LLDispatchOutput`` for a dispatch of this handle's group (to pass as ``out``):
-        the tensors ``given`` by field name, ``torch.empty`` ones of the group's shapes for the
-        others (``with_weights``: the fields of a dispatch that sends weights)."""
-        return new_dispatch_output(self._shared.fields[with_weights], self.group.device, **given)
+        the tensors ``given`` by field name, new ones of the group's shapes for the others, as
+        the backend allocates a dispatch's own (cuda: one allocation; ``with_weights``: the
+        fields of a dispatch that sends weights)."""
+        self.group._require_alive()
+        for name in given:
+            if name not in FIELDS:
+                raise TypeError(f"new_output: no LLDispatchOutput field named {name!r} (the "
+                                f"fields: {', '.join(FIELDS)})")
+        return self.group._backend.ll_new_output(with_weights, given)
 
     def _check_not_pending(self, op: str, given: list) -> None:
         """No tensor of an output given to ``op`` may share memory with an output that a

@@ -29,7 +29,7 @@ from . import ll_reference as llr
 from . import rendezvous
 from .config import GroupConfig, routing_error, shape_error
 from .errors import NcclEpError
-from .outputs import LLDispatchOutput
+from .outputs import LLDispatchOutput, ll_dispatch_fields, new_dispatch_output
 
 
 def _bytes_as(byte_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -531,6 +531,10 @@ class ReferenceBackend:
         error = routing_error(idx, cfg.num_experts)
         plan = None if error else llr.send_plan(idx, cfg.num_experts, self.world_size)
         return ReferenceLLState(idx, error, plan)
+
+    def ll_new_output(self, with_weights: bool, given: dict) -> LLDispatchOutput:
+        return new_dispatch_output(ll_dispatch_fields(self.config, self.world_size, with_weights),
+                                   self.device, **given)
 
     def ll_dispatch(self, state: ReferenceLLState, x: torch.Tensor,
                     topk_weights: Optional[torch.Tensor], send_only: bool,

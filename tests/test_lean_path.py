@@ -15,7 +15,7 @@ import ep_cases
 import ll_cases
 import ll_oracle
 import megatron_nccl_ep as ep
-from megatron_nccl_ep.outputs import LLDispatchOutput
+from megatron_nccl_ep.outputs import FIELDS, LLDispatchOutput
 
 E, H, T, K = 8, 16, 6, 3
 
@@ -258,6 +258,8 @@ LL_WRONG = {
     "destroyed_group": ("expert_major", lambda h, x, w, o, eo, cw: (h.group.destroy(),
                                                                     h.combine(eo, cw)),
                         RuntimeError, r"this Group was destroyed"),
+    "destroyed_group_new_output": ("rank_major", lambda h, x, w, o, eo, cw: (
+        h.group.destroy(), h.new_output(count=o.count)), RuntimeError, r"this Group was destroyed"),
 }
 
 
@@ -311,6 +313,27 @@ def test_ll_strided_x_and_bf16_weights_after_valid_calls(layout, world_size, see
     dist.run(world_size, check_ll_strided_and_bf16_after_valid, layout, seed, timeout=60)
 
 
+def check_new_output(handle, fresh: LLDispatchOutput, with_weights: bool) -> LLDispatchOutput:
+    """``new_output(count=...)``: the count given is kept as it is, every other field is a tensor
+    of its own of the fresh output's shape and dtype (None where the layout has none), in memory
+    no other field shares; an unknown field name is refused."""
+    count = torch.full_like(fresh.count, -7)
+    made = handle.new_output(with_weights, count=count)
+    assert made.count is count
+    spans = []
+    for name, got, want in zip(FIELDS, vars(made).values(), vars(fresh).values()):
+        assert (got is None) == (want is None), name
+        if got is not None:
+            assert (got.shape, got.dtype, got.device) == (want.shape, want.dtype, want.device)
+            assert got.is_contiguous(), name
+            spans.append((got.data_ptr(), got.data_ptr() + got.numel() * got.element_size()))
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), spans
+    with pytest.raises(TypeError, match="no LLDispatchOutput field named 'counts'"):
+        handle.new_output(with_weights, counts=count)
+    return made
+
+
 def check_ll_out_reused(layout: str, seed: int, device="cpu") -> None:
     """out= gets the bits of fresh outputs (a new routing and new tokens each time), and is the
     object returned; bf16 weights are taken as the fp32 they are sent as."""
@@ -323,9 +346,10 @@ def check_ll_out_reused(layout: str, seed: int, device="cpu") -> None:
         handle = group.create_handle(step_problem.topk_idx[rank].to(group.device))
         fresh = handle.dispatch(x, w)
         y_fresh = handle.combine(eo, cw)
+        if out is None:  # the first step writes into new_output(count=...): another's tensor
+            out = check_new_output(handle, fresh, w is not None)
         got = handle.dispatch(x, w, out=out)
-        assert out is None or got is out
-        out = got
+        assert got is out
         assert not ll_cases.dispatch_mismatches(out, want[rank], layout)
         assert not ll_cases.dispatch_mismatches(out, fresh, layout)
         if y is None or y.shape != y_fresh.shape:

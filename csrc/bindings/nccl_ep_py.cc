@@ -224,6 +224,13 @@ void allocate(const LLOutputs& o, int device, std::array<OptTensor, kLLFields>& 
   }
 }
 
+// The LLDispatchOutput fields, in order: tensors or None.
+py::tuple as_fields(const std::array<OptTensor, kLLFields>& made) {
+  py::tuple result(kLLFields);
+  for (int i = 0; i < kLLFields; ++i) result[i] = py::cast(made[i]);
+  return result;
+}
+
 // A field of a given LLDispatchOutput: its tensor, or None.
 OptTensor out_field(const py::handle& out, const char* name) {
   const py::object v = out.attr(name);
@@ -594,12 +601,20 @@ PYBIND11_MODULE(_C, m) {
                 "ncclEpDispatch");
         }
         if (!fresh) return py::object(py::none());
-        py::tuple result(kLLFields);
-        for (int i = 0; i < kLLFields; ++i) result[i] = py::cast(made[i]);
-        return py::object(result);
+        return py::object(as_fields(made));
       },
       py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("send_only"),
       py::arg("outputs"), py::arg("out"), py::arg("device"));
+  m.def(
+      "ll_new_outputs",
+      // New `outputs`, allocated as ll_dispatch allocates its own (one allocation): the
+      // LLDispatchOutput fields, in order, tensors or None (an `out` to fill in part).
+      [](const LLOutputs& outputs, int device) {
+        std::array<OptTensor, kLLFields> made;
+        allocate(outputs, device, made);
+        return as_fields(made);
+      },
+      py::arg("outputs"), py::arg("device"));
   m.def(
       "complete",
       [](uintptr_t handle, int device) {
