@@ -102,7 +102,7 @@ class InferenceDriver:
         h, p = d.token_dispatch(h, p)
         return d.dispatch_postprocess(h, p)
 
-    def combine(self, i: int = 0):
+    def combine(self):
         """``combine_preprocess`` + ``token_combine`` + ``combine_postprocess`` of the experts'
         fixed output."""
         d = self.dispatcher
