@@ -40,7 +40,8 @@ graphs need capacity mode); LL at each ``--host-ll-tokens`` T (T_max = T), in ea
   as Megatron's inference MoE layer calls them (``benchmarks.dispatchers.InferenceDriver``: its
   rank-major LL group on every SM, T_max = T, the experts' fp32 output), timed as a configuration
   is: ``dispatch`` (preprocess + token_dispatch + postprocess: the handle and the dispatch) and
-  ``combine`` (the same three, with the cast of the experts' output) on the host and on the GPU,
+  ``combine`` (the same three: the LL combine takes the experts' fp32 rows) on the host and on
+  the GPU,
   beside the ``LL T=<T> rank-major`` calls they make, and the eager step next to its graph.
 """
 

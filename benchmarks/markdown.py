@@ -166,7 +166,7 @@ def _host(result: dict, out: list) -> None:
             f"{result['shape']['num_sms']} SMs, exact mode and capacity mode of T x top-k rows; "
             "LL on every SM, T_max = T; inference = NcclEpInferenceDispatcher's methods "
             "(dispatch: preprocess + token_dispatch + postprocess, the LL handle and dispatch; "
-            "combine: the same three, the cast of the experts' fp32 output too) on a rank-major LL "
+            "combine: the same three, the LL combine of the experts' fp32 rows) on a rank-major LL "
             "group on every SM. Times in us.", ""]
     if op_rows:
         out += _table(["configuration", "", *HOST_OPS], op_rows, (".1f",) * len(HOST_OPS))

@@ -252,11 +252,14 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The experts' rows ``[R*T_max, H]`` (fp32 from the fused experts) -> ``[T, H]`` bf16:
-        each token's rows summed over the ranks that received it, in rank order."""
+        each token's rows summed over the ranks that received it, in rank order. fp32 rows
+        are rounded to the group's dtype as the combine reads them (the bits of a cast first)."""
         if self._handle is None:
             raise RuntimeError("nccl_ep inference dispatcher: token_combine without a "
                                "token_dispatch before it")
         handle, self._handle = self._handle, None
-        group = handle.group
-        y = handle.combine(_as_dtype(hidden_states, group.config.dtype))
-        return _as_dtype(y, torch.bfloat16)
+        # fp32 rows go in as they are: the combine rounds them to the group's dtype as it reads
+        # them (no cast kernel per layer and step).
+        rows = hidden_states if hidden_states.dtype == torch.float32 else _as_dtype(
+            hidden_states, handle.group.config.dtype)
+        return _as_dtype(handle.combine(rows), torch.bfloat16)

@@ -67,8 +67,9 @@ class LLGroupState:
         self.in_flight = InFlight()
         # ll_dispatch_fields without and with dispatched weights.
         self.fields = tuple(ll_dispatch_fields(config, world_size, w) for w in (False, True))
-        # A combine's expert_out: the dispatch's rows, in the group's dtype.
+        # A combine's expert_out: the dispatch's rows, in the group's dtype or fp32.
         self.rows = self.fields[0][0][0]
+        self.row_dtypes = tuple(dict.fromkeys((config.dtype, torch.float32)))
 
 
 class LLHandle(BackendHandle):
@@ -214,8 +215,11 @@ class LLHandle(BackendHandle):
         """Collective: the expert outputs back to their tokens' ranks, summed in a fixed order.
 
         Args:
-            expert_out: the dispatch's layout, the group's dtype: expert-major ``[L, R*T_max,
-                H]``; rank-major ``[R*T_max, H]``, each row a rank's weighted partial.
+            expert_out: the dispatch's layout: expert-major ``[L, R*T_max, H]``; rank-major
+                ``[R*T_max, H]``, each row a rank's weighted partial. The group's dtype, or
+                fp32: each element rounded to the group's dtype (nearest even) as the combine
+                reads it, the same bits as ``combine(expert_out.to(dtype))`` without the cast's
+                kernel.
             topk_weights: expert-major: ``[T, K]``, the weights of the sum (required);
                 rank-major: None.
             send_only: only send; ``complete()`` receives (``y`` is written then).
@@ -243,7 +247,8 @@ class LLHandle(BackendHandle):
         def check():
             cfg = group.config
             rows = self._shared.rows
-            group._check_tensor("expert_out", expert_out, len(rows), (cfg.dtype,), rows)
+            group._check_tensor("expert_out", expert_out, len(rows), self._shared.row_dtypes,
+                                rows)
             if cfg.ll_layout == "expert_major":
                 if topk_weights is None:
                     raise TypeError("LL combine (expert_major): topk_weights [T, K] is "

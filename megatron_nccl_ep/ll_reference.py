@@ -214,14 +214,15 @@ def pack_combine(config: GroupConfig, world_size: int, record: LLReceived,
                  expert_out: torch.Tensor) -> "tuple[torch.Tensor, List[int]]":
     """The destination's rows back to the sources, grouped by source rank (message order), and
     how many go to each source. Expert-major: one row per (message, slot here), slots ascending;
-    rank-major: row i of ``expert_out`` for message i."""
+    rank-major: row i of ``expert_out`` for message i. Rows in the token dtype: fp32 rows are
+    rounded to it (nearest even, as ``Tensor.to`` rounds), as the cuda kernel reads them."""
     if config.ll_layout == "expert_major":
         m, k = (record.row >= 0).nonzero(as_tuple=True)  # row-major: by message, then slot
         rows = expert_out[record.local_expert[m, k], record.row[m, k]]
         src = record.src[m]
     else:
         rows, src = expert_out[:len(record.src)], record.src
-    return rows, torch.bincount(src, minlength=world_size).tolist()
+    return rows.to(config.dtype), torch.bincount(src, minlength=world_size).tolist()
 
 
 def combine_recv_counts(config: GroupConfig, world_size: int, topk_idx: torch.Tensor,

@@ -101,6 +101,22 @@ def expert_outputs(problem: LLProblem, layout: str, counts: List[torch.Tensor],
     return out
 
 
+def widened_outputs(rows: List[torch.Tensor], seed: int) -> List[torch.Tensor]:
+    """fp32 expert outputs near 16-bit ones (bf16 or fp16): each value widened, the bits below
+    the 16-bit mantissa drawn at random, a quarter of them exactly half a unit (ties, which
+    round-to-nearest-even settles by the kept last bit); NaN stays NaN. Rounded back to 16 bits,
+    about half the values move to a neighbour."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for t in rows:
+        low_bits = {torch.bfloat16: 16, torch.float16: 13}[t.dtype]
+        low = torch.randint(0, 1 << low_bits, t.shape, generator=gen, dtype=torch.int32)
+        tie = torch.rand(t.shape, generator=gen) < 0.25
+        low = torch.where(tie, torch.full_like(low, 1 << (low_bits - 1)), low)
+        out.append((t.to(torch.float32).view(torch.int32) | low).view(torch.float32))
+    return out
+
+
 def valid_rows(out, layout: str) -> dict:
     """The parts of a dispatch output the contract defines: counts, rows below the counts of
     ``x`` / ``scales`` / ``src``, and (rank-major) ``topk_idx`` / ``topk_weights`` whole. Byte

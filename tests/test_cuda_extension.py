@@ -123,7 +123,7 @@ def test_op_bindings_refuse_a_tensor_off_the_group_device(ext):
         "topk_idx": lambda: ext.create_handle(0, idx, False, 0),
         "routing_map": lambda: ext.create_handle(0, idx.bool(), True, 0),
         "x": lambda: ext.dispatch(0, x, None, False, 0),
-        "expert_out": lambda: ext.combine(0, x, None, False, None, 4, 0),
+        "expert_out": lambda: ext.combine(0, x, None, False, None, 4, x.dtype, 0),
         "grad_recv_probs": lambda: ext.combine_topk_weights(0, x[:, 0].float(), 4, 2, False, 0),
         "x ": lambda: ext.ll_dispatch(0, x, None, False, outputs, None, 0),
     }
@@ -131,7 +131,7 @@ def test_op_bindings_refuse_a_tensor_off_the_group_device(ext):
         with pytest.raises(ValueError, match=f"^{name.strip()} must be on cuda:0, got cpu$"):
             call()
     with pytest.raises(TypeError):
-        ext.combine(0, x.tolist(), None, False, None, 4, 0)
+        ext.combine(0, x.tolist(), None, False, None, 4, torch.float32, 0)
     with pytest.raises(ValueError, match="expected 6 fields"):
         ext.LLOutputs([None] * 5)
 
@@ -148,9 +148,10 @@ def test_op_bindings_refuse_a_backward_they_cannot_record(ext):
         return grads
 
     refused = {
-        "out": lambda: ext.combine(0, x, None, False, x.detach(), 4, 0, backward),
-        "send_only": lambda: ext.combine(0, x, None, True, None, 4, 0, backward),
-        "topk_weights": lambda: ext.combine(0, x, torch.ones(4, 2), False, None, 4, 0, backward),
+        "out": lambda: ext.combine(0, x, None, False, x.detach(), 4, x.dtype, 0, backward),
+        "send_only": lambda: ext.combine(0, x, None, True, None, 4, x.dtype, 0, backward),
+        "topk_weights": lambda: ext.combine(0, x, torch.ones(4, 2), False, None, 4, x.dtype, 0,
+                                            backward),
     }
     for call in refused.values():
         with pytest.raises(ValueError, match="backward is recorded for HT's combine only"):
@@ -163,7 +164,7 @@ def test_op_bindings_refuse_a_backward_they_cannot_record(ext):
             ext.dispatch(0, dual, None, False, 0, backward)
     with torch.no_grad():
         with pytest.raises(ValueError, match="^expert_out must be on cuda:0, got cpu$"):
-            ext.combine(0, x, None, False, x.detach(), 4, 0, backward)
+            ext.combine(0, x, None, False, x.detach(), 4, x.dtype, 0, backward)
     with pytest.raises(ValueError, match="^x must be on cuda:0, got cpu$"):
         ext.dispatch(0, x.detach(), None, False, 0, backward)
 
@@ -178,7 +179,7 @@ def test_op_bindings_show_in_torch_profiler(ext):
     calls = {
         "create_handle": lambda: ext.create_handle(0, idx, False, 0),
         "dispatch": lambda: ext.dispatch(0, x, None, False, 0),
-        "combine": lambda: ext.combine(0, x, None, False, None, 4, 0),
+        "combine": lambda: ext.combine(0, x, None, False, None, 4, x.dtype, 0),
         "combine_topk_weights": lambda: ext.combine_topk_weights(0, x[:, 0].float(), 4, 2,
                                                                  False, 0),
     }

@@ -332,6 +332,14 @@ def check_ll_case(case_name: str, layout: str, dtype, use_fp8: bool, seed: int) 
     assert y.dtype == dtype and bits_equal(y, want_y), (
         f"rank {rank} combine: {ep_cases.count_mismatches(y, want_y)} elements differ")
     assert not bool(y.isnan().any())
+    if dtype != torch.float32:  # fp32 rows: the combine of those rows rounded to dtype (§9)
+        wide = ll_cases.widened_outputs(expert_out, seed + 17)
+        y_wide = handle.combine(wide[rank].clone(),
+                                cw[rank].clone() if layout == "expert_major" else None)
+        want_wide = dense_combine(problem, rank, layout, [w.to(dtype) for w in wide], cw)
+        assert y_wide.dtype == dtype and bits_equal(y_wide, want_wide), (
+            f"rank {rank} combine of fp32 rows: "
+            f"{ep_cases.count_mismatches(y_wide, want_wide)} elements differ")
 
     # The one-process oracle of the whole group gives this rank's bits too.
     cfg = group.config

@@ -191,6 +191,9 @@ def routing_case(seed: int, tokens: list, num_experts: int, topk: int, payload_f
                 ys.append(combine(ours, ours_in.clone()))
             assert torch.equal(ys[0], ys[1])
             y = ys[0]
+            if not payload_fp32:  # the experts' fp32 rows: the bits of the rows cast first
+                dispatch(ours, x, ids, probs)
+                assert torch.equal(combine(ours, ours_in.to(torch.bfloat16)), y)
             assert y.shape == want.shape == x.shape and y.dtype == want.dtype == torch.bfloat16
             by_rank = all_ranks_rows(partial)
             rounded = [q if payload_fp32 else q.to(torch.bfloat16).float() for q in by_rank]

@@ -505,13 +505,13 @@ PYBIND11_MODULE(_C, m) {
       py::arg("backward") = py::none());
   m.def(
       "combine",
-      // expert_out: HT [N, H]; LL the dispatch's layout. topk_weights: LL expert-major's [T, K]
-      // fp32, else None. send_only: LL only. Returns y [num_tokens, H] of expert_out's dtype
-      // (`out` when given). backward: None, or (grad y) -> (grad expert_out,), y's grad_fn where
-      // autograd records (py_backward.h).
+      // expert_out: HT [N, H]; LL the dispatch's layout (fp32 rows allowed). topk_weights: LL
+      // expert-major's [T, K] fp32, else None. send_only: LL only. Returns y [num_tokens, H] of
+      // y_dtype, the group's token dtype (`out` when given). backward: None, or (grad y) ->
+      // (grad expert_out,), y's grad_fn where autograd records (py_backward.h).
       [](uintptr_t handle, const at::Tensor& expert_out, const OptTensor& topk_weights,
-         bool send_only, const OptTensor& given, int64_t num_tokens, int device,
-         const py::object& backward) {
+         bool send_only, const OptTensor& given, int64_t num_tokens, at::ScalarType y_dtype,
+         int device, const py::object& backward) {
         EP_RECORD_OP("nccl_ep::combine");
         const bool record = nccl_ep_py::records_backward(backward, {expert_out});
         if (record && (given.has_value() || send_only || topk_weights.has_value()))
@@ -529,7 +529,7 @@ PYBIND11_MODULE(_C, m) {
           if (expert_out.dim() < 1) throw ValueErrorEx("expert_out must have a hidden dimension");
           y = given.has_value()
                   ? *given
-                  : empty({num_tokens, expert_out.size(-1)}, expert_out.scalar_type(), device);
+                  : empty({num_tokens, expert_out.size(-1)}, y_dtype, device);
           out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "out");
           const ncclEpOpConfig_t cfg = op_config(send_only);
           check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
@@ -541,7 +541,8 @@ PYBIND11_MODULE(_C, m) {
         return y;
       },
       py::arg("handle"), py::arg("expert_out"), py::arg("topk_weights"), py::arg("send_only"),
-      py::arg("out"), py::arg("num_tokens"), py::arg("device"), py::arg("backward") = py::none());
+      py::arg("out"), py::arg("num_tokens"), py::arg("y_dtype"), py::arg("device"),
+      py::arg("backward") = py::none());
   m.def(
       "combine_topk_weights",
       // grad_recv [N] -> [num_tokens, cols] of its dtype: cols K in slot order, or E dense.

@@ -244,7 +244,8 @@ typedef struct {
 
 /* Combine: expert outputs in the layout back to the source tokens, unweighted (docs/design.md §4). */
 typedef struct {
-  ncclEpTensor_t expert_tokens;  /* TOKENS [N, H]; LL: in the dispatch's layout */
+  ncclEpTensor_t expert_tokens;  /* TOKENS [N, H]; LL: in the dispatch's layout, the token
+                                    dtype or fp32 (rounded to it as read) */
   ncclEpTensor_t topk_weights;   /* LL expert-major: TOPK_WEIGHTS [T, K] fp32 (ndim 0 in HT and
                                     LL rank-major) */
 } ncclEpCombineInputs_t;

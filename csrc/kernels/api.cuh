@@ -275,9 +275,10 @@ struct LLDispatchArgs {
 
 struct LLCombineArgs {
   LLArgs a;
-  const void* expert_out;   // the dispatch's layout, token dtype
+  const void* expert_out;   // the dispatch's layout: token dtype, or fp32 with expert_fp32
   const float* w;           // expert-major [T, K]
   void* y;                  // [T, H]
+  bool expert_fp32;         // expert_out fp32, rounded to a 16-bit token dtype as read
 };
 
 // ll_layout.cu, ll_dispatch.cu, ll_combine.cu (their shared parts: ll_common.cuh)

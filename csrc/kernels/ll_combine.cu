@@ -3,6 +3,10 @@
  * rows (expert-major: one per slot here; rank-major: the partial row) into its source's combine
  * area, then one ready flag per source. Receive: each (token, column chunk) summed in the fixed
  * order (expert-major: slots ascending, weighted; rank-major: destination ranks ascending).
+ *
+ * NOTES: expert_out is the token dtype T, or fp32 (In = float) where T is 16-bit: each element is
+ * rounded to T (nearest even) as it is read, so every later step sees the rows a cast to T
+ * first would give, bitwise (the window holds T either way).
  */
 #include "ll_common.cuh"
 
@@ -10,16 +14,28 @@ namespace nccl_ep {
 
 namespace {
 
-template <typename T>
+template <typename T, typename In>
 struct CombineOp {
   static constexpr int kB = 8 * sizeof(T);
+  static constexpr int kIn = 8 * sizeof(In);  // a pack of expert_out
 
   // Rows whose loads are in flight together (their registers: kBatch x 2 packs per lane).
   static constexpr int kBatch = sizeof(T) == 4 ? 2 : 4;
   static constexpr int kSteps = kChunkGroups / 32;
 
-  // Loads chunk c of the rows src[b] that `take` names (from the window, through L2, where
-  // `window` says so), every load issued before any is used.
+  // Pack g of an expert_out row, in T.
+  static EP_DEVICE Raw<kB> ld_expert(const char* row, int g) {
+    if constexpr (kIn == kB) {
+      return ld_raw<kB, false>(row + (size_t)g * kB);
+    } else {
+      float f[8];
+      raw_to_float<In>(ld_raw<kIn, false>(row + (size_t)g * kIn), f);
+      return float_to_raw<T>(f);
+    }
+  }
+
+  // Loads chunk c of the rows src[b] that `take` names (window rows through L2 where `window`
+  // says so, else expert_out rows), every load issued before any is used.
   template <typename Take, typename Window>
   static EP_DEVICE void load_chunks(Raw<kB> (&v)[kBatch][kSteps],
                                     const char* const (&src)[kBatch], Take take, Window window,
@@ -31,12 +47,12 @@ struct CombineOp {
         const int g = c * kChunkGroups + step * 32 + lane;
         if (take(b) && g < H8)
           v[b][step] = window(b) ? ld_raw<kB, true>(src[b] + (size_t)g * kB)
-                                 : ld_raw<kB, false>(src[b] + (size_t)g * kB);
+                                 : ld_expert(src[b], g);
       }
   }
 
-  // Copies chunk c of up to kBatch rows (token dtype) from src[b] to dst[b] (b < n): every load
-  // issued before the first store.
+  // Copies chunk c of up to kBatch expert_out rows src[b] to window rows dst[b] (b < n): every
+  // load issued before the first store.
   static EP_DEVICE void copy_chunks(char* const (&dst)[kBatch], const char* const (&src)[kBatch],
                                     int n, int c, int H8, int lane) {
     Raw<kB> v[kBatch][kSteps];
@@ -56,7 +72,7 @@ struct CombineOp {
     const LLArgs& a = cb.a;
     const int Km = a.max_topk, H8 = a.hidden / kLLGroupElems;
     const size_t sj = (size_t)s * a.max_tokens + j;
-    const size_t row_bytes = (size_t)a.hidden * sizeof(T);
+    const size_t row_bytes = (size_t)a.hidden * sizeof(In);
     const char* out = reinterpret_cast<const char*>(cb.expert_out);
     const int t = a.h.rtok[sj];
     char* dst[kBatch];
@@ -90,7 +106,7 @@ struct CombineOp {
                                   bool direct, void* const* s_peers) {
     const LLArgs& a = cb.a;
     const int Km = a.max_topk, H8 = a.hidden / kLLGroupElems, me = a.rank;
-    const size_t row_bytes = (size_t)a.hidden * sizeof(T);
+    const size_t row_bytes = (size_t)a.hidden * sizeof(In);
     const char* out = reinterpret_cast<const char*>(cb.expert_out);
     float acc[kSteps][8];
 #pragma unroll
@@ -146,7 +162,7 @@ struct CombineOp {
         }
       }
     }
-    char* y = reinterpret_cast<char*>(cb.y) + (size_t)t * row_bytes;
+    char* y = reinterpret_cast<char*>(cb.y) + (size_t)t * a.hidden * sizeof(T);
 #pragma unroll
     for (int step = 0; step < kSteps; ++step) {
       const int g = c * kChunkGroups + step * 32 + lane;
@@ -163,9 +179,9 @@ EP_DEVICE void poison_combine(const LLCombineArgs& cb, int elt) {
     reinterpret_cast<unsigned*>(cb.y)[i] = 0xffffffffu;
 }
 
-template <typename T>
+template <typename T, typename In>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(const LLCombineArgs cb) {
-  using Op = CombineOp<T>;
+  using Op = CombineOp<T, In>;
   const LLArgs& a = cb.a;
   __shared__ int s_moff[kMaxRanks + 1];
   __shared__ void* s_peers[kMaxRanks];
@@ -219,10 +235,16 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(const LLCombine
   arrive(a, kLLCombCredit, set, kOwnNone);
 }
 
-template <typename T>
+template <typename T, typename In>
 cudaError_t launch_combine_as(const LLCombineArgs& cb, cudaStream_t stream) {
-  ll_combine_kernel<T><<<cb.a.win.channels, kThreads, 0, stream>>>(cb);
+  ll_combine_kernel<T, In><<<cb.a.win.channels, kThreads, 0, stream>>>(cb);
   return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_combine_of(const LLCombineArgs& cb, cudaStream_t stream) {
+  return cb.expert_fp32 ? launch_combine_as<T, float>(cb, stream)
+                        : launch_combine_as<T, T>(cb, stream);
 }
 
 
@@ -230,16 +252,18 @@ cudaError_t launch_combine_as(const LLCombineArgs& cb, cudaStream_t stream) {
 
 cudaError_t launch_ll_combine(const LLCombineArgs& cb, cudaStream_t stream) {
   switch (cb.a.dtype) {
-    case ncclBfloat16: return launch_combine_as<__nv_bfloat16>(cb, stream);
-    case ncclFloat16: return launch_combine_as<__half>(cb, stream);
-    default: return launch_combine_as<float>(cb, stream);
+    case ncclBfloat16: return launch_combine_of<__nv_bfloat16>(cb, stream);
+    case ncclFloat16: return launch_combine_of<__half>(cb, stream);
+    default: return launch_combine_as<float, float>(cb, stream);
   }
 }
 
 cudaError_t preload_ll_combine() {
-  cudaError_t e = preload(ll_combine_kernel<__nv_bfloat16>);
-  if (e == cudaSuccess) e = preload(ll_combine_kernel<__half>);
-  if (e == cudaSuccess) e = preload(ll_combine_kernel<float>);
+  cudaError_t e = preload(ll_combine_kernel<__nv_bfloat16, __nv_bfloat16>);
+  if (e == cudaSuccess) e = preload(ll_combine_kernel<__nv_bfloat16, float>);
+  if (e == cudaSuccess) e = preload(ll_combine_kernel<__half, __half>);
+  if (e == cudaSuccess) e = preload(ll_combine_kernel<__half, float>);
+  if (e == cudaSuccess) e = preload(ll_combine_kernel<float, float>);
   return e;
 }
 

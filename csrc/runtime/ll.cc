@@ -249,13 +249,18 @@ ncclResult_t ll_combine(ncclEpHandle* h, const ncclEpCombineInputs_t* in,
   const long long T = h->num_tokens, K = h->topk, H = c.hidden, L = g->num_local,
                   RT = (long long)g->nranks * c.max_tokens_per_rank;
   const bool rank_major = c.layout == ncclEpLayoutRankMajor;
+  // fp32 rows are rounded to the token dtype as the kernel reads them (design section 9).
+  const ncclDataType_t rows = in->expert_tokens.dtype;
+  EP_CHECK(rows == c.token_dtype || rows == ncclFloat32, ncclInvalidArgument,
+           "expert_out must have dtype %s or float32 (rounded to %s as read), got %s",
+           dtype_name(c.token_dtype), dtype_name(c.token_dtype), dtype_name(rows));
   if (rank_major) {
-    EP_RETURN_IF(check_nd(in->expert_tokens, "expert_out", {RT, H}, c.token_dtype));
+    EP_RETURN_IF(check_nd(in->expert_tokens, "expert_out", {RT, H}, rows));
     EP_CHECK(in->topk_weights.ndim == 0, ncclInvalidArgument,
              "topk_weights must be absent (ndim 0) in a rank-major LL combine: each rank's "
              "partial rows are already weighted");
   } else {
-    EP_RETURN_IF(check_nd(in->expert_tokens, "expert_out", {L, RT, H}, c.token_dtype));
+    EP_RETURN_IF(check_nd(in->expert_tokens, "expert_out", {L, RT, H}, rows));
     EP_RETURN_IF(check_nd(in->topk_weights, "topk_weights", {T, K}, ncclFloat32));
   }
   EP_RETURN_IF(check_nd(out->tokens, "y", {T, H}, c.token_dtype));
@@ -265,6 +270,7 @@ ncclResult_t ll_combine(ncclEpHandle* h, const ncclEpCombineInputs_t* in,
   cb.expert_out = in->expert_tokens.data;
   cb.w = rank_major ? nullptr : static_cast<const float*>(in->topk_weights.data);
   cb.y = out->tokens.data;
+  cb.expert_fp32 = rows != c.token_dtype;
   EP_CUDA(launch_ll_combine(cb, stream));
   h->ll_combine = cb;
   mark_sent(h, 1, send_only);

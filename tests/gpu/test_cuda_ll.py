@@ -128,6 +128,44 @@ def test_ll_bitwise_equals_oracle(world, case, layout, fp8, seed):
         destroy(groups)
 
 
+@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("case", ["uneven_bf16", "zero_token_rank_fp16", "t_equals_t_max_bf16"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("send_only", [False, True])
+def test_ll_combine_of_fp32_rows_equals_the_rounded_rows(world, case, layout, send_only, seed):
+    """fp32 expert rows into a 16-bit group: rounded as read (nearest even, ties among them),
+    bitwise the oracle's combine of the rows rounded first; with ``send_only`` the own rows go
+    through the window too."""
+    problem = ll_cases.make_ll_problem(world, seed=seed, **CASES[case])
+    groups = team(world, problem, layout, False)
+    try:
+        want, expert_out, cw, _ = expected(problem, layout, groups, seed)
+        wide = ll_cases.widened_outputs(expert_out, seed + 3)
+        dtype = problem.x[0].dtype
+        want_y = ll_oracle.ll_combine_all(groups[0].config, world, problem.topk_idx,
+                                          [w.to(dtype) for w in wide], cw)
+        dev = groups[0].device
+        idx, x, w = (staged(v, dev) for v in (problem.topk_idx, problem.x, problem.weights))
+        eo, cwd = staged(wide, dev), staged(cw or [None] * world, dev)
+
+        def body(r, g):
+            h = g.create_handle(idx[r])
+            h.dispatch(x[r], w[r])
+            y = h.combine(eo[r], cwd[r], send_only=send_only)
+            if send_only:
+                h.complete()
+            g.check_errors()
+            h.destroy()
+            return y
+
+        for r, y in enumerate(run_ranks(groups, body)):
+            assert y.dtype == dtype
+            assert torch.equal(y.cpu().view(torch.uint8), want_y[r].view(torch.uint8)), \
+                f"rank {r}: combine of fp32 rows differs from the oracle's of the rounded rows"
+    finally:
+        destroy(groups)
+
+
 @pytest.mark.parametrize("world,layout,fp8", [(1, "expert_major", False),
                                               (1, "rank_major", True),
                                               (8, "rank_major", False),
