@@ -135,13 +135,13 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
                 f"set --nccl-ep-max-tokens-per-rank")
         return tokens
 
-    def _remembered_group(self, tokens: torch.Tensor, dtype: torch.dtype):
+    def _remembered_group(self, tokens: torch.Tensor, dtype: torch.dtype, device: torch.device):
         """``(group, signature)``: the last step's group when the options, the token budget, the
         hidden size, dtype and device are the same and no group was destroyed since (a few
         compares: a per-layer host path), else None."""
         options = self.options()
         signature = (options, NcclEpInferenceDispatcher._token_budget, tokens.shape[1], dtype,
-                     tokens.device, _groups.generation)
+                     device, _groups.generation)
         memo = self._group_memo
         if memo is not None and memo[0] is options and memo[1] == signature:
             return memo[2], signature
@@ -185,17 +185,20 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
     # -- Megatron's inference dispatcher interface -------------------------------------------
     def update_metadata(self, local_tokens: int) -> None:
         """The host's estimate of the rows the experts get (the vLLM backend's size hint)."""
+        self._estimate_rows(local_tokens, self.max_tokens_per_rank())
+
+    def _estimate_rows(self, local_tokens: int, max_tokens: int) -> None:
         InferenceAllGatherDispatcherBase._host_valid_tokens_estimate = min(
-            local_tokens, self.max_tokens_per_rank()) * self.ep_size
+            local_tokens, max_tokens) * self.ep_size
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """``[T, H]``, probs ``[T, K]`` -> (``[R*T_max, H]``, ``[R*T_max, K]`` fp32); sets
         ``self.routing_map`` to the received rows' global ids ``[R*T_max, K]`` int32 (-1:
         another rank's expert or no row) and the valid-rows tensor the experts read to this
         dispatch's count. No host read."""
-        tokens = hidden_states.shape[0]
+        tokens, device = hidden_states.shape[0], hidden_states.device
         dtype = self.payload_dtype or hidden_states.dtype
-        group, signature = self._remembered_group(hidden_states, dtype)
+        group, signature = self._remembered_group(hidden_states, dtype, device)
         # Checked before a group is made (collective, and refused inside a capture).
         self._check_budget(tokens, group.config.max_tokens_per_rank if group is not None
                            else self.max_tokens_per_rank())
@@ -210,15 +213,15 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         handle = group.create_handle(topk_idx=self.routing_map)
         out = handle.dispatch(_as_dtype(hidden_states, dtype), probs,
                               out=None if probs is None else
-                              self._outputs(handle, hidden_states.device))
-        if _capturing(hidden_states.device):
+                              self._outputs(handle, device))
+        if _capturing(device):
             self._captured_handles.append(handle)
         self._handle = handle
         self.routing_map = out.topk_idx
         if out.count is not InferenceAllGatherDispatcherBase._valid_tokens_tensor:
             self._publish_count(out.count)
-        if self._runs_metadata_sync:
-            self.update_metadata(tokens)
+        if self._runs_metadata_sync:  # update_metadata, with the group's token budget
+            self._estimate_rows(tokens, group.config.max_tokens_per_rank)
         return _as_dtype(out.x, hidden_states.dtype), out.topk_weights
 
     @staticmethod
