@@ -36,9 +36,18 @@ from .api import Group
 from .config import LL_MAX_TOKENS
 from .dispatcher_common import GroupCache, check_owned_experts, layer_options
 
-# One LL group per (EP process group, shape), shared by every MoE layer of that shape.
+# One LL group per (EP process group, shape), shared by every MoE layer of that shape, and the
+# dispatch outputs those layers share: group -> (valid-rows tensor, LLDispatchOutput).
 _groups = GroupCache()
-destroy_inference_groups = _groups.destroy
+_shared_outputs: dict = {}
+
+
+def destroy_inference_groups() -> None:
+    """Destroys every cached inference Group (collective over each group's ranks) and frees the
+    dispatch outputs their layers shared, e.g. before
+    ``torch.distributed.destroy_process_group``."""
+    _shared_outputs.clear()
+    _groups.destroy()
 
 
 def ll_num_sms(options, device: torch.device) -> int:
@@ -69,6 +78,12 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
     received row count written into the valid-rows tensor the experts read;
     ``dispatch_postprocess`` and ``combine_preprocess`` pass through; ``token_combine`` combines
     the experts' rows and returns ``[T, H]`` bf16, as ``NCCLAllGatherDispatcher`` does.
+
+    The layers of one group dispatch into one set of output tensors (as
+    ``NVLSAllGatherVDispatcher``'s layers share its buffers): a layer's rows, probs and ids are
+    valid until the next layer's ``token_dispatch`` writes them, in stream order, which in
+    Megatron's MoE layer comes after this layer's experts have read them. Sharing them costs no
+    allocation per layer and step, and CUDA graphs replay into the same addresses.
 
     ``payload_dtype`` (class attribute): None moves tokens in their own dtype both ways (each
     rank's fp32 partial is rounded to it before the cross-rank sum); ``torch.float32`` moves
@@ -147,15 +162,24 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
             return memo[2], signature
         return None, signature
 
-    def _outputs(self, handle, device: torch.device):
-        """The dispatch's outputs: new tensors, with ``count`` Megatron's valid-tokens tensor
-        itself where the library can write it (int32 ``[1]``, contiguous, 16-byte aligned), so
-        no copy follows; None where it cannot (``_publish_count`` copies then)."""
+    def _outputs(self, handle, group: Group, device: torch.device):
+        """The dispatch's outputs: the ones the group's layers share (the class docstring),
+        with ``count`` Megatron's valid-tokens tensor itself where the library can write it
+        (int32 ``[1]``, contiguous, 16-byte aligned), so no copy follows; None where it cannot
+        (``_publish_count`` copies then). Made outside a capture, so that eager steps and
+        graphs use the same ones (during a capture, where none was made yet: new ones for that
+        capture alone)."""
         valid = self._valid_rows_tensor(device)
+        shared = _shared_outputs.get(group)
+        if shared is not None and shared[0] is valid:
+            return shared[1]
         if not (valid.dtype == torch.int32 and valid.shape == (1,) and valid.is_contiguous()
                 and valid.data_ptr() % 16 == 0):
             return None
-        return handle.new_output(count=valid)
+        out = handle.new_output(count=valid)
+        if not _capturing(device):
+            _shared_outputs[group] = (valid, out)
+        return out
 
     def _check_budget(self, tokens: int, limit: int) -> None:
         if tokens > limit:
@@ -213,7 +237,7 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         handle = group.create_handle(topk_idx=self.routing_map)
         out = handle.dispatch(_as_dtype(hidden_states, dtype), probs,
                               out=None if probs is None else
-                              self._outputs(handle, device))
+                              self._outputs(handle, group, device))
         if _capturing(device):
             self._captured_handles.append(handle)
         self._handle = handle

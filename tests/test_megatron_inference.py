@@ -107,7 +107,8 @@ def dispatch(dispatcher, x, ids, probs):
     hidden, tokens_per_expert, p = dispatcher.dispatch_postprocess(hidden, p)
     assert tokens_per_expert is None
     valid = InferenceAllGatherDispatcherBase._valid_tokens().clone()
-    return hidden, p, dispatcher.routing_map, valid
+    # Copies: the next dispatch of the group writes ours again (the layers share them).
+    return hidden.clone(), p.clone(), dispatcher.routing_map.clone(), valid
 
 
 def combine(dispatcher, expert_out):
@@ -341,6 +342,47 @@ def check_valid_rows_tensor(aligned: bool, seed: int) -> dict:
         finally:
             NcclEpInferenceDispatcher._publish_count = publish
         return {"copies": len(copies), "block": block.tolist()}
+
+
+def check_layers_share_outputs(seed: int) -> dict:
+    """Two layers of one group dispatch into the same tensors, each layer's rows right when its
+    experts read them; a new valid-rows tensor, or destroying the groups, gives new ones."""
+    from megatron.core.transformer.moe.token_dispatcher_inference import (
+        InferenceAllGatherDispatcherBase)
+
+    gen = torch.Generator().manual_seed(seed)
+    with dispatchers(8, 2, False, False, "torch", torch.device("cpu")) as (_, first):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        second = NcclEpInferenceDispatcher(
+            8, list(range(8)), config=first.config,
+            pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+        def layer(dispatcher):
+            x = torch.randn(T_MAX, 1, HIDDEN, generator=gen).to(torch.bfloat16)
+            ids = random_routing(T_MAX, 8, 2, gen)
+            hidden, p = dispatcher.token_dispatch(*dispatcher.dispatch_preprocess(
+                x, ids, torch.rand(T_MAX, 2, generator=gen)))
+            has = (ids >= 0).any(1)
+            n = int(has.sum())
+            valid = InferenceAllGatherDispatcherBase._valid_tokens()
+            assert int(valid) == n and torch.equal(hidden[:n], x.view(T_MAX, HIDDEN)[has])
+            combine(dispatcher, torch.zeros(T_MAX, HIDDEN))
+            return hidden, p, dispatcher.routing_map
+
+        a, b = layer(first), layer(second)
+        assert all(s is t for s, t in zip(a, b)), "the layers' outputs are not shared"
+        InferenceAllGatherDispatcherBase._valid_tokens_tensor = torch.zeros(1, dtype=torch.int32)
+        c = layer(first)
+        assert not any(s is t for s, t in zip(b, c)), "a new valid-rows tensor kept old outputs"
+        destroy_inference_groups()
+        d = layer(second)
+        assert not any(s is t for s, t in zip(c, d)), "destroyed groups' outputs were kept"
+        return {"layers": 4}
+
+
+def test_layers_of_one_group_share_dispatch_outputs(seed):
+    assert dist.run(1, check_layers_share_outputs, seed)[0] == {"layers": 4}
 
 
 @pytest.mark.parametrize("aligned", [True, False], ids=["written_in_place", "copied"])
