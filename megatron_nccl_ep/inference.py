@@ -34,6 +34,7 @@ from megatron.core.transformer.moe.token_dispatcher_inference import (
 
 from .api import Group
 from .config import LL_MAX_TOKENS
+from .outputs import FIELDS
 from .dispatcher_common import GroupCache, check_owned_experts, layer_options
 
 # One LL group per (EP process group, shape), shared by every MoE layer of that shape, and the
@@ -46,8 +47,20 @@ def destroy_inference_groups() -> None:
     """Destroys every cached inference Group (collective over each group's ranks) and frees the
     dispatch outputs their layers shared, e.g. before
     ``torch.distributed.destroy_process_group``."""
-    _shared_outputs.clear()
+    for group in list(_shared_outputs):
+        _drop_shared_outputs(group)
     _groups.destroy()
+
+
+def _drop_shared_outputs(group: Group) -> None:
+    """Forgets a group's shared outputs. Their memory goes back to the caching allocator only
+    after the work queued so far on the current stream, which may read them (they were
+    allocated on whichever stream ran the first dispatch)."""
+    _, out = _shared_outputs.pop(group)
+    for name in FIELDS:
+        t = getattr(out, name)
+        if name != "count" and t is not None and t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 def ll_num_sms(options, device: torch.device) -> int:
@@ -114,9 +127,10 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         self.topk = config.moe_router_topk
         self._handle = None
         self._group_memo = None  # (options, signature, group): _remembered_group's
-        # Handles made while a CUDA graph was being captured: the graph replays their kernels
-        # on their buffers, so they live as long as this dispatcher.
-        self._captured_handles: list = []
+        # (handle, outputs) of each dispatch captured in a CUDA graph: the graph replays their
+        # kernels on their buffers and into those outputs, so they live as long as this
+        # dispatcher (the group's shared outputs may be replaced meanwhile).
+        self._captured: list = []
 
     # -- configuration -------------------------------------------------------------------------
     @classmethod
@@ -171,8 +185,11 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         capture alone)."""
         valid = self._valid_rows_tensor(device)
         shared = _shared_outputs.get(group)
-        if shared is not None and shared[0] is valid:
-            return shared[1]
+        if shared is not None:
+            if shared[0] is valid:
+                return shared[1]
+            if not _capturing(device):  # made for another valid-rows tensor
+                _drop_shared_outputs(group)
         if not (valid.dtype == torch.int32 and valid.shape == (1,) and valid.is_contiguous()
                 and valid.data_ptr() % 16 == 0):
             return None
@@ -209,11 +226,8 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
     # -- Megatron's inference dispatcher interface -------------------------------------------
     def update_metadata(self, local_tokens: int) -> None:
         """The host's estimate of the rows the experts get (the vLLM backend's size hint)."""
-        self._estimate_rows(local_tokens, self.max_tokens_per_rank())
-
-    def _estimate_rows(self, local_tokens: int, max_tokens: int) -> None:
         InferenceAllGatherDispatcherBase._host_valid_tokens_estimate = min(
-            local_tokens, max_tokens) * self.ep_size
+            local_tokens, self.max_tokens_per_rank()) * self.ep_size
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """``[T, H]``, probs ``[T, K]`` -> (``[R*T_max, H]``, ``[R*T_max, K]`` fp32); sets
@@ -239,13 +253,13 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
                               out=None if probs is None else
                               self._outputs(handle, group, device))
         if _capturing(device):
-            self._captured_handles.append(handle)
+            self._captured.append((handle, out))
         self._handle = handle
         self.routing_map = out.topk_idx
         if out.count is not InferenceAllGatherDispatcherBase._valid_tokens_tensor:
             self._publish_count(out.count)
-        if self._runs_metadata_sync:  # update_metadata, with the group's token budget
-            self._estimate_rows(tokens, group.config.max_tokens_per_rank)
+        if self._runs_metadata_sync:
+            self.update_metadata(tokens)
         return _as_dtype(out.x, hidden_states.dtype), out.topk_weights
 
     @staticmethod

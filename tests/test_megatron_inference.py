@@ -97,8 +97,10 @@ def dispatchers(num_experts: int, topk: int, payload_fp32: bool, unequal: bool, 
              NCCLAllGatherDispatcher._use_allgather_v, NcclEpInferenceDispatcher.payload_dtype) = saved
 
 
-def dispatch(dispatcher, x, ids, probs):
-    """MoELayer.forward's calls up to the experts: -> (rows, probs, ids, valid count tensor)."""
+def dispatch(dispatcher, x, ids, probs, keep: bool = True):
+    """MoELayer.forward's calls up to the experts: -> (rows, probs, ids, valid count tensor);
+    ``keep``: copies of them (the next dispatch of the group writes ours again: the layers share
+    them), else the dispatcher's own."""
     from megatron.core.transformer.moe.token_dispatcher_inference import (
         InferenceAllGatherDispatcherBase)
 
@@ -107,8 +109,22 @@ def dispatch(dispatcher, x, ids, probs):
     hidden, tokens_per_expert, p = dispatcher.dispatch_postprocess(hidden, p)
     assert tokens_per_expert is None
     valid = InferenceAllGatherDispatcherBase._valid_tokens().clone()
-    # Copies: the next dispatch of the group writes ours again (the layers share them).
+    if not keep:
+        return hidden, p, dispatcher.routing_map, valid
     return hidden.clone(), p.clone(), dispatcher.routing_map.clone(), valid
+
+
+def poison_shared_outputs() -> None:
+    """The dispatch outputs the groups' layers share, poisoned (all but the valid-rows count):
+    the next dispatch must write every part the contract defines."""
+    from megatron_nccl_ep import inference
+    from megatron_nccl_ep.outputs import FIELDS
+
+    for _, out in inference._shared_outputs.values():
+        for name in FIELDS:
+            t = getattr(out, name)
+            if name != "count" and t is not None:
+                t.fill_(float("nan") if t.is_floating_point() else -7)
 
 
 def combine(dispatcher, expert_out):
@@ -160,7 +176,10 @@ def routing_case(seed: int, tokens: list, num_experts: int, topk: int, payload_f
         assert rows == sum(tokens) and tuple(h.shape) == (rows, HIDDEN)
         mine = (g >= first) & (g < first + local)
         has = mine.any(1)
-        got = [dispatch(ours, x, ids, probs) for _ in range(2)]
+        got = []
+        for _ in range(2):  # the second into poisoned outputs: it writes every defined part
+            got.append(dispatch(ours, x, ids, probs))
+            poison_shared_outputs()
         n = int(has.sum())
         for a, b in zip(got[0], got[1]):  # (c); rows past the count: ids, probs only (§9)
             assert a.dtype == b.dtype and a.shape == b.shape

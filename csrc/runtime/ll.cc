@@ -250,10 +250,11 @@ ncclResult_t ll_combine(ncclEpHandle* h, const ncclEpCombineInputs_t* in,
                   RT = (long long)g->nranks * c.max_tokens_per_rank;
   const bool rank_major = c.layout == ncclEpLayoutRankMajor;
   // fp32 rows are rounded to the token dtype as the kernel reads them (design section 9).
-  const ncclDataType_t rows = in->expert_tokens.dtype;
-  EP_CHECK(rows == c.token_dtype || rows == ncclFloat32, ncclInvalidArgument,
+  const ncclDataType_t given = in->expert_tokens.dtype;
+  const ncclDataType_t rows = given == ncclFloat32 ? ncclFloat32 : c.token_dtype;
+  EP_CHECK(given == rows || c.token_dtype == ncclFloat32, ncclInvalidArgument,
            "expert_out must have dtype %s or float32 (rounded to %s as read), got %s",
-           dtype_name(c.token_dtype), dtype_name(c.token_dtype), dtype_name(rows));
+           dtype_name(c.token_dtype), dtype_name(c.token_dtype), dtype_name(given));
   if (rank_major) {
     EP_RETURN_IF(check_nd(in->expert_tokens, "expert_out", {RT, H}, rows));
     EP_CHECK(in->topk_weights.ndim == 0, ncclInvalidArgument,
