@@ -34,8 +34,8 @@ from megatron.core.transformer.moe.token_dispatcher_inference import (
 
 from .api import Group
 from .config import LL_MAX_TOKENS
-from .outputs import FIELDS
 from .dispatcher_common import GroupCache, check_owned_experts, layer_options
+from .outputs import FIELDS
 
 # One LL group per (EP process group, shape), shared by every MoE layer of that shape, and the
 # dispatch outputs those layers share: group -> (valid-rows tensor, LLDispatchOutput).
