@@ -212,7 +212,6 @@ class CudaBackend:
         self._group = 0
         self._handles = set()
         self._device_index = self.device.index
-        self._dtype = config.dtype  # a combine's y
         # LL: the dispatch outputs without / with weights (ll_dispatch_fields), made once.
         self._ll_outputs = (tuple(_C.LLOutputs(ll_dispatch_fields(config, world_size, w))
                                   for w in (False, True)) if config.mode == "ll" else None)
@@ -292,7 +291,7 @@ class CudaBackend:
     def combine(self, state: CudaHandleState, expert_out: torch.Tensor,
                 backward=None) -> torch.Tensor:
         return _C.combine(state.ptr, expert_out, None, False, None, state.num_tokens,
-                          self._dtype, self._device_index, backward)
+                          self.config.dtype, self._device_index, backward)
 
     def combine_probs(self, state: CudaHandleState, grad_recv_probs: torch.Tensor,
                       dense: bool = False) -> torch.Tensor:
@@ -324,7 +323,7 @@ class CudaBackend:
                    topk_weights: Optional[torch.Tensor], send_only: bool,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
         return _C.combine(state.ptr, expert_out, topk_weights, send_only, out, state.num_tokens,
-                          self._dtype, self._device_index)
+                          self.config.dtype, self._device_index)
 
     def ll_complete(self, state: CudaLLHandleState) -> None:
         _C.complete(state.ptr, self._device_index)
