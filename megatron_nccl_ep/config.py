@@ -40,6 +40,11 @@ class GroupConfig:
     dtype: torch.dtype = torch.bfloat16
     recv_mode: str = "exact"  # "exact" | "capacity"
     max_recv_tokens_per_rank: Optional[int] = None  # capacity mode: rows of each dispatch output
+    # Capacity mode, a rank that would receive more rows (docs/design.md §3): "error" stops the
+    # group with an error on every rank; "drop" drops the rows past the bound (no row, never
+    # combined, 0 in the probs' gradient) and keeps every expert block in tokens_per_expert, so
+    # their sum is the rows the routing needed.
+    capacity_overflow: str = "error"
     expert_alignment: int = 1  # pad each expert block to a multiple of this many rows
     num_sms: int = DEFAULT_NUM_SMS  # SM budget per CUDA operation
     timeout_s: float = DEFAULT_TIMEOUT_S  # device-side and rendezvous waits: NcclEpError after
@@ -129,6 +134,11 @@ class GroupConfig:
             need(self.max_recv_tokens_per_rank is not None and self.max_recv_tokens_per_rank >= 0,
                  "capacity mode needs max_recv_tokens_per_rank >= 0 "
                  f"(or a capacity_factor), got {self.max_recv_tokens_per_rank}")
+        need(self.capacity_overflow in ("error", "drop"),
+             f"capacity_overflow must be 'error' or 'drop', got {self.capacity_overflow!r}")
+        need(self.capacity_overflow == "error" or self.recv_mode == "capacity",
+             "capacity_overflow='drop' needs recv_mode='capacity' (exact mode sizes every output "
+             f"to its rows), got recv_mode={self.recv_mode!r}")
         need(self.expert_alignment >= 1,
              f"expert_alignment must be >= 1, got {self.expert_alignment}")
         need(self.num_sms >= 1, f"num_sms must be >= 1, got {self.num_sms}")
@@ -177,9 +187,9 @@ class GroupConfig:
              f"dispatch_fp8 casts blocks of {FP8_BLOCK} columns: hidden must be a multiple of "
              f"{FP8_BLOCK}, got {self.hidden}")
         need(self.recv_mode == "exact" and self.expert_alignment == 1
-             and self.expert_capacity == 0,
-             "mode='ll' has its own layouts: recv_mode, expert_alignment and expert_capacity "
-             "keep their defaults ('exact', 1, 0)")
+             and self.expert_capacity == 0 and self.capacity_overflow == "error",
+             "mode='ll' has its own layouts: recv_mode, expert_alignment, expert_capacity and "
+             "capacity_overflow keep their defaults ('exact', 1, 0, 'error')")
         need(self.ranks_per_node in (0, world_size),
              f"mode='ll' runs on one node (ranks_per_node 0 or {world_size}), got "
              f"{self.ranks_per_node}")

@@ -41,7 +41,7 @@ except (ImportError, OSError) as exc:  # not built, or libnccl.so.2 / CUDA not l
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_MODE_EXACT, _MODE_CAPACITY = 0, 1
+_MODE_EXACT, _MODE_CAPACITY, _MODE_CAPACITY_DROP = 0, 1, 2
 _MODE_HT, _MODE_LL = 0, 1
 _LAYOUT_EXPERT_MAJOR, _LAYOUT_RANK_MAJOR = 0, 1
 
@@ -107,7 +107,9 @@ def _c_config(config: GroupConfig):
     c.num_experts, c.hidden = config.num_experts, config.hidden
     c.max_tokens_per_rank, c.max_topk = config.max_tokens_per_rank, config.max_topk
     c.token_dtype = config.dtype
-    c.recv_count_mode = _MODE_CAPACITY if config.recv_mode == "capacity" else _MODE_EXACT
+    c.recv_count_mode = (_MODE_EXACT if config.recv_mode != "capacity" else
+                         _MODE_CAPACITY_DROP if config.capacity_overflow == "drop" else
+                         _MODE_CAPACITY)
     if config.recv_mode == "capacity":
         c.max_recv_tokens_per_rank = int(config.max_recv_tokens_per_rank)
     c.expert_alignment, c.num_sms = config.expert_alignment, config.num_sms

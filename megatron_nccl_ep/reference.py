@@ -353,7 +353,8 @@ class ReferenceBackend:
         else:
             blocks = (per_expert + align - 1) // align * align
         recv_totals = blocks.sum(1)
-        if cfg.recv_mode == "capacity":
+        dropping = cfg.recv_mode == "capacity" and cfg.capacity_overflow == "drop"
+        if cfg.recv_mode == "capacity" and not dropping:
             over = [(d, int(n)) for d, n in enumerate(recv_totals.tolist())
                     if n > cfg.max_recv_tokens_per_rank]
             if over:
@@ -378,6 +379,8 @@ class ReferenceBackend:
             from_source = counts.view(R, R, L)[:, me]  # [source, local expert]: slots here
             before = torch.cumsum(from_source, 0) - from_source  # of lower source ranks
             rows_sorted = rows_sorted - before[s_sorted, le_sorted] + s_sorted * C
+        if dropping:  # rows past the output: no row (the token still arrives, its slot is -1)
+            rows_sorted = torch.where(rows_sorted < cfg.max_recv_tokens_per_rank, rows_sorted, -1)
         slot_rows = torch.full_like(routing, -1)
         slot_rows[s_idx[order], t_idx[order], k_idx[order]] = rows_sorted
 

@@ -150,10 +150,12 @@ def check_routing(problem: Problem) -> None:
 
 
 def layout(problem: Problem, dest: int, alignment: int = 1, *,
-           expert_capacity: Optional[int] = None) -> RankLayout:
+           expert_capacity: Optional[int] = None, drop_past: Optional[int] = None) -> RankLayout:
     """``expert_capacity=C``: the fixed-capacity layout: each expert's block is R runs of C
     rows, one per source rank; a run holds the source's first C slots for the expert in token
-    order (later ones are dropped: in no row), then None rows up to C."""
+    order (later ones are dropped: in no row), then None rows up to C. ``drop_past=N``: capacity
+    mode that drops its overflow: the rows from N on are dropped (their slots are in no row),
+    while ``tokens_per_expert`` still counts every block whole."""
     L = problem.num_local_experts
     buckets = [[] for _ in range(L)]
     # Ascending s, then t; a token names an expert at most once, so (s, t) orders a bucket fully.
@@ -176,6 +178,8 @@ def layout(problem: Problem, dest: int, alignment: int = 1, *,
         rows.extend([None] * (padded - len(bucket)))
         tpe.append(padded)
         real.append(sum(r is not None for r in bucket))
+    if drop_past is not None:
+        rows = rows[:drop_past]
     return RankLayout(rows, tpe, real)
 
 
@@ -189,11 +193,12 @@ def _row_gather(lay: RankLayout):
 
 
 def dispatch(problem: Problem, dest: int, alignment: int = 1, capacity: Optional[int] = None, *,
-             expert_capacity: Optional[int] = None):
+             expert_capacity: Optional[int] = None, drop_past: Optional[int] = None):
     """Expected ``(recv_x, recv_probs or None, tokens_per_expert int64 [L], used_rows)`` on rank
     ``dest``. Capacity mode: outputs have ``capacity`` rows, the tail beyond the used rows is zero
-    (prob 0). ``expert_capacity``: the fixed-capacity layout (see ``layout``)."""
-    lay = layout(problem, dest, alignment, expert_capacity=expert_capacity)
+    (prob 0). ``expert_capacity``, ``drop_past``: the fixed-capacity layout, capacity mode's
+    dropped overflow (see ``layout``)."""
+    lay = layout(problem, dest, alignment, expert_capacity=expert_capacity, drop_past=drop_past)
     n = lay.num_rows if capacity is None else capacity
     assert n >= lay.num_rows, f"capacity {capacity} < {lay.num_rows} rows needed on rank {dest}"
     recv_x = torch.zeros(n, problem.hidden, dtype=problem.x[0].dtype)
@@ -217,7 +222,8 @@ def combine(problem: Problem, expert_out: list, source: int, alignment: int = 1,
             ranks_per_node: Optional[int] = None, k_descending: bool = False,
             rank_descending: bool = False, two_stage: bool = True,
             acc_dtype: Optional[torch.dtype] = None,
-            expert_capacity: Optional[int] = None) -> torch.Tensor:
+            expert_capacity: Optional[int] = None,
+            drop_past: Optional[int] = None) -> torch.Tensor:
     """Expected ``y`` on rank ``source`` from every rank's ``expert_out[d] [N_d, H]``.
 
     Defaults are docs/design.md §4 (flat). ``ranks_per_node=G``: §4 for groups that span nodes,
@@ -235,8 +241,8 @@ def combine(problem: Problem, expert_out: list, source: int, alignment: int = 1,
     row_of = []
     for d in range(R):
         m = torch.full((T, K), -1, dtype=torch.int64)
-        for i, r in enumerate(layout(problem, d, alignment,
-                                     expert_capacity=expert_capacity).rows):
+        for i, r in enumerate(layout(problem, d, alignment, expert_capacity=expert_capacity,
+                                     drop_past=drop_past).rows):
             if r is not None and r[0] == source:
                 m[r[1], r[2]] = i
         row_of.append(m)
@@ -266,14 +272,15 @@ def combine(problem: Problem, expert_out: list, source: int, alignment: int = 1,
 
 
 def combine_probs(problem: Problem, grad_recv_probs: list, source: int,
-                  alignment: int = 1, *, expert_capacity: Optional[int] = None) -> torch.Tensor:
+                  alignment: int = 1, *, expert_capacity: Optional[int] = None,
+                  drop_past: Optional[int] = None) -> torch.Tensor:
     """Expected ``grad_probs [T, K]`` on rank ``source``: the row's value, 0 at masked (and
     dropped) slots."""
     T, K = problem.topk_idx[source].shape
     out = torch.zeros(T, K, dtype=grad_recv_probs[0].dtype)
     for d in range(problem.world_size):
-        for i, r in enumerate(layout(problem, d, alignment,
-                                     expert_capacity=expert_capacity).rows):
+        for i, r in enumerate(layout(problem, d, alignment, expert_capacity=expert_capacity,
+                                     drop_past=drop_past).rows):
             if r is not None and r[0] == source:
                 out[r[1], r[2]] = grad_recv_probs[d][i]
     return out

@@ -56,7 +56,7 @@ def make_group(problem: dense.Problem, *, backend: str = "torch", device="cpu",
 
 
 def poisoned_rows(problem: dense.Problem, seed: int, num_rows, alignment: int = 1,
-                  dtype=None, vector: bool = False, expert_capacity=None):
+                  dtype=None, vector: bool = False, expert_capacity=None, drop_past=None):
     """For every rank d, a ``[num_rows[d], H]`` tensor (``[num_rows[d]]`` with vector=True) of
     order-sensitive values in the rows that carry a (token, slot), NaN in every padding and tail
     row: whatever combine or combine_probs reads from those rows would show up as NaN."""
@@ -64,7 +64,8 @@ def poisoned_rows(problem: dense.Problem, seed: int, num_rows, alignment: int = 
     dtype = dtype or problem.x[0].dtype
     out = []
     for d in range(problem.world_size):
-        lay = dense.layout(problem, d, alignment, expert_capacity=expert_capacity)
+        lay = dense.layout(problem, d, alignment, expert_capacity=expert_capacity,
+                           drop_past=drop_past)
         shape = (num_rows[d],) if vector else (num_rows[d], problem.hidden)
         t = dense.wide_values(gen, shape, dtype)
         used = torch.zeros(num_rows[d], dtype=torch.bool)

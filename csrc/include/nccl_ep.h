@@ -100,7 +100,14 @@ typedef enum {
   ncclEpRecvCountExact = 0,    /* N_d read to the host once, by the first call that needs it
                                   (ncclEpHandleGetNumRecvTokens, tokens per expert into host
                                   memory, or the handle's first op); creation does not wait */
-  ncclEpRecvCountCapacity = 1  /* outputs sized by max_recv_tokens_per_rank; no host sync */
+  ncclEpRecvCountCapacity = 1, /* outputs sized by max_recv_tokens_per_rank; no host sync; a
+                                  rank that would receive more rows stops the group (an error
+                                  on every rank) */
+  ncclEpRecvCountCapacityDrop = 2 /* capacity mode whose overflow is no error: rows past
+                                  max_recv_tokens_per_rank are dropped (no row, never combined,
+                                  0 in the probs' gradient) and tokens per expert still counts
+                                  every block, so their sum is the rows the routing needed
+                                  (docs/design.md section 3) */
 } ncclEpRecvCountMode_t;
 
 /* Role of a tensor in an operation (docs/design.md §6). */

@@ -88,6 +88,8 @@ struct LayoutArgs {
   int rec_ints;
   int num_ranks, rank, num_experts, num_local, max_tokens, max_topk, topk, align;
   long long capacity;     // rows of the dispatch output in capacity mode, -1 in exact mode
+  int drops_overflow;     // capacity mode: rows past `capacity` are dropped, not an error (the
+                          // ops skip them: compact_rows), so nothing checks every rank's rows
   int* cnt;               // [R * L] (set by the bases from the tiles' counts)
   int* tile_cnt;          // [R][tiles][L]: tokens of a tile naming l (validate), then the tile's
                           // first position among its source's tokens naming l (the bases)
@@ -98,7 +100,8 @@ struct LayoutArgs {
   long long src_rows;
   unsigned long long* err_key;  // min-key of the first bad routing entry
   int* hist;              // [E] slots per expert over all ranks: every rank checks every rank's
-                          // capacity, so all ranks report an overflow together
+                          // capacity, so all ranks report an overflow together (checked
+                          // capacity mode only: checks_capacity)
   unsigned* blocks_done;  // validate's finished blocks (its last sets the bases)
   LayoutMeta* meta;
   LayoutMeta* host_meta;  // exact mode: the pinned, mapped readback the bases publish the meta

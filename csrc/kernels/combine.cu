@@ -236,9 +236,11 @@ struct CombineProbsOp {
       const int* rows = token_rows(e, p, items.c.begin + i);
       for (int k = lane; k < e.topk; k += 32) {
         const int row = rows[k];
-        if (row < 0 || row >= e.rows) continue;
-        copy_prob(ring_prob(e.peers[p], e.win, b, ring_index(e.rank, p, e.num_ranks), j, i, k),
-                  grad_recv_at(a, row), a.prob_bytes);
+        if (row < 0) continue;  // not a slot here: the source reads no value of it from here
+        char* to = ring_prob(e.peers[p], e.win, b, ring_index(e.rank, p, e.num_ranks), j, i, k);
+        // A row past the output (dropped by a dropping capacity mode) has gradient 0.
+        if (row < e.rows) copy_prob(to, grad_recv_at(a, row), a.prob_bytes);
+        else zero_prob(to, a.prob_bytes);
       }
     }
   }

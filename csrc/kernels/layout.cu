@@ -31,6 +31,10 @@
  *    counts alone.
  *  - Capacity mode: every rank checks the receive count of every rank (from the histogram), so
  *    an overflow anywhere is reported by all ranks, with the first overflowing rank's numbers.
+ *    Dropping capacity mode (drops_overflow) checks nothing: a slot's row past the capacity is
+ *    kept in recv_row, the ops skip it (compact_rows) and no src_of_row names it; the expert
+ *    blocks and tokens_per_expert are those of the whole routing, so a caller truncates the
+ *    blocks by clamping their running sum at the capacity.
  *  - A token names an expert at most once (validated), so one (s, t) gives at most one row per l;
  *    with a duplicate (already an error) only the first slot gets the row, so nothing is written
  *    twice or out of bounds.
@@ -57,6 +61,13 @@
 namespace nccl_ep {
 
 constexpr int kLayoutThreads = 256;
+
+// Capacity mode whose overflow is an error: every rank checks every rank's rows, from the
+// histogram of all ranks' slots per expert. With drops_overflow the ops skip rows past the
+// capacity instead (compact_rows), and tokens_per_expert keeps every block whole.
+__host__ __device__ __forceinline__ bool checks_capacity(const LayoutArgs& a) {
+  return a.capacity >= 0 && !a.drops_overflow;
+}
 constexpr int kTileTokens = 1024;  // tokens per tile of the drop pass's scans
 constexpr int kFlatTopk = 32;      // longer (routing-map) rows are searched token by token
 constexpr int kScanLoads = 8;      // 16-byte loads per thread in flight in a scan (top-k 8: a tile)
@@ -255,7 +266,7 @@ EP_DEVICE void count_slots(const LayoutArgs& a, int* table) {
     for (int c = threadIdx.x; c < L; c += blockDim.x) tile_cnt[c] = 0;
     if (first >= slots) return;
   }
-  const int experts_counted = a.capacity >= 0 ? a.num_experts : 0;  // hist: capacity mode
+  const int experts_counted = checks_capacity(a) ? a.num_experts : 0;  // hist
   int* cnt_table = tabled ? table : nullptr;
   int* hist_table = tabled ? table + L : nullptr;
   if (tabled) {
@@ -445,7 +456,7 @@ EP_DEVICE void set_bases(const LayoutArgs& a) {
   }
   if (threadIdx.x == 0) m->num_rows = carry;
   publish_meta(a);
-  if (a.capacity < 0) return;
+  if (!checks_capacity(a)) return;
   // Capacity: every rank checks every rank's rows (from the all-ranks histogram), so all ranks
   // report an overflow together; the first rank over the bound is named.
   for (int d = 0; d < a.num_ranks; ++d) {
@@ -674,7 +685,7 @@ cudaError_t preload_layout() {
 }
 
 cudaError_t launch_layout(const LayoutArgs& a, cudaEvent_t published, cudaStream_t stream) {
-  const int counters = a.num_local + (a.capacity >= 0 ? a.num_experts : 0);
+  const int counters = a.num_local + (checks_capacity(a) ? a.num_experts : 0);
   const int tabled = counters <= kMaxTableCounters;
   // (At least one block: its last block sets the bases.)
   validate_kernel<<<dim3(a.tiles, a.num_ranks), kLayoutThreads,

@@ -199,11 +199,10 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
            "ncclEpCreateGroup: token dtype %s is not supported: the cuda backend supports "
            "bfloat16, float16 and float32 tokens",
            dtype_name(c->token_dtype));
-  EP_CHECK(c->recv_count_mode == ncclEpRecvCountExact ||
-               c->recv_count_mode == ncclEpRecvCountCapacity,
+  EP_CHECK(c->recv_count_mode == ncclEpRecvCountExact || is_capacity_mode(*c),
            ncclInvalidArgument, "ncclEpCreateGroup: recv_count_mode %d is invalid",
            (int)c->recv_count_mode);
-  if (c->recv_count_mode == ncclEpRecvCountCapacity) {
+  if (is_capacity_mode(*c)) {
     EP_CHECK(c->max_recv_tokens_per_rank >= 0 && c->max_recv_tokens_per_rank < (1ll << 31),
              ncclInvalidArgument,
              "ncclEpCreateGroup: capacity mode needs 0 <= max_recv_tokens_per_rank < 2^31, "
@@ -245,7 +244,7 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
              "ncclEpCreateGroup: expert_capacity=%d gives %lld rows per rank (local experts x "
              "roundup(group size x capacity, expert_alignment)), which must stay below 2^31",
              c->expert_capacity, fixed);
-    EP_CHECK(c->recv_count_mode != ncclEpRecvCountCapacity ||
+    EP_CHECK(!is_capacity_mode(*c) ||
                  c->max_recv_tokens_per_rank == fixed,
              ncclInvalidArgument,
              "ncclEpCreateGroup: expert_capacity=%d fixes every dispatch output at %lld rows "

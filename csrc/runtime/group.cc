@@ -99,8 +99,8 @@ void size_group(ncclEpGroup* g, const ncclEpGroupConfig_t* config, int nranks, i
   g->num_nodes = nranks / node_size;
   g->num_local = c.num_experts / nranks;
   g->row_bytes = (size_t)c.hidden * dtype_bytes(c.token_dtype);
-  g->capacity = c.recv_count_mode == ncclEpRecvCountCapacity ? (long long)c.max_recv_tokens_per_rank
-                                                             : -1;
+  g->capacity = is_capacity_mode(c) ? (long long)c.max_recv_tokens_per_rank : -1;
+  g->drops_overflow = c.recv_count_mode == ncclEpRecvCountCapacityDrop;
   const long long bound = (long long)nranks * c.max_tokens_per_rank *
                               std::min(c.max_topk, g->num_local) +
                           (long long)g->num_local * (c.expert_alignment - 1);

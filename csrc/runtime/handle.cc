@@ -224,6 +224,7 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   a.topk = h->topk;
   a.align = c.expert_alignment;
   a.capacity = g->capacity;
+  a.drops_overflow = g->drops_overflow ? 1 : 0;
   a.cnt = s->cnt.ptr;
   a.tile_cnt = s->tile_cnt.ptr;
   a.tiles = layout_tiles(c.max_tokens_per_rank, c.max_topk);

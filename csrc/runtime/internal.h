@@ -72,6 +72,7 @@ struct ncclEpGroup {
   nccl_ep::RailBuffers rail;
   size_t row_bytes = 0;          // hidden * token element bytes
   long long capacity = -1;       // capacity mode rows, -1 in exact mode
+  bool drops_overflow = false;   // ncclEpRecvCountCapacityDrop: rows past `capacity` dropped
   long long src_rows = 0;        // rows that src_of_row covers
   long long block_rows = 0;      // expert_capacity: rows of each local expert's block (0: off)
   int device = 0;
@@ -130,6 +131,11 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
 // Sizes and offsets of the window for this config (the same on every rank of a node of nranks).
 WindowLayout plan_window(const ncclEpGroupConfig_t& c, int nranks);
 int default_channels(const ncclEpGroupConfig_t& c);
+// Capacity mode, whatever it does with an overflow (ncclEpRecvCountCapacity, ...CapacityDrop).
+inline bool is_capacity_mode(const ncclEpGroupConfig_t& c) {
+  return c.recv_count_mode == ncclEpRecvCountCapacity ||
+         c.recv_count_mode == ncclEpRecvCountCapacityDrop;
+}
 // expert_capacity: roundup(nranks x C, expert_alignment), the rows of a local expert's block.
 long long expert_block_rows(const ncclEpGroupConfig_t& c, int nranks);
 // Checks that every rank of an NCCL group has the same configuration (collective).
