@@ -11,6 +11,8 @@ flags, the defaults; re-exported here).
 
 from __future__ import annotations
 
+import contextlib
+import math
 import weakref
 from typing import List, Optional
 
@@ -30,6 +32,7 @@ except ImportError:  # pragma: no cover - a Megatron-Core without local graphs
 
 from .api import Group
 from .autograd import combine, dispatch
+from .config import capacity_from_factor
 from .dispatcher_common import GroupCache, check_owned_experts, layer_options
 from .errors import NcclEpError
 from .options import NcclEpOptions, get_options, set_options, training_args  # noqa: F401
@@ -37,8 +40,27 @@ from .options import NcclEpOptions, get_options, set_options, training_args  # n
 # One Group per EP process group and shape class, shared by every layer of that class.
 _groups = GroupCache()
 # Capacity-mode dispatchers (weak references, in the order of their first dispatch: the same on
-# every rank), whose budgets check_budgets() checks.
+# every rank), whose budgets check_budgets() and budgets_over() read.
 _budgeted: list = []
+# Budgets grown after an overflow (grow_budgets), by the layer's shape class (_Route.base_key):
+# rows per rank (packed layout) or per (expert, source rank) (fixed layout).
+_grown: dict = {}
+# A grown budget is this many times the rows the overflowing step needed.
+GROWTH = 1.125
+# Inside exact_mode(): every dispatcher runs in exact mode (the redo of an overflowed step).
+_exact_redo = False
+
+
+@contextlib.contextmanager
+def exact_mode():
+    """Every nccl_ep dispatcher in exact mode meanwhile (capacity mode's budgets unused): how
+    an overflowed step is redone (megatron_nccl_ep.overflow)."""
+    global _exact_redo
+    before, _exact_redo = _exact_redo, True
+    try:
+        yield
+    finally:
+        _exact_redo = before
 
 
 def _graph_modules(config) -> list:
@@ -60,9 +82,22 @@ def graph_captures_dispatch(config) -> bool:
 def check_graph_settings(config, options: NcclEpOptions) -> None:
     """A graph that holds token_dispatch replays it without the host: exact mode, which reads
     each handle's receive count on the host, is refused there; drop-and-pad and capacity mode
-    (static layouts) are captured."""
-    if not graph_captures_dispatch(config) or options.recv_mode == "capacity" or getattr(
+    (static layouts) are captured. In Megatron training, capacity mode's redo of an overflowed
+    step recaptures the full-iteration graph only: per-layer graphs holding token_dispatch
+    need ``--nccl-ep-capacity-overflow error``."""
+    if not graph_captures_dispatch(config) or getattr(
             config, "moe_pad_expert_input_to_capacity", False):
+        return
+    if options.recv_mode == "capacity":
+        impl = getattr(config, "cuda_graph_impl", "none")
+        if impl != "full_iteration" and options.capacity_overflow == "redo" and \
+                training_args() is not None:
+            raise ValueError(
+                f"nccl_ep dispatcher: cuda_graph_impl={impl!r} with cuda_graph_modules="
+                f"{_graph_modules(config)} captures token_dispatch in per-layer graphs, which "
+                "--nccl-ep-capacity-overflow redo cannot recapture after growing a budget: use "
+                "--cuda-graph-impl full_iteration, or --nccl-ep-capacity-overflow error (an "
+                "overflow then raises after the step)")
         return
     raise ValueError(
         f"nccl_ep dispatcher: cuda_graph_impl={config.cuda_graph_impl!r} with "
@@ -97,16 +132,22 @@ def _training_tokens_per_rank() -> Optional[int]:
     return tokens
 
 
+def _max_tokens(options: NcclEpOptions, num_tokens: int) -> int:
+    """Tokens per rank a layer's group is sized for."""
+    return (options.max_tokens_per_rank or _training_tokens_per_rank()
+            or 1 << max(num_tokens - 1, 0).bit_length())
+
+
 def _group_for(ep_group, num_experts: int, topk: int, tokens: torch.Tensor,
-               options: NcclEpOptions, alignment: int, expert_capacity: int = 0) -> Group:
-    """The layer's Group. With ``expert_capacity`` (drop-and-pad, capacity mode) every dispatch
-    output has the same fixed layout, so the group runs in capacity mode: nothing is read on the
-    host."""
-    num_tokens = tokens.shape[0]
-    max_tokens = (options.max_tokens_per_rank or _training_tokens_per_rank()
-                  or 1 << max(num_tokens - 1, 0).bit_length())
+               options: NcclEpOptions, alignment: int, expert_capacity: int = 0,
+               recv_rows: int = 0) -> Group:
+    """The layer's Group. With ``expert_capacity`` (drop-and-pad, capacity mode's fixed layout)
+    every dispatch output has the same fixed layout, so the group runs in capacity mode: nothing
+    is read on the host. With ``recv_rows`` (capacity mode's packed layout) the outputs have
+    that many rows and the rows past them are dropped (the overflow is found after the step)."""
+    max_tokens = _max_tokens(options, tokens.shape[0])
     key = (ep_group, num_experts, topk, tokens.shape[1], tokens.dtype, tokens.device, max_tokens,
-           options, alignment, expert_capacity)
+           options, alignment, expert_capacity, recv_rows)
 
     def make() -> Group:
         if tokens.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -114,14 +155,16 @@ def _group_for(ep_group, num_experts: int, topk: int, tokens: torch.Tensor,
                 "nccl_ep dispatcher: this layer's communication group would be created inside a "
                 "CUDA graph capture (group creation is collective and allocates): run at least "
                 "one step eagerly before capturing (--cuda-graph-warmup-steps >= 1)")
+        packed = dict(max_recv_tokens_per_rank=recv_rows, capacity_overflow="drop") \
+            if recv_rows else {}
         return Group(
             ep_group, num_experts=num_experts, hidden=tokens.shape[1],
             max_tokens_per_rank=max_tokens, max_topk=topk, dtype=tokens.dtype,
             backend=options.backend, device=tokens.device,
-            recv_mode="capacity" if expert_capacity else options.recv_mode,
+            recv_mode="capacity" if expert_capacity or recv_rows else "exact",
             expert_alignment=alignment, num_sms=options.num_sms,
             ranks_per_node=options.ranks_per_node, expert_capacity=expert_capacity,
-            timeout_s=options.timeout_s)
+            timeout_s=options.timeout_s, **packed)
 
     return _groups.get(key, make)
 
@@ -129,37 +172,117 @@ def _group_for(ep_group, num_experts: int, topk: int, tokens: torch.Tensor,
 destroy_groups = _groups.destroy
 
 
-def check_budgets() -> None:
-    """Capacity mode: raises ``NcclEpError`` on every rank when, since the last check, a layer's
-    rank sent one expert more tokens than that layer's static budget (the tokens past it were
-    dropped), naming the layer, the rows needed and the capacity factor that would hold them;
-    also raises the pending device-side errors of the groups in capacity receive mode (capacity
-    mode, drop-and-pad), which no call of theirs reads on the host. Collective over each EP
-    group (one all-reduce of every layer's count), with one host wait: after a step, where the
-    host waits for the GPU anyway (``register()`` calls it after each Megatron ``train_step``),
-    also when CUDA graphs replayed the step."""
-    for group in list(_groups.groups.values()):
-        if group.config.recv_mode == "capacity":
-            group.check_errors()
-    layers = [d for d in (ref() for ref in _budgeted) if d is not None and d._needed is not None]
-    _budgeted[:] = [ref for ref in _budgeted if ref() is not None]
+def destroy_exact_groups() -> None:
+    """Destroys the cached groups of exact mode (collective over each group's ranks): after the
+    redo of an overflowed step, whose groups the capacity-mode steps do not use."""
+    _groups.destroy_where(lambda group: group.config.recv_mode == "exact")
+
+
+def _stacked_needs(layers: list) -> torch.Tensor:
+    """Each layer's most rows needed since the last check (int64 [n] on their device)."""
     if any(d._needed.is_cuda for d in layers):
         torch.cuda.synchronize()  # the maxima may come from another stream (1F1B EP overlap)
+    return torch.stack([d._needed.amax() for d in layers])
+
+
+def budgets_over(process_group=None) -> list:
+    """Capacity mode: ``(dispatcher, rows needed)`` of every layer of this rank that needed more
+    than its budget since the last check (the maximum over its communication group, the same on
+    each of its ranks), and the counts reset; with ``process_group`` (the default group: every
+    rank of the job) the list is empty on every rank of it unless some rank's is not (a layer of
+    another rank overflowed: this rank must redo the step too), else each rank's own. One
+    all-reduce per communication group (and one over ``process_group``), one host wait."""
+    layers = [d for d in (ref() for ref in _budgeted) if d is not None and d._needed is not None]
+    _budgeted[:] = [ref for ref in _budgeted if ref() is not None]
     by_group: dict = {}
     for d in layers:
         by_group.setdefault(d.comm_group, []).append(d)
-    for process_group, members in by_group.items():
-        needed = torch.stack([d._needed.amax() for d in members])
+    over = []
+    for comm_group, members in by_group.items():
+        needed = _stacked_needs(members)
         if torch.distributed.is_initialized() and torch.distributed.get_world_size(
-                process_group) > 1:
+                comm_group) > 1:
             torch.distributed.all_reduce(needed, op=torch.distributed.ReduceOp.MAX,
-                                         group=process_group)
-        counts = needed.tolist()
-        for d in members:
+                                         group=comm_group)
+        for d, n in zip(members, needed.tolist()):
             d._needed.zero_()
-        over = [(d, n) for d, n in zip(members, counts) if n > d._budget[0]]
-        if over:
-            raise NcclEpError("; ".join(d._over_budget_message(n) for d, n in over))
+            if n > d._budget.rows:
+                over.append((d, n))
+    if process_group is not None and torch.distributed.is_initialized():
+        device = layers[0]._needed.device if layers else (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.distributed.get_backend(process_group) == "nccl" else torch.device("cpu"))
+        flag = torch.tensor([len(over)], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=process_group)
+        if int(flag) > 0 and not over:
+            return [(None, 0)]  # (another rank's layer: redo, nothing of this rank's to grow)
+    return over
+
+
+def grow_budgets(over: list) -> List[str]:
+    """Grows the budget of each overflowed layer's shape class to ``GROWTH`` x the rows it
+    needed and destroys its capacity-mode groups (collective over their ranks; call it where
+    no CUDA graph holds them), so that the next step makes new ones. Returns one description
+    per shape class grown ("layer 3 needed 2134 rows of 2048 ..."), for the log line."""
+    grown: dict = {}
+    for d, needed in over:
+        if d is None:
+            continue
+        budget = d._budget
+        rows = max(budget.rows + 1, math.ceil(needed * GROWTH))
+        if budget.packed:
+            rows = -(-rows // budget.alignment) * budget.alignment
+        key = budget.base_key
+        if rows > _grown.get(key, 0):
+            _grown[key] = rows
+        grown.setdefault(key, []).append((d, needed))
+    if grown:
+        doomed = {d._budget.group for members in grown.values() for d, _ in members}
+        _groups.destroy_where(lambda group: group in doomed)
+    lines = []
+    for key, members in grown.items():
+        budget = members[0][0]._budget
+        layers = ", ".join(f"layer {d.layer_number()} needed {n}" for d, n in members)
+        unit = "rows per rank" if budget.packed else "rows per expert and source rank"
+        lines.append(f"{layers} ({unit}; budget {budget.rows}); budget now {_grown[key]} {unit} "
+                     f"(--nccl-ep-capacity-factor {budget.factor_for(_grown[key]):.3g})")
+    return lines
+
+
+def check_budgets() -> None:
+    """Capacity mode: raises ``NcclEpError`` on every rank when, since the last check, a layer
+    needed more than its static budget (the rows past it were dropped), naming the layer, the
+    rows needed and the capacity factor that would hold them; also raises the pending
+    device-side errors of the groups in capacity receive mode (capacity mode, drop-and-pad),
+    which no call of theirs reads on the host. Collective over each communication group (one
+    all-reduce of every layer's count), with one host wait: after a step, where the host waits
+    for the GPU anyway (``register()`` calls it after each Megatron ``train_step`` under
+    ``--nccl-ep-capacity-overflow error``), also when CUDA graphs replayed the step."""
+    for group in list(_groups.groups.values()):
+        if group.config.recv_mode == "capacity":
+            group.check_errors()
+    over = budgets_over()
+    if over:
+        raise NcclEpError("; ".join(d._over_budget_message(n) for d, n in over))
+
+
+class _Budget:
+    """A capacity-mode layer's budget: ``rows`` per rank (``packed``: the packed layout of
+    grouped experts) or per (expert, source rank) (the fixed layout), the factor and tokens
+    it came from, the group it sized, and ``base_key``, its shape class (what growth is kept
+    by)."""
+
+    def __init__(self, rows: int, packed: bool, factor: float, tokens: int, topk: int,
+                 num_experts: int, alignment: int, num_local: int, base_key, group=None):
+        self.rows, self.packed, self.factor, self.tokens = rows, packed, factor, tokens
+        self.topk, self.num_experts, self.alignment = topk, num_experts, alignment
+        self.num_local, self.base_key, self.group = num_local, base_key, group
+
+    def factor_for(self, rows: int) -> float:
+        """The capacity factor whose budget holds ``rows``."""
+        if self.packed:  # capacity_from_factor's worst-case alignment padding left out
+            return (rows - self.num_local * (self.alignment - 1)) / (self.tokens * self.topk)
+        return rows * self.num_experts / (self.tokens * self.topk)
 
 
 class NcclEpTokenDispatcher(MoETokenDispatcher):
@@ -210,12 +333,14 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         self.shared_experts = None  # set by MoELayer with moe_shared_expert_overlap
         self._handle = None
         self._route_memo = None  # _route's last answer and what it depended on
-        # Capacity mode: per expert, the most tokens this rank sent it in one step since the last
-        # check ([E] on the device, also updated by graph replays), and the budget (rows, factor,
-        # tokens) it is held to; check_budgets() reads them. The MoELayer (weakly), for the layer
-        # number.
+        # Capacity mode: the most rows needed in one step since the last check, on the device
+        # (also updated by graph replays): per expert, the tokens this rank sent it ([E], the
+        # fixed layout), or the rows this rank received ([], the packed layout); and the budget
+        # it is held to (_Budget). check_budgets() / budgets_over() read them. The MoELayer
+        # (weakly), for the layer number.
         self._needed: Optional[torch.Tensor] = None
-        self._budget = (0, 0.0, 0)
+        self._budget: Optional[_Budget] = None
+        self._device_counts: Optional[bool] = None  # whether the experts read device counts
         self.moe_layer = None
         # What dispatch_preprocess leaves for token_dispatch: a graph of the moe_preprocess scope
         # returns it as an output and sets it back on replay.
@@ -244,65 +369,116 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
             return 1
         return max(1, get_align_size_for_quantization(self.config))
 
+    def takes_device_counts(self) -> bool:
+        """Whether this layer's experts read ``tokens_per_expert`` on the device (nccl_ep's
+        ``GroupedExperts``, ``--moe-grouped-gemm`` under the local spec): capacity mode then
+        hands them the packed layout, else the fixed one (experts that split their rows on the
+        host, SequentialMLP, read constant counts)."""
+        if self._device_counts is None:
+            experts = getattr(self.moe_layer() if self.moe_layer else None, "experts", None)
+            if experts is None:  # not built yet: asked again at the next forward
+                return False
+            self._device_counts = bool(getattr(experts, "takes_device_counts", False))
+        return self._device_counts
+
     def expert_capacity(self, num_tokens: int, options: Optional[NcclEpOptions] = None) -> int:
         """The rows each source rank gets in each local expert's block of the fixed layout
         (docs/design.md §3), computed as Megatron's alltoall computes its capacity for this
         rank's ``num_tokens`` (every rank of the EP group must have the same token count).
-        Drop-and-pad: Megatron's capacity (its router drops the rest). Capacity mode: the static
-        budget ``--nccl-ep-capacity-factor`` x tokens x top-k / experts, dropless within it
-        (check_budgets raises after a step that needed more); 0 in exact mode (rows as routed)."""
+        Drop-and-pad: Megatron's capacity (its router drops the rest). Capacity mode with
+        experts that split their rows on the host: the static budget ``--nccl-ep-capacity-
+        factor`` x tokens x top-k / experts, dropless within it (an overflow is redone or
+        raised after the step); 0 otherwise (exact mode, or capacity mode's packed layout:
+        ``recv_rows``)."""
         options = options or self.options()
         if self.drop_and_pad:
             factor = self.config.moe_expert_capacity_factor
-        elif options.recv_mode == "capacity":
+        elif options.recv_mode == "capacity" and not _exact_redo and \
+                not self.takes_device_counts():
             factor = options.capacity_factor
         else:
             return 0
         return get_capacity(num_tokens=num_tokens * self.topk, num_experts=self.num_experts,
                             capacity_factor=factor)
 
+    def recv_rows(self, num_tokens: int, options: Optional[NcclEpOptions] = None) -> int:
+        """Capacity mode's packed layout (experts that read device counts): the rows of every
+        dispatch output, ``--nccl-ep-capacity-factor`` x tokens x top-k plus the worst-case
+        alignment padding (``config.capacity_from_factor``); the experts compute the rows the
+        routing filled, and the rows past the budget are dropped (an overflow is redone or
+        raised after the step). 0 otherwise."""
+        options = options or self.options()
+        if self.drop_and_pad or options.recv_mode != "capacity" or _exact_redo or \
+                not self.takes_device_counts():
+            return 0
+        return capacity_from_factor(options.capacity_factor, num_tokens, self.topk,
+                                    self.num_local_experts, self.expert_alignment())
+
+    def layer_number(self):
+        """The MoE layer's number (Megatron's), or '?'."""
+        layer = getattr(self.moe_layer() if self.moe_layer else None, "layer_number", None)
+        return layer if layer is not None else "?"
+
     def check_over_budget(self) -> Optional[torch.Tensor]:
-        """Capacity mode: whether this rank sent one expert more tokens than the budget since the
-        last check_budgets() (a device bool, no host read; Megatron's name for the question);
-        None otherwise."""
+        """Capacity mode: whether this rank needed more rows than the budget since the last
+        check (one expert from one rank in the fixed layout, this rank's received rows in the
+        packed one; a device bool, no host read; Megatron's name for the question); None
+        otherwise."""
         if self._needed is None:
             return None
-        return self._needed.amax() > self._budget[0]
+        return self._needed.amax() > self._budget.rows
 
     def _over_budget_message(self, needed: int) -> str:
-        rows, factor, tokens = self._budget
-        layer = getattr(self.moe_layer() if self.moe_layer else None, "layer_number", None)
-        fits = needed * self.num_experts / (tokens * self.topk)
-        return (f"nccl_ep capacity mode: MoE layer {layer if layer is not None else '?'} needed "
-                f"{needed} rows for one expert from one rank, over its static budget of {rows} "
-                f"rows (--nccl-ep-capacity-factor {factor:g} x {tokens} tokens x top-"
-                f"{self.topk} / {self.num_experts} experts); the tokens past it were dropped in "
-                f"that step. Raise --nccl-ep-capacity-factor to at least {fits:.3g} and resume "
-                "from the last checkpoint")
+        b = self._budget
+        what = ("rows on one rank" if b.packed
+                else "rows for one expert from one rank")
+        share = (f"{b.factor:g} x {b.tokens} tokens x top-{b.topk}" if b.packed else
+                 f"{b.factor:g} x {b.tokens} tokens x top-{b.topk} / {b.num_experts} experts")
+        return (f"nccl_ep capacity mode: MoE layer {self.layer_number()} needed {needed} {what}, "
+                f"over its static budget of {b.rows} rows (--nccl-ep-capacity-factor {share}); "
+                "the rows past it were dropped in that step. Raise --nccl-ep-capacity-factor to "
+                f"at least {b.factor_for(needed):.3g} and resume from the last checkpoint (or "
+                "use --nccl-ep-capacity-overflow redo, which redoes such a step)")
 
     def _route(self, hidden_states: torch.Tensor) -> tuple:
-        """``(options, capacity, group)`` of this forward: the last forward's when the options
-        and everything else the group's key and the capacity come from (the tokens' shape, dtype
-        and device, the layout, the capacity factor, the alignment, the training arguments' token
-        count) are the same and no group was destroyed since (a few compares: a per-layer host
-        path), else worked out and looked up."""
+        """``(options, budget or None, group)`` of this forward: the last forward's when the
+        options and everything else the group's key and the budget come from (the tokens'
+        shape, dtype and device, the layout, the capacity factor, the alignment, the training
+        arguments' token count, an exact-mode redo) are the same and no group was destroyed
+        since (a few compares: a per-layer host path), else worked out and looked up."""
         options = self.options()
         signature = (hidden_states.shape, hidden_states.dtype, hidden_states.device,
                      self.drop_and_pad, self.config.moe_expert_capacity_factor,
                      self.expert_alignment(),
                      options.max_tokens_per_rank or _training_tokens_per_rank(),
-                     _groups.generation)
+                     _groups.generation, _exact_redo)
         memo = self._route_memo
         if memo is not None and memo[0] is options and memo[1] == signature:
             return memo[2]
         # Drop-and-pad: Megatron's router pads every expert's column to its capacity with
         # zero-probability tokens, so a token may be routed to every expert (max_topk = E).
         topk = self.num_experts if self.drop_and_pad else self.topk
-        capacity = self.expert_capacity(hidden_states.shape[0], options)
+        alignment, tokens = signature[5], hidden_states.shape[0]
+        capacity = self.expert_capacity(tokens, options)
+        rows = self.recv_rows(tokens, options)
+        budget = None
+        if (capacity or rows) and not self.drop_and_pad:  # capacity mode: its budget
+            base_key = (self.comm_group, self.num_experts, self.topk, hidden_states.shape[1],
+                        hidden_states.dtype, hidden_states.device,
+                        _max_tokens(options, tokens), options, alignment, bool(rows))
+            grown = _grown.get(base_key, 0)
+            capacity, rows = (capacity, max(rows, grown)) if rows else (max(capacity, grown), 0)
+            budget = _Budget(rows or capacity, bool(rows), options.capacity_factor, tokens,
+                             self.topk, self.num_experts, alignment, self.num_local_experts,
+                             base_key)
         group = _group_for(self.comm_group, self.tp_size * self.num_experts,
-                           self.tp_size * topk, hidden_states, options, signature[5], capacity)
-        route = (options, capacity, group)
-        self._route_memo = (options, signature, route)
+                           self.tp_size * topk, hidden_states, options, alignment, capacity,
+                           rows)
+        if budget is not None:
+            budget.group = group
+        route = (options, budget, group)
+        if self.moe_layer is None or self._device_counts is not None:  # (else: asked again)
+            self._route_memo = (options, signature, route)
         return route
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
@@ -334,18 +510,15 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         handle's receive count is read here, the layer's one host read)."""
         if self.shared_experts is not None:  # its fc1 may not start before our inputs exist
             self.shared_experts.wait_current_stream()
-        options, capacity, group = self._route(hidden_states)
-        num_tokens = hidden_states.shape[0]
+        options, budget, group = self._route(hidden_states)
         routing_map, self.routing_map = self.routing_map, None
-        # The budget's use, on the device (graph warm-ups left out).
-        if capacity and not self.drop_and_pad and not _graph_warmup(hidden_states):
-            self._budget = (capacity, options.capacity_factor, num_tokens)
-            per_expert = routing_map.sum(0)  # two launches a layer: the sum and the maximum
-            if self._needed is None:
-                self._needed = torch.zeros_like(per_expert)
-                _budgeted.append(weakref.ref(self))
-            torch.maximum(self._needed, per_expert, out=self._needed)
+        # The budget's use, on the device, two launches a layer (graph warm-ups left out).
+        counted = budget is not None and not _graph_warmup(hidden_states)
+        if counted and not budget.packed:  # per expert: the tokens this rank sends it
+            self._count_needed(routing_map.sum(0), budget)
         self._handle = group.create_handle(routing_map=routing_map)
+        if counted and budget.packed:  # the rows this rank receives, every block whole
+            self._count_needed(self._handle.tokens_per_expert.sum(), budget)
         try:
             # The router's probs are dense [T, E] (said explicitly: with E == K they would be
             # read in slot order).
@@ -360,6 +533,15 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
             self.shared_experts.linear_fc1_forward_and_act(recv_x)
         return recv_x, recv_probs
 
+    def _count_needed(self, needed: torch.Tensor, budget: _Budget) -> None:
+        """Keeps the most rows needed (``needed``, on the device) since the last check."""
+        if self._needed is None or self._needed.shape != needed.shape:
+            self._needed = torch.zeros_like(needed)
+            _budgeted[:] = [ref for ref in _budgeted if ref() is not self]
+            _budgeted.append(weakref.ref(self))
+        self._budget = budget
+        torch.maximum(self._needed, needed, out=self._needed)
+
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """The rows are already expert-major: (rows, tokens_per_expert, 1-D probs).
 
@@ -369,7 +551,10 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         FP8 alignment with ``moe_router_padding_for_quantization``), a host tensor built here
         without reading the device, as Megatron's alltoall returns with drop-and-pad: experts
         that split their input on the host (SequentialMLP) make no host read either, so whole
-        layers and iterations can be captured. Exact mode: the counts read at dispatch."""
+        layers and iterations can be captured. Capacity mode's packed layout (experts that read
+        device counts): the blocks' sizes on the device, every block whole (their running sum
+        clamped at the rows is where each expert's kept rows end: docs/design.md §3). Exact
+        mode: the counts read at dispatch."""
         config = self._handle.group.config
         if config.expert_capacity:
             block = config.expert_block_rows(self._handle.group.world_size)

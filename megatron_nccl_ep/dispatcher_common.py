@@ -43,6 +43,13 @@ class GroupCache:
             group = self.groups[key] = make()
         return group
 
+    def destroy_where(self, doomed: Callable) -> None:
+        """Destroys the cached Groups for which ``doomed(group)`` holds (collective over each
+        group's ranks: every rank must choose the same)."""
+        self.generation += 1
+        for key in [k for k, group in self.groups.items() if doomed(group)]:
+            self.groups.pop(key).destroy()
+
     def destroy(self) -> None:
         """Destroys every cached Group (collective over each group's ranks), e.g. before
         ``torch.distributed.destroy_process_group``."""

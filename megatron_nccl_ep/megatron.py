@@ -12,8 +12,12 @@ Megatron is patched in memory only (its files on disk are never touched):
   ``NcclEpTokenDispatcher`` (the config is never modified);
 * ``megatron.training.arguments`` gets the ``--nccl-ep-*`` flags; the dispatcher reads their
   values from the parsed training arguments (``options.get_options``);
-* ``megatron.training.training.train_step`` is followed by ``dispatcher.check_budgets()``
-  (capacity mode's budgets and the groups' device-side errors, after every step);
+* ``megatron.training.training.train_step`` runs its ``forward_backward_func`` inside
+  ``overflow.RedoOverflowedSteps`` (capacity mode, ``--nccl-ep-capacity-overflow redo``) and is
+  followed by ``dispatcher.check_budgets()`` (capacity mode's budgets under ``error`` and the
+  groups' device-side errors, after every step);
+* ``LocalSpecProvider.grouped_mlp_modules`` builds ``experts.GroupedExperts`` for
+  ``moe_grouped_gemm`` (Megatron's local spec builds SequentialMLP either way);
 * inference (``transformer_impl="inference_optimized"``):
   ``TransformerConfig.inference_moe_token_dispatcher_type``'s Literal gains ``"nccl_ep"``,
   ``MoELayer._setup_inference_mode`` builds ``NcclEpInferenceDispatcher`` for it, and
@@ -31,8 +35,10 @@ import weakref
 
 from .dispatcher import NcclEpTokenDispatcher, check_budgets, check_graph_settings
 from .dispatcher_common import layer_options
+from .experts import GroupedExperts
 from .inference import NcclEpInferenceDispatcher
-from .options import add_arguments, training_args
+from .options import add_arguments, get_options, training_args
+from .overflow import RedoOverflowedSteps
 
 DISPATCHER_TYPE = "nccl_ep"
 
@@ -253,21 +259,57 @@ def _patch_arguments() -> None:
 
 
 def _patch_train_step() -> None:
-    """Capacity mode's budgets (and the groups' device-side errors) are checked after each
-    Megatron training step (dispatcher.check_budgets): where the host waits for the GPU anyway,
-    also when CUDA graphs replayed the step, and before the step's checkpoint could be saved.
-    train() looks train_step up in its module at call time."""
+    """Capacity mode in Megatron training: with ``--nccl-ep-capacity-overflow redo`` the step's
+    ``forward_backward_func`` runs inside ``overflow.RedoOverflowedSteps`` (an overflowed step
+    redone in exact mode before the optimizer step, the budget grown); after each step the
+    budgets (``error``) and the groups' device-side errors are checked
+    (dispatcher.check_budgets): where the host waits for the GPU anyway, also when CUDA graphs
+    replayed the step, and before the step's checkpoint could be saved. train() looks
+    train_step up in its module at call time."""
     from megatron.training import training
 
     original = training.train_step
+    signature = inspect.signature(original)
 
     @functools.wraps(original)
     def train_step(*args, **kwargs):
+        options = get_options()
+        if options.recv_mode == "capacity" and options.capacity_overflow == "redo":
+            bound = signature.bind(*args, **kwargs)
+            call = bound.arguments
+            call["forward_backward_func"] = RedoOverflowedSteps(
+                call["forward_backward_func"], call["model"], call["optimizer"],
+                call.get("iteration"))
+            args, kwargs = bound.args, bound.kwargs
         result = original(*args, **kwargs)
         check_budgets()
         return result
 
     training.train_step = train_step
+
+
+def _patch_local_experts() -> None:
+    """Megatron-Core 0.19's local spec builds SequentialMLP whether or not
+    ``moe_grouped_gemm`` is set; with it set, the spec builds ``experts.GroupedExperts`` (the
+    same modules and checkpoints, grouped GEMMs over device-side counts) instead."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    original = LocalSpecProvider.grouped_mlp_modules
+
+    @functools.wraps(original)
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
+        spec = original(self, moe_use_grouped_gemm)
+        if not moe_use_grouped_gemm:
+            return spec
+        if not (isinstance(spec, functools.partial) and spec.func is SequentialMLP):
+            raise RuntimeError(
+                "megatron_nccl_ep.register(): LocalSpecProvider.grouped_mlp_modules of this "
+                f"Megatron-Core version returns {spec!r}, not a partial of SequentialMLP; this "
+                "version is not supported")
+        return functools.partial(GroupedExperts, *spec.args, **spec.keywords)
+
+    LocalSpecProvider.grouped_mlp_modules = grouped_mlp_modules
 
 
 def register() -> None:
@@ -283,6 +325,7 @@ def register() -> None:
     _allow_dispatcher_type("inference_moe_token_dispatcher_type")
     _patch_inference_setup()
     _patch_inference_context()
+    _patch_local_experts()
     try:
         import megatron.training.arguments  # noqa: F401
         import megatron.training.training  # noqa: F401

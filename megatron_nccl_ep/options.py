@@ -13,6 +13,7 @@ from .limits import DEFAULT_NUM_SMS, DEFAULT_TIMEOUT_S
 
 BACKENDS = ("auto", "torch", "cuda")
 RECV_MODES = ("exact", "capacity")
+CAPACITY_OVERFLOWS = ("redo", "error")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,8 +22,14 @@ class NcclEpOptions:
 
     backend: str = "auto"  # "auto" | "torch" | "cuda"
     recv_mode: str = "exact"  # "exact" | "capacity"
-    # Capacity mode: rows per rank = factor * tokens per rank * top-k (the balanced share).
+    # Capacity mode's static budget, factor x the balanced share: rows per rank (factor x tokens
+    # per rank x top-k) where the layer's experts read device counts (nccl_ep's grouped
+    # experts), else rows per (expert, source rank) (Megatron's get_capacity).
     capacity_factor: float = 2.0
+    # Capacity mode in Megatron training, a step in which a layer needed more than its budget:
+    # "redo" redoes it (exact mode, eagerly) before the optimizer step and grows the budget for
+    # the steps after it (graphs recaptured); "error" raises after the step (check_budgets).
+    capacity_overflow: str = "redo"
     num_sms: int = DEFAULT_NUM_SMS
     # SM budget of the inference dispatcher's LL kernels (decode): 0, every SM of the GPU (the
     # LL ops are latency-bound and run alone); the reference backend has no SM budget.
@@ -45,6 +52,9 @@ class NcclEpOptions:
         if self.recv_mode not in RECV_MODES:
             raise ValueError(
                 f"nccl_ep recv_mode must be one of {RECV_MODES}, got {self.recv_mode!r}")
+        if self.capacity_overflow not in CAPACITY_OVERFLOWS:
+            raise ValueError(f"nccl_ep capacity_overflow must be one of {CAPACITY_OVERFLOWS}, got "
+                             f"{self.capacity_overflow!r}")
         if not self.capacity_factor > 0:
             raise ValueError(f"nccl_ep capacity_factor must be > 0, got {self.capacity_factor}")
         if self.num_sms < 1:
@@ -72,7 +82,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="exact: receive counts read once per layer (one host sync); "
                             "capacity: fixed-size outputs, no host sync (default: %(default)s).")
     group.add_argument("--nccl-ep-capacity-factor", type=float, default=defaults.capacity_factor,
-                       help="capacity mode: received rows per rank = factor x tokens x top-k "
+                       help="capacity mode: the static budget, factor x the balanced share: "
+                            "received rows per rank (factor x tokens x top-k) with "
+                            "--moe-grouped-gemm, else per expert and source rank (Megatron's "
+                            "capacity) (default: %(default)s).")
+    group.add_argument("--nccl-ep-capacity-overflow", choices=CAPACITY_OVERFLOWS,
+                       default=defaults.capacity_overflow,
+                       help="capacity mode, a step that needed more than the budget: redo redoes "
+                            "it in exact mode before the optimizer step and grows the budget "
+                            "(CUDA graphs recaptured); error raises after the step "
                             "(default: %(default)s).")
     group.add_argument("--nccl-ep-num-sms", type=int, default=defaults.num_sms,
                        help="SM budget of each dispatch/combine kernel (default: %(default)s).")

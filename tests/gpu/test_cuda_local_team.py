@@ -110,6 +110,15 @@ CASES = {
                                            topk=8, experts=64, dtype=FP16, routing="masked",
                                            alignment=8, idx_dtype=torch.int32,
                                            expert_capacity=25),
+    # Capacity mode that drops its overflow: the bound `drop_short` rows below what the fullest
+    # rank needs (its last rows dropped: no row, not combined, 0 probs' gradient).
+    "capacity_drop_ep2_align16": dict(world=2, tokens=(4096, 1000), hidden=2048, topk=8,
+                                      experts=64, dtype=BF16, routing="random", capacity="drop",
+                                      drop_short=1500, alignment=16, num_sms=24),
+    "capacity_drop_ep4_one_expert_fp16": dict(world=4, tokens=(300, 17, 0, 256), hidden=256,
+                                              topk=4, experts=16, dtype=FP16,
+                                              routing="one_expert", capacity="drop",
+                                              drop_short=200, chunk=8),
     # Top-k above a warp's 32 lanes (a token's slots taken 32 a pass), with at most 32 of them
     # on one rank: 48 of 128 experts over 4 ranks of 32; and every expert of every token (a
     # drop-and-pad routing map's worst case) with the fixed capacity, 8 ranks of 8 experts.
@@ -169,12 +178,19 @@ def check_team(name: str, seed: int, from_map: bool = False) -> str:
     align = case.get("alignment", 1)
     C = case.get("expert_capacity")  # the fixed-capacity layout (None: off)
     rows = [dense.layout(problem, d, align, expert_capacity=C).num_rows for d in range(world)]
+    D = None  # capacity mode's drop bound (None: overflow is an error)
     if C:
         check_drops_and_empty_rows(problem, C, align, rows)
         capacity = rows[0] if case.get("capacity") else None  # the layout's fixed size
+    elif case.get("capacity") == "drop":
+        capacity = D = max(rows) - case["drop_short"]
+        assert capacity > 0
+        rows = [min(n, D) for n in rows]
     else:
         capacity = max(rows) + 37 if case.get("capacity") else None
     extra = dict(recv_mode="capacity", max_recv_tokens_per_rank=capacity) if capacity else {}
+    if D is not None:
+        extra["capacity_overflow"] = "drop"
     groups = make_team(world, case, expert_capacity=C or 0, **extra)
     gen = torch.Generator().manual_seed(seed + 99)
     inputs = []
@@ -184,7 +200,8 @@ def check_team(name: str, seed: int, from_map: bool = False) -> str:
                                                                 case["experts"], gen)
         inputs.append((x.to(device), idx.to(device), None if probs is None else probs.to(device),
                        None if dense_probs is None else dense_probs.to(device)))
-    want = [dense.dispatch(problem, d, align, capacity, expert_capacity=C) for d in range(world)]
+    want = [dense.dispatch(problem, d, align, capacity, expert_capacity=C, drop_past=D)
+            for d in range(world)]
     handles = [None] * world
 
     def phase_dispatch(r, g):
@@ -210,7 +227,7 @@ def check_team(name: str, seed: int, from_map: bool = False) -> str:
     # Combine: expert outputs with NaN in every row that carries no (token, slot).
     expert_out, grad_recv = [], []
     for d in range(world):
-        lay = dense.layout(problem, d, align, expert_capacity=C)
+        lay = dense.layout(problem, d, align, expert_capacity=C, drop_past=D)
         n = want[d][0].shape[0]
         used = torch.zeros(n, dtype=torch.bool)
         used[:lay.num_rows] = torch.tensor([r is not None for r in lay.rows], dtype=torch.bool)
@@ -232,9 +249,9 @@ def check_team(name: str, seed: int, from_map: bool = False) -> str:
     cut = [e[:rows[d]] for d, e in enumerate(expert_out)]
     for s in range(world):
         y, gp = got[s]
-        dense.assert_bitwise_equal(y, dense.combine(problem, cut, s, align, expert_capacity=C),
-                                   f"{name} rank {s}: y")
-        w_gp = dense.combine_probs(problem, grad_recv, s, align, expert_capacity=C)
+        dense.assert_bitwise_equal(y, dense.combine(problem, cut, s, align, expert_capacity=C,
+                                                    drop_past=D), f"{name} rank {s}: y")
+        w_gp = dense.combine_probs(problem, grad_recv, s, align, expert_capacity=C, drop_past=D)
         if from_map:  # dense [T, E]: the slot values in their experts' columns, 0 elsewhere
             idx = problem.topk_idx[s].long()
             w_dense = torch.zeros(idx.shape[0], case["experts"], dtype=w_gp.dtype)

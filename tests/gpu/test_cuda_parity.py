@@ -65,6 +65,13 @@ CASES = {
     # 40 experts: the routing-map kernel's last group of 32 experts is partial.
     "e40_top3_masked": dict(tokens=300, hidden=256, topk=3, experts=40, dtype=BF16,
                             routing="masked"),
+    # Capacity mode that drops its overflow: the bound ~1000 rows short of what the fullest rank
+    # needs, so the last experts' rows are dropped (no row, not combined, 0 probs' gradient).
+    "t4096_e64_top8_capacity_drop_align16": dict(tokens=4096, hidden=2048, topk=8, experts=64,
+                                                 dtype=BF16, routing="random", capacity="drop",
+                                                 alignment=16),
+    "one_expert_capacity_drop_fp16": dict(tokens=(300, 17), hidden=256, topk=2, experts=8,
+                                          dtype=FP16, routing="one_expert", capacity="drop"),
     # The fixed-capacity (drop-and-pad) layout: C rows per (expert, source), later slots dropped
     # (~4% of them at the bench shape), empty rows zero; capacity mode at its fixed size.
     "fixed_capacity_bench_shape_c128_align16": dict(tokens=4096, hidden=7168, topk=8,
@@ -92,7 +99,8 @@ def resolve(case_name: str, world: int) -> dict:
 
 def make_groups(case: dict, x, idx, world: int, device, **extra):
     """(reference group, cuda group) with one configuration; capacity mode gets a bound a little
-    above what the fullest rank needs, so that a tail of unused rows exists."""
+    above what the fullest rank needs, so that a tail of unused rows exists (capacity "drop": a
+    bound below it, so that the fullest rank drops rows)."""
     tokens = max(tokens_of(case["tokens"], r) for r in range(world))
     common = dict(num_experts=case["experts"], hidden=case["hidden"],
                   max_tokens_per_rank=max(1, tokens), max_topk=case["topk"],
@@ -106,7 +114,12 @@ def make_groups(case: dict, x, idx, world: int, device, **extra):
         need = torch.tensor([probe.create_handle(idx).num_recv_tokens], device=device)
         tdist.all_reduce(need, op=tdist.ReduceOp.MAX, group=extra.get("process_group"))
         probe.destroy()
-        common.update(recv_mode="capacity", max_recv_tokens_per_rank=int(need) + 37)
+        if case["capacity"] == "drop":
+            short = max(1, int(need) // 4)
+            common.update(recv_mode="capacity", max_recv_tokens_per_rank=int(need) - short,
+                          capacity_overflow="drop")
+        else:
+            common.update(recv_mode="capacity", max_recv_tokens_per_rank=int(need) + 37)
     return ep.Group(backend="torch", **common), ep.Group(backend="cuda", **common)
 
 
@@ -199,7 +212,11 @@ def check_parity(case_name: str, seed: int, subgroups=None, from_map: bool = Fal
         h.destroy()
     ref.destroy()
     cuda.destroy()
-    mode = "capacity" if case.get("capacity") else "exact"
+    mode = {None: "exact", True: "capacity", "drop": "capacity (drops)"}[case.get("capacity")]
+    if case.get("capacity") == "drop":  # the case does what it is for: rows dropped somewhere
+        needed = torch.tensor([int(tpe_ref.sum()) - n], device=device)
+        tdist.all_reduce(needed, op=tdist.ReduceOp.MAX, group=extra.get("process_group"))
+        assert int(needed) > 0, "no rank dropped a row"
     return (f"{case_name} x{world}: H={hidden} K={case['topk']} E={case['experts']} "
             f"{str(dtype)[6:]} {mode} A={case.get('alignment', 1)}", x.shape[0], n,
             int(used.sum()))
