@@ -15,13 +15,14 @@ import shlex
 import sys
 import time
 
-from . import ceilings, dispatchers, host, kernels, ll, markdown, plot, report, sweeps, team
+from . import (ceilings, dispatchers, experts, host, kernels, ll, markdown, plot, report, sweeps,
+               team)
 from .cli import parse_args, sweep_points
 from .machine import machine_info
 from .runner import run_into
 
 SECTION_FUNCTIONS = {"ceilings": ceilings.section, "kernels": kernels.section,
-                     "megatron": dispatchers.section}
+                     "megatron": dispatchers.section, "experts": experts.section}
 # Read and recorded, never set: the GPU script exports what its machines need.
 RECORDED_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
                 "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING")

@@ -7,7 +7,7 @@ import os
 
 from megatron_nccl_ep.options import NcclEpOptions  # no torch: parsing stays light
 
-SECTIONS = ("ceilings", "kernels", "megatron", "team", "ll", "host")
+SECTIONS = ("ceilings", "kernels", "megatron", "team", "ll", "host", "experts")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # The LL section's payloads: the token dtype, or FP8 (dispatch_fp8). Its layouts are the library's
 # (megatron_nccl_ep.config.LL_LAYOUTS, read where used: config imports torch, which parsing the
@@ -232,6 +232,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown sections {bad}; choose from {','.join(SECTIONS)}")
     if "ceilings" in args.sections and args.device != "cuda":
         p.error("--sections ceilings measures GPU hardware (HBM, peer copies, NCCL): not on cpu")
+    if "experts" in args.sections and args.device != "cuda":
+        p.error("--sections experts times bf16 grouped GEMMs and CUDA graphs: not on cpu")
     if "host" in args.sections:
         _check_host(p, args)
     elif host_given:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 
+from . import experts
 from .host import FLOOR_OP, HOST_OPS, HOST_REPEATS
 from .kernels import HANDLE, RANK_MAJOR
 from .report import (LL_TARGET_TOKENS, cells, ceiling_rows, check_rows, first_line, floor_rates,
                      host_floor_us, host_rows, kernel_cells, ll_check_summary, ll_header,
                      ll_memory_rows, ll_rows, ll_target_text, ll_targets, megatron_rows,
+                     experts_rows,
                      shape_extras, sweep_rows, team_rows, times_us)
 from .runner import e2e_mode, item_name, kernel_mode
 from .sweeps import sweep_mode
@@ -151,6 +153,28 @@ def _megatron(result: dict, out: list) -> None:
             + ("End to end from lined-up hosts (e2e)." if cuda else "Host wall time."), ""]
     out += _table(["dispatcher", f"dispatch ({unit})", f"combine ({unit})", "fwd+bwd (ms)",
                    "expert fwd+bwd (ms)"], rows, (".0f" if cuda else ".2f",) * 2 + (".2f",) * 2)
+
+
+def _experts(result: dict, out: list) -> None:
+    factor_rows, layer_rows = experts_rows(result)
+    if not (factor_rows or layer_rows):
+        return
+    shape = ", ".join(f"{k} {v}" for k, v in experts.SHAPE.items())
+    out += ["## Experts: what a dropless budget costs", "",
+            f"One GPU, EP=1, check_training's GRAPH_MODEL MoE layer ({shape}, "
+            f"{result['shape']['tokens']} tokens, bf16); kernel time of forward + backward, "
+            "median, and the peak of memory allocated above the step's inputs. The budget is "
+            "factor x the balanced share, the routed rows the same at every factor: nccl_ep's "
+            "grouped experts (the packed layout, device counts) compute the routed rows, "
+            "SequentialMLP (the fixed layout) every budget row.", ""]
+    if factor_rows:
+        out += _table(["budget factor", "grouped (ms)", "peak (MiB)", "SequentialMLP (ms)",
+                       "peak (MiB)"], factor_rows, (".2f", ".0f") * 2)
+    if layer_rows:
+        out += ["Megatron's MoELayer (router, dispatcher, experts), forward + backward, eager "
+                "and replayed from one CUDA graph:", ""]
+        out += _table(["configuration", "eager (ms)", "peak (MiB)", "graph (ms)",
+                       "peak (MiB)"], layer_rows, (".2f", ".0f") * 2)
 
 
 def _host(result: dict, out: list) -> None:
@@ -301,6 +325,7 @@ def render(result: dict) -> str:
     _team(result, out)
     _ll(result, out)
     _host(result, out)
+    _experts(result, out)
     _sweeps(result, out)
     _checks(result, out)
     if result.get("errors"):

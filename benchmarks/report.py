@@ -166,6 +166,25 @@ def megatron_rows(result: dict) -> tuple:
                   for disp in dict.fromkeys(name.split(".")[0] for name in meg)]
 
 
+def experts_rows(result: dict) -> tuple:
+    """The experts section: ``(factor_rows, layer_rows)``. factor_rows: (budget factor, grouped
+    ms, grouped peak MiB, sequential ms, sequential peak MiB); layer_rows: (configuration, eager
+    ms, eager peak MiB, graph ms, graph peak MiB); None where not measured."""
+    items = result.get("experts") or {}
+
+    def get(name: str):
+        row = items.get(name)
+        return (None, None) if row is None else (row["median_ms"], row.get("peak_mib"))
+
+    factors = sorted({int(name.split(" f")[1]) for name in items
+                      if name.startswith(("grouped f", "sequential f"))})
+    factor_rows = [(f, *get(f"grouped f{f}"), *get(f"sequential f{f}")) for f in factors]
+    configs = list(dict.fromkeys(name[len("layer "):].rsplit(" (", 1)[0] for name in items
+                                 if name.startswith("layer ")))
+    layer_rows = [(c, *get(f"layer {c} (eager)"), *get(f"layer {c} (graph)")) for c in configs]
+    return factor_rows, layer_rows
+
+
 def host_rows(result: dict) -> tuple:
     """The host section (us): ``(op_rows, step_rows, megatron_rows)``. op_rows: (configuration,
     one of HOST_KINDS, one time per HOST_OPS, None where not measured); step_rows: (configuration,
@@ -490,6 +509,20 @@ def _ll(result: dict, cuda: bool) -> list:
     return lines
 
 
+def _experts(result: dict) -> list:
+    factor_rows, layer_rows = experts_rows(result)
+    lines = []
+    if factor_rows:
+        lines += ["experts, EP=1 (ms, peak MiB): forward + backward on a budget of factor x the "
+                  "balanced share, the same routed rows"]
+        lines += _text_table("factor", 8, ["grouped", "MiB", "sequential", "MiB"],
+                             ("10.2f", "8.0f") * 2, [(str(f), *v) for f, *v in factor_rows])
+    if layer_rows:
+        lines += _text_table("MoE layer fwd+bwd", 40, ["eager", "MiB", "graph", "MiB"],
+                             ("8.2f", "8.0f") * 2, layer_rows)
+    return lines
+
+
 def _host(result: dict) -> list:
     op_rows, step_rows, meg_rows = host_rows(result)
     if not (op_rows or step_rows or meg_rows):
@@ -557,6 +590,7 @@ def format_table(result: dict) -> str:
     lines += _team(result)
     lines += _ll(result, cuda)
     lines += _host(result)
+    lines += _experts(result)
     lines += [f"check team EP={world} {name}: " + ", ".join(map(str, values))
               for world, name, values in team_checks]
     lines += _sweeps(result, cuda)

@@ -19,12 +19,26 @@ experts top-4, sequence 1024, micro-batch 4, global batch 16, bf16), GRAPH_ITERA
   (f) drop-and-pad with --cuda-graph-impl local --cuda-graph-modules moe, bitwise the same run
       without graphs;
   (g) drop-and-pad with --cuda-graph-impl full_iteration, bitwise the same run without graphs;
-  (h) capacity mode (dropless within its budget) with --cuda-graph-impl full_iteration, bitwise
-      the same run without graphs (routing balanced by Megatron's benchmarking switch: see
-      CAPACITY_MODE);
+  (h) capacity mode with SequentialMLP (the fixed layout) with --cuda-graph-impl
+      full_iteration, bitwise the same run without graphs (routing balanced by Megatron's
+      benchmarking switch: see CAPACITY_MODE);
+  (i) dropless on the model's own routing (no forced balancing, the aux loss on): capacity mode
+      with nccl_ep's grouped experts (--moe-grouped-gemm: the packed layout, only the routed rows
+      computed) and --cuda-graph-impl full_iteration, DROPLESS_ITERATIONS iterations, bitwise
+      the same run without graphs; no step overflowed (no redo line) and the budget's
+      high-water mark is printed;
+  (j) eager steps: the grouped experts' step faster than SequentialMLP's, in exact mode and in
+      capacity mode (SequentialMLP: the fixed layout, at a factor that holds the routing);
+  (k) an overflow redone: the grouped experts at a budget below what the first step needs
+      (factor 0.9) with the full-iteration graph: the first step is redone (one log line), its
+      loss and grad norm bits those of exact mode's eager first step, and training goes on with
+      the grown budget (the graph captured after it);
   (t) step times against Megatron's alltoall with the same settings: (g) within 1.05x of
-      alltoall's full-iteration drop-and-pad step, (h) within 1.10x of it on the same balanced
-      routing, (f) no slower than alltoall's moe module graphs.
+      alltoall's full-iteration drop-and-pad step, (i) within 1.10x of it (alltoall drops tokens
+      at capacity factor 1.0; ours drops none), (f) no slower than alltoall's moe module graphs.
+
+Every run compared bit for bit must have logged finite losses that went down (its last tenth of
+iterations below its first): two runs of NaN losses, or of no training, would be equal trivially.
 
     python examples/check_training.py [--gpus 2] [--checks abcde] [--workdir DIR] [-- FLAGS]
 
@@ -69,29 +83,46 @@ GRAPH_MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--ffn-hidden-size"
                "--deterministic-mode", "--train-iters", str(GRAPH_ITERATIONS),
                "--no-check-for-nan-in-loss-and-grad"]
 DROP_AND_PAD = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
-# Capacity mode's runs route with Megatron's --moe-router-force-load-balancing (random logits,
-# its benchmarking switch), and a budget of 1.25 x the even share per (expert, source rank):
-# GRAPH_MODEL's own routing on the mock data at initialization sends several times the even
-# share to a few experts (it overflowed 1.25 at the first step), and Megatron-Core's local experts
-# compute every budget row, so a dropless budget for that routing is a budget of several times
-# the expert work. Balanced, a step's largest expert load stays near the share (std ~22 of 512
-# rows), far inside the budget; alltoall's baseline for check t routes the same way.
+# Check h (SequentialMLP, the fixed layout) routes with Megatron's
+# --moe-router-force-load-balancing (random logits, its benchmarking switch) at a budget of 1.25
+# x the even share per (expert, source rank): GRAPH_MODEL's own routing at initialization sends
+# several times the share to a few experts, and SequentialMLP computes every budget row.
+# Balanced, a step's largest expert load stays near the share, inside the budget. The model's
+# own routing is check i's, with the grouped experts (the packed layout).
 BALANCED = ["--moe-router-force-load-balancing"]
 CAPACITY_MODE = [*BALANCED, "--nccl-ep-recv-mode", "capacity", "--nccl-ep-capacity-factor",
                  "1.25"]
 MOE_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"]
 FULL_ITERATION = ["--cuda-graph-impl", "full_iteration"]
+# Dropless on the model's own routing: nccl_ep's grouped experts (the packed layout), capacity
+# mode at 1.25 x the balanced share of rows per rank (at EP 1 every step needs exactly the
+# share: tokens x top-k), DROPLESS_ITERATIONS iterations.
+DROPLESS_ITERATIONS = 100
+GROUPED = ["--moe-grouped-gemm"]
+DROPLESS = [*GROUPED, "--nccl-ep-recv-mode", "capacity", "--nccl-ep-capacity-factor", "1.25"]
+# Eager steps, timed (check j): EAGER_ITERATIONS iterations each; SequentialMLP's capacity mode
+# (the fixed layout, per expert and source rank) at a factor that holds the model's routing.
+EAGER_ITERATIONS = 20
+EAGER = ["--train-iters", str(EAGER_ITERATIONS)]
+SEQUENTIAL_CAPACITY = ["--nccl-ep-recv-mode", "capacity", "--nccl-ep-capacity-factor", "6"]
+# Check k: a budget below what the first step needs (0.9 x tokens x top-k rows at EP 1).
+REDO = [*GROUPED, "--nccl-ep-recv-mode", "capacity", "--nccl-ep-capacity-factor", "0.9",
+        "--train-iters", str(DROPLESS_ITERATIONS)]
+REDO_LINE = "nccl_ep capacity overflow in iteration"  # megatron_nccl_ep/overflow.py's
+HIGH_WATER_LINE = "nccl_ep budget high-water mark:"  # examples/pretrain_gpt_moe.py's
 # The runs that must capture CUDA graphs (examples/pretrain_gpt_moe.py prints GRAPHS_LINE then).
 GRAPHED = {"router_graphs", "drop_and_pad_moe_graphs", "drop_and_pad_full_iteration",
            "capacity_full_iteration", "alltoall_drop_and_pad_moe_graphs",
-           "alltoall_drop_and_pad_full_iteration",
-           "alltoall_balanced_drop_and_pad_full_iteration"}
+           "alltoall_drop_and_pad_full_iteration", "dropless_full_iteration",
+           "redo_full_iteration"}
 GRAPHS_LINE = "cuda_graphs captured:"  # examples/pretrain_gpt_moe.py's
 # The step-time targets of check (t): run -> (alltoall's run, largest ratio to its time).
 TIME_TARGETS = {"drop_and_pad_moe_graphs": ("alltoall_drop_and_pad_moe_graphs", 1.0),
                 "drop_and_pad_full_iteration": ("alltoall_drop_and_pad_full_iteration", 1.05),
-                "capacity_full_iteration": ("alltoall_balanced_drop_and_pad_full_iteration",
-                                            1.10)}
+                "dropless_full_iteration": ("alltoall_drop_and_pad_full_iteration", 1.10)}
+# Check j: run -> the run it must be faster than.
+EAGER_TARGETS = {"eager_exact_grouped": "eager_exact_sequential",
+                 "eager_capacity_grouped": "eager_capacity_sequential"}
 # Each check and the runs it compares (the first is its reference).
 CHECK_RUNS = {"a": ("nccl_ep", "nccl_ep_again"), "b": ("nccl_ep", "alltoall"),
               "c": ("nccl_ep", "until_save", "resumed"),
@@ -100,6 +131,9 @@ CHECK_RUNS = {"a": ("nccl_ep", "nccl_ep_again"), "b": ("nccl_ep", "alltoall"),
               "f": ("drop_and_pad", "drop_and_pad_moe_graphs"),
               "g": ("drop_and_pad", "drop_and_pad_full_iteration"),
               "h": ("capacity", "capacity_full_iteration"),
+              "i": ("dropless", "dropless_full_iteration"),
+              "j": (*EAGER_TARGETS, *EAGER_TARGETS.values()),
+              "k": ("eager_exact_grouped", "redo_full_iteration"),
               "t": (*TIME_TARGETS, *sorted({run for run, _ in TIME_TARGETS.values()}))}
 # Megatron's log: its arguments at start-up, the iteration time every --log-interval.
 ARGUMENT = re.compile(r"^\s*(global_batch_size|seq_length) \.+ (\d+)\s*$", re.MULTILINE)
@@ -125,13 +159,18 @@ def run_arguments(checkpoint_dir: str) -> dict:
         "drop_and_pad_full_iteration": [*GRAPH_MODEL, *DROP_AND_PAD, *FULL_ITERATION],
         "capacity": [*GRAPH_MODEL, *CAPACITY_MODE],
         "capacity_full_iteration": [*GRAPH_MODEL, *CAPACITY_MODE, *FULL_ITERATION],
+        "dropless": [*GRAPH_MODEL, *DROPLESS, "--train-iters", str(DROPLESS_ITERATIONS)],
+        "dropless_full_iteration": [*GRAPH_MODEL, *DROPLESS, *FULL_ITERATION,
+                                    "--train-iters", str(DROPLESS_ITERATIONS)],
+        "eager_exact_sequential": [*GRAPH_MODEL, *EAGER],
+        "eager_exact_grouped": [*GRAPH_MODEL, *EAGER, *GROUPED],
+        "eager_capacity_sequential": [*GRAPH_MODEL, *EAGER, *SEQUENTIAL_CAPACITY],
+        "eager_capacity_grouped": [*GRAPH_MODEL, *EAGER, *DROPLESS],
+        "redo_full_iteration": [*GRAPH_MODEL, *REDO, *FULL_ITERATION],
         "alltoall_drop_and_pad_moe_graphs": [*GRAPH_MODEL, *DROP_AND_PAD, *MOE_GRAPHS,
                                              "--moe-token-dispatcher-type", "alltoall"],
         "alltoall_drop_and_pad_full_iteration": [*GRAPH_MODEL, *DROP_AND_PAD, *FULL_ITERATION,
                                                  "--moe-token-dispatcher-type", "alltoall"],
-        "alltoall_balanced_drop_and_pad_full_iteration": [
-            *GRAPH_MODEL, *BALANCED, *DROP_AND_PAD, *FULL_ITERATION,
-            "--moe-token-dispatcher-type", "alltoall"],
     }
 
 
@@ -167,6 +206,23 @@ def bitwise_differences(reference: dict, run: dict, iterations: range) -> list:
                 if got != expected:
                     problems.append(f"iteration {iteration}: {name} {got} != {expected}")
     return problems
+
+
+def training_problems(name: str, steps: dict) -> list:
+    """Why a run's losses do not show training: a loss that is not finite, or the mean loss of
+    its last tenth of iterations not below that of its first tenth."""
+    losses = [float.fromhex(steps[it][0]) for it in sorted(steps)]
+    if not losses:
+        return [f"run {name} logged no loss"]
+    bad = [it for it in sorted(steps) if not math.isfinite(float.fromhex(steps[it][0]))]
+    if bad:
+        return [f"run {name}: loss not finite at iterations {span(bad)}"]
+    tenth = max(1, len(losses) // 10)
+    first, last = (statistics.fmean(losses[:tenth]), statistics.fmean(losses[-tenth:]))
+    if not last < first:
+        return [f"run {name}: the loss did not go down (first {tenth} iterations {first:.4f}, "
+                f"last {tenth} {last:.4f})"]
+    return []
 
 
 def loss_differences(reference: dict, run: dict) -> dict:
@@ -209,24 +265,35 @@ def time_problems(times: dict) -> tuple:
 
 
 def checks(runs: dict, tolerance: float, times: Optional[dict] = None,
-           captured: Optional[set] = None) -> list:
+           captured: Optional[set] = None, logs: Optional[dict] = None) -> list:
     """(label, passed, detail) for each check whose runs are all in ``runs``: name -> (exit
     status, steps); ``times``: name -> step time in ms (check t); ``captured``: the runs whose
-    log says Megatron captured CUDA graphs (None: not looked at). A run of GRAPHED that captured
-    nothing fails its check: its bits would equal the reference's trivially."""
+    log says Megatron captured CUDA graphs (None: not looked at); ``logs``: name -> the run's
+    output (checks i and k read its redo and high-water lines). A run of GRAPHED that captured
+    nothing fails its check: its bits would equal the reference's trivially; so does a run of a
+    bitwise check whose losses show no training (``training_problems``)."""
     steps = {name: found for name, (_, found) in runs.items()}
     reference = steps.get("nccl_ep")
+    logs = logs or {}
     results = []
     wanted = [check for check, names in CHECK_RUNS.items() if set(names) <= runs.keys()]
 
-    def add(label: str, names: tuple, problems: list, detail: str) -> None:
+    def add(label: str, names: tuple, problems: list, detail: str,
+            trained: bool = True) -> None:
         crashed = [f"run {name} exited with status {runs[name][0]}" for name in names
                    if runs[name][0] != 0]
         if captured is not None:
             crashed += [f"run {name} captured no CUDA graph (no '{GRAPHS_LINE}' line)"
                         for name in names if name in GRAPHED and name not in captured]
+        if trained:
+            crashed += [p for name in names for p in training_problems(name, steps[name])]
         problems = crashed + problems
         results.append((label, not problems, summary(problems) if problems else detail))
+
+    def redone(name: str) -> list:
+        """The iterations a run redid (its overflow lines)."""
+        return [int(m) for m in re.findall(rf"^{REDO_LINE} (\d+):", logs.get(name, ""),
+                                           re.MULTILINE)]
 
     every = range(1, ITERATIONS + 1)
     same_bits = f"loss and grad norm bits equal at all {ITERATIONS} iterations"
@@ -277,10 +344,50 @@ def checks(runs: dict, tolerance: float, times: Optional[dict] = None,
             add(f"{label}, bitwise", CHECK_RUNS[check],
                 bitwise_differences(steps[reference_run], steps[graphed], graph_iterations),
                 graph_bits)
+    if "i" in wanted:
+        dropless_its = range(1, DROPLESS_ITERATIONS + 1)
+        problems = bitwise_differences(steps["dropless"], steps["dropless_full_iteration"],
+                                       dropless_its)
+        problems += [f"run {name} redid iterations {redone(name)} (a budget overflowed)"
+                     for name in CHECK_RUNS["i"] if redone(name)]
+        marks = [line for line in logs.get("dropless_full_iteration", "").splitlines()
+                 if line.startswith(HIGH_WATER_LINE)]
+        if not marks:
+            problems.append(f"run dropless_full_iteration printed no '{HIGH_WATER_LINE}' line")
+        add("(i) grouped experts, capacity mode on the model's own routing, full-iteration CUDA "
+            "graph against none, bitwise, no token dropped", CHECK_RUNS["i"], problems,
+            f"loss and grad norm bits equal at all {DROPLESS_ITERATIONS} iterations, no step "
+            f"redone; {marks[-1] if marks else ''}")
+    if "j" in wanted:
+        problems, parts = [], []
+        for run, slower in EAGER_TARGETS.items():
+            ours, theirs = (times or {}).get(run), (times or {}).get(slower)
+            if ours is None or theirs is None:
+                problems.append(f"no step time for {run if ours is None else slower}")
+                continue
+            parts.append(f"{run} {ours:.1f} ms = {ours / theirs:.3f}x {slower} {theirs:.1f} ms")
+            if not ours < theirs:
+                problems.append(parts[-1] + " (not faster)")
+        add("(j) eager steps: grouped experts against SequentialMLP", CHECK_RUNS["j"], problems,
+            "; ".join(parts))
+    if "k" in wanted:
+        problems = []
+        if redone("redo_full_iteration") != [1]:
+            problems.append(f"run redo_full_iteration redid iterations "
+                            f"{redone('redo_full_iteration')}, expected [1]")
+        redo = steps["redo_full_iteration"]
+        problems += bitwise_differences(steps["eager_exact_grouped"],
+                                        {it: redo[it] for it in redo if it == 1}, range(1, 2))
+        if set(redo) != set(range(1, DROPLESS_ITERATIONS + 1)):
+            problems.append(f"run redo_full_iteration logged iterations {span(redo)}, expected "
+                            f"1-{DROPLESS_ITERATIONS}")
+        add("(k) an overflowed step redone in exact mode, training going on", CHECK_RUNS["k"],
+            problems, "iteration 1 redone: its loss and grad norm bits exact mode's; "
+            f"{DROPLESS_ITERATIONS} iterations trained with the grown budget")
     if "t" in wanted:
         problems, detail = time_problems(times or {})
         add("(t) step times against alltoall with the same graphs", CHECK_RUNS["t"], problems,
-            detail)
+            detail, trained=False)
     return results
 
 
@@ -307,7 +414,7 @@ def train(name: str, arguments: list, gpus: int, workdir: str, timeout: float) -
     steps = read_steps(text)
     print(f"run {name}: exit status {status}, iterations logged {span(steps)}; {log_path}",
           flush=True)
-    return status, steps, speed(text), GRAPHS_LINE in text
+    return status, steps, speed(text), GRAPHS_LINE in text, text
 
 
 def main(argv=None) -> int:
@@ -333,14 +440,16 @@ def main(argv=None) -> int:
     runs = {name: train(name, [*arguments, *options.flags], options.gpus, workdir,
                         options.run_timeout)
             for name, arguments in run_arguments(checkpoint_dir).items() if name in needed}
-    results = checks({name: (status, steps) for name, (status, steps, _, _) in runs.items()},
+    results = checks({name: (status, steps) for name, (status, steps, *_) in runs.items()},
                      options.alltoall_tolerance,
-                     {name: measured["ms"] for name, (_, _, measured, _) in runs.items()
+                     {name: measured["ms"] for name, (_, _, measured, *_) in runs.items()
                       if measured is not None},
-                     {name for name, (*_, graphs) in runs.items() if graphs})
+                     {name for name, (_, _, _, graphs, _) in runs.items() if graphs},
+                     {name: text for name, (*_, text) in runs.items()})
     for label, passed, detail in results:
         print(f"{'PASS' if passed else 'FAIL'} {label}: {detail}", flush=True)
-    for name in ("nccl_ep", "alltoall", "drop_and_pad", "capacity", *CHECK_RUNS["t"]):
+    for name in ("nccl_ep", "alltoall", "drop_and_pad", "capacity", "dropless",
+                 *CHECK_RUNS["j"], *CHECK_RUNS["t"]):
         measured = runs[name][2] if name in runs else None
         if measured is not None:
             print(f"SPEED {name}: {measured['ms']:.1f} ms per iteration, "

@@ -211,6 +211,20 @@ def main() -> None:
     use_built_dataset_helpers()
     config = pretrain_cfg_container_from_args(args, gpt_config(args))
     pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    print_budget_high_water()
+
+
+HIGH_WATER_LINE = "nccl_ep budget high-water mark:"  # examples/check_training.py reads it
+
+
+def print_budget_high_water() -> None:
+    """Capacity mode: the most rows each MoE layer needed in any step against its budget (last
+    rank), one line."""
+    from megatron_nccl_ep.dispatcher import budget_high_water
+
+    lines = budget_high_water()
+    if lines and is_last_rank():
+        print(f"{HIGH_WATER_LINE} {'; '.join(lines)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -206,6 +206,7 @@ def budgets_over(process_group=None) -> list:
                                          group=comm_group)
         for d, n in zip(members, needed.tolist()):
             d._needed.zero_()
+            d.high_water = max(d.high_water, n)
             if n > d._budget.rows:
                 over.append((d, n))
     if process_group is not None and torch.distributed.is_initialized():
@@ -217,6 +218,18 @@ def budgets_over(process_group=None) -> list:
         if int(flag) > 0 and not over:
             return [(None, 0)]  # (another rank's layer: redo, nothing of this rank's to grow)
     return over
+
+
+def budget_high_water() -> List[str]:
+    """Capacity mode: per layer of this rank, the most rows it needed in any step checked so far
+    (the maximum over its communication group) against its budget now, e.g. "layer 2: 16384 of
+    20480 rows per rank"."""
+    lines = []
+    for d in (ref() for ref in _budgeted):
+        if d is not None and d._budget is not None:
+            unit = "rows per rank" if d._budget.packed else "rows per expert and source rank"
+            lines.append(f"layer {d.layer_number()}: {d.high_water} of {d._budget.rows} {unit}")
+    return lines
 
 
 def grow_budgets(over: list) -> List[str]:
@@ -340,6 +353,7 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         # (weakly), for the layer number.
         self._needed: Optional[torch.Tensor] = None
         self._budget: Optional[_Budget] = None
+        self.high_water = 0  # the most rows needed in a step checked so far (budgets_over)
         self._device_counts: Optional[bool] = None  # whether the experts read device counts
         self.moe_layer = None
         # What dispatch_preprocess leaves for token_dispatch: a graph of the moe_preprocess scope

@@ -132,14 +132,17 @@ def cuda_streams_on_cpu():
 
 
 def moe_layer(dispatcher_type: str, num_experts: int, topk: int,
-              params_dtype: torch.dtype = torch.float64, **config_fields):
+              params_dtype: torch.dtype = torch.float64, grouped: bool = False,
+              **config_fields):
+    """Megatron's MoELayer of its local spec (``grouped``: ``--moe-grouped-gemm``, nccl_ep's
+    GroupedExperts once registered; else SequentialMLP)."""
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=2,
         num_moe_experts=num_experts, moe_router_topk=topk,
         moe_token_dispatcher_type=dispatcher_type, use_cpu_initialization=True,
         add_bias_linear=False, params_dtype=params_dtype, hidden_dropout=0.0,
-        attention_dropout=0.0, **config_fields)
-    spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
+        attention_dropout=0.0, moe_grouped_gemm=grouped, **config_fields)
+    spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=grouped)
     submodules = dataclasses.replace(spec.keywords["submodules"], router=DeviceLocalTopKRouter)
     return spec.func(config=config, submodules=submodules)
 
@@ -159,7 +162,10 @@ TIMEOUT_S = 37.0  # not the default: parity_case checks that it reaches the laye
 
 def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact", tp: int = 1,
                 ep: int = 0, etp: int = 1, quantization_padding: bool = False,
-                shared_expert_overlap: bool = False, ranks_per_node: int = 0, **config_fields):
+                shared_expert_overlap: bool = False, ranks_per_node: int = 0,
+                grouped: bool = False, **config_fields):
+    """``grouped``: ours with GroupedExperts (the baseline keeps SequentialMLP: the same weights
+    and checkpoints), which capacity mode hands the packed layout and device counts."""
     rank = torch.distributed.get_rank()
     ep = ep or torch.distributed.get_world_size()
     if tp > 1:
@@ -170,14 +176,26 @@ def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact"
     with megatron_on_cpu(ep, etp=etp, tp=tp), streams:
         torch.manual_seed(seed)  # same weights on every rank and in both layers
         baseline = moe_layer("allgather", num_experts, topk, **config_fields)
-        ours = moe_layer("nccl_ep", num_experts, topk, **config_fields,
+        ours = moe_layer("nccl_ep", num_experts, topk, grouped=grouped, **config_fields,
                          **({"moe_shared_expert_overlap": True} if shared_expert_overlap else {}))
+        ours.token_dispatcher.moe_layer = weakref.ref(ours)  # as register()'s branch sets it
+        # (The packed budget at factor EP holds any routing: a rank receives at most every
+        # rank's tokens x top-k.)
         ours.config.nccl_ep_options = NcclEpOptions(backend="torch", recv_mode=recv_mode,
                                                     ranks_per_node=ranks_per_node,
-                                                    timeout_s=TIMEOUT_S)
+                                                    timeout_s=TIMEOUT_S,
+                                                    capacity_factor=float(ep) if grouped else 2.0)
         ours.load_state_dict(baseline.state_dict())
         assert isinstance(ours.token_dispatcher, NcclEpTokenDispatcher)
         counts = []
+        postprocess = ours.token_dispatcher.dispatch_postprocess
+        if grouped:
+            def record_layout(*args):
+                rows, tokens_per_expert, probs = postprocess(*args)
+                counts.append((rows.shape[0], tokens_per_expert.clone()))
+                return rows, tokens_per_expert, probs
+
+            ours.token_dispatcher.dispatch_postprocess = record_layout
         if quantization_padding:
             # FP8 training's padding flag, set after construction: TransformerConfig refuses
             # fp8 without transformer-engine, and the local experts here never quantize.
@@ -216,10 +234,21 @@ def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact"
         # The options reached the group the layer used.
         assert {(g.config.ranks_per_node, g.config.timeout_s)
                 for g in dispatcher_module._groups.groups.values()} == {(ranks_per_node, TIMEOUT_S)}
-        for rows, tokens_per_expert in counts:  # FP8 alignment: 16 rows per expert block
-            assert all(n % 16 == 0 for n in tokens_per_expert), tokens_per_expert
-            assert sum(tokens_per_expert) == rows, (rows, tokens_per_expert)
-        assert bool(counts) == quantization_padding
+        if grouped:  # the packed layout: the budget's rows, the counts of the rows used
+            dispatcher = ours.token_dispatcher
+            budget_rows = dispatcher.recv_rows(SEQ * BATCH // tp)
+            for rows, tokens_per_expert in counts:
+                if recv_mode == "capacity":
+                    assert rows == budget_rows > int(tokens_per_expert.sum()), (rows, budget_rows)
+                    assert dispatcher.check_over_budget() is not None
+                else:
+                    assert rows == int(tokens_per_expert.sum())
+            assert counts
+        else:
+            for rows, tokens_per_expert in counts:  # FP8 alignment: 16 rows per expert block
+                assert all(n % 16 == 0 for n in tokens_per_expert), tokens_per_expert
+                assert sum(tokens_per_expert) == rows, (rows, tokens_per_expert)
+            assert bool(counts) == quantization_padding
 
         # Rerun: bitwise the same.
         again_out, again_dx, again_grads = run_layer(ours, x, grad_out)
@@ -237,6 +266,15 @@ def test_parity_with_allgather(ep, num_experts, topk, seed):
 def test_parity_with_tensor_and_sequence_parallel(ep, seed):
     # TP=2 with sequence parallelism: each rank holds its own slice of the sequence.
     assert all(dist.run(4, parity_case, 8, 2, seed, tp=2, ep=ep))
+
+
+@pytest.mark.parametrize("recv_mode", ["exact", "capacity"])
+@pytest.mark.parametrize("ep,num_experts,topk", [(1, 4, 2), (2, 8, 3), (4, 8, 2)])
+def test_parity_with_grouped_experts(ep, num_experts, topk, recv_mode, seed):
+    # GroupedExperts (float64: a matmul per expert) against allgather + SequentialMLP; capacity
+    # mode hands them the packed layout: the budget's rows, device counts of the rows used.
+    assert all(dist.run(ep, parity_case, num_experts, topk, seed, recv_mode=recv_mode,
+                        grouped=True))
 
 
 @pytest.mark.parametrize("num_experts", [2, 4])
@@ -406,16 +444,17 @@ def test_graphs_of_whole_moe_layers_are_refused_in_exact_mode(impl, modules):
         dist.run(1, build_graphed_layer, impl, modules)
 
 
-def over_budget_case(factor: float, seed: int) -> str:
-    """Capacity mode at EP 2: rank 0 routes every token to expert 0 (more than its budget of
-    tokens x top-k / experts x factor), rank 1 spreads its tokens. check_budgets() raises on
-    both ranks naming the layer, the rows needed and the factor that holds them; the counts reset,
-    so a check after a step within the budget passes."""
+def over_budget_case(factor: float, seed: int, grouped: bool = False) -> str:
+    """Capacity mode at EP 2: rank 0 routes every token to experts 0 and 1 (more than its budget
+    of tokens x top-k / experts x factor for each; ``grouped``: the packed layout, rank 0 then
+    receives more than tokens x top-k x factor rows), rank 1 spreads its tokens. check_budgets()
+    raises on both ranks naming the layer, the rows needed and the factor that holds them; the
+    counts reset, so a check after a step within the budget passes."""
     rank = torch.distributed.get_rank()
     tokens = SEQ * BATCH
     with megatron_on_cpu(2):
         torch.manual_seed(seed)
-        layer = moe_layer("nccl_ep", 4, 2)
+        layer = moe_layer("nccl_ep", 4, 2, grouped=grouped)
         layer.layer_number = 3
         dispatcher = layer.token_dispatcher
         dispatcher.moe_layer = weakref.ref(layer)
@@ -433,7 +472,10 @@ def over_budget_case(factor: float, seed: int) -> str:
             probs = routing_map.double() / 2
             h, p = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
             rows, counts, _ = dispatcher.dispatch_postprocess(*dispatcher.token_dispatch(h, p))
-            assert counts.device.type == "cpu" and rows.shape[0] == int(counts.sum())
+            if grouped:  # the packed layout: the budget's rows, counts of every block whole
+                assert rows.shape[0] == dispatcher.recv_rows(tokens)
+            else:
+                assert counts.device.type == "cpu" and rows.shape[0] == int(counts.sum())
             dispatcher.combine_postprocess(dispatcher.token_combine(
                 dispatcher.combine_preprocess(rows)))
 
@@ -472,6 +514,18 @@ def test_capacity_budget_overflow_raises_on_every_rank_naming_the_layer(seed):
             f"budget of {tokens // 2} rows (--nccl-ep-capacity-factor 1 x {tokens} tokens x "
             "top-2 / 4 experts)") in messages[0], messages[0]
     assert "Raise --nccl-ep-capacity-factor to at least 2 " in messages[0], messages[0]
+
+
+def test_packed_budget_overflow_raises_on_every_rank_naming_the_layer(seed):
+    # The packed layout (grouped experts): rank 0 receives its own tokens x 2 rows and half of
+    # rank 1's, 1.5 x its budget of tokens x 2 rows (factor 1); the rows past it were dropped.
+    tokens = SEQ * BATCH
+    messages = dist.run(2, over_budget_case, 1.0, seed, True)
+    assert messages[0] == messages[1], messages
+    assert (f"MoE layer 3 needed {3 * tokens} rows on one rank, over its static budget of "
+            f"{2 * tokens} rows (--nccl-ep-capacity-factor 1 x {tokens} tokens x top-2)"
+            ) in messages[0], messages[0]
+    assert "Raise --nccl-ep-capacity-factor to at least 1.5 " in messages[0], messages[0]
 
 
 def local_preprocess_case(seed: int) -> bool:
@@ -567,3 +621,122 @@ def construction_case() -> bool:
 
 def test_nccl_ep_layer_is_built_without_touching_the_config():
     assert all(dist.run(2, construction_case))
+
+
+class _Chunk(torch.nn.Module):
+    """A model chunk as Megatron's training loop holds it (zero_grad_buffer), around one layer."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def zero_grad_buffer(self):
+        self.layer.zero_grad(set_to_none=True)
+
+
+class _GraphWrapper:
+    """Stands in for Megatron's FullCudaGraphWrapper: the schedule behind it, and the reset
+    that drops its graph."""
+
+    def __init__(self, forward_backward_func):
+        self.forward_backward_func = forward_backward_func
+        self.calls, self.resets = 0, []
+
+    def __call__(self, **kwargs):
+        self.calls += 1
+        return self.forward_backward_func(**kwargs)
+
+    def reset_cuda_graph(self, stage=None):
+        self.resets.append(stage)
+
+
+def _schedule(*, data_iterator, model, num_microbatches, **_):
+    """Megatron's forward_backward_func, reduced: each micro-batch forward and backward."""
+    losses = []
+    for _ in range(num_microbatches):
+        batch = next(data_iterator)
+        out, _ = model[0].layer(batch["x"])
+        loss = (out * batch["w"]).sum()
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def redo_case(seed: int) -> tuple:
+    """Capacity mode at EP 2, the packed layout at a budget (factor 0.5) every rank overflows:
+    the step run through RedoOverflowedSteps is redone in exact mode (its losses and gradients
+    bitwise those of the same step run in exact mode), the graph wrapper reset, the budget grown
+    (one log line, on rank 0); the same step then fits and runs in capacity mode, with the same
+    bits again."""
+    import io
+    from contextlib import redirect_stdout
+
+    from megatron_nccl_ep import dispatcher as dispatcher_module
+    from megatron_nccl_ep.overflow import RedoOverflowedSteps
+
+    rank = torch.distributed.get_rank()
+    with megatron_on_cpu(2):
+        layers = {}
+        for mode in ("capacity", "exact"):
+            torch.manual_seed(seed)
+            layer = moe_layer("nccl_ep", 4, 2, grouped=True)
+            layer.layer_number = 2
+            layer.token_dispatcher.moe_layer = weakref.ref(layer)
+            layer.config.nccl_ep_options = NcclEpOptions(backend="torch", recv_mode=mode,
+                                                         capacity_factor=0.5)
+            layers[mode] = [_Chunk(layer)]
+        gen = torch.Generator().manual_seed(seed + 10 * rank)
+        batches = [{"x": torch.randn(SEQ, BATCH, HIDDEN, generator=gen, dtype=torch.float64),
+                    "w": torch.randn(SEQ, BATCH, HIDDEN, generator=gen, dtype=torch.float64)}
+                   for _ in range(2)]
+
+        class Optimizer:
+            zeroed = 0
+
+            def zero_grad(self):
+                Optimizer.zeroed += 1
+
+        def step(model, fbf):
+            losses = fbf(forward_step_func=None, data_iterator=iter(batches), model=model,
+                         num_microbatches=len(batches), seq_length=SEQ, forward_only=False)
+            grads = {n: p.grad.clone() for n, p in model[0].named_parameters()}
+            model[0].zero_grad_buffer()
+            return [float(l) for l in losses], grads
+
+        want = step(layers["exact"], _schedule)
+        wrapper = _GraphWrapper(_schedule)
+        out = io.StringIO()
+        with redirect_stdout(out):
+            got = step(layers["capacity"],
+                       RedoOverflowedSteps(wrapper, layers["capacity"], Optimizer(), 6))
+        dispatcher = layers["capacity"][0].layer.token_dispatcher
+        assert wrapper.calls == 1 and wrapper.resets == ["training"] and Optimizer.zeroed == 1
+        assert got[0] == want[0] and all(torch.equal(got[1][n], want[1][n]) for n in want[1]), (
+            "the redone step differs from exact mode")
+        grown = dispatcher._route(torch.zeros(SEQ * BATCH, HIDDEN, dtype=torch.float64))[1]
+        assert grown.rows > dispatcher.recv_rows(SEQ * BATCH)
+        again = io.StringIO()
+        with redirect_stdout(again):
+            replay = step(layers["capacity"], RedoOverflowedSteps(
+                _GraphWrapper(_schedule), layers["capacity"], Optimizer(), 7))
+        assert replay[0] == want[0] and all(torch.equal(replay[1][n], want[1][n])
+                                            for n in want[1])
+        assert Optimizer.zeroed == 1 and not again.getvalue(), again.getvalue()
+        group = dispatcher._route(torch.zeros(SEQ * BATCH, HIDDEN, dtype=torch.float64))[2]
+        assert group.config.recv_mode == "capacity" and \
+            group.config.max_recv_tokens_per_rank == grown.rows
+        assert not [g for g in dispatcher_module._groups.groups.values()
+                    if g.config.recv_mode == "exact"], "the redo's exact groups were kept"
+        destroy_groups()
+        dispatcher_module._grown.clear()
+    return rank, out.getvalue(), grown.rows
+
+
+def test_overflowed_step_redone_in_exact_mode_and_budget_grown(seed):
+    (_, log0, rows), (_, log1, _) = dist.run(2, redo_case, seed)
+    assert log1 == "", log1
+    assert log0.startswith("nccl_ep capacity overflow in iteration 7: layer 2 needed "), log0
+    assert (f"(rows per rank; budget {SEQ * BATCH}); budget now {rows} rows per rank "
+            f"(--nccl-ep-capacity-factor ") in log0, log0
+    assert log0.rstrip().endswith("the step was redone in exact mode (no token dropped)"), log0
+    assert log0.count("\n") == 1, log0

@@ -34,9 +34,17 @@ PARSED = ("moe_token_dispatcher_type", "deterministic_mode", "train_iters", "sav
           "transformer_impl", "nccl_ep_backend", "moe_shared_expert_intermediate_size",
           "moe_shared_expert_overlap", "cuda_graph_impl", "cuda_graph_modules", "num_experts",
           "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "nccl_ep_recv_mode",
-          "bf16", "check_for_nan_in_loss_and_grad", "moe_router_force_load_balancing")
-# The runs of checks f, g, h and t: the larger model, graphs of whole MoE layers.
-GRAPH_RUNS = {name for check in "fght" for name in check_training.CHECK_RUNS[check]}
+          "bf16", "check_for_nan_in_loss_and_grad", "moe_router_force_load_balancing",
+          "moe_grouped_gemm", "nccl_ep_capacity_factor")
+# The runs of checks f to k and t: the larger model (graphs of whole MoE layers, the grouped
+# experts).
+GRAPH_RUNS = {name for check in "fghijkt" for name in check_training.CHECK_RUNS[check]}
+
+
+def flag_value(argv: list, flag: str):
+    """The value a command line gives ``flag`` (its last occurrence wins), or None."""
+    at = [i for i, a in enumerate(argv) if a == flag]
+    return argv[at[-1] + 1] if at else None
 LOSS = float(torch.tensor(2.718281828, dtype=torch.float32))  # the loss Megatron logs is float32
 GRAD_NORM = 0.1234567890123
 DETERMINISM_ENV = ("NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG")
@@ -60,10 +68,16 @@ def example_on_cpu(runs: dict) -> dict:
     for name in DETERMINISM_ENV:
         os.environ.pop(name, None)
     found = {"parsed": {}}
-    for name, argv in runs.items():
-        args = pretrain_gpt_moe.parse_arguments(argv)
-        found["parsed"][name] = {field: getattr(args, field) for field in PARSED}
-        unset_global_variables()
+    # Megatron's validation of --moe-grouped-gemm asks the GPU's compute capability: an sm90's.
+    capability = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda *_: (9, 0)
+    try:
+        for name, argv in runs.items():
+            args = pretrain_gpt_moe.parse_arguments(argv)
+            found["parsed"][name] = {field: getattr(args, field) for field in PARSED}
+            unset_global_variables()
+    finally:
+        torch.cuda.get_device_capability = capability
     # What Megatron's --deterministic-mode sets before NCCL and cuBLAS start.
     found["env"] = {name: os.environ.get(name) for name in DETERMINISM_ENV}
     # Local CUDA graphs: the MoE layers built as MoETransformerLayer (the class whose graph
@@ -78,8 +92,14 @@ def example_on_cpu(runs: dict) -> dict:
 
     # The model of the default run, and of the shared-expert overlap run (the config Megatron
     # refuses for dispatchers other than alltoall and flex unless register() allowed it).
-    for name, extra in (("model", []), ("shared_expert_overlap", RUNS["shared_expert_overlap"])):
-        args = pretrain_gpt_moe.parse_arguments(["--use-cpu-initialization", *extra])
+    # (The last one's arguments stay for the datasets below.)
+    for name, extra in (("model", []), ("grouped", ["--moe-grouped-gemm"]),
+                        ("shared_expert_overlap", RUNS["shared_expert_overlap"])):
+        torch.cuda.get_device_capability = lambda *_: (9, 0)  # (as above)
+        try:
+            args = pretrain_gpt_moe.parse_arguments(["--use-cpu-initialization", *extra])
+        finally:
+            torch.cuda.get_device_capability = capability
         # (The shared experts' stream: stand-in streams on CPU.)
         with megatron_on_cpu(ep=world_size), cuda_streams_on_cpu():
             model = GPTModelBuilder(gpt_config_from_args(args)).build_model(
@@ -89,7 +109,7 @@ def example_on_cpu(runs: dict) -> dict:
                  type(layer.experts).__name__, layer.num_local_experts,
                  layer.shared_experts is not None and layer.shared_expert_overlap)
                 for layer in model.modules() if isinstance(layer, MoELayer)]}
-        if name == "model":
+        if name != "shared_expert_overlap":
             unset_global_variables()
 
     # pretrain()'s dataset-helper build, which without the example's workaround exits rank 0.
@@ -132,7 +152,7 @@ def test_check_script_arguments_parse_with_nccl_ep_registered(on_cpu):
         parsed = found["parsed"]
         assert parsed.keys() == RUNS.keys()
         for name, args in parsed.items():
-            iterations = check_training.GRAPH_ITERATIONS if name in GRAPH_RUNS else 100
+            iterations = int(flag_value(RUNS[name], "--train-iters"))
             assert args["deterministic_mode"] and args["train_iters"] == iterations, name
             assert (args["num_experts"], args["bf16"]) == (
                 (32, True) if name in GRAPH_RUNS else (4, False)), name
@@ -158,12 +178,20 @@ def test_check_script_arguments_parse_with_nccl_ep_registered(on_cpu):
                 ("full_iteration", []) if name.endswith("full_iteration") else ("none", []))
             assert (args["cuda_graph_impl"], modules) == graphs, (name, args)
             drop_and_pad = "drop_and_pad" in name
+            exact = drop_and_pad or name.startswith("eager_exact")
             assert (args["moe_expert_capacity_factor"], args["moe_pad_expert_input_to_capacity"],
                     args["nccl_ep_recv_mode"]) == ((1.0, True, "exact") if drop_and_pad
+                                                   else (None, False, "exact") if exact
                                                    else (None, False, "capacity")), (name, args)
-            # Capacity mode's runs and alltoall's baseline for them route balanced.
-            balanced = "balanced" in name or not drop_and_pad
+            # Check h's capacity-mode runs (SequentialMLP) route balanced; the others route as
+            # the model does.
+            balanced = name in check_training.CHECK_RUNS["h"]
             assert args["moe_router_force_load_balancing"] == balanced, (name, args)
+            grouped = name in ("dropless", "dropless_full_iteration", "redo_full_iteration") \
+                or name.endswith("_grouped")
+            assert args["moe_grouped_gemm"] == grouped, (name, args)
+            assert args["nccl_ep_capacity_factor"] == float(
+                flag_value(RUNS[name], "--nccl-ep-capacity-factor") or 2.0), (name, args)
             assert not args["check_for_nan_in_loss_and_grad"], name
         until_save, resumed = parsed["until_save"], parsed["resumed"]
         assert (until_save["save"], until_save["save_interval"], until_save["exit_interval"]) \
@@ -180,6 +208,9 @@ def test_model_has_moe_layers_with_the_nccl_ep_dispatcher(on_cpu):
         # 2 layers, 4 experts over EP=2: 2 local experts each, Megatron's local SequentialMLP.
         assert found["model"] == {"type": "GPTModel",
                                   "moe_layers": [(True, "SequentialMLP", 2, False)] * 2}
+        # --moe-grouped-gemm under the local spec: nccl_ep's GroupedExperts (register()).
+        assert found["grouped"] == {"type": "GPTModel",
+                                    "moe_layers": [(True, "GroupedExperts", 2, False)] * 2}
         # The check script's shared-expert overlap run builds, the overlap on in every layer.
         assert found["shared_expert_overlap"] == {
             "type": "GPTModel", "moe_layers": [(True, "SequentialMLP", 2, True)] * 2}
@@ -348,39 +379,89 @@ def test_speed_from_megatron_log():
     assert check_training.speed(log.split(" [2026")[0]) is None
 
 
+def graph_runs(checks: str) -> dict:
+    """Passing runs of ``checks`` (their iterations as the check script expects)."""
+    return {name: (0, fake_steps(range(1, int(flag_value(RUNS[name], "--train-iters")) + 1)))
+            for check in checks for name in check_training.CHECK_RUNS[check]}
+
+
 def test_graph_checks_compare_bits_and_step_times_against_alltoall():
-    graph_steps = fake_steps(range(1, check_training.GRAPH_ITERATIONS + 1))
-    runs = {name: (0, dict(graph_steps)) for check in "fght"
-            for name in check_training.CHECK_RUNS[check]}
-    off = dict(graph_steps)
+    runs = graph_runs("fghit")
+    off = dict(runs["capacity_full_iteration"][1])
     off[7] = (float.fromhex(off[7][0]) * (1 + 2 ** -23)).hex(), off[7][1]
     runs["capacity_full_iteration"] = (0, off)  # one bit off at iteration 7
     times = {"alltoall_drop_and_pad_moe_graphs": 500.0, "drop_and_pad_moe_graphs": 480.0,
              "alltoall_drop_and_pad_full_iteration": 140.0, "drop_and_pad_full_iteration": 150.0,
-             "alltoall_balanced_drop_and_pad_full_iteration": 140.0,
-             "capacity_full_iteration": 150.0}
-    results = {label[:3]: (passed, detail)
-               for label, passed, detail in check_training.checks(runs, 1e-2, times)}
-    assert [results[c][0] for c in ("(f)", "(g)", "(h)", "(t)")] == [True, True, False, False]
+             "dropless_full_iteration": 150.0}
+    logs = {"dropless_full_iteration": f"{check_training.HIGH_WATER_LINE} layer 1: 16384 of "
+                                       "20480 rows per rank"}
+    results = {label[:3]: (passed, detail) for label, passed, detail
+               in check_training.checks(runs, 1e-2, times, logs=logs)}
+    assert [results[c][0] for c in ("(f)", "(g)", "(h)", "(i)", "(t)")] == [
+        True, True, False, True, False], results
     assert "iteration 7: loss" in results["(h)"][1]
-    # 150 / 140 = 1.071: over (g)'s 1.05x, within (h)'s 1.10x; 480 < 500 for (f).
+    assert results["(i)"][1].endswith("layer 1: 16384 of 20480 rows per rank"), results["(i)"]
+    # 150 / 140 = 1.071: over (g)'s 1.05x, within (i)'s 1.10x; 480 < 500 for (f).
     assert results["(t)"][1] == (
         "drop_and_pad_full_iteration 150.0 ms = 1.071x alltoall_drop_and_pad_full_iteration "
         "140.0 ms (target <= 1.05x)"), results["(t)"][1]
     times["drop_and_pad_full_iteration"] = 145.0
-    assert check_training.checks(runs, 1e-2, times)[-1][1]
-    del times["capacity_full_iteration"]
-    assert "no step time for capacity_full_iteration" in check_training.checks(
-        runs, 1e-2, times)[-1][2]
+    assert check_training.checks(runs, 1e-2, times, logs=logs)[-1][1]
+    del times["dropless_full_iteration"]
+    assert "no step time for dropless_full_iteration" in check_training.checks(
+        runs, 1e-2, times, logs=logs)[-1][2]
+
+
+def test_dropless_check_fails_on_a_redone_step_or_no_high_water_mark():
+    runs = graph_runs("i")
+    redo = f"{check_training.REDO_LINE} 12: layer 2 needed 20500 ..."
+    for logs, problem in (({}, "printed no 'nccl_ep budget high-water mark:' line"),
+                          ({"dropless": redo, "dropless_full_iteration":
+                            check_training.HIGH_WATER_LINE}, "run dropless redid iterations [12]")):
+        [(label, passed, detail)] = check_training.checks(runs, 1e-2, logs=logs)
+        assert label.startswith("(i)") and not passed and problem in detail, detail
+
+
+def test_eager_and_redo_checks():
+    runs = graph_runs("jk")
+    times = {"eager_exact_grouped": 300.0, "eager_exact_sequential": 800.0,
+             "eager_capacity_grouped": 310.0, "eager_capacity_sequential": 290.0}
+    logs = {"redo_full_iteration": f"{check_training.REDO_LINE} 1: layer 1 needed ..."}
+    results = {label[:3]: (passed, detail) for label, passed, detail
+               in check_training.checks(runs, 1e-2, times, logs=logs)}
+    assert not results["(j)"][0] and results["(j)"][1] == (
+        "eager_capacity_grouped 310.0 ms = 1.069x eager_capacity_sequential 290.0 ms (not "
+        "faster)"), results["(j)"]
+    assert results["(k)"][0], results["(k)"]
+    # The redone step must carry exact mode's bits, and be the only one redone.
+    redo = dict(runs["redo_full_iteration"][1])
+    runs["redo_full_iteration"] = (0, with_lowest_bit_flipped(redo, 1, 1))
+    assert "iteration 1: grad norm" in dict(
+        (label[:3], detail) for label, _, detail in check_training.checks(
+            runs, 1e-2, times, logs=logs))["(k)"]
+    runs["redo_full_iteration"] = (0, redo)
+    logs["redo_full_iteration"] += f"\n{check_training.REDO_LINE} 40: layer 1 needed ..."
+    assert "redid iterations [1, 40], expected [1]" in dict(
+        (label[:3], detail) for label, _, detail in check_training.checks(
+            runs, 1e-2, times, logs=logs))["(k)"]
+
+
+def test_runs_compared_bitwise_must_have_trained():
+    # Two runs of NaN losses (or of no training) are equal bit for bit: that passes no check.
+    nan = {it: ("nan", (0.5).hex()) for it in range(1, 101)}
+    flat = {it: ((7.0).hex(), (0.5).hex()) for it in range(1, 101)}
+    for steps, problem in ((nan, "loss not finite at iterations 1-100 (100)"),
+                           (flat, "the loss did not go down")):
+        runs = {"nccl_ep": (0, steps), "nccl_ep_again": (0, dict(steps))}
+        [(_, passed, detail)] = check_training.checks(runs, 1e-2)
+        assert not passed and problem in detail, detail
 
 
 def test_graphed_runs_that_captured_nothing_fail_their_checks():
     # Megatron leaves a module list it does not know uncaptured, silently: a graphed run must
     # log the example's capture line, or its check (bits equal to the reference) proves nothing.
     assert check_training.GRAPHS_LINE == pretrain_gpt_moe.GRAPHS_LINE
-    graph_steps = fake_steps(range(1, check_training.GRAPH_ITERATIONS + 1))
-    runs = {name: (0, dict(graph_steps)) for check in "fgh"
-            for name in check_training.CHECK_RUNS[check]}
+    runs = graph_runs("fgh")
     captured = {"drop_and_pad_full_iteration", "capacity_full_iteration"}
     results = {label[:3]: (passed, detail) for label, passed, detail in
                check_training.checks(runs, 1e-2, captured=captured)}

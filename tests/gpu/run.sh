@@ -169,7 +169,9 @@ FAULT_TESTS=(tests/gpu/test_cuda_faults.py tests/gpu/test_cuda_stress.py
              tests/gpu/test_cuda_soak.py)
 # Megatron on GPUs: a run of their own, so that one stuck there leaves the other summaries whole.
 MEGATRON_TESTS=(tests/gpu/test_megatron_overlap.py tests/gpu/test_megatron_fixed_capacity.py
-                tests/gpu/test_megatron_inference_gpu.py tests/gpu/test_megatron_graphs.py)
+                tests/gpu/test_megatron_inference_gpu.py tests/gpu/test_megatron_graphs.py
+                tests/gpu/test_megatron_grouped_experts_gpu.py
+                tests/gpu/test_megatron_overflow_redo.py)
 # Groups that span nodes (emulated: the group option and NCCL_HOSTID): a run of their own too.
 NODES_TESTS=(tests/gpu/test_cuda_nodes.py)
 # LL mode (EP=1 and local teams): with the team tests' environment.
@@ -189,9 +191,9 @@ if wants tests; then
     run_pytest "tests (groups that span nodes: emulated nodes, the rail)" \
         "$(limit "${NODES_TESTS_TIMEOUT:-90}")" "$OUT/gpu_tests.log" "${NODES_TESTS[@]}"
     # Megatron asks the 1F1B EP overlap for more than one hardware queue, as the runs above have.
-    CUDA_DEVICE_MAX_CONNECTIONS=32 PER_TEST_TIMEOUT=70 \
-        run_pytest "tests (Megatron on GPUs: 1F1B EP overlap, drop-and-pad, graphs)" \
-        "$(limit "${MEGATRON_TESTS_TIMEOUT:-80}")" "$OUT/gpu_tests.log" "${MEGATRON_TESTS[@]}"
+    CUDA_DEVICE_MAX_CONNECTIONS=32 PER_TEST_TIMEOUT=90 \
+        run_pytest "tests (Megatron on GPUs: 1F1B EP overlap, drop-and-pad, graphs, grouped experts, overflow redo)" \
+        "$(limit "${MEGATRON_TESTS_TIMEOUT:-150}")" "$OUT/gpu_tests.log" "${MEGATRON_TESTS[@]}"
     # Local teams: every rank's stream in one process, under CUDA's default module loading.
     CUDA_DEVICE_MAX_CONNECTIONS=32 PER_TEST_TIMEOUT=90 \
         run_pytest "tests (local teams: EP 2/4/8 on one GPU)" \
@@ -320,7 +322,7 @@ if wants pretrain; then
     mkdir -p "$workdir"
     gpus=$(nvidia-smi -L | wc -l)
     "$PY" examples/check_training.py --gpus "$gpus" --workdir "$workdir" \
-        --checks "${PRETRAIN_CHECKS:-abcde}" --run-timeout "${PRETRAIN_RUN_TIMEOUT:-150}" \
+        --checks "${PRETRAIN_CHECKS:-abcdefghijkt}" --run-timeout "${PRETRAIN_RUN_TIMEOUT:-150}" \
         -- --nccl-ep-backend cuda \
         >"$workdir/checks.txt" 2>&1 || STATUS=1
     for log in "$workdir"/checks.txt "$workdir"/*.log; do

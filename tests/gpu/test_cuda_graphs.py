@@ -216,3 +216,74 @@ def test_graph_of_getters_keeps_an_eager_handle_after_destroy(seed):
         return {"tokens_per_expert": handle.tokens_per_expert, "topk_idx": handle.topk_idx}
 
     assert replays_after_destroy(seed, eager, captured) == []
+
+
+@pytest.mark.parametrize("overflow", ["error", "drop"])
+def test_overflow_inside_a_replayed_graph_on_a_local_team(overflow, seed):
+    """Capacity mode, a local team of 2: a graph of one handle's creation, dispatch, combine and
+    combine_probs, captured on routing that fits and replayed on routing that does not (every
+    token of both ranks to rank 0's first experts: rank 0 would receive 2 x TOKENS x TOPK rows,
+    over its 1.25 x TOKENS x TOPK). ``error``: ``check_errors()`` raises the overflow on both
+    ranks, naming rank 0 and its rows. ``drop``: no error; the replay's outputs are bitwise the
+    eager calls' on the same routing (rows past the bound dropped, docs/design.md §3), and the
+    captured tokens_per_expert says how many rows rank 0 needed."""
+    capacity = TOKENS * TOPK * 5 // 4
+    groups = ep.Group.local_team(2, num_experts=EXPERTS, hidden=HIDDEN,
+                                 max_tokens_per_rank=TOKENS, max_topk=TOPK, dtype=BF16,
+                                 num_sms=8, timeout_s=20.0, recv_mode="capacity",
+                                 max_recv_tokens_per_rank=capacity, capacity_overflow=overflow)
+    meet = threading.Barrier(2)
+    skewed = torch.arange(TOPK).repeat(TOKENS, 1)  # experts 0..TOPK-1: rank 0's
+
+    def body(rank, group):
+        device = group.device
+        (idx, x, probs, _), = inputs(seed, rank, device)[:1]
+
+        def ops(handle):
+            recv_x, recv_probs = handle.dispatch(x, probs)
+            return {"tokens_per_expert": handle.tokens_per_expert, "recv_x": recv_x,
+                    "recv_probs": recv_probs, "y": handle.combine(recv_x * 3),
+                    "grad_probs": handle.combine_probs(recv_probs * 2)}
+
+        ops(group.create_handle(idx))  # eager first: lazy loads, the pool's slots
+        captured: list = []
+        graph = torch.cuda.CUDAGraph()
+        meet.wait(timeout=60)
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            captured.append(group.create_handle(idx))
+            got = ops(captured[0])
+        finally:
+            graph.capture_end()
+        captured[0].destroy()
+        for replay_idx in (idx, skewed.to(device)):
+            with torch.no_grad():
+                idx.copy_(replay_idx)
+            for t in got.values():
+                t.fill_(float("nan") if t.is_floating_point() else -7)
+            meet.wait(timeout=60)
+            graph.replay()
+            torch.cuda.synchronize(device)
+            meet.wait(timeout=60)
+        if overflow == "error":
+            with pytest.raises(ep.NcclEpError, match=f"capacity overflow: rank 0 would receive "
+                                                     f"{2 * TOKENS * TOPK} rows but "
+                                                     f"max_recv_tokens_per_rank={capacity}"):
+                group.check_errors()
+            return []
+        group.check_errors()  # dropping: no error
+        replayed = {name: t.clone() for name, t in got.items()}
+        want = ops(group.create_handle(idx))
+        mismatches = [name for name in want if not same_bits(replayed[name], want[name])]
+        needed = int(replayed["tokens_per_expert"].sum())
+        if needed != (2 * TOKENS * TOPK if rank == 0 else 0):
+            mismatches.append(f"rank {rank} needed {needed} rows")
+        del graph
+        return mismatches
+
+    try:
+        results = ep.run_local_team(groups, body)
+    finally:
+        for g in groups:
+            g.destroy()
+    assert results == [[], []], results
