@@ -38,7 +38,7 @@ def _config(me: Rank, grouped: bool, **fields):
         num_attention_heads=16, num_moe_experts=SHAPE["experts"], moe_router_topk=SHAPE["topk"],
         bf16=True, params_dtype=torch.bfloat16, moe_permute_fusion=False, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, moe_grouped_gemm=grouped,
-        moe_router_load_balancing_type="none", **fields)
+        moe_router_load_balancing_type="none", use_cpu_initialization=True, **fields)
 
 
 def _experts(me: Rank, grouped: bool):

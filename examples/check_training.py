@@ -34,8 +34,10 @@ experts top-4, sequence 1024, micro-batch 4, global batch 16, bf16), GRAPH_ITERA
       loss and grad norm bits those of exact mode's eager first step, and training goes on with
       the grown budget (the graph captured after it);
   (t) step times against Megatron's alltoall with the same settings: (g) within 1.05x of
-      alltoall's full-iteration drop-and-pad step, (i) within 1.10x of it (alltoall drops tokens
-      at capacity factor 1.0; ours drops none), (f) no slower than alltoall's moe module graphs.
+      alltoall's full-iteration drop-and-pad step, (f) no slower than alltoall's moe module
+      graphs;
+  (u) (i)'s graphed step within 1.10x of alltoall's full-iteration drop-and-pad step (which
+      drops tokens, at capacity factor 1.0; ours drops none).
 
 Every run compared bit for bit must have logged finite losses that went down (its last tenth of
 iterations below its first): two runs of NaN losses, or of no training, would be equal trivially.
@@ -118,8 +120,10 @@ GRAPHED = {"router_graphs", "drop_and_pad_moe_graphs", "drop_and_pad_full_iterat
 GRAPHS_LINE = "cuda_graphs captured:"  # examples/pretrain_gpt_moe.py's
 # The step-time targets of check (t): run -> (alltoall's run, largest ratio to its time).
 TIME_TARGETS = {"drop_and_pad_moe_graphs": ("alltoall_drop_and_pad_moe_graphs", 1.0),
-                "drop_and_pad_full_iteration": ("alltoall_drop_and_pad_full_iteration", 1.05),
-                "dropless_full_iteration": ("alltoall_drop_and_pad_full_iteration", 1.10)}
+                "drop_and_pad_full_iteration": ("alltoall_drop_and_pad_full_iteration", 1.05)}
+# Check u: the dropless step (check i's graphed run) against alltoall's full-iteration
+# drop-and-pad step, which drops tokens (capacity factor 1.0).
+DROPLESS_TARGET = {"dropless_full_iteration": ("alltoall_drop_and_pad_full_iteration", 1.10)}
 # Check j: run -> the run it must be faster than.
 EAGER_TARGETS = {"eager_exact_grouped": "eager_exact_sequential",
                  "eager_capacity_grouped": "eager_capacity_sequential"}
@@ -134,7 +138,8 @@ CHECK_RUNS = {"a": ("nccl_ep", "nccl_ep_again"), "b": ("nccl_ep", "alltoall"),
               "i": ("dropless", "dropless_full_iteration"),
               "j": (*EAGER_TARGETS, *EAGER_TARGETS.values()),
               "k": ("eager_exact_grouped", "redo_full_iteration"),
-              "t": (*TIME_TARGETS, *sorted({run for run, _ in TIME_TARGETS.values()}))}
+              "t": (*TIME_TARGETS, *sorted({run for run, _ in TIME_TARGETS.values()})),
+              "u": (*DROPLESS_TARGET, *{run for run, _ in DROPLESS_TARGET.values()})}
 # Megatron's log: its arguments at start-up, the iteration time every --log-interval.
 ARGUMENT = re.compile(r"^\s*(global_batch_size|seq_length) \.+ (\d+)\s*$", re.MULTILINE)
 ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
@@ -248,10 +253,11 @@ def speed(log: str) -> Optional[dict]:
     return {"ms": ms, "tokens": tokens, "tokens_per_s": tokens / ms * 1000.0}
 
 
-def time_problems(times: dict) -> tuple:
-    """Check (t): (problems, detail) from each run's step time in ms (None: not measured)."""
+def time_problems(times: dict, targets: dict = TIME_TARGETS) -> tuple:
+    """Checks t and u: (problems, detail) from each run's step time in ms (None: not measured)
+    against ``targets`` (run -> (baseline run, largest ratio))."""
     problems, parts = [], []
-    for run, (baseline, most) in TIME_TARGETS.items():
+    for run, (baseline, most) in targets.items():
         ours, theirs = times.get(run), times.get(baseline)
         if ours is None or theirs is None:
             problems.append(f"no step time for {run if ours is None else baseline}")
@@ -388,6 +394,10 @@ def checks(runs: dict, tolerance: float, times: Optional[dict] = None,
         problems, detail = time_problems(times or {})
         add("(t) step times against alltoall with the same graphs", CHECK_RUNS["t"], problems,
             detail, trained=False)
+    if "u" in wanted:
+        problems, detail = time_problems(times or {}, DROPLESS_TARGET)
+        add("(u) the dropless full-iteration step against alltoall's dropping one",
+            CHECK_RUNS["u"], problems, detail, trained=False)
     return results
 
 

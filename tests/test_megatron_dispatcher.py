@@ -179,12 +179,12 @@ def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact"
         ours = moe_layer("nccl_ep", num_experts, topk, grouped=grouped, **config_fields,
                          **({"moe_shared_expert_overlap": True} if shared_expert_overlap else {}))
         ours.token_dispatcher.moe_layer = weakref.ref(ours)  # as register()'s branch sets it
-        # (The packed budget at factor EP holds any routing: a rank receives at most every
-        # rank's tokens x top-k.)
+        # (The packed budget above factor EP holds any routing, with rows to spare: a rank
+        # receives at most every rank's tokens x top-k.)
         ours.config.nccl_ep_options = NcclEpOptions(backend="torch", recv_mode=recv_mode,
                                                     ranks_per_node=ranks_per_node,
                                                     timeout_s=TIMEOUT_S,
-                                                    capacity_factor=float(ep) if grouped else 2.0)
+                                                    capacity_factor=ep + 0.5 if grouped else 2.0)
         ours.load_state_dict(baseline.state_dict())
         assert isinstance(ours.token_dispatcher, NcclEpTokenDispatcher)
         counts = []

@@ -322,7 +322,7 @@ if wants pretrain; then
     mkdir -p "$workdir"
     gpus=$(nvidia-smi -L | wc -l)
     "$PY" examples/check_training.py --gpus "$gpus" --workdir "$workdir" \
-        --checks "${PRETRAIN_CHECKS:-abcdefghijkt}" --run-timeout "${PRETRAIN_RUN_TIMEOUT:-150}" \
+        --checks "${PRETRAIN_CHECKS:-abcdefghijktu}" --run-timeout "${PRETRAIN_RUN_TIMEOUT:-150}" \
         -- --nccl-ep-backend cuda \
         >"$workdir/checks.txt" 2>&1 || STATUS=1
     for log in "$workdir"/checks.txt "$workdir"/*.log; do

@@ -34,7 +34,7 @@ def experts_of(grouped: bool, seed: int, **fields):
         num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=16,
         num_moe_experts=EXPERTS, moe_router_topk=TOPK, params_dtype=torch.bfloat16, bf16=True,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        moe_grouped_gemm=grouped, **fields)
+        moe_grouped_gemm=grouped, use_cpu_initialization=True, **fields)
     spec = get_moe_module_spec(use_te=False, num_experts=EXPERTS, moe_grouped_gemm=grouped)
     torch.manual_seed(seed)
     return spec.keywords["submodules"].experts(
