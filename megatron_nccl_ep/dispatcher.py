@@ -262,6 +262,14 @@ def grow_budgets(over: list) -> List[str]:
     return lines
 
 
+def check_group_errors() -> None:
+    """Raises the pending device-side errors of the groups in capacity receive mode (capacity
+    mode, drop-and-pad), which no call of theirs reads on the host (non-blocking)."""
+    for group in list(_groups.groups.values()):
+        if group.config.recv_mode == "capacity":
+            group.check_errors()
+
+
 def check_budgets() -> None:
     """Capacity mode: raises ``NcclEpError`` on every rank when, since the last check, a layer
     needed more than its static budget (the rows past it were dropped), naming the layer, the
@@ -271,9 +279,7 @@ def check_budgets() -> None:
     all-reduce of every layer's count), with one host wait: after a step, where the host waits
     for the GPU anyway (``register()`` calls it after each Megatron ``train_step`` under
     ``--nccl-ep-capacity-overflow error``), also when CUDA graphs replayed the step."""
-    for group in list(_groups.groups.values()):
-        if group.config.recv_mode == "capacity":
-            group.check_errors()
+    check_group_errors()
     over = budgets_over()
     if over:
         raise NcclEpError("; ".join(d._over_budget_message(n) for d, n in over))

@@ -33,7 +33,8 @@ import textwrap
 import typing
 import weakref
 
-from .dispatcher import NcclEpTokenDispatcher, check_budgets, check_graph_settings
+from .dispatcher import (NcclEpTokenDispatcher, check_budgets, check_graph_settings,
+                         check_group_errors)
 from .dispatcher_common import layer_options
 from .experts import GroupedExperts
 from .inference import NcclEpInferenceDispatcher
@@ -274,7 +275,8 @@ def _patch_train_step() -> None:
     @functools.wraps(original)
     def train_step(*args, **kwargs):
         options = get_options()
-        if options.recv_mode == "capacity" and options.capacity_overflow == "redo":
+        redo = options.recv_mode == "capacity" and options.capacity_overflow == "redo"
+        if redo:
             bound = signature.bind(*args, **kwargs)
             call = bound.arguments
             call["forward_backward_func"] = RedoOverflowedSteps(
@@ -282,7 +284,10 @@ def _patch_train_step() -> None:
                 call.get("iteration"))
             args, kwargs = bound.args, bound.kwargs
         result = original(*args, **kwargs)
-        check_budgets()
+        if redo:  # the budgets were checked before the optimizer step
+            check_group_errors()
+        else:
+            check_budgets()
         return result
 
     training.train_step = train_step

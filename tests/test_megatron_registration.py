@@ -246,3 +246,44 @@ def test_graph_settings_refused_with_the_arguments_and_budgets_checked_after_eac
     assert ("REFUSED exact nccl_ep dispatcher: cuda_graph_impl='full_iteration' with "
             "cuda_graph_modules=[] captures token_dispatch") in result.stdout, result.stdout
     assert "ACCEPTED capacity" in result.stdout, result.stdout
+
+
+def test_train_step_redoes_overflowed_steps_in_capacity_mode():
+    """Capacity mode with --nccl-ep-capacity-overflow redo (the default): Megatron's train_step
+    gets its forward_backward_func inside RedoOverflowedSteps (with the step's model, optimizer
+    and iteration) and checks only the groups' errors after the step (the budgets were checked
+    before the optimizer step); with error, the function is Megatron's and check_budgets
+    follows."""
+    code = textwrap.dedent("""
+        from megatron.training import training
+
+        def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                       config, forward_backward_func, iteration=None):
+            return forward_backward_func
+
+        training.train_step = train_step
+        import megatron_nccl_ep
+        from megatron_nccl_ep import megatron as registration
+        from megatron_nccl_ep.options import set_options
+        from megatron_nccl_ep.overflow import RedoOverflowedSteps
+
+        megatron_nccl_ep.register()
+        checked = []
+        registration.check_budgets = lambda: checked.append("check_budgets")
+        registration.check_group_errors = lambda: checked.append("check_group_errors")
+        schedule = object()
+        for overflow in ("redo", "error"):
+            set_options(recv_mode="capacity", capacity_overflow=overflow)
+            got = training.train_step(None, None, ["model"], "optimizer", None, None, schedule,
+                                      iteration=41)
+            if overflow == "redo":
+                assert isinstance(got, RedoOverflowedSteps), got
+                assert (got.forward_backward_func, got.model, got.optimizer, got.iteration) == (
+                    schedule, ["model"], "optimizer", 41)
+            else:
+                assert got is schedule, got
+        assert checked == ["check_group_errors", "check_budgets"], checked
+        print("OK")
+    """)
+    result = run_python("-c", code)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
