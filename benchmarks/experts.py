@@ -8,9 +8,9 @@ bench's default 7168 x 256 experts would not fit one GPU's memory as expert weig
 * ``grouped f<F>`` / ``sequential f<F>``: the experts' forward and backward on the rows of a
   capacity budget of F x the balanced share (F in FACTORS), the same routed rows (tokens x top-k
   of a random routing) every time. nccl_ep's GroupedExperts gets capacity mode's packed layout
-  (F x tokens x top-k rows, device counts of the rows used): it computes the routed rows only,
-  so its time should not move with F. SequentialMLP gets the fixed layout (every expert F x its
-  share of rows, a host count), all of which it computes.
+  (F x tokens x top-k rows, device counts of the rows used): its GEMMs compute the routed rows
+  only, its elementwise activation and probs every row. SequentialMLP gets the fixed layout
+  (every expert F x its share of rows, a host count), all of which it computes.
 * ``layer ...``: Megatron's MoELayer (router, dispatcher, experts) forward and backward, eager
   and as a replayed CUDA graph of both: nccl_ep in capacity mode (factor 1.25) with the grouped
   experts, nccl_ep in exact mode with them (eager only: exact mode reads a count on the host),

@@ -1,5 +1,6 @@
 """``GroupedExperts``: Megatron-Core's local experts computed by grouped GEMMs over device-side
-counts, so that a static receive buffer costs the rows it holds, not the rows it could hold.
+counts, so that a static receive buffer costs GEMMs of the rows it holds, not of the rows it
+could hold (the elementwise activation still passes over every row).
 
 Megatron-Core 0.19's local spec (``--transformer-impl local``) builds ``SequentialMLP`` whatever
 ``--moe-grouped-gemm`` says: one MLP per local expert, its rows split with
@@ -26,10 +27,10 @@ The counts may be a host tensor (exact mode, drop-and-pad's constant blocks) or 
 (``nccl_ep``'s packed capacity layout: every expert block whole, the sum the rows the routing
 needed; the clamp at the buffer's rows drops what did not fit, as the dispatch did).
 
-The arithmetic differs from ``SequentialMLP``'s only in the GEMMs' reduction order (one grouped
-CUTLASS kernel against one cuBLAS GEMM per expert): each output element is the same dot product,
-accumulated in fp32 in another order (docs/megatron.md gives the measured difference). Reruns
-are bitwise identical.
+The arithmetic can differ from ``SequentialMLP``'s only in the GEMMs' reduction order (one
+grouped CUTLASS kernel against one cuBLAS GEMM per expert, each output element the same dot
+product accumulated in fp32; docs/megatron.md gives what was measured). Reruns are bitwise
+identical.
 
 Not supported (refused at construction, naming the setting): expert tensor parallelism
 (``--expert-tensor-parallel-size`` > 1), FP8/FP4 experts, ``delay_wgrad_compute``.

@@ -44,6 +44,8 @@ def schedule(*, data_iterator, model, num_microbatches, **_):
     """Megatron's forward_backward_func, reduced: each micro-batch forward, backward into the
     chunk's gradient buffers; the losses."""
     chunk = model[0]
+    if isinstance(data_iterator, list):  # (one model chunk: Megatron's schedules unwrap it)
+        data_iterator = data_iterator[0]
     losses = []
     for _ in range(num_microbatches):
         batch = next(data_iterator)
@@ -66,7 +68,9 @@ def redo_case(seed: int) -> list:
 
     problems = []
     with megatron_parallel(1):
-        model_parallel_cuda_manual_seed(seed)
+        # Graph-safe RNG states, as Megatron training sets them up with CUDA graphs (the
+        # full-iteration wrapper registers them with its graph).
+        model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, force_reset_rng=True)
         chunks = {}
         for mode in ("capacity", "exact"):
             torch.manual_seed(seed)
@@ -131,13 +135,14 @@ def redo_case(seed: int) -> list:
                 if not same(got, exact(data)):
                     problems.append(f"step {i}: the redone step differs from exact mode")
                 if not got[2].startswith(f"nccl_ep capacity overflow in iteration {i + 1}: "
-                                         f"layer 3 needed {SEQ * BATCH} rows "):
+                                         f"layer 3 needed {SEQ * BATCH} (rows per expert and "
+                                         "source rank; budget 14); budget now 21 "):
                     problems.append(f"step {i}: log {got[2]!r}")
             elif redone:
                 problems.append(f"step {i} ({what}) was redone: {got[2]!r}")
             if not all(torch.isfinite(torch.tensor(got[0]))):
                 problems.append(f"step {i} ({what}): losses {got[0]}")
-            if what.startswith("replay") and not captured:
+            if what.startswith("replay") and not captured and i != 3:
                 problems.append(f"step {i} ({what}): no graph")
         FullCudaGraphWrapper.cuda_graph["training"] = None
         FullCudaGraphWrapper.curr_iteration["training"] = 0
