@@ -98,7 +98,7 @@ def _expert_items(me: Rank) -> None:
             item = f"{name} f{factor}"
             me.attempt(item, lambda: me.measure(
                 item, step, mode=kernel_mode(me.args.device), collective=False,
-                setup=lambda i: module.zero_grad(set_to_none=False),
+                setup=lambda i, module=module: module.zero_grad(set_to_none=False),
                 extra={"peak_mib": _peak_mib(me, step), "rows": rows, "routed_rows": used}))
         del module
 
@@ -149,7 +149,7 @@ def _layer_items(me: Rank) -> None:
 
         me.attempt(f"layer {label} (eager)", lambda: me.measure(
             f"layer {label} (eager)", step, mode=kernel_mode(me.args.device), collective=False,
-            setup=lambda i: layer.zero_grad(set_to_none=False),
+            setup=lambda i, layer=layer: layer.zero_grad(set_to_none=False),
             extra={"peak_mib": _peak_mib(me, step)}))
         if "exact" in label:
             continue

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import tempfile
 
-import pytest
 import torch
 
 import dist
