@@ -100,7 +100,6 @@ def _expert_items(me: Rank) -> None:
                 item, step, mode=kernel_mode(me.args.device), collective=False,
                 setup=lambda i, module=module: module.zero_grad(set_to_none=False),
                 extra={"peak_mib": _peak_mib(me, step), "rows": rows, "routed_rows": used}))
-        del module
 
 
 def _layer(me: Rank, dispatcher: str, grouped: bool, **fields):
@@ -168,7 +167,6 @@ def _layer_items(me: Rank) -> None:
                        extra={"peak_mib": _peak_mib(me, lambda i: graph.replay())})
 
         me.attempt(f"layer {label} (graph)", graphed)
-        del layer
     from megatron_nccl_ep.dispatcher import destroy_groups
 
     destroy_groups()
