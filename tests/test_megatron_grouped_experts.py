@@ -1,7 +1,7 @@
 """``GroupedExperts`` (``--moe-grouped-gemm`` under Megatron's local spec, after ``register()``)
 on CPU, against Megatron's own ``SequentialMLP`` with the same weights: outputs and every gradient
-bitwise equal (the CPU path of ``grouped_mm`` and the float64 matmuls per expert do the same
-products), rows past the counts unread, the same checkpoints, and the settings it refuses."""
+bitwise equal in float64 (the same matmul per expert), within float32 rounding on grouped_mm's
+CPU path; rows past the counts unread, the same checkpoints, and the settings it refuses."""
 
 from __future__ import annotations
 
@@ -62,13 +62,17 @@ def same_weights(a, b) -> bool:
     return pa.keys() == pb.keys() and all(torch.equal(pa[n], pb[n]) for n in pa)
 
 
-def check_equal(got, want, what: str) -> None:
+def check_equal(got, want, what: str, bitwise: bool = True) -> None:
+    """Every result equal: bit for bit, or (``bitwise=False``) within float32 rounding."""
     out, gx, gp, grads = got
     w_out, w_gx, w_gp, w_grads = want
     for name, a, b in (("output", out, w_out), ("input grad", gx, w_gx), ("probs grad", gp, w_gp),
                        *((f"{n} grad", grads[n], w_grads[n]) for n in w_grads)):
         assert torch.isfinite(a).all(), f"{what}: {name} not finite"
-        assert torch.equal(a, b), f"{what}: {name} differs, by up to {(a - b).abs().max()}"
+        if bitwise:
+            assert torch.equal(a, b), f"{what}: {name} differs, by up to {(a - b).abs().max()}"
+        else:
+            torch.testing.assert_close(a, b, msg=lambda m: f"{what}: {name}: {m}")
     assert grads.keys() == w_grads.keys()
 
 
@@ -93,22 +97,26 @@ def equality_case(dtype: torch.dtype, activation: str, seed: int) -> str:
     probs = torch.rand(used + 6, generator=gen)
     x[used:] = float("nan")  # rows past the counts: whatever reads them turns NaN
     probs[used:] = float("nan")
+    # float64: the same matmul per expert, bit for bit; float32: grouped_mm's CPU path, whose
+    # matmuls may block the sums otherwise than SequentialMLP's for some values.
+    bitwise = dtype == torch.float64
     want = run(seq, x[:used], counts, probs[:used], used)
-    check_equal(run(grouped, x, counts, probs, used), want, f"{dtype} {activation}")
+    check_equal(run(grouped, x, counts, probs, used), want, f"{dtype} {activation}", bitwise)
     # Counts past the rows given (capacity mode's dropped overflow): each block clamped at the
     # rows, as SequentialMLP on the blocks that fit.
     rows = used - 4  # the last block and one row of the third past the rows
     check_equal(run(grouped, x[:rows], counts, probs[:rows], rows),
                 run(seq, x[:rows], torch.tensor([5, 0, rows - 5, 0]), probs[:rows], rows),
-                f"{dtype} {activation}, counts past the rows")
-    return "bitwise equal"
+                f"{dtype} {activation}, counts past the rows", bitwise)
+    return "equal"
 
 
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 def test_grouped_experts_equal_sequential_mlp(dtype, activation, seed):
-    """float32 takes grouped_mm's CPU path, float64 the matmuls per expert."""
-    assert dist.run(1, in_group, equality_case, dtype, activation, seed) == ["bitwise equal"]
+    """float32 takes grouped_mm's CPU path (within rounding), float64 the matmuls per expert
+    (bitwise)."""
+    assert dist.run(1, in_group, equality_case, dtype, activation, seed) == ["equal"]
 
 
 def bias_case(seed: int) -> bool:
