@@ -350,7 +350,7 @@ def test_parity_with_expert_tensor_parallel(ep, etp, tp, seed):
 @pytest.mark.parametrize("field,value", [("backend", "nccl"), ("recv_mode", "dropless"),
                                          ("capacity_factor", 0.0), ("num_sms", 0),
                                          ("max_tokens_per_rank", 0), ("ranks_per_node", -1),
-                                         ("timeout_s", 0.0)])
+                                         ("timeout_s", 0.0), ("capacity_overflow", "drop")])
 def test_options_reject_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         NcclEpOptions(**{field: value})

@@ -287,3 +287,41 @@ def test_train_step_redoes_overflowed_steps_in_capacity_mode():
     """)
     result = run_python("-c", code)
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
+
+
+def test_per_layer_graphs_refused_with_redo_in_training():
+    """Capacity mode in Megatron training: per-layer graphs that hold token_dispatch (local,
+    whole layers) cannot be recaptured by the redo of an overflowed step: refused with
+    --nccl-ep-capacity-overflow redo (naming both ways out), accepted with error; the
+    full-iteration graph is accepted with redo."""
+    code = textwrap.dedent(f"""
+        import sys
+        import megatron_nccl_ep
+        from megatron.core.transformer import TransformerConfig
+        from megatron.training import arguments
+        from megatron.training.global_vars import set_args
+
+        megatron_nccl_ep.register()
+        for impl, overflow in (("local", "redo"), ("local", "error"),
+                               ("full_iteration", "redo")):
+            sys.argv = ["train"] + {MEGATRON_ARGS!r} + [
+                "--nccl-ep-recv-mode", "capacity", "--nccl-ep-capacity-overflow", overflow]
+            set_args(arguments.parse_args())
+            try:
+                TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                  num_moe_experts=4, moe_token_dispatcher_type="nccl_ep",
+                                  cuda_graph_impl=impl)
+            except ValueError as e:
+                print("REFUSED", impl, overflow, e)
+            else:
+                print("ACCEPTED", impl, overflow)
+    """)
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ("REFUSED local redo nccl_ep dispatcher: cuda_graph_impl='local' with "
+            "cuda_graph_modules=[] captures token_dispatch in per-layer graphs, which "
+            "--nccl-ep-capacity-overflow redo cannot recapture") in result.stdout, result.stdout
+    assert "--cuda-graph-impl full_iteration, or --nccl-ep-capacity-overflow error" in \
+        result.stdout, result.stdout
+    assert "ACCEPTED local error" in result.stdout and "ACCEPTED full_iteration redo" in \
+        result.stdout, result.stdout
