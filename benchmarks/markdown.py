@@ -1,4 +1,4 @@
-"""``--markdown PATH``: the run as markdown (the body of benchmarks/RESULTS.md).
+"""``--markdown PATH``: the run as markdown (benchmarks/RESULTS.md as published).
 
 A header that names the sources, the machine, the command and the shape, then one table per
 section that ran, each headed by what it is and, where floors are derived, by the ceilings of the

@@ -102,8 +102,8 @@ def numbers(result: dict) -> str:
         f"(T_max {result['ll']['memory']['shape']['tokens']}): "
         f"{memory['total_bytes'] / MIB:.0f} MiB per rank, against DeepEP V1's "
         f"{memory['deepep_bytes'] / MIB:.0f} MiB. RESULTS.md also has LL at 1-256 tokens, FP8, "
-        "EP 2/4/8 and HT EP 2/4 as local teams on that one GPU (proxies: no NVLink, one HBM), "
-        "and the peers' anchors; multi-GPU numbers wait for a multi-GPU machine.")
+        "EP 2/4/8 and HT EP 2/4 as local teams on that one GPU (proxies: no NVLink, one HBM); "
+        "multi-GPU numbers wait for a multi-GPU machine.")
     # The README's line width; words such as "top-8" stay whole.
     lines += ["", *textwrap.wrap(text, 100, break_on_hyphens=False, break_long_words=False)]
     return "\n".join(lines)
