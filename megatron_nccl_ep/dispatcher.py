@@ -227,8 +227,8 @@ def budget_high_water() -> List[str]:
     lines = []
     for d in (ref() for ref in _budgeted):
         if d is not None and d._budget is not None:
-            unit = "rows per rank" if d._budget.packed else "rows per expert and source rank"
-            lines.append(f"layer {d.layer_number()}: {d.high_water} of {d._budget.rows} {unit}")
+            lines.append(f"layer {d.layer_number()}: {d.high_water} of {d._budget.rows} "
+                         f"{d._budget.unit}")
     return lines
 
 
@@ -256,9 +256,9 @@ def grow_budgets(over: list) -> List[str]:
     for key, members in grown.items():
         budget = members[0][0]._budget
         layers = ", ".join(f"layer {d.layer_number()} needed {n}" for d, n in members)
-        unit = "rows per rank" if budget.packed else "rows per expert and source rank"
-        lines.append(f"{layers} ({unit}; budget {budget.rows}); budget now {_grown[key]} {unit} "
-                     f"(--nccl-ep-capacity-factor {budget.factor_for(_grown[key]):.3g})")
+        lines.append(f"{layers} ({budget.unit}; budget {budget.rows}); budget now {_grown[key]} "
+                     f"{budget.unit} (--nccl-ep-capacity-factor "
+                     f"{budget.factor_for(_grown[key]):.3g})")
     return lines
 
 
@@ -296,6 +296,11 @@ class _Budget:
         self.rows, self.packed, self.factor, self.tokens = rows, packed, factor, tokens
         self.topk, self.num_experts, self.alignment = topk, num_experts, alignment
         self.num_local, self.base_key, self.group = num_local, base_key, group
+
+    @property
+    def unit(self) -> str:
+        """What ``rows`` counts."""
+        return "rows per rank" if self.packed else "rows per expert and source rank"
 
     def factor_for(self, rows: int) -> float:
         """The capacity factor whose budget holds ``rows``."""
@@ -486,8 +491,11 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
             base_key = (self.comm_group, self.num_experts, self.topk, hidden_states.shape[1],
                         hidden_states.dtype, hidden_states.device,
                         _max_tokens(options, tokens), options, alignment, bool(rows))
-            grown = _grown.get(base_key, 0)
-            capacity, rows = (capacity, max(rows, grown)) if rows else (max(capacity, grown), 0)
+            grown = _grown.get(base_key, 0)  # a budget grown after an overflow
+            if rows:
+                rows = max(rows, grown)
+            else:
+                capacity = max(capacity, grown)
             budget = _Budget(rows or capacity, bool(rows), options.capacity_factor, tokens,
                              self.topk, self.num_experts, alignment, self.num_local_experts,
                              base_key)

@@ -61,6 +61,16 @@ def step(group, handle_inputs, keep: list) -> list:
     return outputs
 
 
+def run_team(groups, body) -> list:
+    """``body(rank, group)`` on every rank of a local team (``ep.run_local_team``); the team
+    destroyed afterwards, whatever happened."""
+    try:
+        return ep.run_local_team(groups, body)
+    finally:
+        for g in groups:
+            g.destroy()
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
                                               b.contiguous().view(torch.uint8))
@@ -116,11 +126,7 @@ def test_ht_graph_replays_equal_eager_calls(world, layout, seed):
         del graph
         return mismatches
 
-    try:
-        results = ep.run_local_team(groups, body)
-    finally:
-        for g in groups:
-            g.destroy()
+    results = run_team(groups, body)
     assert results == [[]] * world, results
 
 
@@ -281,9 +287,5 @@ def test_overflow_inside_a_replayed_graph_on_a_local_team(overflow, seed):
         del graph
         return mismatches
 
-    try:
-        results = ep.run_local_team(groups, body)
-    finally:
-        for g in groups:
-            g.destroy()
+    results = run_team(groups, body)
     assert results == [[], []], results
