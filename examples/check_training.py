@@ -42,7 +42,12 @@ experts top-4, sequence 1024, micro-batch 4, global batch 16, bf16), GRAPH_ITERA
 Every run compared bit for bit must have logged finite losses that went down (its last tenth of
 iterations below its first): two runs of NaN losses, or of no training, would be equal trivially.
 
-    python examples/check_training.py [--gpus 2] [--checks abcde] [--workdir DIR] [-- FLAGS]
+    python examples/check_training.py [--gpus 2] [--checks abcde] [--workdir DIR]
+                                      [--megatron-lm-script PRETRAIN_GPT] [-- FLAGS]
+
+``--megatron-lm-script`` runs Megatron-LM's own pretrain_gpt.py (from its repository, unchanged)
+through ``megatron_nccl_ep.launch`` in place of the example (examples/run_megatron_lm.py: the
+example's default flags, its step lines), every run alike.
 
 e.g. ``-- --nccl-ep-backend cuda`` to fail rather than fall back when the CUDA kernels are not
 built. Runs only what the chosen checks need; prints one PASS/FAIL line per check, then a SPEED
@@ -65,6 +70,8 @@ import tempfile
 from typing import Optional
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrain_gpt_moe.py")
+# Runs a Megatron-LM script through the launcher with the example's defaults and step lines.
+MEGATRON_LM_RUNNER = os.path.join(os.path.dirname(EXAMPLE), "run_megatron_lm.py")
 ITERATIONS = 100
 SAVE_AT = 50
 # The line examples/pretrain_gpt_moe.py prints after every iteration (its step_line).
@@ -401,12 +408,22 @@ def checks(runs: dict, tolerance: float, times: Optional[dict] = None,
     return results
 
 
-def train(name: str, arguments: list, gpus: int, workdir: str, timeout: float) -> tuple:
-    """Runs the example under torchrun; returns (exit status, steps); the output goes to
-    WORKDIR/<name>.log. A run past ``timeout`` seconds is killed with all its processes."""
+def train_command(arguments: list, gpus: int, megatron_lm_script: Optional[str] = None) -> list:
+    """The command of one run: the example, or ``megatron_lm_script`` through
+    examples/run_megatron_lm.py, under torchrun with ``gpus`` processes."""
+    program = [EXAMPLE] if megatron_lm_script is None else [MEGATRON_LM_RUNNER,
+                                                            megatron_lm_script]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(gpus), *program, *arguments]
+
+
+def train(name: str, arguments: list, gpus: int, workdir: str, timeout: float,
+          megatron_lm_script: Optional[str] = None) -> tuple:
+    """Runs the example (or ``megatron_lm_script``) under torchrun; returns (exit status, steps);
+    the output goes to WORKDIR/<name>.log. A run past ``timeout`` seconds is killed with all its
+    processes."""
     log_path = os.path.join(workdir, f"{name}.log")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(gpus), EXAMPLE, *arguments]
+    command = train_command(arguments, gpus, megatron_lm_script)
     with open(log_path, "w") as log:
         log.write(" ".join(command) + "\n")
         log.flush()
@@ -436,19 +453,25 @@ def main(argv=None) -> int:
     parser.add_argument("--run-timeout", type=float, default=300.0, help="seconds per run")
     parser.add_argument("--checks", default="".join(CHECK_RUNS),
                         help=f"which checks to run, e.g. ab (default: {''.join(CHECK_RUNS)})")
+    parser.add_argument("--megatron-lm-script", metavar="PRETRAIN_GPT",
+                        help="Megatron-LM's pretrain_gpt.py, run through megatron_nccl_ep.launch "
+                             "instead of the example")
     parser.add_argument("flags", nargs="*", help="after --: flags for every run of the example")
     options = parser.parse_args(argv)
     unknown = set(options.checks) - CHECK_RUNS.keys()
     if unknown or not options.checks:
         parser.error(f"--checks: choose letters from {''.join(CHECK_RUNS)}, "
                      f"got {options.checks!r}")
+    script = options.megatron_lm_script
+    if script is not None and not os.path.isfile(script):
+        parser.error(f"--megatron-lm-script: no such file: {script}")
     if options.workdir:
         os.makedirs(options.workdir, exist_ok=True)
     workdir = options.workdir or tempfile.mkdtemp(prefix="check_training_")
     checkpoint_dir = tempfile.mkdtemp(prefix="checkpoint_", dir=workdir)
     needed = {name for check in options.checks for name in CHECK_RUNS[check]}
     runs = {name: train(name, [*arguments, *options.flags], options.gpus, workdir,
-                        options.run_timeout)
+                        options.run_timeout, script and os.path.abspath(script))
             for name, arguments in run_arguments(checkpoint_dir).items() if name in needed}
     results = checks({name: (status, steps) for name, (status, steps, *_) in runs.items()},
                      options.alltoall_tolerance,
