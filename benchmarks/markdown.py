@@ -177,6 +177,31 @@ def _experts(result: dict, out: list) -> None:
                        "peak (MiB)"], layer_rows, (".2f", ".0f") * 2)
 
 
+def _training(result: dict, out: list) -> None:
+    """examples/check_training.py's records (``result["training"]``, put there by
+    ``python -m benchmarks.readme --training``): each check's outcome and each run's step."""
+    records = result.get("training") or []
+    if not records:
+        return
+    out += ["## Training: Megatron's pretrain() end to end", "",
+            "examples/check_training.py: every run with --deterministic-mode; a step is "
+            "Megatron's elapsed time per iteration (the median of its log intervals after the "
+            "first, which holds the warm-up and the graph capture). The checks and their runs: "
+            "the script's docstring.", ""]
+    for record in records:
+        source = record.get("source") or {}
+        out += [f"- machine: {record.get('gpus')} x {record.get('device')}; sources "
+                f"`{source.get('sources_sha256')}`; script: {record.get('script')}",
+                f"- command: `{record.get('command')}`", ""]
+        out += _table(["check", "outcome"],
+                      [(check["label"], ("PASS: " if check["passed"] else "FAIL: ")
+                        + check["detail"]) for check in record["checks"]])
+        out += _table(["run", "iterations", "graphs", "step (ms)", "tokens/s"],
+                      [(name, run["iterations"], "yes" if run["graphs"] else "no",
+                        run.get("ms"), run.get("tokens_per_s"))
+                       for name, run in record["runs"].items()], (".1f", ".0f"))
+
+
 def _host(result: dict, out: list) -> None:
     op_rows, step_rows, meg_rows = host_rows(result)
     if not (op_rows or step_rows or meg_rows):
@@ -326,6 +351,7 @@ def render(result: dict) -> str:
     _ll(result, out)
     _host(result, out)
     _experts(result, out)
+    _training(result, out)
     _sweeps(result, out)
     _checks(result, out)
     if result.get("errors"):

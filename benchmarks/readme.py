@@ -1,9 +1,13 @@
-"""``python -m benchmarks.readme``: the README's numbers, written from ``benchmarks/results.json``.
+"""``python -m benchmarks.readme``: benchmarks/RESULTS.md and the README's numbers, written from
+``benchmarks/results.json``.
 
-The README's numbers section (between ``BEGIN`` and ``END``) is this module's text for the
-committed results.json, so the README names the run RESULTS.md shows and cannot drift from it
-(tests/test_bench.py checks that they agree). After a new RESULTS.md run, this command rewrites
-the section; ``--check`` only says whether it is current.
+    python -m benchmarks.readme [--bench OUT/results.json] [--training OUT/training*.json]
+
+``--bench`` takes a GPU run's results file (and the plot beside it) as the committed one;
+``--training`` puts examples/check_training.py's records (its ``--json``) into it. RESULTS.md is
+then the bench's rendering of results.json and the README's numbers section (between ``BEGIN``
+and ``END``) this module's text for it, so neither can drift from the results (tests/test_bench.py
+checks that they agree); ``--check`` only says whether both are current.
 """
 
 from __future__ import annotations
@@ -11,11 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import textwrap
 
+from . import markdown
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results.json")
+RESULTS_MD = os.path.join(ROOT, "benchmarks", "RESULTS.md")
+PLOT = os.path.join(ROOT, "benchmarks", "results.png")
 README = os.path.join(ROOT, "README.md")
 BEGIN = "<!-- numbers: python -m benchmarks.readme writes this from benchmarks/results.json -->"
 END = "<!-- end of numbers -->"
@@ -120,19 +129,48 @@ def section(readme: str) -> tuple:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bench", metavar="RESULTS_JSON",
+                        help="a bench run's results file to commit (its results.png beside it "
+                             "comes too)")
+    parser.add_argument("--training", metavar="JSON", nargs="+",
+                        help="examples/check_training.py --json records, in this order")
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 if the README's section differs, writing nothing")
+                        help="exit 1 if RESULTS.md or the README's section differs from "
+                             "results.json, writing nothing")
     options = parser.parse_args(argv)
-    with open(RESULTS) as f:
-        wanted = "\n" + numbers(json.load(f)) + "\n"
+    if options.check and (options.bench or options.training):
+        parser.error("--check writes nothing: it takes neither --bench nor --training")
+    with open(options.bench or RESULTS) as f:
+        result = json.load(f)
+    if options.training:
+        result["training"] = []
+        for path in options.training:
+            with open(path) as f:
+                result["training"].append(json.load(f))
+    elif options.bench:  # a new run keeps the committed run's training records
+        with open(RESULTS) as f:
+            result["training"] = json.load(f).get("training", [])
+    wanted = "\n" + numbers(result) + "\n"
     with open(README) as f:
         before, current, after = section(f.read())
-    if current == wanted:
-        return 0
+    with open(RESULTS_MD) as f:
+        current_md = f.read()
     if options.check:
-        print("README.md's numbers differ from benchmarks/results.json: run "
-              "python -m benchmarks.readme", file=sys.stderr)
-        return 1
+        stale = [name for name, ok in (("RESULTS.md", current_md == markdown.render(result)),
+                                       ("README.md's numbers", current == wanted)) if not ok]
+        if stale:
+            print(f"{' and '.join(stale)} differ from benchmarks/results.json: run "
+                  "python -m benchmarks.readme", file=sys.stderr)
+        return 1 if stale else 0
+    if options.bench or options.training:
+        with open(RESULTS, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+    if options.bench:
+        plot = os.path.join(os.path.dirname(os.path.abspath(options.bench)), "results.png")
+        if os.path.exists(plot) and os.path.abspath(plot) != PLOT:
+            shutil.copyfile(plot, PLOT)
+    markdown.write(result, RESULTS_MD)
     with open(README, "w") as f:
         f.write(before + wanted + after)
     return 0

@@ -49,6 +49,9 @@ iterations below its first): two runs of NaN losses, or of no training, would be
 through ``megatron_nccl_ep.launch`` in place of the example (examples/run_megatron_lm.py: the
 example's default flags, its step lines), every run alike.
 
+``--json PATH`` writes the checks and each run's step time with the machine, the sources hash and
+the command (``python -m benchmarks.readme --training PATH`` puts them into RESULTS.md).
+
 e.g. ``-- --nccl-ep-backend cuda`` to fail rather than fall back when the CUDA kernels are not
 built. Runs only what the chosen checks need; prints one PASS/FAIL line per check, then a SPEED
 line per dispatcher that ran without extras (nccl_ep, alltoall: Megatron's iteration time and the
@@ -59,6 +62,7 @@ WORKDIR/<run>.log (WORKDIR: a new temporary folder unless given).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -444,7 +448,38 @@ def train(name: str, arguments: list, gpus: int, workdir: str, timeout: float,
     return status, steps, speed(text), GRAPHS_LINE in text, text
 
 
+def device_name() -> Optional[str]:
+    """The first GPU's name, as nvidia-smi gives it (None without one)."""
+    try:
+        found = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return found.strip() or None
+
+
+def record(argv: list, options, results: list, runs: dict) -> dict:
+    """What ``--json`` writes: the machine, the sources (the bench's hash of them), the command,
+    each check's outcome and each run's step time."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.report import source_version
+
+    script = options.megatron_lm_script
+    return {
+        "device": device_name(), "gpus": options.gpus, "source": source_version(),
+        "command": " ".join(["python", "examples/check_training.py", *argv]),
+        "script": ("Megatron-LM's " + os.path.basename(script) if script
+                   else "examples/pretrain_gpt_moe.py"),
+        "checks": [{"label": label, "passed": passed, "detail": detail}
+                   for label, passed, detail in results],
+        "runs": {name: {"exit_status": status, "iterations": len(steps), "graphs": graphs,
+                        **(measured or {})}
+                 for name, (status, steps, measured, graphs, _) in runs.items()},
+    }
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=2, help="processes, one per GPU (EP size)")
     parser.add_argument("--workdir", help="where the logs and the checkpoint go")
@@ -456,6 +491,9 @@ def main(argv=None) -> int:
     parser.add_argument("--megatron-lm-script", metavar="PRETRAIN_GPT",
                         help="Megatron-LM's pretrain_gpt.py, run through megatron_nccl_ep.launch "
                              "instead of the example")
+    parser.add_argument("--json", metavar="PATH",
+                        help="write the checks and the runs' step times here (with the machine, "
+                             "the sources hash and the command)")
     parser.add_argument("flags", nargs="*", help="after --: flags for every run of the example")
     options = parser.parse_args(argv)
     unknown = set(options.checks) - CHECK_RUNS.keys()
@@ -488,6 +526,9 @@ def main(argv=None) -> int:
             print(f"SPEED {name}: {measured['ms']:.1f} ms per iteration, "
                   f"{measured['tokens_per_s']:,.0f} tokens/s ({measured['tokens']} tokens per "
                   f"iteration; median of Megatron's log intervals after the first)", flush=True)
+    if options.json:
+        with open(options.json, "w") as f:
+            json.dump(record(argv, options, results, runs), f, indent=1)
     return 0 if all(passed for _, passed, _ in results) else 1
 
 

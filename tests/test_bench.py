@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -771,3 +772,69 @@ def test_readme_numbers_follow_the_results(tmp_path):
     after = readme.numbers(result)
     assert "| dispatch | 123.5 |" in after and "sources `0123456789abcdef`" in after
     assert before != after
+
+
+def training_record(sources: str = "fedcba9876543210", ms: float = 101.25) -> dict:
+    """A record as examples/check_training.py --json writes it."""
+    return {"device": "NVIDIA H100 80GB HBM3", "gpus": 1,
+            "source": {"git": None, "sources_sha256": sources},
+            "command": "python examples/check_training.py --checks iu",
+            "script": "Megatron-LM's pretrain_gpt.py",
+            "checks": [{"label": "(i) dropless", "passed": True, "detail": "bits equal"},
+                       {"label": "(u) against alltoall", "passed": False, "detail": "1.2x"}],
+            "runs": {"dropless_full_iteration": {"exit_status": 0, "iterations": 100,
+                                                 "graphs": True, "ms": ms, "tokens": 16384,
+                                                 "tokens_per_s": 16384 / ms * 1e3},
+                     "dropless": {"exit_status": 1, "iterations": 3, "graphs": False}}}
+
+
+@pytest.fixture
+def results_files(tmp_path, monkeypatch):
+    """benchmarks.readme's files (results.json, RESULTS.md, README.md) as copies in tmp_path."""
+    from benchmarks import readme
+
+    for name in ("RESULTS", "RESULTS_MD", "README", "PLOT"):
+        copy = tmp_path / os.path.basename(getattr(readme, name))
+        if os.path.exists(getattr(readme, name)):
+            shutil.copyfile(getattr(readme, name), copy)
+        monkeypatch.setattr(readme, name, str(copy))
+    return readme
+
+
+def test_readme_puts_training_records_into_results_and_results_md(results_files, tmp_path):
+    readme = results_files
+    record = tmp_path / "training.json"
+    record.write_text(json.dumps(training_record()))
+    assert readme.main(["--training", str(record)]) == 0
+    with open(readme.RESULTS) as f:
+        assert json.load(f)["training"] == [training_record()]
+    with open(readme.RESULTS_MD) as f:
+        text = f.read()
+    assert "## Training: Megatron's pretrain() end to end" in text
+    assert "sources `fedcba9876543210`; script: Megatron-LM's pretrain_gpt.py" in text
+    assert "| dropless_full_iteration | 100 | yes | 101.2 | 161817 |" in text
+    assert "| dropless | 3 | no | - | - |" in text  # a run that logged no step time
+    assert "| (u) against alltoall | FAIL: 1.2x |" in text
+    assert readme.main(["--check"]) == 0
+    # A bench run taken in keeps the committed training records.
+    with open(readme.RESULTS) as f:
+        bench = {**json.load(f), "training": None}
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "results.json").write_text(json.dumps(bench))
+    (tmp_path / "new" / "results.png").write_bytes(b"png")
+    assert readme.main(["--bench", str(tmp_path / "new" / "results.json")]) == 0
+    with open(readme.RESULTS) as f:
+        assert json.load(f)["training"] == [training_record()]
+    with open(readme.PLOT, "rb") as f:
+        assert f.read() == b"png"
+
+
+def test_readme_check_fails_on_a_hand_edited_results_md(results_files):
+    readme = results_files
+    assert readme.main(["--check"]) == 0
+    with open(readme.RESULTS_MD) as f:
+        text = f.read()
+    with open(readme.RESULTS_MD, "w") as f:
+        f.write(text.replace("- sources: `", "- sources: `0", 1))
+    assert readme.main(["--check"]) == 1
+    assert readme.main([]) == 0 and readme.main(["--check"]) == 0  # rewritten from the results

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import os
 import sys
@@ -468,3 +469,41 @@ def test_graphed_runs_that_captured_nothing_fail_their_checks():
     assert [results[c][0] for c in ("(f)", "(g)", "(h)")] == [False, True, True], results
     assert "run drop_and_pad_moe_graphs captured no CUDA graph" in results["(f)"][1]
     assert all(passed for _, passed, _ in check_training.checks(good_runs(), 1e-2, captured=set()))
+
+
+def test_megatron_lm_script_runs_through_the_runner_and_is_recorded(tmp_path, monkeypatch):
+    # Every run of the check starts Megatron-LM's script through examples/run_megatron_lm.py
+    # (the launcher, with the example's defaults and step lines) when one is named.
+    script = tmp_path / "pretrain_gpt.py"
+    assert check_training.train_command(["--x"], 2)[-2:] == [check_training.EXAMPLE, "--x"]
+    command = check_training.train_command(["--x"], 2, str(script))
+    assert command[-3:] == [check_training.MEGATRON_LM_RUNNER, str(script), "--x"]
+    assert os.path.isfile(check_training.MEGATRON_LM_RUNNER)
+    with pytest.raises(SystemExit):  # a script that is not there: refused before any run
+        check_training.main(["--checks", "a", "--megatron-lm-script", str(script)])
+    # --json: the checks, each run's step time, the sources hash of the tree, the command.
+    script.write_text("")
+    monkeypatch.setattr(check_training, "device_name", lambda: "GPU X")
+    calls = []
+
+    def train(name, arguments, gpus, workdir, timeout, megatron_lm_script):
+        calls.append(megatron_lm_script)
+        steps = fake_steps(range(1, check_training.ITERATIONS + 1))
+        return 0, steps, {"ms": 40.0, "tokens": 2048, "tokens_per_s": 51200.0}, False, ""
+
+    monkeypatch.setattr(check_training, "train", train)
+    out = tmp_path / "training.json"
+    argv = ["--checks", "a", "--gpus", "1", "--workdir", str(tmp_path), "--json", str(out),
+            "--megatron-lm-script", str(script)]
+    assert check_training.main(argv) == 0
+    assert calls == [str(script)] * 2
+    from benchmarks.report import source_version
+
+    record = json.loads(out.read_text())
+    assert record["source"] == source_version() and record["device"] == "GPU X"
+    assert record["script"] == "Megatron-LM's pretrain_gpt.py"
+    assert record["command"] == "python examples/check_training.py " + " ".join(argv)
+    assert [c["passed"] for c in record["checks"]] == [True]
+    assert record["runs"]["nccl_ep_again"] == {"exit_status": 0, "iterations": 100,
+                                              "graphs": False, "ms": 40.0, "tokens": 2048,
+                                              "tokens_per_s": 51200.0}

@@ -321,14 +321,18 @@ if wants pretrain; then
     workdir=${PRETRAIN_WORKDIR:-$(mktemp -d /tmp/check_training_XXXX)}
     mkdir -p "$workdir"
     gpus=$(nvidia-smi -L | wc -l)
+    # MEGATRON_LM_SCRIPT: Megatron-LM's pretrain_gpt.py, run through the launcher instead of
+    # examples/pretrain_gpt_moe.py. training.json: python -m benchmarks.readme --training reads it.
+    script=()
+    [ -n "${MEGATRON_LM_SCRIPT:-}" ] && script=(--megatron-lm-script "$MEGATRON_LM_SCRIPT")
     "$PY" examples/check_training.py --gpus "$gpus" --workdir "$workdir" \
         --checks "${PRETRAIN_CHECKS:-abcdefghijktu}" --run-timeout "${PRETRAIN_RUN_TIMEOUT:-150}" \
-        -- --nccl-ep-backend cuda \
+        --json "$OUT/training.json" "${script[@]}" -- --nccl-ep-backend cuda \
         >"$workdir/checks.txt" 2>&1 || STATUS=1
     for log in "$workdir"/checks.txt "$workdir"/*.log; do
         echo "==== $(basename "$log")"; cat "$log"
     done >"$OUT/pretrain.log"
-    note "- pretrain (EP=$gpus, Megatron's pretrain(), cuda backend, $((SECONDS - start)) s):"
+    note "- pretrain (EP=$gpus, Megatron's pretrain() via ${MEGATRON_LM_SCRIPT:-examples/pretrain_gpt_moe.py}, cuda backend, $((SECONDS - start)) s):"
     grep -E '^(PASS|FAIL|SPEED) ' "$workdir/checks.txt" | sed 's/^/  - /' | tee -a "$SUMMARY"
 fi
 
