@@ -110,12 +110,49 @@ def numbers(result: dict) -> str:
         f"{ll(ll_all, 'expert_major', 'graph h+d+c')} with {every_sm} SMs. Its buffers at EP=64 "
         f"(T_max {result['ll']['memory']['shape']['tokens']}): "
         f"{memory['total_bytes'] / MIB:.0f} MiB per rank, against DeepEP V1's "
-        f"{memory['deepep_bytes'] / MIB:.0f} MiB. RESULTS.md also has LL at 1-256 tokens, FP8, "
-        "EP 2/4/8 and HT EP 2/4 as local teams on that one GPU (proxies: no NVLink, one HBM); "
-        "multi-GPU numbers wait for a multi-GPU machine.")
+        f"{memory['deepep_bytes'] / MIB:.0f} MiB. RESULTS.md also has {_also(result)}.")
+    text += _training(result)
     # The README's line width; words such as "top-8" stay whole.
     lines += ["", *textwrap.wrap(text, 100, break_on_hyphens=False, break_long_words=False)]
     return "\n".join(lines)
+
+
+def _sizes(values) -> str:
+    return "/".join(map(str, sorted(set(values))))
+
+
+def _also(result: dict) -> str:
+    """What else the run measured: LL's tokens, payloads and EP sizes, HT's local teams."""
+    ll = result["ll"]
+    ll_teams = [p["world"] for p in ll["points"] if p["world"] > 1]
+    ht_teams = [p["world"] for p in result.get("team") or []]
+    teams = [f"LL EP {_sizes(ll_teams)}" if ll_teams else "",
+             f"HT EP {_sizes(ht_teams)}" if ht_teams else ""]
+    also = (f"LL at {_sizes(ll['tokens'])} tokens, payloads {', '.join(ll['payloads'])}")
+    if any(teams):
+        also += (f"; {' and '.join(t for t in teams if t)} as local teams on that one GPU "
+                 "(proxies: no NVLink, one HBM)")
+    return also + "; multi-GPU numbers wait for a multi-GPU machine"
+
+
+def _training(result: dict) -> str:
+    """A sentence on the dropless training step, where the run's training records hold it."""
+    for record in result.get("training") or []:
+        runs = record["runs"]
+        graphed, eager = runs.get("dropless_full_iteration"), runs.get("dropless")
+        alltoall = runs.get("alltoall_drop_and_pad_full_iteration")
+        if not (graphed and eager and alltoall and "ms" in graphed and "ms" in eager
+                and "ms" in alltoall):
+            continue
+        exact = any(c["passed"] and c["label"].startswith("(i)") for c in record["checks"])
+        return (f" Training ({record['script']}, examples/check_training.py's GRAPH_MODEL, "
+                f"{record['gpus']} x {record['device']}, the model's own routing): dropless in "
+                f"capacity mode with the grouped experts, {graphed['ms']:.1f} ms per step in a "
+                f"full-iteration CUDA graph ({eager['ms']:.1f} eager"
+                + (", bitwise equal over 100 iterations" if exact else "")
+                + f"), against {alltoall['ms']:.1f} for Megatron's alltoall with drop-and-pad "
+                "(which drops tokens), also in a full-iteration graph.")
+    return ""
 
 
 def section(readme: str) -> tuple:
