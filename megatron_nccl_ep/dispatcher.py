@@ -30,15 +30,12 @@ except ImportError:  # pragma: no cover - a Megatron-Core without local graphs
     def is_graph_capturing() -> bool:
         return False
 
-from .api import Group
 from .autograd import combine, dispatch
 from .config import capacity_from_factor
-from .dispatcher_common import GroupCache, check_owned_experts, layer_options
+from .dispatcher_common import GROUPS, LayerMemo, check_owned_experts, group_spec, layer_options
 from .errors import NcclEpError
 from .options import NcclEpOptions, get_options, set_options, training_args  # noqa: F401
 
-# One Group per EP process group and shape class, shared by every layer of that class.
-_groups = GroupCache()
 # Capacity-mode dispatchers (weak references, in the order of their first dispatch: the same on
 # every rank), whose budgets check_budgets() and budgets_over() read.
 _budgeted: list = []
@@ -138,44 +135,18 @@ def _max_tokens(options: NcclEpOptions, num_tokens: int) -> int:
             or 1 << max(num_tokens - 1, 0).bit_length())
 
 
-def _group_for(ep_group, num_experts: int, topk: int, tokens: torch.Tensor,
-               options: NcclEpOptions, alignment: int, expert_capacity: int = 0,
-               recv_rows: int = 0) -> Group:
-    """The layer's Group. With ``expert_capacity`` (drop-and-pad, capacity mode's fixed layout)
-    every dispatch output has the same fixed layout, so the group runs in capacity mode: nothing
-    is read on the host. With ``recv_rows`` (capacity mode's packed layout) the outputs have
-    that many rows and the rows past them are dropped (the overflow is found after the step)."""
-    max_tokens = _max_tokens(options, tokens.shape[0])
-    key = (ep_group, num_experts, topk, tokens.shape[1], tokens.dtype, tokens.device, max_tokens,
-           options, alignment, expert_capacity, recv_rows)
-
-    def make() -> Group:
-        if tokens.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "nccl_ep dispatcher: this layer's communication group would be created inside a "
-                "CUDA graph capture (group creation is collective and allocates): run at least "
-                "one step eagerly before capturing (--cuda-graph-warmup-steps >= 1)")
-        packed = dict(max_recv_tokens_per_rank=recv_rows, capacity_overflow="drop") \
-            if recv_rows else {}
-        return Group(
-            ep_group, num_experts=num_experts, hidden=tokens.shape[1],
-            max_tokens_per_rank=max_tokens, max_topk=topk, dtype=tokens.dtype,
-            backend=options.backend, device=tokens.device,
-            recv_mode="capacity" if expert_capacity or recv_rows else "exact",
-            expert_alignment=alignment, num_sms=options.num_sms,
-            ranks_per_node=options.ranks_per_node, expert_capacity=expert_capacity,
-            timeout_s=options.timeout_s, **packed)
-
-    return _groups.get(key, make)
-
-
-destroy_groups = _groups.destroy
+def destroy_groups() -> None:
+    """Destroys the cached groups of the training dispatcher (collective over each group's
+    ranks), e.g. before ``torch.distributed.destroy_process_group`` (the inference dispatcher's:
+    ``inference.destroy_inference_groups``; both: ``dispatcher_common.GROUPS.destroy``)."""
+    GROUPS.destroy_where(lambda group: group.config.mode == "ht")
 
 
 def destroy_exact_groups() -> None:
     """Destroys the cached groups of exact mode (collective over each group's ranks): after the
     redo of an overflowed step, whose groups the capacity-mode steps do not use."""
-    _groups.destroy_where(lambda group: group.config.recv_mode == "exact")
+    GROUPS.destroy_where(lambda group: group.config.mode == "ht"
+                         and group.config.recv_mode == "exact")
 
 
 def _stacked_needs(layers: list) -> torch.Tensor:
@@ -251,7 +222,7 @@ def grow_budgets(over: list) -> List[str]:
         grown.setdefault(key, []).append((d, needed))
     if grown:
         doomed = {d._budget.group for members in grown.values() for d, _ in members}
-        _groups.destroy_where(lambda group: group in doomed)
+        GROUPS.destroy_where(lambda group: group in doomed)
     lines = []
     for key, members in grown.items():
         budget = members[0][0]._budget
@@ -265,7 +236,7 @@ def grow_budgets(over: list) -> List[str]:
 def check_group_errors() -> None:
     """Raises the pending device-side errors of the groups in capacity receive mode (capacity
     mode, drop-and-pad), which no call of theirs reads on the host (non-blocking)."""
-    for group in list(_groups.groups.values()):
+    for group in GROUPS.cached("ht"):
         if group.config.recv_mode == "capacity":
             group.check_errors()
 
@@ -356,7 +327,7 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         self.routing_map = None
         self.shared_experts = None  # set by MoELayer with moe_shared_expert_overlap
         self._handle = None
-        self._route_memo = None  # _route's last answer and what it depended on
+        self._route_memo = LayerMemo()  # _route's last answer and what it depended on
         # Capacity mode: the most rows needed in one step since the last check, on the device
         # (also updated by graph replays): per expert, the tokens this rank sent it ([E], the
         # fixed layout), or the rows this rank received ([], the packed layout); and the budget
@@ -467,7 +438,7 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
 
     def _route(self, hidden_states: torch.Tensor) -> tuple:
         """``(options, budget or None, group)`` of this forward: the last forward's when the
-        options and everything else the group's key and the budget come from (the tokens'
+        options and everything else the group's spec and the budget come from (the tokens'
         shape, dtype and device, the layout, the capacity factor, the alignment, the training
         arguments' token count, an exact-mode redo) are the same and no group was destroyed
         since (a few compares: a per-layer host path), else worked out and looked up."""
@@ -475,22 +446,22 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
         signature = (hidden_states.shape, hidden_states.dtype, hidden_states.device,
                      self.drop_and_pad, self.config.moe_expert_capacity_factor,
                      self.expert_alignment(),
-                     options.max_tokens_per_rank or _training_tokens_per_rank(),
-                     _groups.generation, _exact_redo)
-        memo = self._route_memo
-        if memo is not None and memo[0] is options and memo[1] == signature:
-            return memo[2]
+                     options.max_tokens_per_rank or _training_tokens_per_rank(), _exact_redo)
+        route = self._route_memo.get(options, signature)
+        if route is not None:
+            return route
         # Drop-and-pad: Megatron's router pads every expert's column to its capacity with
         # zero-probability tokens, so a token may be routed to every expert (max_topk = E).
         topk = self.num_experts if self.drop_and_pad else self.topk
         alignment, tokens = signature[5], hidden_states.shape[0]
+        max_tokens = _max_tokens(options, tokens)
         capacity = self.expert_capacity(tokens, options)
         rows = self.recv_rows(tokens, options)
         budget = None
         if (capacity or rows) and not self.drop_and_pad:  # capacity mode: its budget
             base_key = (self.comm_group, self.num_experts, self.topk, hidden_states.shape[1],
-                        hidden_states.dtype, hidden_states.device,
-                        _max_tokens(options, tokens), options, alignment, bool(rows))
+                        hidden_states.dtype, hidden_states.device, max_tokens, options,
+                        alignment, bool(rows))
             grown = _grown.get(base_key, 0)  # a budget grown after an overflow
             if rows:
                 rows = max(rows, grown)
@@ -499,14 +470,18 @@ class NcclEpTokenDispatcher(MoETokenDispatcher):
             budget = _Budget(rows or capacity, bool(rows), options.capacity_factor, tokens,
                              self.topk, self.num_experts, alignment, self.num_local_experts,
                              base_key)
-        group = _group_for(self.comm_group, self.tp_size * self.num_experts,
-                           self.tp_size * topk, hidden_states, options, alignment, capacity,
-                           rows)
+        # With expert_capacity (drop-and-pad, capacity mode's fixed layout) every dispatch output
+        # has the same fixed layout; with recv_rows (the packed layout) that many rows, the rows
+        # past them dropped: either way capacity receive mode, nothing read on the host.
+        group = GROUPS.get(group_spec(
+            options, self.comm_group, hidden_states, num_experts=self.tp_size * self.num_experts,
+            max_topk=self.tp_size * topk, max_tokens_per_rank=max_tokens,
+            expert_alignment=alignment, expert_capacity=capacity, recv_rows=rows))
         if budget is not None:
             budget.group = group
         route = (options, budget, group)
         if self.moe_layer is None or self._device_counts is not None:  # (else: asked again)
-            self._route_memo = (options, signature, route)
+            self._route_memo.keep(options, signature, route)
         return route
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,

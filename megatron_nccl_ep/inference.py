@@ -34,28 +34,27 @@ from megatron.core.transformer.moe.token_dispatcher_inference import (
 
 from .api import Group
 from .config import LL_MAX_TOKENS
-from .dispatcher_common import GroupCache, check_owned_experts, layer_options
+from .dispatcher_common import GROUPS, LayerMemo, check_owned_experts, group_spec, layer_options
 from .outputs import FIELDS
 
-# One LL group per (EP process group, shape), shared by every MoE layer of that shape, and the
-# dispatch outputs those layers share: group -> (valid-rows tensor, LLDispatchOutput).
-_groups = GroupCache()
+# The dispatch outputs the layers of one LL group share: group -> (valid-rows tensor,
+# LLDispatchOutput); forgotten when the group is destroyed.
 _shared_outputs: dict = {}
 
 
 def destroy_inference_groups() -> None:
-    """Destroys every cached inference Group (collective over each group's ranks) and frees the
-    dispatch outputs their layers shared, e.g. before
+    """Destroys the cached groups of the inference dispatcher (collective over each group's
+    ranks) and frees the dispatch outputs their layers shared, e.g. before
     ``torch.distributed.destroy_process_group``."""
-    for group in list(_shared_outputs):
-        _drop_shared_outputs(group)
-    _groups.destroy()
+    GROUPS.destroy_where(lambda group: group.config.mode == "ll")
 
 
 def _drop_shared_outputs(group: Group) -> None:
-    """Forgets a group's shared outputs. Their memory goes back to the caching allocator only
-    after the work queued so far on the current stream, which may read them (they were
-    allocated on whichever stream ran the first dispatch)."""
+    """Forgets a group's shared outputs, if it has any. Their memory goes back to the caching
+    allocator only after the work queued so far on the current stream, which may read them
+    (they were allocated on whichever stream ran the first dispatch)."""
+    if group not in _shared_outputs:
+        return
     _, out = _shared_outputs.pop(group)
     for name in FIELDS:
         t = getattr(out, name)
@@ -63,14 +62,7 @@ def _drop_shared_outputs(group: Group) -> None:
             t.record_stream(torch.cuda.current_stream(t.device))
 
 
-def ll_num_sms(options, device: torch.device) -> int:
-    """The LL group's SM budget: ``options.ll_num_sms``, or with 0 every SM of a CUDA device
-    (on other devices the reference backend, which has no SM budget: ``options.num_sms``)."""
-    if options.ll_num_sms:
-        return options.ll_num_sms
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return options.num_sms
+GROUPS.on_destroy.append(_drop_shared_outputs)
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -126,7 +118,7 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         self.num_experts = num_experts
         self.topk = config.moe_router_topk
         self._handle = None
-        self._group_memo = None  # (options, signature, group): _remembered_group's
+        self._group_memo = LayerMemo()  # _remembered_group's
         # (handle, outputs) of each dispatch captured in a CUDA graph: the graph replays their
         # kernels on their buffers and into those outputs, so they live as long as this
         # dispatcher (the group's shared outputs may be replaced meanwhile).
@@ -165,16 +157,12 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         return tokens
 
     def _remembered_group(self, tokens: torch.Tensor, dtype: torch.dtype, device: torch.device):
-        """``(group, signature)``: the last step's group when the options, the token budget, the
-        hidden size, dtype and device are the same and no group was destroyed since (a few
-        compares: a per-layer host path), else None."""
+        """``(group or None, options, signature)``: the last step's group when the options, the
+        token budget, the hidden size, dtype and device are the same and no group was destroyed
+        since (a few compares: a per-layer host path), else None."""
         options = self.options()
-        signature = (options, NcclEpInferenceDispatcher._token_budget, tokens.shape[1], dtype,
-                     device, _groups.generation)
-        memo = self._group_memo
-        if memo is not None and memo[0] is options and memo[1] == signature:
-            return memo[2], signature
-        return None, signature
+        signature = (NcclEpInferenceDispatcher._token_budget, tokens.shape[1], dtype, device)
+        return self._group_memo.get(options, signature), options, signature
 
     def _outputs(self, handle, group: Group, device: torch.device):
         """The dispatch's outputs: the ones the group's layers share (the class docstring),
@@ -204,24 +192,10 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
                              f"{self.ep_rank}, more than the token budget per rank {limit}")
 
     def _look_up_group(self, tokens: torch.Tensor, dtype: torch.dtype, options) -> Group:
-        max_tokens = self.max_tokens_per_rank()
-        num_sms = ll_num_sms(options, tokens.device)
-        key = (self.ep_group, self.num_experts, self.topk, tokens.shape[1], dtype, tokens.device,
-               max_tokens, options.backend, num_sms, options.timeout_s)
-
-        def make() -> Group:
-            if _capturing(tokens.device):
-                raise RuntimeError(
-                    "nccl_ep inference dispatcher: its LL group would be created during CUDA "
-                    "graph capture (group creation is collective and allocates): run one eager "
-                    "step (Megatron's graph warmup) before capturing")
-            return Group(self.ep_group, mode="ll", ll_layout="rank_major",
-                         num_experts=self.num_experts, hidden=tokens.shape[1],
-                         max_tokens_per_rank=max_tokens, max_topk=self.topk, dtype=dtype,
-                         backend=options.backend, device=tokens.device, num_sms=num_sms,
-                         timeout_s=options.timeout_s)
-
-        return _groups.get(key, make)
+        return GROUPS.get(group_spec(options, self.ep_group, tokens, num_experts=self.num_experts,
+                                     max_topk=self.topk,
+                                     max_tokens_per_rank=self.max_tokens_per_rank(), dtype=dtype,
+                                     ll=True))
 
     # -- Megatron's inference dispatcher interface -------------------------------------------
     def update_metadata(self, local_tokens: int) -> None:
@@ -236,7 +210,7 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
         dispatch's count. No host read."""
         tokens, device = hidden_states.shape[0], hidden_states.device
         dtype = self.payload_dtype or hidden_states.dtype
-        group, signature = self._remembered_group(hidden_states, dtype, device)
+        group, options, signature = self._remembered_group(hidden_states, dtype, device)
         # Checked before a group is made (collective, and refused inside a capture).
         self._check_budget(tokens, group.config.max_tokens_per_rank if group is not None
                            else self.max_tokens_per_rank())
@@ -246,8 +220,8 @@ class NcclEpInferenceDispatcher(InferenceAllGatherDispatcherBase):
                 f"{self.topk}] from dispatch_preprocess, got "
                 f"{None if self.routing_map is None else tuple(self.routing_map.shape)}")
         if group is None:
-            group = self._look_up_group(hidden_states, dtype, signature[0])
-            self._group_memo = (signature[0], signature, group)
+            group = self._look_up_group(hidden_states, dtype, options)
+            self._group_memo.keep(options, signature, group)
         handle = group.create_handle(topk_idx=self.routing_map)
         out = handle.dispatch(_as_dtype(hidden_states, dtype), probs,
                               out=None if probs is None else

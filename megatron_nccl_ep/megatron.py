@@ -1,6 +1,14 @@
-"""``register()``: makes Megatron-Core 0.19 accept ``--moe-token-dispatcher-type nccl_ep``.
+"""``register()``: makes Megatron-Core accept ``--moe-token-dispatcher-type nccl_ep``.
 
-Megatron is patched in memory only (its files on disk are never touched):
+Megatron is patched in memory only (its files on disk are never touched), by the patches of
+``PATCHES``: each names what it replaces, what the replacement does and the megatron-core
+versions it was checked against. ``register()`` refuses any other version (a ``RuntimeError``
+naming the installed one and the checked ones) before it patches anything: the patches reach
+into Megatron's internals (its ``__init__`` order, private methods, module globals), which
+change between versions without notice. Each patch also checks the shape of what it replaces
+and refuses one it does not recognise. ``unregister()`` puts Megatron's own back.
+
+What the patches do, in short:
 
 * ``TransformerConfig.moe_token_dispatcher_type``'s Literal gains ``"nccl_ep"``; Megatron's
   argparse builds the flag's choices from that annotation;
@@ -9,7 +17,8 @@ Megatron is patched in memory only (its files on disk are never touched):
   graphs that hold ``token_dispatch`` in exact mode (``dispatcher.check_graph_settings``); the
   1F1B schedule's ``should_free_input`` keeps the stage inputs our backward needs;
 * ``MoELayer.__init__``'s dispatcher chain gains an ``nccl_ep`` branch that builds
-  ``NcclEpTokenDispatcher`` (the config is never modified);
+  ``NcclEpTokenDispatcher`` (its source rewritten: ``_patch_moe_layer`` says why; the config is
+  never modified);
 * ``megatron.training.arguments`` gets the ``--nccl-ep-*`` flags; the dispatcher reads their
   values from the parsed training arguments (``options.get_options``);
 * ``megatron.training.training.train_step`` runs its ``forward_backward_func`` inside
@@ -27,11 +36,13 @@ Megatron is patched in memory only (its files on disk are never touched):
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import inspect
 import textwrap
 import typing
 import weakref
+from typing import Callable, Tuple
 
 from .dispatcher import (NcclEpTokenDispatcher, check_budgets, check_graph_settings,
                          check_group_errors)
@@ -44,6 +55,38 @@ from .overflow import RedoOverflowedSteps
 DISPATCHER_TYPE = "nccl_ep"
 
 _registered = False
+# What the patches replaced, in order: (owner, name, Megatron's own) with ``owner`` an object
+# whose attribute, or a dict whose item, was replaced; unregister() puts them back.
+_replaced: list = []
+_ABSENT = object()  # (an attribute or item that was not there)
+
+
+def _replace(owner, name: str, value) -> None:
+    """``owner.name = value`` (``owner[name]`` for a dict), Megatron's own kept for
+    unregister(). A class's own attribute only: an inherited one is shadowed, then unshadowed."""
+    if isinstance(owner, dict):
+        original = owner.get(name, _ABSENT)
+        owner[name] = value
+    else:
+        original = (vars(owner).get(name, _ABSENT) if isinstance(owner, type)
+                    else getattr(owner, name, _ABSENT))
+        setattr(owner, name, value)
+    _replaced.append((owner, name, original))
+
+
+def _put_back() -> None:
+    """Every replaced attribute and item back to Megatron's own, the last replaced first."""
+    while _replaced:
+        owner, name, original = _replaced.pop()
+        if isinstance(owner, dict):
+            if original is _ABSENT:
+                owner.pop(name, None)
+            else:
+                owner[name] = original
+        elif original is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
 
 
 def literal_choices(hint, name: str = "moe_token_dispatcher_type") -> tuple:
@@ -69,8 +112,9 @@ def _allow_dispatcher_type(name: str = "moe_token_dispatcher_type") -> None:
         hint = typing.get_type_hints(TransformerConfig)[name]
     choices = literal_choices(hint, name)
     if DISPATCHER_TYPE not in choices:
-        field.type = typing.Literal[choices + (DISPATCHER_TYPE,)]
-        TransformerConfig.__annotations__[name] = field.type
+        allowed = typing.Literal[choices + (DISPATCHER_TYPE,)]
+        _replace(field, "type", allowed)
+        _replace(TransformerConfig.__annotations__, name, allowed)
 
 
 def _allow_overlaps() -> None:
@@ -100,7 +144,7 @@ def _allow_overlaps() -> None:
         if training_args() is not None:
             check_graph_settings(self, layer_options(self))
 
-    TransformerConfig.__post_init__ = post_init
+    _replace(TransformerConfig, "__post_init__", post_init)
 
 
 def _patch_free_input_policy() -> None:
@@ -123,7 +167,7 @@ def _patch_free_input_policy() -> None:
         quantized = config.fp8 is not None or config.fp4 is not None
         return {"mlp": quantized, "moe_combine": True, "moe_dispatch": False}.get(name, False)
 
-    utils.should_free_input = should_free_input
+    _replace(utils, "should_free_input", should_free_input)
 
 
 def _build_dispatcher(layer, config, pg_collection):
@@ -147,12 +191,17 @@ def _is_dispatcher_test(node, value: str) -> bool:
 
 def _patch_moe_layer() -> None:
     """MoELayer.__init__ picks its dispatcher in an if/elif chain on
-    ``config.moe_token_dispatcher_type`` with no registry. Its source gets one more branch in
-    front, ``if ... == "nccl_ep": self.token_dispatcher = _build_dispatcher(...)``, compiled
-    in Megatron's module with the original file name and line numbers. The rest of __init__ (the
-    shared-expert hand-over, inference_optimized's training dispatcher) then runs with ours,
-    exactly as with Megatron's own; the config is never modified. A Megatron whose __init__ has
-    no such chain is refused here, at register()."""
+    ``config.moe_token_dispatcher_type`` with no registry, in the middle of __init__ (after the
+    router, before the experts and the shared-expert hand-over that read it). Its source gets
+    one more branch in front, ``if ... == "nccl_ep": self.token_dispatcher =
+    _build_dispatcher(...)``, compiled in Megatron's module with the original file name and line
+    numbers. The rest of __init__ (the shared-expert hand-over, inference_optimized's training
+    dispatcher) then runs with ours, exactly as with Megatron's own; the config is never
+    modified. A Megatron whose __init__ has no such chain is refused here, at register().
+
+    Why a rewrite and no wrapper: a wrapper reaches the middle of __init__ only by writing the
+    config's type for the call (or by building a stand-in dispatcher and replacing it after),
+    which docs/decisions.md rules out (tests/test_megatron_dispatcher.py checks it)."""
     from megatron.core.transformer.moe import moe_layer
 
     init = moe_layer.MoELayer.__init__
@@ -185,11 +234,10 @@ def _patch_moe_layer() -> None:
     chain.test, chain.body, chain.orelse = ours.test, ours.body, [theirs]
     # Compiled in Megatron's own module namespace (its globals stay live), which gains the one
     # name our branch calls.
-    moe_layer._nccl_ep_build_dispatcher = _build_dispatcher
+    _replace(moe_layer, "_nccl_ep_build_dispatcher", _build_dispatcher)
     namespace: dict = {}
     exec(compile(tree, filename, "exec"), vars(moe_layer), namespace)
-    patched = functools.wraps(init)(namespace[function.name])
-    moe_layer.MoELayer.__init__ = patched
+    _replace(moe_layer.MoELayer, "__init__", functools.wraps(init)(namespace[function.name]))
 
 
 def _patch_inference_setup() -> None:
@@ -216,7 +264,7 @@ def _patch_inference_setup() -> None:
         self._latent_shared_expert_output = None
         return None
 
-    moe_layer.MoELayer._setup_inference_mode = setup_inference_mode
+    _replace(moe_layer.MoELayer, "_setup_inference_mode", setup_inference_mode)
 
 
 def _patch_inference_context() -> None:
@@ -241,7 +289,7 @@ def _patch_inference_context() -> None:
         NcclEpInferenceDispatcher.set_token_budget(
             cls.round_up_tokens(self.max_tokens, tp_size=tp_size) // tp_size)
 
-    cls.__init__ = init
+    _replace(cls, "__init__", init)
 
 
 def _patch_arguments() -> None:
@@ -256,7 +304,7 @@ def _patch_arguments() -> None:
     # parse_args looks add_megatron_arguments up in its module at call time, so a parse_args
     # imported before register() sees the flags too; the dispatcher reads their values from the
     # parsed arguments (get_args), so parse_args itself is left alone.
-    arguments.add_megatron_arguments = add_all_arguments
+    _replace(arguments, "add_megatron_arguments", add_all_arguments)
 
 
 def _patch_train_step() -> None:
@@ -290,7 +338,7 @@ def _patch_train_step() -> None:
             check_budgets()
         return result
 
-    training.train_step = train_step
+    _replace(training, "train_step", train_step)
 
 
 def _patch_local_experts() -> None:
@@ -314,29 +362,117 @@ def _patch_local_experts() -> None:
                 "version is not supported")
         return functools.partial(GroupedExperts, *spec.args, **spec.keywords)
 
-    LocalSpecProvider.grouped_mlp_modules = grouped_mlp_modules
+    _replace(LocalSpecProvider, "grouped_mlp_modules", grouped_mlp_modules)
 
 
-def register() -> None:
-    """Idempotent. Patches Megatron-Core (in memory) to know ``nccl_ep``; ``megatron.training``
-    is patched too when it can be imported (it is optional for users of megatron.core alone)."""
-    global _registered
-    if _registered:
-        return
-    _allow_dispatcher_type()
-    _allow_overlaps()
-    _patch_moe_layer()
-    _patch_free_input_policy()
-    _allow_dispatcher_type("inference_moe_token_dispatcher_type")
-    _patch_inference_setup()
-    _patch_inference_context()
-    _patch_local_experts()
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One change ``register()`` makes to Megatron, in memory."""
+
+    target: str  # what it replaces, by its dotted path
+    does: str  # what the replacement does
+    checked: Tuple[str, ...]  # the megatron-core versions it was checked against
+    apply: Callable[[], None]
+    training: bool = False  # in megatron.training: applied where that imports (it is optional)
+
+
+# Every patch register() applies, in order. After checking a new megatron-core version against
+# a patch (read the Megatron code it replaces; the CPU suite and tests/gpu pass), add the
+# version to that patch's `checked`.
+PATCHES: Tuple[Patch, ...] = (
+    Patch("megatron.core.transformer.transformer_config.TransformerConfig"
+          ".moe_token_dispatcher_type",
+          "its Literal gains nccl_ep (Megatron's argparse builds the flag's choices from it)",
+          ("0.19.2",), _allow_dispatcher_type),
+    Patch("megatron.core.transformer.transformer_config.TransformerConfig.__post_init__",
+          "admits shared-expert and 1F1B EP overlap with nccl_ep (validated as alltoall); in "
+          "training refuses CUDA graphs holding token_dispatch in exact mode",
+          ("0.19.2",), _allow_overlaps),
+    Patch("megatron.core.transformer.moe.moe_layer.MoELayer.__init__",
+          "its dispatcher chain gains an nccl_ep branch building NcclEpTokenDispatcher (source "
+          "rewritten: no wrapper reaches the chain without writing the config)",
+          ("0.19.2",), _patch_moe_layer),
+    Patch("megatron.core.models.common.utils.should_free_input",
+          "the 1F1B schedule keeps the stage inputs nccl_ep's backward needs",
+          ("0.19.2",), _patch_free_input_policy),
+    Patch("megatron.core.transformer.transformer_config.TransformerConfig"
+          ".inference_moe_token_dispatcher_type",
+          "its Literal gains nccl_ep",
+          ("0.19.2",), functools.partial(_allow_dispatcher_type,
+                                         "inference_moe_token_dispatcher_type")),
+    Patch("megatron.core.transformer.moe.moe_layer.MoELayer._setup_inference_mode",
+          "builds NcclEpInferenceDispatcher for inference_moe_token_dispatcher_type nccl_ep",
+          ("0.19.2",), _patch_inference_setup),
+    Patch("megatron.core.inference.contexts.dynamic_context.DynamicInferenceContext.__init__",
+          "records the inference dispatcher's token budget per rank",
+          ("0.19.2",), _patch_inference_context),
+    Patch("megatron.core.models.backends.LocalSpecProvider.grouped_mlp_modules",
+          "builds nccl_ep's GroupedExperts for --moe-grouped-gemm under the local spec",
+          ("0.19.2",), _patch_local_experts),
+    Patch("megatron.training.arguments.add_megatron_arguments",
+          "adds the --nccl-ep-* flags",
+          ("0.19.2",), _patch_arguments, training=True),
+    Patch("megatron.training.training.train_step",
+          "capacity mode: the redo of an overflowed step, the budgets checked after each step",
+          ("0.19.2",), _patch_train_step, training=True),
+)
+
+
+def megatron_core_version() -> str:
+    """The imported megatron-core's version (e.g. ``"0.19.2"``), without the ``+commit``
+    suffix Megatron appends where its files sit in a git checkout."""
+    import megatron.core
+
+    return str(getattr(megatron.core, "__version__", "unknown")).split("+")[0]
+
+
+def _training_imports() -> bool:
+    """Whether ``megatron.training`` (optional for users of megatron.core alone) imports."""
     try:
         import megatron.training.arguments  # noqa: F401
         import megatron.training.training  # noqa: F401
     except ImportError:
-        pass
-    else:
-        _patch_arguments()
-        _patch_train_step()
+        return False
+    return True
+
+
+def register() -> None:
+    """Idempotent. Patches Megatron-Core (in memory) to know ``nccl_ep``: every patch of
+    ``PATCHES`` (those of ``megatron.training`` when it can be imported), all or none.
+
+    Raises:
+        RuntimeError: the installed megatron-core is not a version every patch was checked
+            against (naming it and the checked ones), or a patch does not recognise what it
+            replaces; nothing is patched then.
+    """
+    global _registered
+    if _registered:
+        return
+    version = megatron_core_version()
+    training = _training_imports()
+    patches = [p for p in PATCHES if training or not p.training]
+    unchecked = [p for p in patches if version not in p.checked]
+    if unchecked:
+        raise RuntimeError(
+            f"megatron_nccl_ep.register(): megatron-core {version} is installed, and the "
+            "Megatron code these patches replace was checked against other versions only: "
+            + "; ".join(f"{p.target} ({', '.join(p.checked)})" for p in unchecked)
+            + ". Install a checked version (requirements.txt), or check the patches against "
+            f"{version} and add it to their versions (megatron_nccl_ep.megatron.PATCHES)")
+    try:
+        for patch in patches:
+            patch.apply()
+    except BaseException:
+        _put_back()
+        raise
     _registered = True
+
+
+def unregister() -> None:
+    """Undoes ``register()``: everything it replaced gets Megatron's own back (configs, layers
+    and dispatchers made meanwhile keep what they were made with), so that a later
+    ``register()`` patches anew. For tests and tools that need Megatron unpatched in the same
+    process."""
+    global _registered
+    _put_back()
+    _registered = False

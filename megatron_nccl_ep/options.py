@@ -128,9 +128,12 @@ _global_vars = None  # megatron.training.global_vars once imported; False: not i
 
 
 def training_args():
-    """Megatron's parsed training arguments, or None outside Megatron training. Read as
-    ``get_args()`` returns them, without its assertion: every forward of every layer asks, and
-    outside training (inference, tests) the assertion's exception would be raised each time."""
+    """Megatron's parsed training arguments, or None outside Megatron training.
+
+    Read where ``get_args()`` reads them (``global_vars._GLOBAL_ARGS``) because Megatron has no
+    public getter that answers "not set" without raising (``get_args`` asserts), and every
+    forward of every layer asks, outside training (inference, tests) too, where raising and
+    catching that assertion each time would cost many times this read."""
     global _global_vars
     if _global_vars is None:
         try:

@@ -229,11 +229,11 @@ def parity_case(num_experts: int, topk: int, seed: int, recv_mode: str = "exact"
             torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0, atol=1e-12,
                                        msg=lambda m: f"{name}: {m}")
 
-        from megatron_nccl_ep import dispatcher as dispatcher_module
+        from megatron_nccl_ep.dispatcher_common import GROUPS
 
         # The options reached the group the layer used.
         assert {(g.config.ranks_per_node, g.config.timeout_s)
-                for g in dispatcher_module._groups.groups.values()} == {(ranks_per_node, TIMEOUT_S)}
+                for g in GROUPS.cached("ht")} == {(ranks_per_node, TIMEOUT_S)}
         if grouped:  # the packed layout: the budget's rows, the counts of the rows used
             dispatcher = ours.token_dispatcher
             budget_rows = dispatcher.recv_rows(SEQ * BATCH // tp)
@@ -672,6 +672,7 @@ def redo_case(seed: int) -> tuple:
     from contextlib import redirect_stdout
 
     from megatron_nccl_ep import dispatcher as dispatcher_module
+    from megatron_nccl_ep.dispatcher_common import GROUPS
     from megatron_nccl_ep.overflow import RedoOverflowedSteps
 
     rank = torch.distributed.get_rank()
@@ -725,7 +726,7 @@ def redo_case(seed: int) -> tuple:
         group = dispatcher._route(torch.zeros(SEQ * BATCH, HIDDEN, dtype=torch.float64))[2]
         assert group.config.recv_mode == "capacity" and \
             group.config.max_recv_tokens_per_rank == grown.rows
-        assert not [g for g in dispatcher_module._groups.groups.values()
+        assert not [g for g in GROUPS.cached("ht")
                     if g.config.recv_mode == "exact"], "the redo's exact groups were kept"
         destroy_groups()
         dispatcher_module._grown.clear()

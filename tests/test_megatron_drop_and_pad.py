@@ -207,9 +207,9 @@ def check_layout(ours, x, seen, seen_base, policy, ep, etp, baseline_type) -> di
 
     # The library was asked for the fixed-capacity layout (static shapes, no host read): the
     # group the dispatcher used.
-    from megatron_nccl_ep import dispatcher as dispatcher_module
+    from megatron_nccl_ep.dispatcher_common import GROUPS
 
-    cached = dispatcher_module._groups.groups.values()
+    cached = GROUPS.cached("ht")
     assert {g.config.expert_capacity for g in cached} == {capacity}
     # Counts: the constant R * C on the host, as alltoall's.
     tpe = seen["tokens_per_expert"]

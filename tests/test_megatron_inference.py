@@ -443,7 +443,7 @@ def test_config_and_argparse_take_nccl_ep():
 def test_ll_sm_budget_option():
     """--nccl-ep-ll-num-sms: the LL group's CTAs; 0 (the default) every SM of a CUDA device (the
     GPU variant checks that branch); off CUDA the reference has no SM budget."""
-    from megatron_nccl_ep.inference import ll_num_sms
+    from megatron_nccl_ep.dispatcher_common import ll_num_sms
 
     cpu = torch.device("cpu")
     assert NcclEpOptions().ll_num_sms == 0

@@ -325,3 +325,122 @@ def test_per_layer_graphs_refused_with_redo_in_training():
         result.stdout, result.stdout
     assert "ACCEPTED local error" in result.stdout and "ACCEPTED full_iteration redo" in \
         result.stdout, result.stdout
+
+
+def test_unchecked_megatron_version_is_refused_before_anything_is_patched(monkeypatch):
+    """register() on a megatron-core version outside PATCHES' checked ones raises, naming the
+    installed version and each patch with the versions it was checked against, and patches
+    nothing; Megatron's +commit suffix (a git checkout) is not part of the version."""
+    import megatron.core
+    from megatron.core.transformer.moe import moe_layer
+
+    from megatron_nccl_ep import megatron as registration
+
+    monkeypatch.setattr(megatron.core, "__version__", "0.20.0rc1+1a2b3c4")
+    monkeypatch.setattr(registration, "_registered", False)
+    init, replaced = moe_layer.MoELayer.__init__, list(registration._replaced)
+    with pytest.raises(RuntimeError) as refused:
+        registration.register()
+    message = str(refused.value)
+    assert "megatron-core 0.20.0rc1 is installed" in message, message
+    for patch in registration.PATCHES:
+        assert f"{patch.target} ({', '.join(patch.checked)})" in message, patch.target
+    assert moe_layer.MoELayer.__init__ is init and registration._replaced == replaced
+    assert not registration._registered
+    monkeypatch.setattr(megatron.core, "__version__", "0.19.2+1a2b3c4")
+    assert registration.megatron_core_version() == "0.19.2"
+    assert all("0.19.2" in patch.checked for patch in registration.PATCHES)
+
+
+def test_register_patches_once_all_or_none_and_unregister_puts_megatrons_back():
+    """Every patch of PATCHES replaces its target once (register() again changes nothing);
+    unregister() puts back Megatron's own objects (Megatron's argparse refuses nccl_ep again)
+    and a later register() patches anew; a patch that fails leaves nothing patched."""
+    code = textwrap.dedent(f"""
+        import sys
+        from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+        from megatron.core.models.backends import LocalSpecProvider
+        from megatron.core.models.common import utils
+        from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer.moe import moe_layer
+        from megatron.training import arguments, training
+        from megatron_nccl_ep import megatron as registration
+
+        def state():
+            fields = TransformerConfig.__dataclass_fields__
+            annotations = TransformerConfig.__annotations__
+            return {{
+                "type": fields["moe_token_dispatcher_type"].type,
+                "type annotation": annotations["moe_token_dispatcher_type"],
+                "inference type": fields["inference_moe_token_dispatcher_type"].type,
+                "inference annotation": annotations["inference_moe_token_dispatcher_type"],
+                "post_init": vars(TransformerConfig)["__post_init__"],
+                "init": vars(moe_layer.MoELayer)["__init__"],
+                "builder": getattr(moe_layer, "_nccl_ep_build_dispatcher", None),
+                "setup": vars(moe_layer.MoELayer)["_setup_inference_mode"],
+                "free": utils.should_free_input,
+                "context": vars(DynamicInferenceContext)["__init__"],
+                "experts": vars(LocalSpecProvider)["grouped_mlp_modules"],
+                "arguments": arguments.add_megatron_arguments,
+                "train_step": training.train_step,
+            }}
+
+        def same(a, b):
+            return sorted(k for k in a if a[k] is b[k])
+
+        def parses_nccl_ep():
+            sys.argv = ["train"] + {MEGATRON_ARGS!r}
+            try:
+                return arguments.parse_args().moe_token_dispatcher_type == "nccl_ep"
+            except SystemExit:
+                return False
+
+        megatrons = state()
+        assert not parses_nccl_ep()
+        registration.register()
+        patched = state()
+        assert same(megatrons, patched) == [], same(megatrons, patched)
+        assert len(registration._replaced) == len(patched)
+        registration.register()
+        assert same(patched, state()) == sorted(patched) and \\
+            len(registration._replaced) == len(patched)
+        assert parses_nccl_ep()
+
+        registration.unregister()
+        assert same(megatrons, state()) == sorted(megatrons), same(megatrons, state())
+        assert not registration._replaced and not parses_nccl_ep()
+        registration.register()
+        again = state()
+        assert same(megatrons, again) == [] and again["init"] is not patched["init"]
+        assert parses_nccl_ep()
+        registration.unregister()
+
+        def fails():
+            raise RuntimeError("this patch does not recognise its target")
+
+        registration.PATCHES += (registration.Patch("megatron.core.x", "fails", ("0.19.2",),
+                                                    fails),)
+        try:
+            registration.register()
+        except RuntimeError as e:
+            assert "does not recognise" in str(e), e
+        else:
+            raise AssertionError("a failing patch was not raised")
+        assert same(megatrons, state()) == sorted(megatrons) and not registration._registered
+        print("OK")
+    """)
+    result = run_python("-c", code)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
+
+
+def test_documented_patches_are_the_table():
+    """docs/megatron.md's table of what register() patches is PATCHES: each target, in order,
+    with the megatron-core versions it was checked against."""
+    import re
+
+    from megatron_nccl_ep.megatron import PATCHES
+
+    with open(os.path.join(REPO_ROOT, "docs", "megatron.md")) as f:
+        rows = re.findall(r"^\| `(megatron\.[\w.]+)` \| [^|]+ \| ([^|]+) \|$", f.read(),
+                          re.MULTILINE)
+    assert rows == [(p.target, ", ".join(p.checked)) for p in PATCHES], rows

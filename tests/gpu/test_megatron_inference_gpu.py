@@ -89,10 +89,10 @@ def graph_case(seed: int, num_experts: int, topk: int, payload_fp32: bool) -> di
                 torch.testing.assert_close(replayed.float(), eager.float(), rtol=2 ** -7,
                                            atol=2 ** -8)
             worst = max(worst, float((replayed.float() - eager.float()).abs().max()))
-        from megatron_nccl_ep import inference
+        from megatron_nccl_ep.dispatcher_common import GROUPS
 
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        assert [g.config.num_sms for g in inference._groups.groups.values()] == [sms]  # every SM
+        assert [g.config.num_sms for g in GROUPS.cached("ll")] == [sms]  # every SM
         return {"replays": 3, "max_diff_vs_eager": worst,
                 "captured_handles": len(ours._captured)}
 
