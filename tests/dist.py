@@ -44,6 +44,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Before any test module's megatron.core import in a rank: the package's import drops torch's
+# "No CUDA runtime is found" notice, which every rank of a CPU machine would print.
+import megatron_nccl_ep  # noqa: F401
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 

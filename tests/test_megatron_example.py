@@ -21,6 +21,8 @@ def train(*args: str, steps: int = 30, returncode: int = 0) -> tuple:
                             env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert result.returncode == returncode, result.stdout + result.stderr
     assert "DEPRECATED" not in result.stdout, result.stdout  # no Megatron noise to read past
+    # Nor torch's notice, which megatron.core's import would log in each rank without a GPU.
+    assert "No CUDA runtime is found" not in result.stderr, result.stderr
     done = re.findall(rf"step +(\d+)/{steps} +loss (\S+)", result.stdout)
     assert [int(s) for s, _ in done] == list(range(1, steps + 1)), result.stdout
     found = FINAL.search(result.stdout)

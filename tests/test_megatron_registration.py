@@ -53,6 +53,8 @@ def test_launcher_registers_and_runs_the_script(training_script):
                         "--nccl-ep-recv-mode", "capacity", "--nccl-ep-capacity-factor", "1.5")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PARSED nccl_ep 4 capacity 1.5 True" in result.stdout
+    # torch's notice, which megatron.core's import would log on a machine without a CUDA GPU.
+    assert "No CUDA runtime is found" not in result.stderr, result.stderr
 
 
 def test_launcher_help_lists_our_flags_without_importing_torch_or_megatron():

@@ -1,9 +1,15 @@
 """The package's structure: no import circle between its modules, both backends implement the
-whole backend interface, and a group's parameters are GroupConfig's fields."""
+whole backend interface, a group's parameters are GroupConfig's fields, the public names show in
+dir() and help() without making the package import heavy, and the import keeps torch's "No CUDA
+runtime" notice off CPU machines' output."""
 
 import ast
 import inspect
+import os
 import pathlib
+import pydoc
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -157,3 +163,62 @@ def test_local_team_refuses_without_cuda():
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         ep.Group.local_team(2, num_experts=8, hidden=16, max_tokens_per_rank=32, max_topk=2,
                             device="cpu")
+
+
+def _run_python(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter that imports this checkout's package."""
+    path = os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=path, **env), timeout=300)
+
+
+def test_public_names_show_in_dir_without_importing_torch_or_megatron():
+    code = ("import sys, megatron_nccl_ep as ep\n"
+            "print(sorted(set(ep.__all__) - set(dir(ep))))\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))")
+    result = _run_python(code)
+    assert result.returncode == 0, result.stdout + result.stderr
+    missing, heavy = result.stdout.splitlines()
+    assert missing == "[]", f"names of __all__ missing from dir(): {missing}"
+    assert heavy == "[]", f"import megatron_nccl_ep and dir() imported {heavy}"
+
+
+def test_public_names_resolve_and_help_documents_them():
+    assert len(ep.__all__) == len(set(ep.__all__)) >= 12
+    for name in ep.__all__:
+        value = getattr(ep, name)
+        assert value.__name__ == name and name in dir(ep), name
+        # The module docstring (help()'s description) names the whole API.
+        assert f"``{name}``" in ep.__doc__, f"the package docstring does not name {name}"
+    with pytest.raises(AttributeError, match="has no attribute 'Grup'"):
+        ep.Grup  # noqa: B018
+    text = pydoc.render_doc(ep, renderer=pydoc.plaintext)
+    classes, functions = text.split("\nCLASSES\n")[1].split("\nFUNCTIONS\n")
+    for name in ep.__all__:
+        if inspect.isclass(getattr(ep, name)):
+            assert f"class {name}(" in classes, name
+        else:
+            assert f"\n    {name}(" in functions.split("\nDATA\n")[0], name
+
+
+NO_CUDA_RUNTIME_NOTICE = "No CUDA runtime is found"
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="a torch built without CUDA never logs "
+                    f"{NO_CUDA_RUNTIME_NOTICE!r}")
+def test_import_drops_torchs_no_cuda_runtime_notice_only(tmp_path):
+    """torch.utils.cpp_extension (which megatron.core imports) logs the notice where torch sees no
+    CUDA GPU but finds a CUDA toolkit (CUDA_HOME): after ``import megatron_nccl_ep`` it is gone,
+    and the logger's other records still show."""
+    code = ("import sys\n"
+            "if sys.argv[1] == 'package':\n"
+            "    import megatron_nccl_ep\n"
+            "import torch.utils.cpp_extension as cpp_extension\n"
+            "cpp_extension.logger.warning('another cpp_extension record')")
+    runs = {which: _run_python(code, which, CUDA_HOME=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+            for which in ("torch", "package")}
+    for which, result in runs.items():
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "another cpp_extension record" in result.stderr, (which, result.stderr)
+    assert NO_CUDA_RUNTIME_NOTICE in runs["torch"].stderr, runs["torch"].stderr
+    assert NO_CUDA_RUNTIME_NOTICE not in runs["package"].stderr, runs["package"].stderr
