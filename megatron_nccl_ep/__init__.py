@@ -43,10 +43,10 @@ def __dir__():
 
 # torch.utils.cpp_extension, which megatron.core imports, logs "No CUDA runtime is found, using
 # CUDA_HOME=..." in every process that sees no CUDA GPU but finds a CUDA toolkit (CUDA_HOME, nvcc
-# on the PATH): every Megatron training rank on a CPU machine with nvcc. Nothing here builds an extension at run
-# time (setup.py does, and keeps the notice), so that one notice is dropped; the logger's other
-# records pass. A filter on the logger's name needs no torch import, and stays when torch sets
-# its loggers up.
+# on the PATH): every Megatron training rank on a CPU machine with nvcc. Nothing here builds an
+# extension at run time (setup.py does, and keeps the notice), so that one notice is dropped;
+# the logger's other records pass. A filter on the logger's name needs no torch import, and
+# stays when torch sets its loggers up.
 _NO_CUDA_RUNTIME_NOTICE = "No CUDA runtime is found"
 
 
