@@ -162,26 +162,25 @@ class GroupConfig:
         pick the library's enums (``mode``, ``recv_mode``, ``capacity_overflow``, ``ll_layout``,
         ``payload_dtype``), a capacity given where C has a number, ``timeout_s`` in seconds, an
         SM budget (Python has no "0 = the library's default") and a torch dtype."""
-        need = _need
-        need(isinstance(self.dtype, torch.dtype),
-             f"dtype must be a torch.dtype, got {self.dtype!r}")
-        need(self.mode in ("ht", "ll"), f"mode must be 'ht' or 'll', got {self.mode!r}")
-        need(self.recv_mode in ("exact", "capacity"),
-             f"recv_mode must be 'exact' or 'capacity', got {self.recv_mode!r}")
-        need(self.recv_mode != "capacity" or self.max_recv_tokens_per_rank is not None,
-             "capacity mode needs max_recv_tokens_per_rank (or a capacity_factor), got None")
-        need(self.capacity_overflow in ("error", "drop"),
-             f"capacity_overflow must be 'error' or 'drop', got {self.capacity_overflow!r}")
-        need(self.capacity_overflow == "error" or self.recv_mode == "capacity",
-             "capacity_overflow='drop' needs recv_mode='capacity' (exact mode sizes every output "
-             f"to its rows), got recv_mode={self.recv_mode!r}")
-        need(self.num_sms >= 1, f"num_sms must be >= 1, got {self.num_sms}")
-        need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
-        need(self.mode != "ll" or self.ll_layout in LL_LAYOUTS,
-             f"ll_layout must be one of {LL_LAYOUTS}, got {self.ll_layout!r}")
-        need(self.payload_dtype is None or self.payload_dtype in LL_PAYLOADS,
-             f"payload_dtype must be None (the token dtype) or one of {tuple(LL_PAYLOADS)}, got "
-             f"{self.payload_dtype!r}")
+        _need(isinstance(self.dtype, torch.dtype),
+              f"dtype must be a torch.dtype, got {self.dtype!r}")
+        _need(self.mode in ("ht", "ll"), f"mode must be 'ht' or 'll', got {self.mode!r}")
+        _need(self.recv_mode in ("exact", "capacity"),
+              f"recv_mode must be 'exact' or 'capacity', got {self.recv_mode!r}")
+        _need(self.recv_mode != "capacity" or self.max_recv_tokens_per_rank is not None,
+              "capacity mode needs max_recv_tokens_per_rank (or a capacity_factor), got None")
+        _need(self.capacity_overflow in ("error", "drop"),
+              f"capacity_overflow must be 'error' or 'drop', got {self.capacity_overflow!r}")
+        _need(self.capacity_overflow == "error" or self.recv_mode == "capacity",
+              "capacity_overflow='drop' needs recv_mode='capacity' (exact mode sizes every output "
+              f"to its rows), got recv_mode={self.recv_mode!r}")
+        _need(self.num_sms >= 1, f"num_sms must be >= 1, got {self.num_sms}")
+        _need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        _need(self.mode != "ll" or self.ll_layout in LL_LAYOUTS,
+              f"ll_layout must be one of {LL_LAYOUTS}, got {self.ll_layout!r}")
+        _need(self.payload_dtype is None or self.payload_dtype in LL_PAYLOADS,
+              f"payload_dtype must be None (the token dtype) or one of {tuple(LL_PAYLOADS)}, got "
+              f"{self.payload_dtype!r}")
 
     def check_rules(self, world_size: int) -> None:
         """The library's rules of a configuration for a group of ``world_size`` ranks, as the
@@ -189,75 +188,75 @@ class GroupConfig:
         ``check_config``): shapes, bounds (nccl_ep_limits.h's, through ``limits``) and which
         fields go together. Implementation limits of the CUDA kernels alone (group size, slots
         per rank, expert count) are not the reference's. Expects ``check_fields`` passed."""
-        need = _need
-        need(self.num_experts > 0, f"num_experts must be > 0, got {self.num_experts}")
-        need(self.num_experts % world_size == 0,
-             f"num_experts ({self.num_experts}) must be a multiple of the group size ({world_size})")
-        need(self.hidden > 0, f"hidden must be > 0, got {self.hidden}")
-        need(self.max_tokens_per_rank >= 1,
-             f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
-        need(1 <= self.max_topk <= self.num_experts,
-             f"max_topk must be in [1, num_experts={self.num_experts}], got {self.max_topk}")
-        need(self.dtype in TOKEN_DTYPES, f"dtype must be one of {TOKEN_DTYPES}, got {self.dtype}")
+        _need(self.num_experts > 0, f"num_experts must be > 0, got {self.num_experts}")
+        _need(self.num_experts % world_size == 0,
+              f"num_experts ({self.num_experts}) must be a multiple of the group size "
+              f"({world_size})")
+        _need(self.hidden > 0, f"hidden must be > 0, got {self.hidden}")
+        _need(self.max_tokens_per_rank >= 1,
+              f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
+        _need(1 <= self.max_topk <= self.num_experts,
+              f"max_topk must be in [1, num_experts={self.num_experts}], got {self.max_topk}")
+        _need(self.dtype in TOKEN_DTYPES, f"dtype must be one of {TOKEN_DTYPES}, got {self.dtype}")
         if self.recv_mode == "capacity":
-            need(self.max_recv_tokens_per_rank >= 0,
-                 "capacity mode needs max_recv_tokens_per_rank >= 0, got "
-                 f"{self.max_recv_tokens_per_rank}")
-        need(self.expert_alignment >= 1,
-             f"expert_alignment must be >= 1, got {self.expert_alignment}")
-        need(self.num_sms <= MAX_NUM_SMS,
-             f"num_sms must be in [1, {MAX_NUM_SMS}], got {self.num_sms}")
-        need(0 <= self.staging_chunk_tokens <= MAX_STAGING_CHUNK_TOKENS
-             and (self.staging_depth == 0
-                  or MIN_STAGING_DEPTH <= self.staging_depth <= MAX_STAGING_DEPTH),
-             f"staging_chunk_tokens must be in [0, {MAX_STAGING_CHUNK_TOKENS}] and staging_depth "
-             f"0 or in [{MIN_STAGING_DEPTH}, {MAX_STAGING_DEPTH}] (0 = default; the combine sends "
-             f"chunk j while it sums chunk j - 1), got {self.staging_chunk_tokens} and "
-             f"{self.staging_depth}")
-        need(self.ranks_per_node == 0 or (1 <= self.ranks_per_node <= world_size
-                                          and world_size % self.ranks_per_node == 0),
-             f"ranks_per_node must be 0 (one node) or a divisor of the group size ({world_size}) "
-             f"from 1 to {world_size}, got {self.ranks_per_node}")
-        need(self.expert_capacity >= 0,
-             f"expert_capacity must be >= 0 (0 = off), got {self.expert_capacity}")
+            _need(self.max_recv_tokens_per_rank >= 0,
+                  "capacity mode needs max_recv_tokens_per_rank >= 0, got "
+                  f"{self.max_recv_tokens_per_rank}")
+        _need(self.expert_alignment >= 1,
+              f"expert_alignment must be >= 1, got {self.expert_alignment}")
+        _need(self.num_sms <= MAX_NUM_SMS,
+              f"num_sms must be in [1, {MAX_NUM_SMS}], got {self.num_sms}")
+        _need(0 <= self.staging_chunk_tokens <= MAX_STAGING_CHUNK_TOKENS
+              and (self.staging_depth == 0
+                   or MIN_STAGING_DEPTH <= self.staging_depth <= MAX_STAGING_DEPTH),
+              f"staging_chunk_tokens must be in [0, {MAX_STAGING_CHUNK_TOKENS}] and staging_depth "
+              f"0 or in [{MIN_STAGING_DEPTH}, {MAX_STAGING_DEPTH}] (0 = default; the combine sends "
+              f"chunk j while it sums chunk j - 1), got {self.staging_chunk_tokens} and "
+              f"{self.staging_depth}")
+        _need(self.ranks_per_node == 0 or (1 <= self.ranks_per_node <= world_size
+                                           and world_size % self.ranks_per_node == 0),
+              f"ranks_per_node must be 0 (one node) or a divisor of the group size ({world_size}) "
+              f"from 1 to {world_size}, got {self.ranks_per_node}")
+        _need(self.expert_capacity >= 0,
+              f"expert_capacity must be >= 0 (0 = off), got {self.expert_capacity}")
         if self.mode == "ll":
-            self._check_ll_rules(world_size, need)
+            self._check_ll_rules(world_size)
         else:
-            need(self.payload_dtype is None,
-                 f"payload_dtype is an LL option (mode='ll'), got {self.payload_dtype}")
+            _need(self.payload_dtype is None,
+                  f"payload_dtype is an LL option (mode='ll'), got {self.payload_dtype}")
         static = self.static_recv_rows(world_size)
         if static is not None and self.recv_mode == "capacity":
-            need(self.max_recv_tokens_per_rank == static,
-                 f"expert_capacity={self.expert_capacity} fixes every dispatch output at "
-                 f"{static} rows (L={self.num_experts // world_size} experts x R={world_size} "
-                 f"ranks x C, aligned to {self.expert_alignment}); capacity mode's "
-                 f"max_recv_tokens_per_rank must be that or None, got "
-                 f"{self.max_recv_tokens_per_rank}")
+            _need(self.max_recv_tokens_per_rank == static,
+                  f"expert_capacity={self.expert_capacity} fixes every dispatch output at "
+                  f"{static} rows (L={self.num_experts // world_size} experts x R={world_size} "
+                  f"ranks x C, aligned to {self.expert_alignment}); capacity mode's "
+                  f"max_recv_tokens_per_rank must be that or None, got "
+                  f"{self.max_recv_tokens_per_rank}")
 
-    def _check_ll_rules(self, world_size: int, need) -> None:
-        need(self.dtype in LL_TOKEN_DTYPES,
-             f"mode='ll' moves tokens of dtype {LL_TOKEN_DTYPES}, got {self.dtype}")
-        need(self.max_tokens_per_rank <= LL_MAX_TOKENS,
-             f"mode='ll' needs max_tokens_per_rank (T_max) <= {LL_MAX_TOKENS}, got "
-             f"{self.max_tokens_per_rank}")
-        need(self.num_experts <= LL_MAX_EXPERTS and self.max_topk <= LL_MAX_TOPK,
-             f"mode='ll' needs num_experts <= {LL_MAX_EXPERTS} and max_topk <= {LL_MAX_TOPK}, got "
-             f"{self.num_experts} and {self.max_topk}")
-        need(self.hidden % LL_PACK_ELEMS == 0,
-             f"mode='ll' moves rows in packs of {LL_PACK_ELEMS} elements: hidden must be a "
-             f"multiple of {LL_PACK_ELEMS}, got {self.hidden}")
+    def _check_ll_rules(self, world_size: int) -> None:
+        _need(self.dtype in LL_TOKEN_DTYPES,
+              f"mode='ll' moves tokens of dtype {LL_TOKEN_DTYPES}, got {self.dtype}")
+        _need(self.max_tokens_per_rank <= LL_MAX_TOKENS,
+              f"mode='ll' needs max_tokens_per_rank (T_max) <= {LL_MAX_TOKENS}, got "
+              f"{self.max_tokens_per_rank}")
+        _need(self.num_experts <= LL_MAX_EXPERTS and self.max_topk <= LL_MAX_TOPK,
+              f"mode='ll' needs num_experts <= {LL_MAX_EXPERTS} and max_topk <= {LL_MAX_TOPK}, got "
+              f"{self.num_experts} and {self.max_topk}")
+        _need(self.hidden % LL_PACK_ELEMS == 0,
+              f"mode='ll' moves rows in packs of {LL_PACK_ELEMS} elements: hidden must be a "
+              f"multiple of {LL_PACK_ELEMS}, got {self.hidden}")
         payload = LL_PAYLOADS.get(self.payload_dtype)
         if payload is not None:
-            need(self.hidden % payload.scale_block == 0,
-                 f"payload_dtype {self.payload_dtype} casts blocks of {payload.scale_block} "
-                 f"columns: hidden must be a multiple of {payload.scale_block}, got {self.hidden}")
-        need(self.recv_mode == "exact" and self.expert_alignment == 1
-             and self.expert_capacity == 0 and self.capacity_overflow == "error",
-             "mode='ll' has its own layouts: recv_mode, expert_alignment, expert_capacity and "
-             "capacity_overflow keep their defaults ('exact', 1, 0, 'error')")
-        need(self.ranks_per_node in (0, world_size),
-             f"mode='ll' runs on one node (ranks_per_node 0 or {world_size}), got "
-             f"{self.ranks_per_node}")
+            _need(self.hidden % payload.scale_block == 0,
+                  f"payload_dtype {self.payload_dtype} casts blocks of {payload.scale_block} "
+                  f"columns: hidden must be a multiple of {payload.scale_block}, got {self.hidden}")
+        _need(self.recv_mode == "exact" and self.expert_alignment == 1
+              and self.expert_capacity == 0 and self.capacity_overflow == "error",
+              "mode='ll' has its own layouts: recv_mode, expert_alignment, expert_capacity and "
+              "capacity_overflow keep their defaults ('exact', 1, 0, 'error')")
+        _need(self.ranks_per_node in (0, world_size),
+              f"mode='ll' runs on one node (ranks_per_node 0 or {world_size}), got "
+              f"{self.ranks_per_node}")
 
 
 def _need(ok: bool, what: str) -> None:

@@ -128,9 +128,8 @@ struct ChannelFlags {
 // Flags only grow (device-side counts: a replayed graph counts on).
 enum LLFlagKind : int { kLLDispReady = 0, kLLDispCredit = 1, kLLCombReady = 2, kLLCombCredit = 3 };
 constexpr int kLLFlagKinds = 4;
-constexpr int kLLGroupElems = NCCL_EP_LL_PACK_ELEMS;  // elements per lane access (a 16-byte bf16
-                                                      // pack; the kernels' Raw packs hold 8)
-static_assert(kLLGroupElems == 8, "ll_common.cuh moves packs of 8 elements");
+constexpr int kLLGroupElems = NCCL_EP_LL_PACK_ELEMS;  // elements per lane access (16 bytes of
+                                                      // bf16; ll_common.cuh's Raw packs)
 // The LL buffer sets (nccl_ep_limits.h): the i-th op of a kind (epochs count from 1) uses set
 // i mod kLLSets, and its send waits until every peer consumed op i - kLLSets (the set's previous
 // op). The window holds kLLSets of every LL area; the host allows as many ops of a kind in flight
