@@ -9,10 +9,12 @@ from megatron_nccl_ep.options import NcclEpOptions  # no torch: parsing stays li
 
 SECTIONS = ("ceilings", "kernels", "megatron", "team", "ll", "host", "experts")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-# The LL section's payloads: the token dtype, or FP8 (dispatch_fp8). Its layouts are the library's
-# (megatron_nccl_ep.config.LL_LAYOUTS, read where used: config imports torch, which parsing the
-# flags leaves until a value needs it).
+# The LL section's payloads: the token dtype, or a payload dtype of the library's by its word (the
+# group's payload_dtype: a key of megatron_nccl_ep.config.LL_PAYLOADS, by torch name). Its layouts
+# are the library's (megatron_nccl_ep.config.LL_LAYOUTS). Both read where used: config imports
+# torch, which parsing the flags leaves until a value needs it.
 LL_FP8 = "fp8"
+LL_PAYLOAD_DTYPES = {LL_FP8: "float8_e4m3fn"}
 LL_FLAGS = ("ll_tokens", "ll_sizes", "ll_num_sms", "ll_payloads", "ll_layouts")
 HOST_FLAGS = ("host_ht_tokens", "host_ll_tokens")
 
@@ -138,10 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="24,...,all",
                    help="CTAs of each LL kernel, a point per value ('all': the GPU's SMs); in a "
                         "local team at most the GPU's SMs / ranks; default 24 (GPUs only)")
-    p.add_argument("--ll-payloads", type=_word_list(tuple(DTYPES) + (LL_FP8,)), default=None,
+    p.add_argument("--ll-payloads", type=_word_list(tuple(DTYPES) + tuple(LL_PAYLOAD_DTYPES)),
+                   default=None,
                    metavar="bf16,fp8",
                    help="the ll section's dispatch payloads: the token dtype (--dtype) and/or "
-                        "fp8 (dispatch_fp8); default both")
+                        "fp8 (payload_dtype float8_e4m3fn); default both")
     p.add_argument("--ll-layouts", type=_word_list(_ll_layouts), default=None,
                    metavar="expert_major,rank_major",
                    help="the ll section's dispatch layouts; default both")
@@ -292,19 +295,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _check_ll(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from megatron_nccl_ep.config import FP8_BLOCK, LL_LAYOUTS, LL_MAX_TOKENS
+    import torch
+
+    from megatron_nccl_ep.config import LL_LAYOUTS, LL_MAX_TOKENS, LL_PAYLOADS
 
     if args.ll_payloads is None:
         args.ll_payloads = [args.dtype, LL_FP8]
     if args.ll_layouts is None:
         args.ll_layouts = list(LL_LAYOUTS)
-    other = [w for w in args.ll_payloads if w not in (args.dtype, LL_FP8)]
+    other = [w for w in args.ll_payloads if w != args.dtype and w not in LL_PAYLOAD_DTYPES]
     if other:
         p.error(f"--ll-payloads: {other} is neither the token dtype (--dtype {args.dtype}) nor "
-                f"{LL_FP8}")
-    if LL_FP8 in args.ll_payloads and args.hidden % FP8_BLOCK:
-        p.error(f"--ll-payloads {LL_FP8} casts blocks of {FP8_BLOCK} columns: --hidden "
-                f"({args.hidden}) must be a multiple of {FP8_BLOCK}")
+                f"one of {', '.join(LL_PAYLOAD_DTYPES)}")
+    for word in set(args.ll_payloads) & set(LL_PAYLOAD_DTYPES):
+        block = LL_PAYLOADS[getattr(torch, LL_PAYLOAD_DTYPES[word])].scale_block
+        if args.hidden % block:
+            p.error(f"--ll-payloads {word} casts blocks of {block} columns: --hidden "
+                    f"({args.hidden}) must be a multiple of {block}")
     uneven = [w for w in args.ll_sizes if args.experts % w]
     if uneven:
         p.error(f"--experts ({args.experts}) must be a multiple of every --ll-sizes value (not "

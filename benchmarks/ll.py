@@ -54,6 +54,15 @@ MEMORY_WORLDS = (8, 64)
 DEEPEP_FP8_BLOCK = 128  # columns per scale of DeepEP's FP8 rows (its own; ours: config.FP8_BLOCK)
 
 
+def payload_dtype(word: str):
+    """The group's ``payload_dtype`` of an ``--ll-payloads`` word: None for the token dtype."""
+    import torch
+
+    from .cli import LL_PAYLOAD_DTYPES
+
+    return getattr(torch, LL_PAYLOAD_DTYPES[word]) if word in LL_PAYLOAD_DTYPES else None
+
+
 def ll_item(tokens: int, payload: str, layout: str, op: str) -> str:
     return f"T={tokens} {payload} {layout}: {op}"
 
@@ -156,11 +165,18 @@ def received(routings: list, experts: int, world: int) -> tuple:
 def hbm_bytes(args, tokens: int, elt: int, everyone: list) -> dict:
     """The HBM floors' bytes (module doc), summed over the ranks (``everyone``'s inputs) and
     averaged over input sets: {(payload, layout, op) or ("ht", op): bytes}."""
-    from megatron_nccl_ep.config import FP8_BLOCK
+    import torch
+
+    from megatron_nccl_ep.config import LL_PAYLOADS
 
     world = len(everyone)
     token_row = args.hidden * elt
-    payload_row = {"fp8": args.hidden + 4 * (args.hidden // FP8_BLOCK)}
+    payload_row = {}  # a payload dtype's row and scales
+    for word in args.ll_payloads:
+        dtype = payload_dtype(word)
+        if dtype is not None:
+            payload_row[word] = (args.hidden * torch.empty((), dtype=dtype).element_size()
+                                 + 4 * (args.hidden // LL_PAYLOADS[dtype].scale_block))
     totals: dict = {}
     for s in range(args.rotate):
         slots, pairs = received([inp.topk[s] for inp in everyone], args.experts, world)
@@ -245,15 +261,14 @@ class _LLOps:
         waits on it: in a team it runs between the team's calls."""
         import torch
 
-        from megatron_nccl_ep.config import FP8_BLOCK
+        from megatron_nccl_ep.config import LL_PAYLOADS
 
         out = self.check_out
         valid = torch.arange(out.x.shape[-2], device=out.x.device) < out.count.unsqueeze(-1)
         if self.layout == "rank_major":
             valid = valid[0]
-        rows = out.x[valid].float()
-        if out.scales is not None:
-            rows = rows * out.scales[valid].repeat_interleave(FP8_BLOCK, dim=-1)
+        rows = (out.x[valid].float() if out.scales is None else
+                LL_PAYLOADS[out.x.dtype].dequant(out.x[valid], out.scales[valid]))
         if self.layout == "rank_major":
             rows = rows * out.topk_weights[valid].sum(-1, keepdim=True)
         self.expert_out[valid] = rows.to(self.dtype)
@@ -505,7 +520,7 @@ def _ll_point(me: Rank, drive: _One, tokens: int, payload: str, layout: str, eve
               floor: dict) -> None:
     args = me.args
     groups = drive.groups(group_fields(args, tokens, mode="ll", ll_layout=layout,
-                                       dispatch_fp8=payload == "fp8"))
+                                       payload_dtype=payload_dtype(payload)))
     me.emit("info", data={"ll_backend_resolved": groups[0].backend_name})
     ranks = []
     try:

@@ -54,9 +54,9 @@ def _agree_on_config(config: Optional[GroupConfig], error: Optional[Exception], 
             raise error
         return
     mine = None
-    if config is not None:
-        mine = dataclasses.asdict(config)
-        mine["dtype"] = str(config.dtype)
+    if config is not None:  # dtypes by name: the store carries JSON
+        mine = {key: str(value) if isinstance(value, torch.dtype) else value
+                for key, value in dataclasses.asdict(config).items()}
     everyone = rendezvous.exchange(process_group, "Group()", mine, timeout_s, error)
     me = dist.get_rank(process_group)
     mine = everyone[me]  # compared as every rank's went through the store (JSON)
@@ -94,7 +94,8 @@ def _resolve_backend(name: str, device: torch.device) -> "type[Backend]":
 
 def _group_config(world_size: int, config: Optional[GroupConfig],
                   capacity_factor: Optional[float], fields: dict) -> GroupConfig:
-    """``config`` checked for a group of ``world_size``, or one built from ``fields``."""
+    """``config``, or one built from ``fields``, for a group of ``world_size``, its fields
+    checked (``GroupConfig.check_fields``; the backend's ``check`` applies the rules)."""
     if config is None:
         return GroupConfig.build(world_size, capacity_factor=capacity_factor, **fields)
     if not isinstance(config, GroupConfig):
@@ -103,7 +104,7 @@ def _group_config(world_size: int, config: Optional[GroupConfig],
     if extra:
         raise TypeError("give a GroupConfig or its fields (and capacity_factor), not both; got "
                         f"config and {extra}")
-    config.validate(world_size)
+    config.check_fields()
     return config
 
 

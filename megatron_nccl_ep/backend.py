@@ -44,8 +44,10 @@ class Backend(Protocol):
 
     @staticmethod
     def check(config: GroupConfig, world_size: int, device: Optional[torch.device]) -> None:
-        """The backend's local checks of a configuration, no communication; every rank runs
-        them before group creation's rendezvous, so that a rank that fails is named by its
+        """The backend's local checks of a configuration whose fields passed
+        ``GroupConfig.check_fields``: the configuration's rules (the library's own for the cuda
+        backend, ``GroupConfig.check_rules`` for the reference), no communication; every rank
+        runs them before group creation's rendezvous, so that a rank that fails is named by its
         peers instead of leaving them in a collective. Raises ValueError / RuntimeError."""
 
     def __init__(self, config: GroupConfig, process_group, device: Optional[torch.device]):

@@ -1,31 +1,55 @@
-"""What a group fixes for all its layers, and the checks every backend shares.
+"""What a group fixes for all its layers, and the checks of it that Python owns.
 
 ``GroupConfig`` is the one place a group's parameters are written: ``Group`` and
 ``Group.local_team`` take one or build one from the same keyword fields (``GroupConfig.build``).
-``routing_error`` is the reference's check of routing values, HT's and LL's alike. This module
-sits below the front end (``api.py``) and both backends (``reference.py``, ``cuda_backend.py``),
-which all import it and none of which it imports.
+Its checks are split by owner (docs/design.md §1, "Checks of a configuration"):
+``check_fields`` is what only Python has (the words that pick the C library's enums, ``None``,
+seconds), run for every backend; ``check_rules`` is the reference backend's copy of the library's
+rules (bounds and shapes, the bounds read from its header through ``limits``), which the cuda
+backend leaves to the library itself. ``LL_PAYLOADS`` says what each LL payload dtype other than
+the tokens' own is. ``routing_error`` is the reference's check of routing values, HT's and LL's
+alike. This module sits below the front end (``api.py``) and both backends (``reference.py``,
+``cuda_backend.py``), which all import it and none of which it imports.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from .fp8 import FP8_DTYPE, fp8_cast, fp8_dequant
 # The library's defaults and bounds (LL: docs/design.md §9), written in its header only.
 from .limits import (DEFAULT_NUM_SMS, DEFAULT_TIMEOUT_S, FP8_BLOCK, LL_MAX_EXPERTS,  # noqa: F401
-                     LL_MAX_TOKENS, LL_MAX_TOPK)
+                     LL_MAX_TOKENS, LL_MAX_TOPK, LL_PACK_ELEMS, MAX_NUM_SMS,
+                     MAX_STAGING_CHUNK_TOKENS, MAX_STAGING_DEPTH, MIN_STAGING_DEPTH)
 
 TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int64, torch.int32)
 PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LL_TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LL_LAYOUTS = ("expert_major", "rank_major")
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-FP8_AMAX_FLOOR = 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class PayloadFormat:
+    """An LL dispatch payload other than the tokens' own dtype (docs/design.md §9): rows travel
+    as the payload dtype with one fp32 scale per ``scale_block`` columns; ``cast`` (``x [..., H]``
+    -> ``(q, scales)``) and ``dequant`` (``(q, scales)`` -> fp32) are the reference's, bitwise
+    the library's."""
+
+    scale_block: int
+    cast: Callable
+    dequant: Callable
+
+
+# The payload dtypes an LL group may dispatch in besides its token dtype (``payload_dtype``), by
+# dtype; the library's are its ncclEpPayloadDtype_t (csrc/include/nccl_ep.h).
+LL_PAYLOADS = {
+    FP8_DTYPE: PayloadFormat(FP8_BLOCK, fp8_cast, fp8_dequant),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,13 +86,16 @@ class GroupConfig:
     # latency: decode). LL reads max_tokens_per_rank as T_max and adds:
     mode: str = "ht"
     ll_layout: str = "expert_major"  # "expert_major" (3D, per expert) | "rank_major" (gathered)
-    dispatch_fp8: bool = False  # LL: the dispatch payload cast to FP8 e4m3 per FP8_BLOCK columns
+    # LL: the dtype the dispatch moves rows in: None = the token dtype, or a key of LL_PAYLOADS
+    # (torch.float8_e4m3fn: FP8 e4m3 with one fp32 scale per FP8_BLOCK columns).
+    payload_dtype: Optional[torch.dtype] = None
 
     @classmethod
     def build(cls, world_size: int, *, capacity_factor: Optional[float] = None,
               **fields) -> "GroupConfig":
-        """The validated configuration of a group of ``world_size`` ranks from its keyword
-        fields. In capacity mode without ``max_recv_tokens_per_rank`` the rows come from
+        """The configuration of a group of ``world_size`` ranks from its keyword fields, its
+        fields checked (``check_fields``; the rules are the backend's, at group creation). In
+        capacity mode without ``max_recv_tokens_per_rank`` the rows come from
         ``expert_capacity`` (the drop-and-pad layout's fixed size), else from
         ``capacity_factor`` (``capacity_from_factor``)."""
         known = {f.name for f in dataclasses.fields(cls)}
@@ -84,7 +111,7 @@ class GroupConfig:
         if config.recv_mode == "capacity" and config.max_recv_tokens_per_rank is None:
             rows = None
             if config.expert_capacity > 0 and config.expert_alignment >= 1:
-                # (A bad alignment is left to validate() to report.)
+                # (A bad alignment is left to the rules to report.)
                 rows = config.static_recv_rows(world_size)
             elif capacity_factor:
                 rows = capacity_from_factor(capacity_factor, config.max_tokens_per_rank,
@@ -92,7 +119,7 @@ class GroupConfig:
                                             config.expert_alignment)
             if rows is not None:
                 config = dataclasses.replace(config, max_recv_tokens_per_rank=rows)
-        config.validate(world_size)
+        config.check_fields()
         return config
 
     def node_size(self, world_size: int) -> int:
@@ -102,7 +129,9 @@ class GroupConfig:
 
     def expert_block_rows(self, world_size: int) -> Optional[int]:
         """With ``expert_capacity`` C: the rows of each local expert's block, R * C rounded up
-        to the alignment (the same for every expert and every handle); None without."""
+        to the alignment (the same for every expert and every handle); None without. (§3's
+        arithmetic, which the library computes too: its check of a capacity-mode config against
+        these rows holds the two equal, tests/test_one_owner.py.)"""
         if not self.expert_capacity:
             return None
         rows = world_size * self.expert_capacity
@@ -114,85 +143,125 @@ class GroupConfig:
         block = self.expert_block_rows(world_size)
         return None if block is None else (self.num_experts // world_size) * block
 
-    def validate(self, world_size: int) -> None:
-        def need(ok: bool, what: str) -> None:
-            if not ok:
-                raise ValueError(f"GroupConfig: {what}")
+    def ll_payload(self) -> "tuple[torch.dtype, Optional[PayloadFormat]]":
+        """LL: the dtype the dispatch moves rows in, and its ``PayloadFormat`` (None for the
+        token dtype's own rows, which have no scales)."""
+        if self.payload_dtype is None:
+            return self.dtype, None
+        return self.payload_dtype, LL_PAYLOADS[self.payload_dtype]
 
-        need(self.num_experts > 0, f"num_experts must be > 0, got {self.num_experts}")
-        need(self.num_experts % world_size == 0,
-             f"num_experts ({self.num_experts}) must be a multiple of the group size ({world_size})")
-        need(self.hidden > 0, f"hidden must be > 0, got {self.hidden}")
-        need(self.max_tokens_per_rank >= 1,
-             f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
-        need(1 <= self.max_topk <= self.num_experts,
-             f"max_topk must be in [1, num_experts={self.num_experts}], got {self.max_topk}")
-        need(self.dtype in TOKEN_DTYPES, f"dtype must be one of {TOKEN_DTYPES}, got {self.dtype}")
-        need(self.recv_mode in ("exact", "capacity"),
-             f"recv_mode must be 'exact' or 'capacity', got {self.recv_mode!r}")
+    def validate(self, world_size: int) -> None:
+        """Every check Python has of this configuration for a group of ``world_size`` ranks: its
+        fields and the reference backend's copy of the library's rules (what ``backend="torch"``
+        runs). Raises ValueError naming the field and the expected value."""
+        self.check_fields()
+        self.check_rules(world_size)
+
+    def check_fields(self) -> None:
+        """What only Python has, checked for every backend before anything else: the words that
+        pick the library's enums (``mode``, ``recv_mode``, ``capacity_overflow``, ``ll_layout``,
+        ``payload_dtype``), a capacity given where C has a number, ``timeout_s`` in seconds, an
+        SM budget (Python has no "0 = the library's default") and a torch dtype."""
+        _need(isinstance(self.dtype, torch.dtype),
+              f"dtype must be a torch.dtype, got {self.dtype!r}")
+        _need(self.mode in ("ht", "ll"), f"mode must be 'ht' or 'll', got {self.mode!r}")
+        _need(self.recv_mode in ("exact", "capacity"),
+              f"recv_mode must be 'exact' or 'capacity', got {self.recv_mode!r}")
+        _need(self.recv_mode != "capacity" or self.max_recv_tokens_per_rank is not None,
+              "capacity mode needs max_recv_tokens_per_rank (or a capacity_factor), got None")
+        _need(self.capacity_overflow in ("error", "drop"),
+              f"capacity_overflow must be 'error' or 'drop', got {self.capacity_overflow!r}")
+        _need(self.capacity_overflow == "error" or self.recv_mode == "capacity",
+              "capacity_overflow='drop' needs recv_mode='capacity' (exact mode sizes every output "
+              f"to its rows), got recv_mode={self.recv_mode!r}")
+        _need(self.num_sms >= 1, f"num_sms must be >= 1, got {self.num_sms}")
+        _need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        _need(self.mode != "ll" or self.ll_layout in LL_LAYOUTS,
+              f"ll_layout must be one of {LL_LAYOUTS}, got {self.ll_layout!r}")
+        _need(self.payload_dtype is None or self.payload_dtype in LL_PAYLOADS,
+              f"payload_dtype must be None (the token dtype) or one of {tuple(LL_PAYLOADS)}, got "
+              f"{self.payload_dtype!r}")
+
+    def check_rules(self, world_size: int) -> None:
+        """The library's rules of a configuration for a group of ``world_size`` ranks, as the
+        reference backend applies them (the cuda backend runs the library's own: config.cc
+        ``check_config``): shapes, bounds (nccl_ep_limits.h's, through ``limits``) and which
+        fields go together. Implementation limits of the CUDA kernels alone (group size, slots
+        per rank, expert count) are not the reference's. Expects ``check_fields`` passed."""
+        _need(self.num_experts > 0, f"num_experts must be > 0, got {self.num_experts}")
+        _need(self.num_experts % world_size == 0,
+              f"num_experts ({self.num_experts}) must be a multiple of the group size "
+              f"({world_size})")
+        _need(self.hidden > 0, f"hidden must be > 0, got {self.hidden}")
+        _need(self.max_tokens_per_rank >= 1,
+              f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
+        _need(1 <= self.max_topk <= self.num_experts,
+              f"max_topk must be in [1, num_experts={self.num_experts}], got {self.max_topk}")
+        _need(self.dtype in TOKEN_DTYPES, f"dtype must be one of {TOKEN_DTYPES}, got {self.dtype}")
         if self.recv_mode == "capacity":
-            need(self.max_recv_tokens_per_rank is not None and self.max_recv_tokens_per_rank >= 0,
-                 "capacity mode needs max_recv_tokens_per_rank >= 0 "
-                 f"(or a capacity_factor), got {self.max_recv_tokens_per_rank}")
-        need(self.capacity_overflow in ("error", "drop"),
-             f"capacity_overflow must be 'error' or 'drop', got {self.capacity_overflow!r}")
-        need(self.capacity_overflow == "error" or self.recv_mode == "capacity",
-             "capacity_overflow='drop' needs recv_mode='capacity' (exact mode sizes every output "
-             f"to its rows), got recv_mode={self.recv_mode!r}")
-        need(self.expert_alignment >= 1,
-             f"expert_alignment must be >= 1, got {self.expert_alignment}")
-        need(self.num_sms >= 1, f"num_sms must be >= 1, got {self.num_sms}")
-        need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
-        need(self.staging_chunk_tokens >= 0 and (self.staging_depth == 0
-                                                 or self.staging_depth >= 2),
-             "staging_chunk_tokens must be >= 0 and staging_depth 0 or >= 2 (0 = default; the "
-             "combine sends chunk j while it sums chunk j - 1), got "
-             f"{self.staging_chunk_tokens} and {self.staging_depth}")
-        need(self.ranks_per_node == 0 or (1 <= self.ranks_per_node <= world_size
-                                          and world_size % self.ranks_per_node == 0),
-             f"ranks_per_node must be 0 (one node) or a divisor of the group size ({world_size}) "
-             f"from 1 to {world_size}, got {self.ranks_per_node}")
-        need(self.expert_capacity >= 0,
-             f"expert_capacity must be >= 0 (0 = off), got {self.expert_capacity}")
-        need(self.mode in ("ht", "ll"), f"mode must be 'ht' or 'll', got {self.mode!r}")
+            _need(self.max_recv_tokens_per_rank >= 0,
+                  "capacity mode needs max_recv_tokens_per_rank >= 0, got "
+                  f"{self.max_recv_tokens_per_rank}")
+        _need(self.expert_alignment >= 1,
+              f"expert_alignment must be >= 1, got {self.expert_alignment}")
+        _need(self.num_sms <= MAX_NUM_SMS,
+              f"num_sms must be in [1, {MAX_NUM_SMS}], got {self.num_sms}")
+        _need(0 <= self.staging_chunk_tokens <= MAX_STAGING_CHUNK_TOKENS
+              and (self.staging_depth == 0
+                   or MIN_STAGING_DEPTH <= self.staging_depth <= MAX_STAGING_DEPTH),
+              f"staging_chunk_tokens must be in [0, {MAX_STAGING_CHUNK_TOKENS}] and staging_depth "
+              f"0 or in [{MIN_STAGING_DEPTH}, {MAX_STAGING_DEPTH}] (0 = default; the combine sends "
+              f"chunk j while it sums chunk j - 1), got {self.staging_chunk_tokens} and "
+              f"{self.staging_depth}")
+        _need(self.ranks_per_node == 0 or (1 <= self.ranks_per_node <= world_size
+                                           and world_size % self.ranks_per_node == 0),
+              f"ranks_per_node must be 0 (one node) or a divisor of the group size ({world_size}) "
+              f"from 1 to {world_size}, got {self.ranks_per_node}")
+        _need(self.expert_capacity >= 0,
+              f"expert_capacity must be >= 0 (0 = off), got {self.expert_capacity}")
         if self.mode == "ll":
-            self._validate_ll(world_size, need)
+            self._check_ll_rules(world_size)
         else:
-            need(not self.dispatch_fp8, "dispatch_fp8 needs mode='ll'")
+            _need(self.payload_dtype is None,
+                  f"payload_dtype is an LL option (mode='ll'), got {self.payload_dtype}")
         static = self.static_recv_rows(world_size)
         if static is not None and self.recv_mode == "capacity":
-            need(self.max_recv_tokens_per_rank == static,
-                 f"expert_capacity={self.expert_capacity} fixes every dispatch output at "
-                 f"{static} rows (L={self.num_experts // world_size} experts x R={world_size} "
-                 f"ranks x C, aligned to {self.expert_alignment}); capacity mode's "
-                 f"max_recv_tokens_per_rank must be that or None, got "
-                 f"{self.max_recv_tokens_per_rank}")
+            _need(self.max_recv_tokens_per_rank == static,
+                  f"expert_capacity={self.expert_capacity} fixes every dispatch output at "
+                  f"{static} rows (L={self.num_experts // world_size} experts x R={world_size} "
+                  f"ranks x C, aligned to {self.expert_alignment}); capacity mode's "
+                  f"max_recv_tokens_per_rank must be that or None, got "
+                  f"{self.max_recv_tokens_per_rank}")
+
+    def _check_ll_rules(self, world_size: int) -> None:
+        _need(self.dtype in LL_TOKEN_DTYPES,
+              f"mode='ll' moves tokens of dtype {LL_TOKEN_DTYPES}, got {self.dtype}")
+        _need(self.max_tokens_per_rank <= LL_MAX_TOKENS,
+              f"mode='ll' needs max_tokens_per_rank (T_max) <= {LL_MAX_TOKENS}, got "
+              f"{self.max_tokens_per_rank}")
+        _need(self.num_experts <= LL_MAX_EXPERTS and self.max_topk <= LL_MAX_TOPK,
+              f"mode='ll' needs num_experts <= {LL_MAX_EXPERTS} and max_topk <= {LL_MAX_TOPK}, got "
+              f"{self.num_experts} and {self.max_topk}")
+        _need(self.hidden % LL_PACK_ELEMS == 0,
+              f"mode='ll' moves rows in packs of {LL_PACK_ELEMS} elements: hidden must be a "
+              f"multiple of {LL_PACK_ELEMS}, got {self.hidden}")
+        payload = LL_PAYLOADS.get(self.payload_dtype)
+        if payload is not None:
+            _need(self.hidden % payload.scale_block == 0,
+                  f"payload_dtype {self.payload_dtype} casts blocks of {payload.scale_block} "
+                  f"columns: hidden must be a multiple of {payload.scale_block}, got {self.hidden}")
+        _need(self.recv_mode == "exact" and self.expert_alignment == 1
+              and self.expert_capacity == 0 and self.capacity_overflow == "error",
+              "mode='ll' has its own layouts: recv_mode, expert_alignment, expert_capacity and "
+              "capacity_overflow keep their defaults ('exact', 1, 0, 'error')")
+        _need(self.ranks_per_node in (0, world_size),
+              f"mode='ll' runs on one node (ranks_per_node 0 or {world_size}), got "
+              f"{self.ranks_per_node}")
 
 
-    def _validate_ll(self, world_size: int, need) -> None:
-        need(self.ll_layout in LL_LAYOUTS,
-             f"ll_layout must be one of {LL_LAYOUTS}, got {self.ll_layout!r}")
-        need(self.dtype in LL_TOKEN_DTYPES,
-             f"mode='ll' moves tokens of dtype {LL_TOKEN_DTYPES}, got {self.dtype}")
-        need(self.max_tokens_per_rank <= LL_MAX_TOKENS,
-             f"mode='ll' needs max_tokens_per_rank (T_max) <= {LL_MAX_TOKENS}, got "
-             f"{self.max_tokens_per_rank}")
-        need(self.num_experts <= LL_MAX_EXPERTS and self.max_topk <= LL_MAX_TOPK,
-             f"mode='ll' needs num_experts <= {LL_MAX_EXPERTS} and max_topk <= {LL_MAX_TOPK}, got "
-             f"{self.num_experts} and {self.max_topk}")
-        need(self.hidden % 8 == 0,
-             f"mode='ll' moves rows in packs of 8 elements: hidden must be a multiple of 8, got "
-             f"{self.hidden}")
-        need(not self.dispatch_fp8 or self.hidden % FP8_BLOCK == 0,
-             f"dispatch_fp8 casts blocks of {FP8_BLOCK} columns: hidden must be a multiple of "
-             f"{FP8_BLOCK}, got {self.hidden}")
-        need(self.recv_mode == "exact" and self.expert_alignment == 1
-             and self.expert_capacity == 0 and self.capacity_overflow == "error",
-             "mode='ll' has its own layouts: recv_mode, expert_alignment, expert_capacity and "
-             "capacity_overflow keep their defaults ('exact', 1, 0, 'error')")
-        need(self.ranks_per_node in (0, world_size),
-             f"mode='ll' runs on one node (ranks_per_node 0 or {world_size}), got "
-             f"{self.ranks_per_node}")
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"GroupConfig: {what}")
 
 
 def capacity_from_factor(capacity_factor: float, max_tokens_per_rank: int, max_topk: int,

@@ -8,7 +8,9 @@ Each op is one binding call: it takes the tensors as they are, with the group's 
 allocates the outputs (from the caching allocator on that device, so they stay
 stream-ordered) and launches on the device's current stream. The bindings check each call's
 tensors against the handle before enqueueing anything (``checks_calls``): the front end runs its
-own checks only on a call they refused, for its messages.
+own checks only on a call they refused, for its messages. A group's configuration is checked by
+the library alone (``CudaBackend.check``: its rules and messages, config.cc), after the fields
+only Python has (``GroupConfig.check_fields``).
 
 Errors, raised by the bindings themselves: ``ValueError`` for bad arguments or routing (the
 library's ncclInvalidArgument / ncclInvalidUsage), ``errors.NcclEpError`` for runtime failures
@@ -29,7 +31,6 @@ import torch.distributed as dist
 
 from . import build_info
 from .config import GroupConfig
-from .limits import MAX_SLOTS_PER_RANK
 from .outputs import FIELDS, LLDispatchOutput, ll_dispatch_fields
 
 try:
@@ -39,11 +40,6 @@ try:
 except (ImportError, OSError) as exc:  # not built, or libnccl.so.2 / CUDA not loadable
     _C = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-
-TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_MODE_EXACT, _MODE_CAPACITY, _MODE_CAPACITY_DROP = 0, 1, 2
-_MODE_HT, _MODE_LL = 0, 1
-_LAYOUT_EXPERT_MAJOR, _LAYOUT_RANK_MAJOR = 0, 1
 
 
 def available() -> bool:
@@ -102,14 +98,15 @@ class CudaHandleState:
 
 
 def _c_config(config: GroupConfig):
-    """The C library's group configuration for ``config``."""
+    """The C library's group configuration for ``config`` (its fields checked: the words name
+    the C API's enums, whose values the bindings give; ``ll_layout`` is ignored in HT)."""
     c = _C.GroupConfig()
     c.num_experts, c.hidden = config.num_experts, config.hidden
     c.max_tokens_per_rank, c.max_topk = config.max_tokens_per_rank, config.max_topk
     c.token_dtype = config.dtype
-    c.recv_count_mode = (_MODE_EXACT if config.recv_mode != "capacity" else
-                         _MODE_CAPACITY_DROP if config.capacity_overflow == "drop" else
-                         _MODE_CAPACITY)
+    c.recv_count_mode = (_C.RECV_COUNT_EXACT if config.recv_mode != "capacity" else
+                         _C.RECV_COUNT_CAPACITY_DROP if config.capacity_overflow == "drop" else
+                         _C.RECV_COUNT_CAPACITY)
     if config.recv_mode == "capacity":
         c.max_recv_tokens_per_rank = int(config.max_recv_tokens_per_rank)
     c.expert_alignment, c.num_sms = config.expert_alignment, config.num_sms
@@ -117,9 +114,11 @@ def _c_config(config: GroupConfig):
     c.staging_chunk_tokens, c.staging_depth = config.staging_chunk_tokens, config.staging_depth
     c.ranks_per_node = config.ranks_per_node
     c.expert_capacity = config.expert_capacity
-    c.mode = _MODE_LL if config.mode == "ll" else _MODE_HT
-    c.layout = _LAYOUT_RANK_MAJOR if config.ll_layout == "rank_major" else _LAYOUT_EXPERT_MAJOR
-    c.dispatch_fp8 = int(config.mode == "ll" and config.dispatch_fp8)
+    c.mode = _C.MODE_LOW_LATENCY if config.mode == "ll" else _C.MODE_HIGH_THROUGHPUT
+    if config.mode == "ll":
+        c.layout = (_C.LAYOUT_RANK_MAJOR if config.ll_layout == "rank_major" else
+                    _C.LAYOUT_EXPERT_MAJOR)
+    c.payload_dtype = config.payload_dtype
     return c
 
 
@@ -137,8 +136,8 @@ def ll_memory_size(config: GroupConfig, world_size: int) -> dict:
     """
     if _C is None:
         raise RuntimeError(unavailable_reason())
-    config.validate(world_size)
-    return dict(_C.memory_size(_c_config(config), world_size))
+    config.check_fields()
+    return dict(_C.memory_size(_c_config(config), world_size))  # the library checks the rest
 
 
 class CudaLLHandleState:
@@ -161,22 +160,12 @@ class CudaBackend:
 
     @staticmethod
     def check(config: GroupConfig, world_size: int, device: Optional[torch.device]) -> None:
-        """Group creation's local checks (no communication), in the same order on every rank."""
-        local = config.num_experts // world_size
-        if min(config.max_topk, local) > MAX_SLOTS_PER_RANK:
-            # First, so that the refusal is the same with or without the built extension.
-            raise ValueError(
-                f"GroupConfig: max_topk={config.max_topk} with {local} local experts per rank: a "
-                f"token may have min(max_topk, local experts) slots on one rank, and the cuda "
-                f"backend takes at most {MAX_SLOTS_PER_RANK} (a drop-and-pad routing map, which "
-                "may name every expert, has max_topk = num_experts); spread the experts over "
-                "more ranks or use backend='torch'")
+        """Group creation's local checks (no communication), in the same order on every rank:
+        the library's own checks of the configuration (those of group creation, without a GPU
+        or a communicator: its rules and its messages), then the device."""
         if _C is None:
             raise RuntimeError(unavailable_reason())
-        if config.dtype not in TOKEN_DTYPES:
-            raise ValueError(f"GroupConfig: dtype {config.dtype} is not supported by the cuda "
-                             "backend, which supports bfloat16, float16 and float32 tokens "
-                             "(use backend='torch' for float64)")
+        _C.check_config(_c_config(config), world_size)
         current = torch.device("cuda", torch.cuda.current_device())
         if device is not None and device != current:
             raise ValueError(f"the cuda backend runs on the current CUDA device ({current}), got "
@@ -214,9 +203,11 @@ class CudaBackend:
         self._group = 0
         self._handles = set()
         self._device_index = self.device.index
-        # LL: the dispatch outputs without / with weights (ll_dispatch_fields), made once.
-        self._ll_outputs = (tuple(_C.LLOutputs(ll_dispatch_fields(config, world_size, w))
-                                  for w in (False, True)) if config.mode == "ll" else None)
+        # LL: the dispatch outputs without / with weights (ll_dispatch_fields), made once, by
+        # LLDispatchOutput's field names in its order (the order the bindings return them in).
+        self._ll_outputs = (tuple(
+            _C.LLOutputs(list(zip(FIELDS, ll_dispatch_fields(config, world_size, w))))
+            for w in (False, True)) if config.mode == "ll" else None)
         self._capacity_rows: Optional[int] = None  # capacity mode: every handle's count
 
     @classmethod
@@ -292,8 +283,8 @@ class CudaBackend:
 
     def combine(self, state: CudaHandleState, expert_out: torch.Tensor,
                 backward=None) -> torch.Tensor:
-        return _C.combine(state.ptr, expert_out, None, False, None, state.num_tokens,
-                          self.config.dtype, self._device_index, backward)
+        return _C.combine(state.ptr, expert_out, state.num_tokens, self.config.dtype,
+                          self._device_index, backward)
 
     def combine_probs(self, state: CudaHandleState, grad_recv_probs: torch.Tensor,
                       dense: bool = False) -> torch.Tensor:
@@ -324,8 +315,8 @@ class CudaBackend:
     def ll_combine(self, state: CudaLLHandleState, expert_out: torch.Tensor,
                    topk_weights: Optional[torch.Tensor], send_only: bool,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return _C.combine(state.ptr, expert_out, topk_weights, send_only, out, state.num_tokens,
-                          self.config.dtype, self._device_index)
+        return _C.ll_combine(state.ptr, expert_out, topk_weights, send_only, out,
+                             state.num_tokens, self.config.dtype, self._device_index)
 
     def ll_complete(self, state: CudaLLHandleState) -> None:
         _C.complete(state.ptr, self._device_index)

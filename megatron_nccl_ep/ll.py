@@ -3,9 +3,9 @@
 
 A handle is made without communication; ``dispatch`` and ``combine`` are collective and
 stream-ordered, never read anything back to the host, and with ``send_only=True`` only send:
-``complete()`` receives. The rule for ops in flight (two buffer sets per kind) is ``InFlight``'s,
-checked here on every rank alike before anything is enqueued (docs/design.md §9). What a group's
-handles share (``LLGroupState``) is made once per group.
+``complete()`` receives. The rule for ops in flight (``LL_BUFFER_SETS`` buffer sets per kind,
+nccl_ep_limits.h) is ``InFlight``'s, checked here on every rank alike before anything is enqueued
+(docs/design.md §9). What a group's handles share (``LLGroupState``) is made once per group.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from .backend import checked_call
 from .config import INDEX_DTYPES, PROB_DTYPES
 from .handle_lifetime import BackendHandle
+from .limits import LL_BUFFER_SETS
 from .outputs import FIELDS, LLDispatchOutput, ll_dispatch_fields
 
 _KINDS = ("dispatch", "combine")
@@ -25,9 +26,11 @@ _PLURAL = {"dispatch": "dispatches", "combine": "combines"}
 
 class InFlight:
     """A group's LL ops by kind: how many were issued, and the number of each sent with
-    ``send_only`` and not completed. The i-th op of a kind uses buffer set i mod 2, so an op may
-    not be issued while one of its kind issued two or more ops before it is pending: it would
-    write the set that op still holds (a third op while two are in flight is one such case)."""
+    ``send_only`` and not completed. The i-th op of a kind uses buffer set i mod
+    ``LL_BUFFER_SETS``, so an op may not be issued while one of its kind issued
+    ``LL_BUFFER_SETS`` or more ops before it is pending: it would write the set that op still
+    holds (an op while every set is in flight is one such case). The library's copy of the rule
+    is ll.cc's ``check_op``."""
 
     def __init__(self):
         self.issued = {kind: 0 for kind in _KINDS}
@@ -37,18 +40,19 @@ class InFlight:
         ops = self.pending[kind]
         if not ops:
             return
-        if len(ops) >= 2:
+        if len(ops) >= LL_BUFFER_SETS:
             raise RuntimeError(
-                f"LL {kind}: two {_PLURAL[kind]} are already in flight on this group (sent with "
-                f"send_only=True, not completed); their two buffer sets are taken: call "
-                f"complete() on the older handle first")
-        behind = [self.issued[kind] - op for op in ops.values() if op + 2 <= self.issued[kind]]
+                f"LL {kind}: {LL_BUFFER_SETS} {_PLURAL[kind]} are already in flight on this "
+                f"group (sent with send_only=True, not completed); all {LL_BUFFER_SETS} buffer "
+                f"sets are taken: call complete() on the oldest handle first")
+        behind = [self.issued[kind] - op for op in ops.values()
+                  if op + LL_BUFFER_SETS <= self.issued[kind]]
         if behind:
             raise RuntimeError(
                 f"LL {kind}: the {kind} sent with send_only=True {behind[0]} {_PLURAL[kind]} "
                 f"before this one is not completed, and this one would write the buffer set it "
-                f"still holds (the ops of a kind alternate between two): call complete() on "
-                f"that handle first")
+                f"still holds (the ops of a kind cycle through {LL_BUFFER_SETS}): call "
+                f"complete() on that handle first")
 
     def issue(self, kind: str, handle: "LLHandle", send_only: bool) -> None:
         if send_only:

@@ -5,18 +5,18 @@ rank's outputs at once). The steps:
 
 1. the source (``send_plan``, ``pack_dispatch``): one message per (token, destination rank that
    holds one of its experts), in token order per destination: token index, the top-k ids padded
-   to ``max_topk`` with -1, the weights (rank-major with weights), the payload (FP8: ``q`` and
-   its scales);
+   to ``max_topk`` with -1, the weights (rank-major with weights), the payload (the row, or its
+   cast to the group's ``payload_dtype`` and the scales: ``config.LL_PAYLOADS``);
 2. the destination (``fill_dispatch``): the messages of every source, in (source rank, token)
    order, placed into the layout's outputs; ``receive_record`` keeps where each slot went;
 3. the combine's destination (``pack_combine``): one row per (message, local slot) in slot order
    (expert-major) or the caller's partial row per message (rank-major), back to the source;
 4. the combine's source (``finish_combine``): the ordered fp32 sums, rounded once.
 
-Rows of the outputs that the contract leaves unspecified hold poison, never data: NaN (FP8: the
-NaN byte 0x7f) in ``x`` and ``scales`` past the counts, -1 in ``src`` past ``count``. Outputs of
-a send-only op are poison everywhere (counts -1, ids INT32_MIN, weights NaN) until the complete
-step fills them. Every sum adds one term at a time (``torch.where`` per step, never a reduction
+Rows of the outputs that the contract leaves unspecified hold poison, never data: NaN (a payload
+dtype's: the byte 0x7f, NaN in float8) in ``x`` and ``scales`` past the counts, -1 in ``src``
+past ``count``. Outputs of a send-only op are poison everywhere (counts -1, ids INT32_MIN,
+weights NaN) until the complete step fills them. Every sum adds one term at a time (``torch.where`` per step, never a reduction
 over a dimension, whose order is unspecified).
 """
 
@@ -28,11 +28,10 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .config import FP8_BLOCK, GroupConfig
-from .fp8 import FP8_DTYPE, fp8_cast
+from .config import LL_PAYLOADS, GroupConfig
 from .outputs import FIELDS, LLDispatchOutput, ll_dispatch_fields
 
-FP8_POISON_BYTE = 0x7F  # a NaN of float8_e4m3fn
+PAYLOAD_POISON_BYTE = 0x7F  # a NaN of float8_e4m3fn (and of e5m2)
 _INT32_POISON = torch.iinfo(torch.int32).min
 _POISON = {"count": -1, "src": -1, "topk_idx": _INT32_POISON}  # else NaN
 
@@ -57,9 +56,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
-    """FP8 tensors as their bytes (indexed writes are not defined for float8 on every
-    device), others as they are."""
-    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+    """Payload-dtype (FP8) tensors as their bytes (indexed writes are not defined for float8 on
+    every device), others as they are."""
+    return t.view(torch.uint8) if t.dtype in LL_PAYLOADS else t
 
 
 def _as(byte_rows: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -70,11 +69,12 @@ def _as(byte_rows: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
 
 
 def payload_bytes(config: GroupConfig) -> int:
-    """Bytes of one message's payload: the row, or (FP8) its e4m3 bytes and fp32 scales."""
+    """Bytes of one message's payload: the row in the payload dtype, and its fp32 scales where
+    the payload has them (FP8)."""
     H = config.hidden
-    if config.dispatch_fp8:
-        return H + 4 * (H // FP8_BLOCK)
-    return H * torch.empty((), dtype=config.dtype).element_size()
+    dtype, payload = config.ll_payload()
+    row = H * torch.empty((), dtype=dtype).element_size()
+    return row if payload is None else row + 4 * (H // payload.scale_block)
 
 
 def message_bytes(config: GroupConfig, with_weights: bool) -> int:
@@ -97,11 +97,12 @@ def pack_dispatch(config: GroupConfig, x: torch.Tensor, topk_idx: torch.Tensor,
         w = torch.zeros((tokens, config.max_topk), dtype=torch.float32, device=device)
         w[:, :topk] = weights
         parts.append(_bytes(w))
-    if config.dispatch_fp8:
-        q, scales = fp8_cast(x)
-        parts += [_bytes(q), _bytes(scales)]
-    else:
+    payload = config.ll_payload()[1]
+    if payload is None:
         parts.append(_bytes(x))
+    else:
+        q, scales = payload.cast(x)
+        parts += [_bytes(q), _bytes(scales)]
     rows = torch.cat(parts, 1)
     return rows[torch.cat(plan)] if plan else rows[:0]
 
@@ -149,9 +150,9 @@ def empty_dispatch_output(config: GroupConfig, world_size: int, device,
     for name, field in zip(FIELDS, ll_dispatch_fields(config, world_size, with_weights)):
         if field is None:
             made.append(None)
-        elif field[1] == FP8_DTYPE:
-            made.append(torch.full(field[0], FP8_POISON_BYTE, dtype=torch.uint8,
-                                   device=device).view(FP8_DTYPE))
+        elif field[1] in LL_PAYLOADS:
+            made.append(torch.full(field[0], PAYLOAD_POISON_BYTE, dtype=torch.uint8,
+                                   device=device).view(field[1]))
         else:
             made.append(torch.full(field[0], _POISON.get(name, float("nan")), dtype=field[1],
                                    device=device))
@@ -176,12 +177,12 @@ def fill_dispatch(out: LLDispatchOutput, config: GroupConfig, world_size: int, r
     token = _as(take(4), torch.int32, (n,))
     ids = _as(take(4 * K), torch.int32, (n, K))
     weights = _as(take(4 * K), torch.float32, (n, K)) if with_weights else None
-    if config.dispatch_fp8:
-        x = _as(take(H), FP8_DTYPE, (n, H))
-        scales = _as(take(4 * (H // FP8_BLOCK)), torch.float32, (n, H // FP8_BLOCK))
-    else:
-        x = _as(take(payload_bytes(config)), config.dtype, (n, H))
-        scales = None
+    x_dtype, payload = config.ll_payload()
+    x = _as(take(H * torch.empty((), dtype=x_dtype).element_size()), x_dtype, (n, H))
+    scales = None
+    if payload is not None:
+        blocks = H // payload.scale_block
+        scales = _as(take(4 * blocks), torch.float32, (n, blocks))
     src = torch.repeat_interleave(torch.arange(world_size, device=device),
                                   torch.tensor(list(recv_counts), dtype=torch.int64,
                                                device=device))

@@ -1,6 +1,8 @@
 """The types the backends build and the front end returns (below both: backends never import
-the front end): ``LLDispatchOutput``, one LL dispatch's outputs, ``ll_dispatch_fields``, the
-one statement of their shapes and dtypes, and ``new_dispatch_output``, which allocates them."""
+the front end): ``LLDispatchOutput``, one LL dispatch's outputs (its field list is the one
+statement of their names and order: the cuda bindings take it, ``FIELDS``),
+``ll_dispatch_fields``, the one statement of their shapes and dtypes, and
+``new_dispatch_output``, which allocates them."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ from typing import Optional
 
 import torch
 
-from .limits import FP8_BLOCK
 
 
 @dataclasses.dataclass
@@ -19,8 +20,9 @@ class LLDispatchOutput:
     Expert-major: ``x [L, R*T_max, H]``, ``count [L]`` int32, ``src [L, R*T_max]`` int32
     (``s * T_max + t``). Rank-major: ``x [R*T_max, H]``, ``count [1]`` int32, ``topk_idx
     [R*T_max, max_topk]`` int32 and ``topk_weights`` fp32 (None without dispatched weights).
-    With ``dispatch_fp8``: ``x`` is float8_e4m3fn and ``scales [..., H/FP8_BLOCK]`` fp32. Rows at
-    and after the count are not part of the result."""
+    ``x`` is of the group's ``payload_dtype`` (the token dtype by default); a payload with scales
+    (FP8) adds ``scales [..., H/scale_block]`` fp32. Rows at and after the count are not part of
+    the result."""
 
     x: torch.Tensor
     count: torch.Tensor
@@ -40,8 +42,9 @@ def ll_dispatch_fields(config, world_size: int, with_weights: bool) -> tuple:
     rows = world_size * config.max_tokens_per_rank
     rank_major = config.ll_layout == "rank_major"
     lead = (rows,) if rank_major else (config.num_experts // world_size, rows)
-    x_dtype = torch.float8_e4m3fn if config.dispatch_fp8 else config.dtype
-    scales = (lead + (config.hidden // FP8_BLOCK,), torch.float32) if config.dispatch_fp8 else None
+    x_dtype, payload = config.ll_payload()
+    scales = (None if payload is None else
+              (lead + (config.hidden // payload.scale_block,), torch.float32))
     if rank_major:
         per_slot = (rows, config.max_topk)
         return ((lead + (config.hidden,), x_dtype), ((1,), torch.int32), scales, None,

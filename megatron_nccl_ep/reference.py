@@ -134,7 +134,10 @@ class ReferenceBackend:
 
     @staticmethod
     def check(config: GroupConfig, world_size: int, device) -> None:
-        """Every validated GroupConfig runs here (any dtype, device, hierarchy, capacity)."""
+        """The library's rules of a configuration, in Python (``GroupConfig.check_rules``: the
+        reference has no library to ask); every configuration that passes runs here (any dtype,
+        device, hierarchy, capacity)."""
+        config.check_rules(world_size)
 
     def __init__(self, config: GroupConfig, process_group, device=None):
         self.config = config

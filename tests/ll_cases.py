@@ -28,11 +28,13 @@ class LLProblem(dense.RankInputs):
     x: List[torch.Tensor]
     weights: List[Optional[torch.Tensor]]
 
-    def group_fields(self, layout: str, fp8: bool) -> dict:
-        """The ``Group`` keyword fields of an LL group for this problem."""
-        return dict(mode="ll", ll_layout=layout, dispatch_fp8=fp8, num_experts=self.num_experts,
-                    hidden=self.hidden, max_tokens_per_rank=self.max_tokens,
-                    max_topk=self.max_topk, dtype=self.x[0].dtype)
+    def group_fields(self, layout: str, payload_dtype: Optional[torch.dtype] = None) -> dict:
+        """The ``Group`` keyword fields of an LL group for this problem (``payload_dtype``: the
+        dispatch's, None for the token dtype)."""
+        return dict(mode="ll", ll_layout=layout, payload_dtype=payload_dtype,
+                    num_experts=self.num_experts, hidden=self.hidden,
+                    max_tokens_per_rank=self.max_tokens, max_topk=self.max_topk,
+                    dtype=self.x[0].dtype)
 
 
 def _cycled(value, rank: int):

@@ -44,11 +44,13 @@ def test_runs_on_the_nccl_torch_loaded(ext):
 
 
 def group_config(ext, **changes):
-    """The bindings' group configuration, valid unless changed."""
+    """The bindings' group configuration, valid unless changed (mode "ll": LL's)."""
     config = ext.GroupConfig()
     fields = dict(num_experts=8, hidden=128, max_tokens_per_rank=16, max_topk=2,
                   token_dtype=torch.bfloat16, num_sms=24, timeout_ms=1000)
     fields.update(changes)
+    if fields.get("mode") == "ll":
+        fields["mode"] = ext.MODE_LOW_LATENCY
     for name, value in fields.items():
         setattr(config, name, value)
     return config
@@ -65,9 +67,15 @@ def test_error_code_becomes_exception_with_reason(ext):
     (dict(num_experts=7), r"num_experts \(7\) must be > 0 and a multiple of the group size \(2\)"),
     (dict(staging_depth=-1), "staging_depth 0 or in \\[2, 64\\]"),
     (dict(staging_depth=1), r"staging_depth 0 or in \[2, 64\] \(0 = default\), got 0 and 1"),
+    (dict(num_sms=1025), r"num_sms must be in \[0, 1024\]"),
     (dict(max_topk=9, num_experts=8), r"max_topk must be in \[1, num_experts=8\], got 9"),
     (dict(max_topk=34, num_experts=66), r"a token may have min\(max_topk=34, local experts=33\) "
-                                        r"slots on one rank, at most 32"),
+                                        r"slots on one rank, at most 32 .*drop-and-pad"),
+    (dict(mode="ll", hidden=100), "LL moves rows in packs of 8 elements: hidden must be a multiple "
+                               "of 8, got 100"),
+    (dict(mode="ll", hidden=136, payload_dtype=torch.float8_e4m3fn),
+     "payload_dtype float8_e4m3 casts blocks of 128 columns: hidden must be a multiple of 128"),
+    (dict(payload_dtype=torch.float8_e4m3fn), "layout and payload_dtype are LL options"),
 ])
 def test_local_team_config_errors_name_the_field(ext, change, message):
     """Configuration checks run before any CUDA call, so they are exercised here without a GPU."""
@@ -118,13 +126,15 @@ def test_op_bindings_refuse_a_tensor_off_the_group_device(ext):
     library or allocates; a non-tensor is a TypeError. (tests/gpu: the C library's own checks
     of each call.)"""
     x, idx = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64)
-    outputs = ext.LLOutputs([((4, 8), torch.bfloat16), ((1,), torch.int32), None, None,
-                             ((4, 2), torch.int32), None])
+    outputs = ext.LLOutputs([("x", ((4, 8), torch.bfloat16)), ("count", ((1,), torch.int32)),
+                             ("scales", None), ("src", None),
+                             ("topk_idx", ((4, 2), torch.int32)), ("topk_weights", None)])
     calls = {
         "topk_idx": lambda: ext.create_handle(0, idx, False, 0),
         "routing_map": lambda: ext.create_handle(0, idx.bool(), True, 0),
         "x": lambda: ext.dispatch(0, x, None, False, 0),
-        "expert_out": lambda: ext.combine(0, x, None, False, None, 4, x.dtype, 0),
+        "expert_out": lambda: ext.combine(0, x, 4, x.dtype, 0),
+        "expert_out ": lambda: ext.ll_combine(0, x, None, False, None, 4, x.dtype, 0),
         "grad_recv_probs": lambda: ext.combine_topk_weights(0, x[:, 0].float(), 4, 2, False, 0),
         "x ": lambda: ext.ll_dispatch(0, x, None, False, outputs, None, 0),
     }
@@ -132,31 +142,22 @@ def test_op_bindings_refuse_a_tensor_off_the_group_device(ext):
         with pytest.raises(ValueError, match=f"^{name.strip()} must be on cuda:0, got cpu$"):
             call()
     with pytest.raises(TypeError):
-        ext.combine(0, x.tolist(), None, False, None, 4, torch.float32, 0)
-    with pytest.raises(ValueError, match="expected 6 fields"):
-        ext.LLOutputs([None] * 5)
+        ext.combine(0, x.tolist(), 4, torch.float32, 0)
 
 
 def test_op_bindings_refuse_a_backward_they_cannot_record(ext):
-    """dispatch and combine record a given ``backward`` as their outputs' grad_fn
+    """HT's dispatch and combine record a given ``backward`` as their outputs' grad_fn
     (csrc/bindings/py_backward.h) where autograd records: they refuse, before anything reaches the
-    library, a backward with a combine that writes ``out``, sends only or takes LL weights, and
-    forward-mode AD; without grad mode, or with no input that requires grad, the backward is
-    ignored and the call goes on (here to the device check)."""
+    library, forward-mode AD; without grad mode, or with no input that requires grad, the
+    backward is ignored and the call goes on (here to the device check). LL's combine (``out``,
+    ``send_only``, weights) is a binding of its own, which takes no backward."""
     x = torch.zeros(4, 8, dtype=torch.bfloat16, requires_grad=True)
 
     def backward(*grads):
         return grads
 
-    refused = {
-        "out": lambda: ext.combine(0, x, None, False, x.detach(), 4, x.dtype, 0, backward),
-        "send_only": lambda: ext.combine(0, x, None, True, None, 4, x.dtype, 0, backward),
-        "topk_weights": lambda: ext.combine(0, x, torch.ones(4, 2), False, None, 4, x.dtype, 0,
-                                            backward),
-    }
-    for call in refused.values():
-        with pytest.raises(ValueError, match="backward is recorded for HT's combine only"):
-            call()
+    with pytest.raises(TypeError):
+        ext.ll_combine(0, x, None, False, x.detach(), 4, x.dtype, 0, backward)
     import torch.autograd.forward_ad as fwAD
 
     with fwAD.dual_level():
@@ -165,7 +166,7 @@ def test_op_bindings_refuse_a_backward_they_cannot_record(ext):
             ext.dispatch(0, dual, None, False, 0, backward)
     with torch.no_grad():
         with pytest.raises(ValueError, match="^expert_out must be on cuda:0, got cpu$"):
-            ext.combine(0, x, None, False, x.detach(), 4, x.dtype, 0, backward)
+            ext.combine(0, x, 4, x.dtype, 0, backward)
     with pytest.raises(ValueError, match="^x must be on cuda:0, got cpu$"):
         ext.dispatch(0, x.detach(), None, False, 0, backward)
 
@@ -180,7 +181,8 @@ def test_op_bindings_show_in_torch_profiler(ext):
     calls = {
         "create_handle": lambda: ext.create_handle(0, idx, False, 0),
         "dispatch": lambda: ext.dispatch(0, x, None, False, 0),
-        "combine": lambda: ext.combine(0, x, None, False, None, 4, x.dtype, 0),
+        "combine": lambda: ext.combine(0, x, 4, x.dtype, 0),
+        "ll_combine": lambda: ext.ll_combine(0, x, None, False, None, 4, x.dtype, 0),
         "combine_topk_weights": lambda: ext.combine_topk_weights(0, x[:, 0].float(), 4, 2,
                                                                  False, 0),
     }

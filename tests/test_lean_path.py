@@ -171,7 +171,7 @@ def ll_setup(layout: str, seed: int, device="cpu"):
     problem = ll_cases.make_ll_problem(world, (5, 6), LL_H, E, K_MAX, torch.bfloat16, seed=seed,
                                        max_tokens=T_MAX)
     group = ep.Group(backend="torch" if device == "cpu" else "cuda", device=device,
-                     **problem.group_fields(layout, False))
+                     **problem.group_fields(layout))
     return rank, world, problem, group
 
 

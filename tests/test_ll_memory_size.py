@@ -38,7 +38,8 @@ def test_window_grows_with_ranks_and_tokens_not_with_experts():
 
 def test_fp8_payload_shrinks_the_window():
     bf16 = cuda_backend.ll_memory_size(ll_config(8), 8)["window_bytes"]
-    fp8 = cuda_backend.ll_memory_size(ll_config(8, dispatch_fp8=True), 8)["window_bytes"]
+    fp8 = cuda_backend.ll_memory_size(ll_config(8, payload_dtype=torch.float8_e4m3fn),
+                                      8)["window_bytes"]
     assert fp8 < bf16
 
 
@@ -56,7 +57,9 @@ def test_ht_configs_are_sized_too():
 
 
 def test_the_library_checks_the_config_it_sizes():
-    bad = ll_config(8)
-    object.__setattr__(bad, "max_tokens_per_rank", 2048)  # past validate(): the C check's turn
-    with pytest.raises(ValueError, match=r"max_tokens_per_rank \(T_max\) <= 1024"):
-        cuda_backend._C.memory_size(cuda_backend._c_config(bad), 8)
+    """The size query checks the configuration's rules in the library (Python checks only its
+    fields: GroupConfig.check_fields), with the library's message."""
+    bad = ll_config(8, max_tokens_per_rank=2048)
+    with pytest.raises(ValueError, match=r"ncclEpCreateGroup: LL needs max_tokens_per_rank "
+                                         r"\(T_max\) <= 1024"):
+        cuda_backend.ll_memory_size(bad, 8)

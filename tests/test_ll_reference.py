@@ -194,11 +194,13 @@ def test_fp8_cast_needs_whole_blocks():
 # ------------------------------------------------------------------------------------------------
 
 
-def payload(problem, s: int, t: int, use_fp8: bool):
-    """(row as sent, scales or None) of token t of rank s."""
+def payload(problem, s: int, t: int, payload_dtype):
+    """(row as sent, scales or None) of token t of rank s, in ``payload_dtype`` (None: the
+    token dtype; else FP8, the payload this file has an independent cast of)."""
     x = problem.x[s][t:t + 1]
-    if not use_fp8:
+    if payload_dtype is None:
         return x[0], None
+    assert payload_dtype == torch.float8_e4m3fn, payload_dtype
     codes, scales = independent_fp8(x)
     return codes[0].view(torch.float8_e4m3fn), scales[0]
 
@@ -217,22 +219,22 @@ def dense_received(problem, d: int):
     return tokens, per_expert
 
 
-def dense_dispatch(problem, d: int, layout: str, use_fp8: bool, with_weights: bool):
+def dense_dispatch(problem, d: int, layout: str, payload_dtype, with_weights: bool):
     """Rank d's dispatch output with the undefined rows zero (only the defined ones compared)."""
     R, T_max, H, K = problem.world_size, problem.max_tokens, problem.hidden, problem.max_topk
     L = problem.num_local_experts
-    dtype = torch.float8_e4m3fn if use_fp8 else problem.x[0].dtype
+    dtype = problem.x[0].dtype if payload_dtype is None else payload_dtype
     tokens, per_expert = dense_received(problem, d)
     lead = (L, R * T_max) if layout == "expert_major" else (R * T_max,)
     x = torch.zeros(lead + (H,), dtype=torch.float32).to(dtype)
-    scales = torch.zeros(lead + (H // 128,)) if use_fp8 else None
+    scales = None if payload_dtype is None else torch.zeros(lead + (H // 128,))
     if layout == "expert_major":
         src = torch.zeros(lead, dtype=torch.int32)
         for l, rows in enumerate(per_expert):
             for i, (s, t) in enumerate(rows):
-                row, sc = payload(problem, s, t, use_fp8)
+                row, sc = payload(problem, s, t, payload_dtype)
                 x[l, i] = row
-                if use_fp8:
+                if sc is not None:
                     scales[l, i] = sc
                 src[l, i] = s * T_max + t
         count = torch.tensor([len(rows) for rows in per_expert], dtype=torch.int32)
@@ -240,9 +242,9 @@ def dense_dispatch(problem, d: int, layout: str, use_fp8: bool, with_weights: bo
     idx = torch.full((R * T_max, K), -1, dtype=torch.int32)
     w = torch.zeros((R * T_max, K), dtype=torch.float32) if with_weights else None
     for i, (s, t) in enumerate(tokens):
-        row, sc = payload(problem, s, t, use_fp8)
+        row, sc = payload(problem, s, t, payload_dtype)
         x[i] = row
-        if use_fp8:
+        if sc is not None:
             scales[i] = sc
         for k, e in enumerate(problem.topk_idx[s][t].tolist()):
             if e >= 0 and e // L == d:
@@ -296,27 +298,30 @@ CASES = {
     "masked_k_below_max_topk": dict(tokens=(11, 5, 8), hidden=128, num_experts=16,
                                     topk=(2, 4, 1), max_topk=4, routing="masked"),
 }
-DTYPES = [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False),
-          (torch.float16, True), (torch.float32, False), (torch.float32, True)]
+FP8 = torch.float8_e4m3fn
+DTYPES = [(torch.bfloat16, None), (torch.bfloat16, FP8), (torch.float16, None),
+          (torch.float16, FP8), (torch.float32, None), (torch.float32, FP8)]
 
 
 def problem_of(case_name: str, dtype, seed: int, world: int):
     return ll_cases.make_ll_problem(world, dtype=dtype, seed=seed, **CASES[case_name])
 
 
-def check_ll_case(case_name: str, layout: str, dtype, use_fp8: bool, seed: int) -> None:
+def check_ll_case(case_name: str, layout: str, dtype, payload_dtype, seed: int) -> None:
     rank, world = ep_cases.rank_and_size()
     problem = problem_of(case_name, dtype, seed, world)
-    group = ep.Group(backend="torch", device="cpu", **problem.group_fields(layout, use_fp8))
+    group = ep.Group(backend="torch", device="cpu",
+                     **problem.group_fields(layout, payload_dtype))
     handle = group.create_handle(problem.topk_idx[rank].clone())
     out = handle.dispatch(problem.x[rank].clone(), problem.weights[rank].clone())
     # Rank-major outputs carry the dispatched weights; expert-major ones none.
     with_weights = layout == "rank_major"
-    want = [dense_dispatch(problem, d, layout, use_fp8, with_weights) for d in range(world)]
+    want = [dense_dispatch(problem, d, layout, payload_dtype, with_weights)
+            for d in range(world)]
     bad = ll_cases.dispatch_mismatches(out, want[rank], layout)
     assert not bad, f"rank {rank} dispatch differs from the dense computation in {bad}"
     # Rows past the counts hold the documented poison (NaN), never data.
-    tail = (out.x.view(torch.uint8) == 0x7F) if use_fp8 else out.x.isnan()
+    tail = out.x.isnan() if payload_dtype is None else (out.x.view(torch.uint8) == 0x7F)
     if layout == "expert_major":
         for l, c in enumerate(out.count.tolist()):
             assert bool(tail[l, c:].all()) and bool((out.src[l, c:] == -1).all())
@@ -359,11 +364,13 @@ CASE_WORLD_SIZES = [pytest.param(name, world_size, id=f"{name}-{world_size}")
                     if world_size > 1 or name != "rank_with_zero_tokens_masked"]
 
 
-@pytest.mark.parametrize("dtype,use_fp8", DTYPES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("dtype,payload_dtype", DTYPES,
+                         ids=lambda v: str(v).replace("torch.", ""))
 @pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
 @pytest.mark.parametrize("case_name,world_size", CASE_WORLD_SIZES)
-def test_ll_dispatch_combine_bitwise(case_name, layout, dtype, use_fp8, world_size, seed):
-    dist.run(world_size, check_ll_case, case_name, layout, dtype, use_fp8, seed)
+def test_ll_dispatch_combine_bitwise(case_name, layout, dtype, payload_dtype, world_size,
+                                     seed):
+    dist.run(world_size, check_ll_case, case_name, layout, dtype, payload_dtype, seed)
 
 
 def check_empty_and_no_weights(layout: str, seed: int) -> None:
@@ -372,10 +379,10 @@ def check_empty_and_no_weights(layout: str, seed: int) -> None:
     rank, world = ep_cases.rank_and_size()
     problem = ll_cases.make_ll_problem(world, 6, 128, 8, 2, torch.bfloat16, seed=seed,
                                        weights=False)
-    group = ep.Group(backend="torch", device="cpu", **problem.group_fields(layout, False))
+    group = ep.Group(backend="torch", device="cpu", **problem.group_fields(layout))
     out = group.create_handle(problem.topk_idx[rank]).dispatch(problem.x[rank])
     assert out.topk_weights is None
-    want = dense_dispatch(problem, rank, layout, False, False)
+    want = dense_dispatch(problem, rank, layout, None, False)
     assert not ll_cases.dispatch_mismatches(out, want, layout)
     masked = torch.full((5, 2), -1, dtype=torch.int64)
     handle = group.create_handle(masked)
@@ -398,14 +405,15 @@ def test_ll_no_weights_and_all_masked(layout, world_size, seed):
 # ------------------------------------------------------------------------------------------------
 
 
-def check_two_micro_batches(layout: str, use_fp8: bool, seed: int) -> None:
+def check_two_micro_batches(layout: str, payload_dtype, seed: int) -> None:
     """The two-micro-batch decode order gives the eager bits; outputs are poison until their
     complete(); a third op of a kind in flight raises (on every rank: each makes the same
     calls); complete() with nothing pending raises."""
     rank, world = ep_cases.rank_and_size()
     mbs = [ll_cases.make_ll_problem(world, (9, 4), 128, 8, 3, torch.bfloat16, seed=seed + i)
            for i in range(3)]
-    group = ep.Group(backend="torch", device="cpu", **mbs[0].group_fields(layout, use_fp8))
+    group = ep.Group(backend="torch", device="cpu",
+                     **mbs[0].group_fields(layout, payload_dtype))
     em = layout == "expert_major"
 
     def outputs(p, counts, i):
@@ -417,7 +425,8 @@ def check_two_micro_batches(layout: str, use_fp8: bool, seed: int) -> None:
     for i, p in enumerate(mbs[:2]):
         h = group.create_handle(p.topk_idx[rank])
         out = h.dispatch(p.x[rank], p.weights[rank])
-        counts = [dense_dispatch(p, d, layout, use_fp8, not em).count for d in range(world)]
+        counts = [dense_dispatch(p, d, layout, payload_dtype, not em).count
+                  for d in range(world)]
         eo, cw = outputs(p, counts, i)
         eager.append((out, h.combine(eo, cw), eo, cw))
     # Staged: dispatch mb0, dispatch mb1, complete mb0, combine mb0, complete mb1, combine mb1,
@@ -426,7 +435,7 @@ def check_two_micro_batches(layout: str, use_fp8: bool, seed: int) -> None:
     o0 = h0.dispatch(mbs[0].x[rank], mbs[0].weights[rank], send_only=True)
     o1 = h1.dispatch(mbs[1].x[rank], mbs[1].weights[rank], send_only=True)
     assert bool((o0.count == -1).all()) and bool((o1.count == -1).all()), "poison until complete"
-    with pytest.raises(RuntimeError, match=r"two dispatches are already in flight"):
+    with pytest.raises(RuntimeError, match=r"2 dispatches are already in flight"):
         h2.dispatch(mbs[2].x[rank], mbs[2].weights[rank], send_only=True)
     with pytest.raises(RuntimeError, match=r"not completed: call complete\(\) first"):
         h0.combine(eager[0][2], eager[0][3])
@@ -440,9 +449,10 @@ def check_two_micro_batches(layout: str, use_fp8: bool, seed: int) -> None:
     # A third combine while two are in flight: refused before anything is sent.
     p2 = mbs[2]
     o2 = h2.dispatch(p2.x[rank], p2.weights[rank])
-    counts2 = [dense_dispatch(p2, d, layout, use_fp8, not em).count for d in range(world)]
+    counts2 = [dense_dispatch(p2, d, layout, payload_dtype, not em).count
+               for d in range(world)]
     eo2, cw2 = outputs(p2, counts2, 2)
-    with pytest.raises(RuntimeError, match=r"two combine\w* are already in flight"):
+    with pytest.raises(RuntimeError, match=r"2 combine\w* are already in flight"):
         h2.combine(eo2, cw2, send_only=True)
     h0.complete()
     h1.complete()
@@ -463,9 +473,9 @@ def check_two_micro_batches(layout: str, use_fp8: bool, seed: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-@pytest.mark.parametrize("layout,use_fp8", [("expert_major", False), ("rank_major", True)])
-def test_ll_send_only_two_micro_batches(layout, use_fp8, world_size, seed):
-    dist.run(world_size, check_two_micro_batches, layout, use_fp8, seed)
+@pytest.mark.parametrize("layout,payload_dtype", [("expert_major", None), ("rank_major", FP8)])
+def test_ll_send_only_two_micro_batches(layout, payload_dtype, world_size, seed):
+    dist.run(world_size, check_two_micro_batches, layout, payload_dtype, seed)
 
 
 def check_op_two_behind_a_pending_one(layout: str, seed: int) -> None:
@@ -475,7 +485,7 @@ def check_op_two_behind_a_pending_one(layout: str, seed: int) -> None:
     rank, world = ep_cases.rank_and_size()
     ps = [ll_cases.make_ll_problem(world, (5, 6), 128, 8, 3, torch.bfloat16, seed=seed + i)
           for i in range(3)]
-    group = ep.Group(backend="torch", device="cpu", **ps[0].group_fields(layout, False))
+    group = ep.Group(backend="torch", device="cpu", **ps[0].group_fields(layout))
     hs = [group.create_handle(p.topk_idx[rank]) for p in ps]
 
     def dispatch(i, **kw):
@@ -517,7 +527,7 @@ def error_setup(layout: str, seed: int, **fields):
     problem = ll_cases.make_ll_problem(world, (5, 6), H, E, K_MAX, torch.bfloat16, seed=seed,
                                        max_tokens=T_MAX)
     group = ep.Group(backend="torch", device="cpu",
-                     **dict(problem.group_fields(layout, False), **fields))
+                     **dict(problem.group_fields(layout), **fields))
     return rank, world, problem, group
 
 
@@ -697,9 +707,10 @@ def test_ll_weights_on_some_ranks_only(seed):
 
 
 def check_fp8_hidden(hidden: int) -> None:
-    with pytest.raises(ValueError, match=rf"dispatch_fp8 .*hidden must be a multiple of 128, "
+    with pytest.raises(ValueError, match=rf"payload_dtype torch.float8_e4m3fn casts blocks of "
+                                         rf"128 columns: hidden must be a multiple of 128, "
                                          rf"got {hidden}"):
-        ep.Group(mode="ll", dispatch_fp8=True, num_experts=8, hidden=hidden,
+        ep.Group(mode="ll", payload_dtype=FP8, num_experts=8, hidden=hidden,
                  max_tokens_per_rank=4, max_topk=2, backend="torch", device="cpu")
 
 
@@ -710,7 +721,7 @@ def test_ll_fp8_needs_hidden_multiple_of_128(world_size):
 
 def test_one_process_oracle_checks_its_inputs(seed):
     problem = ll_cases.make_ll_problem(2, 4, H, E, 2, torch.bfloat16, seed=seed)
-    cfg = ep.GroupConfig(**{k: v for k, v in problem.group_fields("rank_major", False).items()})
+    cfg = ep.GroupConfig(**{k: v for k, v in problem.group_fields("rank_major").items()})
     idx = [problem.topk_idx[0], edited_routing("repeated", problem.topk_idx[1])]
     with pytest.raises(ValueError, match=r"names expert \d+ twice.*\(rank 1\)"):
         ll_oracle.ll_dispatch_all(cfg, 2, idx, problem.x, problem.weights)

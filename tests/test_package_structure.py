@@ -89,31 +89,12 @@ def test_shared_types_sit_below_the_front_end():
         if module in FRONT_END | ABOVE_FRONT_END:
             continue
         assert not targets & FRONT_END, f"{module} imports the front end: {targets & FRONT_END}"
-    # The floor: config reads only the library's limits (its header), which import nothing.
-    assert graph["megatron_nccl_ep.config"] == {"megatron_nccl_ep.limits"}
+    # The floor: limits (the library's header) imports nothing, fp8 (a payload's cast) only it,
+    # and config only those two.
     assert graph["megatron_nccl_ep.limits"] == set()
-
-
-def test_limits_are_the_headers():
-    """Python's defaults and bounds are the values of csrc/include/nccl_ep_limits.h, which the C
-    library compiles with (config.cc, protocol.cuh): one place writes them."""
-    from megatron_nccl_ep import limits, options
-
-    header = PACKAGE.parent / "csrc" / "include" / "nccl_ep_limits.h"
-    values = limits.read_header(str(header))
-    assert values == limits._VALUES and len(values) == 7, values
-    assert (config.LL_MAX_TOKENS, config.LL_MAX_TOPK, config.LL_MAX_EXPERTS, config.FP8_BLOCK) == (
-        values["LL_MAX_TOKENS"], values["LL_MAX_TOPK"], values["LL_MAX_EXPERTS"],
-        values["FP8_BLOCK"])
-    assert config.GroupConfig.num_sms == options.NcclEpOptions.num_sms == values["DEFAULT_NUM_SMS"]
-    assert config.GroupConfig.timeout_s == options.NcclEpOptions.timeout_s == (
-        values["DEFAULT_TIMEOUT_MS"] / 1000)
-    assert cuda_backend.MAX_SLOTS_PER_RANK == values["MAX_SLOTS_PER_RANK"]
-    # The C sources use the macros, not copies of their values.
-    csrc = PACKAGE.parent / "csrc"
-    config_cc = (csrc / "runtime" / "config.cc").read_text()
-    assert "NCCL_EP_LL_MAX_TOKENS" in config_cc and "<= 1024" not in config_cc
-    assert "NCCL_EP_MAX_SLOTS_PER_RANK" in (csrc / "kernels" / "protocol.cuh").read_text()
+    assert graph["megatron_nccl_ep.fp8"] == {"megatron_nccl_ep.limits"}
+    assert graph["megatron_nccl_ep.config"] == {"megatron_nccl_ep.limits",
+                                                "megatron_nccl_ep.fp8"}
 
 
 def _protocol_members(protocol) -> dict:

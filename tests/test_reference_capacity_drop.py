@@ -109,6 +109,8 @@ def test_overflow_dropped_over_nodes(seed):
      "capacity_overflow keep their defaults"),
 ])
 def test_capacity_overflow_setting_refused(fields, message):
+    """Refused by the fields' checks (``GroupConfig.build``) or by the rules (``validate``, the
+    reference backend's)."""
     with pytest.raises(ValueError, match=message):
         ep.GroupConfig.build(1, num_experts=8, hidden=8, max_tokens_per_rank=4, max_topk=2,
-                             **fields)
+                             **fields).validate(1)

@@ -3,9 +3,10 @@
  * library itself stays torch-free). Groups, handles and communicators travel as Python ints;
  * tensors as torch tensors, each checked to be on the group's CUDA device (the one thing the C
  * library cannot check) and passed with its real sizes and strides, so the C library's checks of
- * shape, dtype and layout are the checks of a call. One binding per C entry point (combine serves
- * HT and LL, as ncclEpCombine does; ncclEpDispatch has two, HT's dispatch and ll_dispatch, whose
- * outputs differ); an op allocates its outputs (from the caching allocator, on the current stream
+ * shape, dtype and layout are the checks of a call. One binding per C entry point and mode where
+ * the calls differ (ncclEpDispatch: HT's dispatch and LL's ll_dispatch, whose outputs differ;
+ * ncclEpCombine: combine and ll_combine, whose arguments do), so no binding takes arguments of
+ * the other mode; an op allocates its outputs (from the caching allocator, on the current stream
  * of the group's device) and launches in this one call.
  *
  * NOTES:
@@ -152,21 +153,30 @@ ncclEpTensorTag_t weights_tag(bool dense) {
   return dense ? NCCL_EP_TENSOR_ROUTING_PROBS : NCCL_EP_TENSOR_TOPK_WEIGHTS;
 }
 
+// A Python payload dtype (None: the token dtype) as the library's ncclEpPayloadDtype_t.
+ncclEpPayloadDtype_t payload_of(const std::optional<at::ScalarType>& dtype) {
+  if (!dtype.has_value()) return ncclEpPayloadTokenDtype;
+  if (*dtype == at::kFloat8_e4m3fn) return ncclEpPayloadFloat8e4m3;
+  throw ValueErrorEx(std::string("payload_dtype ") + c10::toString(*dtype) +
+                     " is not an LL payload of the library (None: the token dtype, or "
+                     "torch.float8_e4m3fn)");
+}
+
 ncclEpOpConfig_t op_config(bool send_only) {
   ncclEpOpConfig_t c = NCCL_EP_OP_CONFIG_INITIALIZER;
   c.send_only = send_only ? 1 : 0;
   return c;
 }
 
-// One LL dispatch's outputs, in the order of megatron_nccl_ep.outputs.LLDispatchOutput's fields
-// and with its names; where each goes in ncclEpDispatchOutputs_t, with its tag.
-struct LLField {
+// Where each LL dispatch output goes in ncclEpDispatchOutputs_t, with its tag, by the name of
+// its megatron_nccl_ep.outputs.LLDispatchOutput field. The fields' order is outputs.py's alone:
+// LLOutputs takes the names in that order, and the bindings return the tensors in it.
+struct LLSlot {
   const char* name;
   ncclEpTensor_t ncclEpDispatchOutputs_t::*slot;
   ncclEpTensorTag_t tag;
 };
-constexpr int kLLFields = 6;
-const LLField kLLFieldsOf[kLLFields] = {
+const LLSlot kLLSlots[] = {
     {"x", &ncclEpDispatchOutputs_t::recv_tokens, NCCL_EP_TENSOR_TOKENS},
     {"count", &ncclEpDispatchOutputs_t::recv_count, NCCL_EP_TENSOR_RECV_COUNT},
     {"scales", &ncclEpDispatchOutputs_t::recv_scales, NCCL_EP_TENSOR_SCALES},
@@ -174,11 +184,19 @@ const LLField kLLFieldsOf[kLLFields] = {
     {"topk_idx", &ncclEpDispatchOutputs_t::recv_topk_idx, NCCL_EP_TENSOR_TOPK_IDX},
     {"topk_weights", &ncclEpDispatchOutputs_t::recv_topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS},
 };
+constexpr int kLLFields = (int)(sizeof(kLLSlots) / sizeof(kLLSlots[0]));
+
+std::string ll_slot_names() {
+  std::string names;
+  for (const LLSlot& s : kLLSlots) names += std::string(names.empty() ? "" : ", ") + s.name;
+  return names;
+}
 
 // The shapes and dtypes of one LL group's dispatch outputs (outputs.ll_dispatch_fields: one
-// statement of them), held once per group and kind of dispatch (with or without weights), and
-// where each lies in the one allocation that holds them all.
+// statement of them), held once per group and kind of dispatch (with or without weights), in
+// LLDispatchOutput's field order, and where each lies in the one allocation that holds them all.
 struct LLOutputs {
+  std::array<const LLSlot*, kLLFields> slots{};  // field i's slot
   std::array<bool, kLLFields> present{};
   std::array<std::vector<int64_t>, kLLFields> sizes;
   std::array<at::ScalarType, kLLFields> dtypes{};
@@ -187,13 +205,24 @@ struct LLOutputs {
   static constexpr int64_t kAlign = 256;
 };
 
+// fields: (name, (shape, dtype) or None) per LLDispatchOutput field, in its order.
 LLOutputs ll_outputs(const py::sequence& fields) {
   if (py::len(fields) != kLLFields)
-    throw ValueErrorEx("LLOutputs: expected " + std::to_string(kLLFields) +
-                       " fields ((shape, dtype) or None each)");
+    throw ValueErrorEx("LLOutputs: expected one (name, (shape, dtype) or None) per LL dispatch "
+                       "output (" + ll_slot_names() + "), got " +
+                       std::to_string(py::len(fields)));
   LLOutputs o;
   for (int i = 0; i < kLLFields; ++i) {
-    const py::object f = fields[i];
+    const auto field = fields[i].cast<std::pair<std::string, py::object>>();
+    for (const LLSlot& s : kLLSlots)
+      if (field.first == s.name) o.slots[i] = &s;
+    if (o.slots[i] == nullptr)
+      throw ValueErrorEx("LLOutputs: no LL dispatch output is named '" + field.first +
+                         "' (the library's: " + ll_slot_names() + ")");
+    for (int j = 0; j < i; ++j)
+      if (o.slots[j] == o.slots[i])
+        throw ValueErrorEx("LLOutputs: the output '" + field.first + "' is named twice");
+    const py::object& f = field.second;
     if (f.is_none()) continue;
     const auto spec = f.cast<std::pair<std::vector<int64_t>, at::ScalarType>>();
     o.present[i] = true;
@@ -245,6 +274,14 @@ OptTensor out_field(const py::handle& out, const char* name) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "megatron_nccl_ep CUDA backend: bindings of the nccl_ep.h C API";
   m.attr("API_VERSION") = NCCL_EP_API_VERSION;
+  // The C API's enum values that megatron_nccl_ep/cuda_backend.py sets by its words.
+  m.attr("MODE_HIGH_THROUGHPUT") = (int)ncclEpModeHighThroughput;
+  m.attr("MODE_LOW_LATENCY") = (int)ncclEpModeLowLatency;
+  m.attr("RECV_COUNT_EXACT") = (int)ncclEpRecvCountExact;
+  m.attr("RECV_COUNT_CAPACITY") = (int)ncclEpRecvCountCapacity;
+  m.attr("RECV_COUNT_CAPACITY_DROP") = (int)ncclEpRecvCountCapacityDrop;
+  m.attr("LAYOUT_EXPERT_MAJOR") = (int)ncclEpLayoutExpertMajor;
+  m.attr("LAYOUT_RANK_MAJOR") = (int)ncclEpLayoutRankMajor;
   m.attr("NCCL_BUILD_VERSION") = NCCL_VERSION_CODE;
   nccl_ep_error =
       py::object(py::module_::import("megatron_nccl_ep.errors").attr("NcclEpError")).release().ptr();
@@ -325,7 +362,20 @@ PYBIND11_MODULE(_C, m) {
       .def_property(
           "layout", [](const ncclEpGroupConfig_t& c) { return (int)c.layout; },
           [](ncclEpGroupConfig_t& c, int v) { c.layout = static_cast<ncclEpLayout_t>(v); })
-      .def_readwrite("dispatch_fp8", &ncclEpGroupConfig_t::dispatch_fp8);
+      .def_property(
+          "payload_dtype", [](const ncclEpGroupConfig_t& c) { return (int)c.payload_dtype; },
+          [](ncclEpGroupConfig_t& c, const std::optional<at::ScalarType>& v) {
+            c.payload_dtype = payload_of(v);
+          });
+  m.def(
+      "check_config",
+      // The library's checks of a group configuration for nranks ranks (ncclEpGetMemorySize's,
+      // which are group creation's): no GPU, no communicator. Raises ValueError with the reason.
+      [](const ncclEpGroupConfig_t& cfg, int nranks) {
+        ncclEpMemorySize_t sz = NCCL_EP_MEMORY_SIZE_INITIALIZER;
+        check(ncclEpGetMemorySize(&cfg, nranks, &sz), "ncclEpGetMemorySize");
+      },
+      py::arg("config"), py::arg("nranks"));
   m.def(
       "memory_size",
       [](const ncclEpGroupConfig_t& cfg, int nranks) {
@@ -461,7 +511,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("handle"), py::arg("num_local_experts"), py::arg("on_device"), py::arg("device"),
       NoGil());
 
-  // --- HT operations, and the combine of both modes (docs/design.md sections 3, 4 and 9) ------
+  // --- HT operations (docs/design.md sections 3 and 4) ----------------------------------------
   m.def(
       "dispatch",
       // x [T, H]; probs: [T, K] in slot order, or dense [T, E]; None: no probs. Returns (recv_x
@@ -505,33 +555,23 @@ PYBIND11_MODULE(_C, m) {
       py::arg("backward") = py::none());
   m.def(
       "combine",
-      // expert_out: HT [N, H]; LL the dispatch's layout (fp32 rows allowed). topk_weights: LL
-      // expert-major's [T, K] fp32, else None. send_only: LL only. Returns y [num_tokens, H] of
-      // y_dtype, the group's token dtype (`out` when given). backward: None, or (grad y) ->
-      // (grad expert_out,), y's grad_fn where autograd records (py_backward.h).
-      [](uintptr_t handle, const at::Tensor& expert_out, const OptTensor& topk_weights,
-         bool send_only, const OptTensor& given, int64_t num_tokens, at::ScalarType y_dtype,
-         int device, const py::object& backward) {
+      // expert_out [N, H]. Returns y [num_tokens, H] of y_dtype, the group's token dtype.
+      // backward: None, or (grad y) -> (grad expert_out,), y's grad_fn where autograd records
+      // (py_backward.h).
+      [](uintptr_t handle, const at::Tensor& expert_out, int64_t num_tokens,
+         at::ScalarType y_dtype, int device, const py::object& backward) {
         EP_RECORD_OP("nccl_ep::combine");
         const bool record = nccl_ep_py::records_backward(backward, {expert_out});
-        if (record && (given.has_value() || send_only || topk_weights.has_value()))
-          throw ValueErrorEx(
-              "combine: a backward is recorded for HT's combine only, without out, send_only "
-              "or topk_weights");
         at::Tensor y;
         {
           py::gil_scoped_release nogil;
           ncclEpCombineInputs_t in{};
           ncclEpCombineOutputs_t out{};
           in.expert_tokens = tensor(expert_out, NCCL_EP_TENSOR_TOKENS, device, "expert_out");
-          in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
-                                   "topk_weights");
           if (expert_out.dim() < 1) throw ValueErrorEx("expert_out must have a hidden dimension");
-          y = given.has_value()
-                  ? *given
-                  : empty({num_tokens, expert_out.size(-1)}, y_dtype, device);
-          out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "out");
-          const ncclEpOpConfig_t cfg = op_config(send_only);
+          y = empty({num_tokens, expert_out.size(-1)}, y_dtype, device);
+          out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "y");
+          const ncclEpOpConfig_t cfg = op_config(false);
           check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
                               current_stream(device)),
                 "ncclEpCombine");
@@ -540,9 +580,8 @@ PYBIND11_MODULE(_C, m) {
           nccl_ep_py::attach_backward("NcclEpCombineBackward", backward, {expert_out}, {y});
         return y;
       },
-      py::arg("handle"), py::arg("expert_out"), py::arg("topk_weights"), py::arg("send_only"),
-      py::arg("out"), py::arg("num_tokens"), py::arg("y_dtype"), py::arg("device"),
-      py::arg("backward") = py::none());
+      py::arg("handle"), py::arg("expert_out"), py::arg("num_tokens"), py::arg("y_dtype"),
+      py::arg("device"), py::arg("backward") = py::none());
   m.def(
       "combine_topk_weights",
       // grad_recv [N] -> [num_tokens, cols] of its dtype: cols K in slot order, or E dense.
@@ -564,8 +603,14 @@ PYBIND11_MODULE(_C, m) {
   // --- LL operations (docs/design.md section 9) -----------------------------------------------
   py::class_<LLOutputs>(m, "LLOutputs")
       .def(py::init(&ll_outputs), py::arg("fields"),
-           "One LL group's dispatch outputs: outputs.ll_dispatch_fields' (shape, dtype) or None "
-           "per field of LLDispatchOutput, in its order.");
+           "One LL group's dispatch outputs: (name, outputs.ll_dispatch_fields' (shape, dtype) "
+           "or None) per field of LLDispatchOutput, in its order (the order the bindings return "
+           "them in).")
+      .def_property_readonly("names", [](const LLOutputs& o) {
+        py::list names;
+        for (const LLSlot* s : o.slots) names.append(s->name);
+        return py::tuple(names);
+      });
   m.def(
       "ll_dispatch",
       // x [T, H]; topk_weights [T, K] fp32 or None. out: None, to allocate `outputs` (returns
@@ -577,10 +622,10 @@ PYBIND11_MODULE(_C, m) {
         const bool fresh = given.is_none();
         std::array<OptTensor, kLLFields> made;
         for (int i = 0; i < kLLFields && !fresh; ++i) {
-          const LLField& f = kLLFieldsOf[i];
-          made[i] = out_field(given, f.name);
+          const char* name = outputs.slots[i]->name;
+          made[i] = out_field(given, name);
           if (made[i].has_value() != outputs.present[i])
-            throw ValueErrorEx(std::string("out.") + f.name +
+            throw ValueErrorEx(std::string("out.") + name +
                                (outputs.present[i] ? " is required" : " must be None") +
                                " for this group's layout and weights");
         }
@@ -593,7 +638,7 @@ PYBIND11_MODULE(_C, m) {
                                    "topk_weights");
           if (fresh) allocate(outputs, device, made);
           for (int i = 0; i < kLLFields; ++i) {
-            const LLField& f = kLLFieldsOf[i];
+            const LLSlot& f = *outputs.slots[i];
             out.*f.slot = tensor(made[i], f.tag, device, f.name);
           }
           const ncclEpOpConfig_t cfg = op_config(send_only);
@@ -606,6 +651,33 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("send_only"),
       py::arg("outputs"), py::arg("out"), py::arg("device"));
+  m.def(
+      "ll_combine",
+      // expert_out in the dispatch's layout (the token dtype or fp32); topk_weights: expert-major
+      // [T, K] fp32, rank-major None; out: None, or a [num_tokens, H] tensor of y_dtype to write.
+      // Returns y [num_tokens, H] of y_dtype, the group's token dtype (`out` when given).
+      [](uintptr_t handle, const at::Tensor& expert_out, const OptTensor& topk_weights,
+         bool send_only, const OptTensor& given, int64_t num_tokens, at::ScalarType y_dtype,
+         int device) {
+        EP_RECORD_OP("nccl_ep::ll_combine");
+        ncclEpCombineInputs_t in{};
+        ncclEpCombineOutputs_t out{};
+        in.expert_tokens = tensor(expert_out, NCCL_EP_TENSOR_TOKENS, device, "expert_out");
+        in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
+                                 "topk_weights");
+        if (expert_out.dim() < 1) throw ValueErrorEx("expert_out must have a hidden dimension");
+        const at::Tensor y = given.has_value()
+                                 ? *given
+                                 : empty({num_tokens, expert_out.size(-1)}, y_dtype, device);
+        out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "out");
+        const ncclEpOpConfig_t cfg = op_config(send_only);
+        check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
+                            current_stream(device)),
+              "ncclEpCombine");
+        return y;
+      },
+      py::arg("handle"), py::arg("expert_out"), py::arg("topk_weights"), py::arg("send_only"),
+      py::arg("out"), py::arg("num_tokens"), py::arg("y_dtype"), py::arg("device"), NoGil());
   m.def(
       "ll_new_outputs",
       // New `outputs`, allocated as ll_dispatch allocates its own (one allocation): the

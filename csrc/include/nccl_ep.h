@@ -43,17 +43,19 @@
  *    these calls refuse a capturing stream. A device-side error stops the node's ranks only; they
  *    still make their NCCL calls (outputs poisoned) and return the error after them; the other
  *    nodes learn it at the next handle creation.
- *  - Limits of this implementation (HT): group size <= 64, every node's ranks load/store
- *    accessible (its LSA team covers the node, else ncclInvalidUsage), min(max_topk, local
- *    experts) <= 32, num_experts <= 65535, tokens bf16/fp16/fp32, group size x
+ *  - Limits of this implementation (HT; the numbers are nccl_ep_limits.h's): group size <=
+ *    NCCL_EP_MAX_RANKS, every node's ranks load/store accessible (its LSA team covers the node,
+ *    else ncclInvalidUsage), min(max_topk, local experts) <= NCCL_EP_MAX_SLOTS_PER_RANK,
+ *    num_experts <= NCCL_EP_MAX_EXPERTS, tokens bf16/fp16/fp32, group size x
  *    max_tokens_per_rank x max_topk < 2^31. The library must run on the NCCL major.minor it was
  *    compiled against (checked at group creation).
  *  - Limits of this implementation (LL, docs/design.md section 9): one node (every rank's window
  *    load/store accessible, or a local team); max_tokens_per_rank (T_max), max_topk and
- *    num_experts up to nccl_ep_limits.h's NCCL_EP_LL_MAX_*, hidden a multiple of 8 (of
- *    NCCL_EP_FP8_BLOCK with dispatch_fp8). LL calls never
- *    synchronize the host; ops sent with send_only and not completed are bounded by the two
- *    buffer sets of each kind (ncclInvalidUsage beyond: docs/design.md section 9, ll.cc NOTES).
+ *    num_experts up to nccl_ep_limits.h's NCCL_EP_LL_MAX_*, hidden a multiple of
+ *    NCCL_EP_LL_PACK_ELEMS (and of a payload's scale block: NCCL_EP_FP8_BLOCK for FP8). LL calls
+ *    never synchronize the host; ops sent with send_only and not completed are bounded by the
+ *    NCCL_EP_LL_BUFFER_SETS buffer sets of each kind (ncclInvalidUsage beyond: docs/design.md
+ *    section 9, ll.cc NOTES).
  *  - Handle buffers come from a per-group pool reused in stream order.
  *  - Device-side errors (capacity mode routing errors and overflow, timeouts, call mismatches)
  *    go to a host-mapped error word of the group; every later call checks it without blocking
@@ -78,7 +80,7 @@ extern "C" {
 #pragma GCC visibility push(default)
 #endif
 
-#define NCCL_EP_API_VERSION 4
+#define NCCL_EP_API_VERSION 5 /* 5: ncclEpGroupConfig_t.payload_dtype (was int dispatch_fp8) */
 #define NCCL_EP_MAX_NDIM 4
 
 typedef struct ncclEpGroup* ncclEpGroup_t;
@@ -95,6 +97,13 @@ typedef enum {
   ncclEpLayoutExpertMajor = 0,  /* recv [L, R x T_max, H] + recv_count [L] + recv_src */
   ncclEpLayoutRankMajor = 1     /* recv [R x T_max, H] + recv_topk_idx/weights + count [1] */
 } ncclEpLayout_t;
+
+/* LL: the type the dispatch moves rows in (docs/design.md section 9). */
+typedef enum {
+  ncclEpPayloadTokenDtype = 0,  /* token_dtype rows */
+  ncclEpPayloadFloat8e4m3 = 1   /* float8 e4m3 rows (ncclFloat8e4m3) and one fp32 scale per
+                                   NCCL_EP_FP8_BLOCK columns (recv_scales) */
+} ncclEpPayloadDtype_t;
 
 typedef enum {
   ncclEpRecvCountExact = 0,    /* N_d read to the host once, by the first call that needs it
@@ -115,7 +124,7 @@ typedef enum {
   NCCL_EP_TENSOR_TOKENS = 0,                      /* [T, H] or [N, H] token rows */
   NCCL_EP_TENSOR_TOPK_IDX = 1,                    /* [T, K] int32/int64, -1 = masked slot */
   NCCL_EP_TENSOR_TOPK_WEIGHTS = 2,                /* [T, K] routing probs, or [N] received probs */
-  NCCL_EP_TENSOR_SCALES = 3,                      /* LL FP8: [..., H / 128] fp32 */
+  NCCL_EP_TENSOR_SCALES = 3,                      /* LL FP8: [..., H / NCCL_EP_FP8_BLOCK] fp32 */
   NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_DEVICE = 4,  /* [L] int64 on device */
   NCCL_EP_TENSOR_RECV_EXPERT_COUNTER_HOST = 5,    /* [L] int64 in host memory */
   NCCL_EP_TENSOR_TOKENS_PER_EXPERT = 6,           /* [L] int64 on device (alias role) */
@@ -179,10 +188,10 @@ typedef struct {
    * size; capacity mode needs max_recv_tokens_per_rank to equal it. 0 = off. */
   int expert_capacity;
   /* LL (mode ncclEpModeLowLatency): max_tokens_per_rank is T_max; the HT-only fields keep their
-   * initializer values. dispatch_fp8: the dispatch payload cast to float8 e4m3 per 128 columns
-   * (hidden a multiple of 128); combine stays in token_dtype. */
+   * initializer values. payload_dtype: the type the dispatch moves rows in (FP8: cast per
+   * NCCL_EP_FP8_BLOCK columns, hidden a multiple of it); combine stays in token_dtype. */
   ncclEpLayout_t layout;
-  int dispatch_fp8;
+  ncclEpPayloadDtype_t payload_dtype;
 } ncclEpGroupConfig_t;
 
 #define NCCL_EP_GROUP_CONFIG_INITIALIZER                                                  \
@@ -190,7 +199,7 @@ typedef struct {
     sizeof(ncclEpGroupConfig_t), NCCL_EP_API_VERSION, ncclEpModeHighThroughput, 0, 0, 0, \
         0, ncclBfloat16, ncclEpRecvCountExact, 0, 1, 0, NCCL_EP_DEFAULT_TIMEOUT_MS, NULL,   \
         NULL, NULL, 0, 0, 0, 0,                                                           \
-        ncclEpLayoutExpertMajor, 0                                                        \
+        ncclEpLayoutExpertMajor, ncclEpPayloadTokenDtype                                  \
   }
 
 /* What a group allocated (ncclEpGroupGetInfo). */
@@ -238,12 +247,13 @@ typedef struct {
 
 typedef struct {
   ncclEpTensor_t recv_tokens;        /* TOKENS [N, H] (N = num recv tokens, or capacity); LL:
-                                        [L, R x T_max, H] or [R x T_max, H], float8 e4m3 with
-                                        dispatch_fp8 */
+                                        [L, R x T_max, H] or [R x T_max, H] of the payload's
+                                        type */
   ncclEpTensor_t recv_topk_weights;  /* TOPK_WEIGHTS [N], dtype of topk_weights; ndim 0 if none;
                                         LL rank-major: [R x T_max, max_topk] fp32 */
   /* LL only (ndim 0 in HT): */
-  ncclEpTensor_t recv_scales;        /* SCALES [L, R x T_max, H/128] / [R x T_max, H/128] fp32 */
+  ncclEpTensor_t recv_scales;        /* SCALES [L, R x T_max, H/B] / [R x T_max, H/B] fp32 (a
+                                        payload with scales, B = its block: FP8) */
   ncclEpTensor_t recv_count;         /* RECV_COUNT int32 [L] (expert-major) or [1] */
   ncclEpTensor_t recv_src;           /* RECV_SRC int32 [L, R x T_max] (expert-major) */
   ncclEpTensor_t recv_topk_idx;      /* TOPK_IDX int32 [R x T_max, max_topk] (rank-major) */

@@ -29,6 +29,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "../include/nccl_ep.h"
 #include "protocol.cuh"
 
 namespace nccl_ep {
@@ -250,7 +251,7 @@ struct LLHandleViews {
 
 struct LLArgs : GroupArgs {
   int rank_major;           // layout: 0 expert-major, 1 rank-major
-  int fp8;                  // dispatch payload in FP8
+  int payload;              // the dispatch payload's ncclEpPayloadDtype_t
   int dtype;                // token ncclDataType_t
   int tokens, topk;         // this rank's T and K
   int send, recv;           // phases of this launch (both: one fused op)
@@ -269,7 +270,7 @@ struct LLDispatchArgs {
   const void* x;            // [T, H]
   const float* w;           // [T, K] or nullptr
   void* recv_x;
-  float* recv_scales;       // FP8 only
+  float* recv_scales;       // a payload with scales (FP8) only
   int* recv_count;          // [L] or [1]
   int* recv_src;            // expert-major [L][R * Tmax]
   int* recv_topk_idx;       // rank-major [R * Tmax][Kmax]

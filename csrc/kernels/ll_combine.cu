@@ -16,8 +16,8 @@ namespace {
 
 template <typename T, typename In>
 struct CombineOp {
-  static constexpr int kB = 8 * sizeof(T);
-  static constexpr int kIn = 8 * sizeof(In);  // a pack of expert_out
+  static constexpr int kB = kLLGroupElems * sizeof(T);
+  static constexpr int kIn = kLLGroupElems * sizeof(In);  // a pack of expert_out
 
   // Rows whose loads are in flight together (their registers: kBatch x 2 packs per lane).
   static constexpr int kBatch = sizeof(T) == 4 ? 2 : 4;
@@ -28,7 +28,7 @@ struct CombineOp {
     if constexpr (kIn == kB) {
       return ld_raw<kB, false>(row + (size_t)g * kB);
     } else {
-      float f[8];
+      float f[kLLGroupElems];
       raw_to_float<In>(ld_raw<kIn, false>(row + (size_t)g * kIn), f);
       return float_to_raw<T>(f);
     }
@@ -108,11 +108,11 @@ struct CombineOp {
     const int Km = a.max_topk, H8 = a.hidden / kLLGroupElems, me = a.rank;
     const size_t row_bytes = (size_t)a.hidden * sizeof(In);
     const char* out = reinterpret_cast<const char*>(cb.expert_out);
-    float acc[kSteps][8];
+    float acc[kSteps][kLLGroupElems];
 #pragma unroll
     for (int step = 0; step < kSteps; ++step)
 #pragma unroll
-      for (int q = 0; q < 8; ++q) acc[step][q] = 0.f;
+      for (int q = 0; q < kLLGroupElems; ++q) acc[step][q] = 0.f;
     // The token's routing, loaded together (own_row is used only where the row is this rank's).
     const int n = a.rank_major ? a.h.ndst[t] : a.topk;
     const int own = a.rank_major ? a.h.own_dpos[t] : -1;
@@ -153,10 +153,10 @@ struct CombineOp {
 #pragma unroll
         for (int step = 0; step < kSteps; ++step) {
           if (c * kChunkGroups + step * 32 + lane >= H8) continue;
-          float f[8];
+          float f[kLLGroupElems];
           raw_to_float<T>(v[b][step], f);
 #pragma unroll
-          for (int q = 0; q < 8; ++q)
+          for (int q = 0; q < kLLGroupElems; ++q)
             acc[step][q] = a.rank_major ? __fadd_rn(acc[step][q], f[q])
                                         : __fadd_rn(acc[step][q], __fmul_rn(w[b], f[q]));
         }
@@ -190,14 +190,14 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(const LLCombine
   const int H8 = a.hidden / kLLGroupElems;
   const int nchunks = (H8 + kChunkGroups - 1) / kChunkGroups;
   const unsigned long long epoch = op_epoch(a, 1);
-  const int set = (int)(epoch & 1);
+  const int set = ll_set(epoch);
   // One launch (send_only = 0): this rank's own rows are read from expert_out directly, so it
   // waits for no flag of its own.
   const bool direct = a.send && a.recv;
   if (threadIdx.x < R) s_peers[threadIdx.x] = a.peers[threadIdx.x];
   bool bad = threadIdx.x == 0 && ld_volatile_u64(&a.state->failed) != 0;
-  if (a.send && epoch > 2)
-    bad |= wait_peers(a, kLLCombCredit, set, epoch - 2, kOpLLCombine, kWaitCredit, me);
+  if (a.send && epoch > kLLSets)
+    bad |= wait_peers(a, kLLCombCredit, set, epoch - kLLSets, kOpLLCombine, kWaitCredit, me);
   if (__syncthreads_or(bad)) return poison_combine(cb, sizeof(T));
 
   if (a.send) {

@@ -1,20 +1,20 @@
 /*
  * ll_common.cuh: what the LL kernels (docs/design.md section 9) share: the window's LL areas,
- * packs of 8 elements as raw bytes, the timed waits and the grid's phase ends. The kernels: a
- * handle's local layout (ll_layout.cu), the dispatch (ll_dispatch.cu) and the combine
+ * packs of kLLGroupElems elements as raw bytes, the timed waits and the grid's phase ends. The
+ * kernels: a handle's local layout (ll_layout.cu), the dispatch (ll_dispatch.cu) and the combine
  * (ll_combine.cu); dispatch and combine are one kernel each whose send and receive phases run
  * fused (send_only = 0) or as two launches (the send; then ncclEpComplete's receive).
  *
  * NOTES:
  *  - Work items are (message, column chunk): a row is split into chunks of kChunkGroups packs of
- *    8 elements, so that a few tokens still spread over every warp of the grid.
+ *    kLLGroupElems elements, so that a few tokens still spread over every warp of the grid.
  *  - A phase ends with every CTA's arrival at each peer's flag (a release add of 1, after a
  *    barrier; a rank's own slot as OwnArrival says): ready flags after the sends, credits after
  *    the receives. A waiter needs the arrivals of all of the peer's CTAs (every CTA of an op is
  *    resident: channels x ranks on a GPU <= its SMs); no CTA counts for the others.
  *  - A rank never waits for its own credit, so none is added: its ops are ordered on its
- *    stream, and at most two of a kind are in flight (ll.cc), so op i - 2's receive is done
- *    before op i's send starts.
+ *    stream, and at most kLLSets of a kind are in flight (ll.cc), so op i - kLLSets' receive is
+ *    done before op i's send starts.
  *  - A receive knows each source's message count with its ready flag: the source writes it,
  *    tagged with the op's epoch, before its sends, and the wait polls both.
  *  - Rows never depend on arrival order or atomics: positions come from the handle's layout (the
@@ -50,7 +50,7 @@ constexpr int kChunkGroups = 64;  // packs per work item: 512 columns
 EP_DEVICE unsigned long long* ll_flag(void* base, const LLArgs& a, int kind, int set, int r) {
   return reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(base) +
                                                a.win.ll.flag_off) +
-         ((size_t)kind * 2 + set) * a.num_ranks + r;
+         ((size_t)kind * kLLSets + set) * a.num_ranks + r;
 }
 EP_DEVICE char* ll_msg(void* base, const LLArgs& a, int set, int src, int j) {
   return reinterpret_cast<char*>(base) + a.win.ll.msg_off +
@@ -73,7 +73,7 @@ EP_DEVICE char* ll_comb(void* base, const LLArgs& a, int set, int t, int k) {
          (((size_t)set * a.max_tokens + t) * a.max_topk + k) * a.win.ll.comb_row;
 }
 
-// -- packs of 8 elements as raw bytes (B = 8, 16 or 32) ------------------------------------------
+// -- packs of kLLGroupElems elements as raw bytes (B = 8: FP8; 16: bf16 / fp16; 32: fp32) ------
 template <int B>
 struct Raw {
   uint4 v[B / 16];
@@ -107,28 +107,32 @@ EP_DEVICE void st_raw(void* p, const Raw<B>& r) {
   }
 }
 
+// A pack of 1-byte elements (FP8) is one uint2, wider packs whole uint4 words.
+static_assert(kLLGroupElems == 8 || kLLGroupElems % 16 == 0, "Raw packs of 1-byte elements");
+
 template <typename T>
-EP_DEVICE void raw_to_float(const Raw<8 * sizeof(T)>& r, float (&f)[8]) {
+EP_DEVICE void raw_to_float(const Raw<kLLGroupElems * sizeof(T)>& r, float (&f)[kLLGroupElems]) {
   const T* e = reinterpret_cast<const T*>(&r);
 #pragma unroll
-  for (int q = 0; q < 8; ++q) f[q] = to_float<T>(e[q]);
+  for (int q = 0; q < kLLGroupElems; ++q) f[q] = to_float<T>(e[q]);
 }
 
 template <typename T>
-EP_DEVICE Raw<8 * sizeof(T)> float_to_raw(const float (&f)[8]) {
-  Raw<8 * sizeof(T)> r;
+EP_DEVICE Raw<kLLGroupElems * sizeof(T)> float_to_raw(const float (&f)[kLLGroupElems]) {
+  Raw<kLLGroupElems * sizeof(T)> r;
   T* e = reinterpret_cast<T*>(&r);
 #pragma unroll
-  for (int q = 0; q < 8; ++q) e[q] = from_float<T>(f[q]);
+  for (int q = 0; q < kLLGroupElems; ++q) e[q] = from_float<T>(f[q]);
   return r;
 }
 
 // -- waits and phases ---------------------------------------------------------------------------
-// The arrivals a set's flag holds once op `epoch` of its kind (epochs from 1; set = epoch & 1)
+// The arrivals a set's flag holds once op `epoch` of its kind (epochs from 1; set ll_set(epoch))
 // and every earlier op of that set are done at the peer: one per CTA of each.
 EP_DEVICE unsigned long long arrivals(const LLArgs& a, unsigned long long epoch) {
-  return (unsigned long long)a.win.channels * ((epoch + 1) / 2);
+  return (unsigned long long)a.win.channels * ((epoch + kLLSets - 1) / kLLSets);
 }
+
 
 // Waits until *flag reaches `target` arrivals and, where `word` is given, until the count word
 // there names `epoch` (its message count into *messages); false once the group stopped (a

@@ -1,9 +1,10 @@
 /*
  * ll_dispatch.cu: the LL dispatch (docs/design.md section 9). Send: each destination's message
- * count (its count word), then each (token, column chunk) loaded once (cast to FP8 per 128
- * columns with dispatch_fp8) and stored into its message at every destination rank, then the
- * per-expert counts (expert-major) and one ready flag per destination. Receive: every source's
- * flag and count word, the rows' offsets from the counts, each (message, chunk) into its rows.
+ * count (its count word), then each (token, column chunk) loaded once (cast to the payload
+ * dtype: FP8 per kFp8Block columns with ncclEpPayloadFloat8e4m3) and stored into its message at
+ * every destination rank, then the per-expert counts (expert-major) and one ready flag per
+ * destination. Receive: every source's flag and count word, the rows' offsets from the counts,
+ * each (message, chunk) into its rows.
  */
 #include "ll_common.cuh"
 
@@ -11,10 +12,13 @@ namespace nccl_ep {
 
 namespace {
 
+static_assert(kChunkGroups % 32 == 0 && kChunkGroups % kFp8BlockPacks == 0,
+              "a work item is whole warp passes and whole FP8 blocks");
+
 template <typename T, bool kFp8>
 struct DispatchOp {
-  static constexpr int kIn = 8 * sizeof(T);      // bytes of an input pack
-  static constexpr int kOut = kFp8 ? 8 : kIn;    // bytes of a payload / output pack
+  static constexpr int kIn = kLLGroupElems * sizeof(T);  // bytes of an input pack
+  static constexpr int kOut = kFp8 ? kLLGroupElems : kIn;  // bytes of a payload / output pack
   static constexpr int kSteps = kChunkGroups / 32;  // packs per lane of a work item
 
   // What one (token, chunk) reads, all independent of each other: the chunk and the token's
@@ -67,30 +71,32 @@ struct DispatchOp {
     if (first)
       mine = reinterpret_cast<unsigned long long>(ll_msg(s_peers[dest], a, set, a.rank, l.jslot));
     if constexpr (kFp8) {
-      Raw<8> q8[kSteps];
+      Raw<kOut> q8[kSteps];
       float scale[kSteps];
 #pragma unroll
       for (int step = 0; step < kSteps; ++step) {
         const bool valid = c * kChunkGroups + step * 32 + lane < H8;
-        float f[8];
+        float f[kLLGroupElems];
         if (valid) {
           raw_to_float<T>(in[step], f);
         } else {
 #pragma unroll
-          for (int q = 0; q < 8; ++q) f[q] = 0.f;
+          for (int q = 0; q < kLLGroupElems; ++q) f[q] = 0.f;
         }
         float amax = 0.f;
 #pragma unroll
-        for (int q = 0; q < 8; ++q) amax = fmaxf(amax, fabsf(f[q]));
-        // The 16 lanes of one block of 128 columns (blocks start at multiples of 16 packs).
+        for (int q = 0; q < kLLGroupElems; ++q) amax = fmaxf(amax, fabsf(f[q]));
+        // The kFp8BlockPacks lanes of one block of kFp8Block columns (blocks start at multiples
+        // of kFp8BlockPacks packs).
 #pragma unroll
-        for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        const float floor_amax = fmaxf(amax, 1e-4f);
-        scale[step] = __fdiv_rn(floor_amax, 448.0f);
-        const float factor = __fdiv_rn(448.0f, floor_amax);
+        for (int o = kFp8BlockPacks / 2; o >= 1; o >>= 1)
+          amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        const float floor_amax = fmaxf(amax, kFp8AmaxFloor);
+        scale[step] = __fdiv_rn(floor_amax, kFp8Max);
+        const float factor = __fdiv_rn(kFp8Max, floor_amax);
         unsigned char* qb = reinterpret_cast<unsigned char*>(&q8[step]);
 #pragma unroll
-        for (int q = 0; q < 8; ++q)
+        for (int q = 0; q < kLLGroupElems; ++q)
           qb[q] = (unsigned char)__nv_cvt_float_to_fp8(__fmul_rn(f[q], factor), __NV_SATFINITE,
                                                        __NV_E4M3);
       }
@@ -100,9 +106,10 @@ struct DispatchOp {
         for (int step = 0; step < kSteps; ++step) {
           const int g = c * kChunkGroups + step * 32 + lane;
           if (g >= H8) continue;
-          st_raw<8>(msg + hdr + (size_t)g * 8, q8[step]);
-          if ((lane & 15) == 0)
-            *reinterpret_cast<float*>(msg + hdr + a.hidden + (size_t)(g / 16) * 4) = scale[step];
+          st_raw<kOut>(msg + hdr + (size_t)g * kOut, q8[step]);
+          if ((lane & (kFp8BlockPacks - 1)) == 0)
+            *reinterpret_cast<float*>(msg + hdr + a.hidden + (size_t)(g / kFp8BlockPacks) * 4) =
+                scale[step];
         }
       }
     } else {
@@ -181,8 +188,8 @@ struct DispatchOp {
     }
     if constexpr (kFp8) {
       const int blocks = a.hidden / kFp8Block;
-      const int b = c * (kChunkGroups / 16) + lane;  // a chunk holds 4 blocks
-      const bool valid = lane < kChunkGroups / 16 && b < blocks;
+      const int b = c * (kChunkGroups / kFp8BlockPacks) + lane;  // a chunk's blocks
+      const bool valid = lane < kChunkGroups / kFp8BlockPacks && b < blocks;
       float sc = 0.f;
       if (valid) sc = __ldcg(reinterpret_cast<const float*>(msg + hdr + a.hidden) + b);
       EP_FOR_EACH_LANE(rows, f_lane) {
@@ -234,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(const LLDispat
   const int H8 = a.hidden / kLLGroupElems;
   const int nchunks = (H8 + kChunkGroups - 1) / kChunkGroups;
   const unsigned long long epoch = op_epoch(a, 0);
-  const int set = (int)(epoch & 1);
+  const int set = ll_set(epoch);
   if (threadIdx.x < R) s_peers[threadIdx.x] = a.peers[threadIdx.x];
   // What each destination gets told, loaded ahead of the checks with this warp's first item:
   // expert-major its tokens per local expert, [R][L] over the grid's threads; from CTA 0's
@@ -249,10 +256,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(const LLDispat
   typename Op::Loaded loaded;
   if (item < send_items) Op::load_item(d, item / nchunks, item % nchunks, lane, loaded);
   // A stopped group; for a send, set `set` is free at every destination once it consumed op
-  // epoch - 2 (the group's state and the credits are read together).
+  // epoch - kLLSets (the group's state and the credits are read together).
   bool bad = threadIdx.x == 0 && ld_volatile_u64(&a.state->failed) != 0;
-  if (a.send && epoch > 2)
-    bad |= wait_peers(a, kLLDispCredit, set, epoch - 2, kOpLLDispatch, kWaitCredit, me);
+  if (a.send && epoch > kLLSets)
+    bad |= wait_peers(a, kLLDispCredit, set, epoch - kLLSets, kOpLLDispatch, kWaitCredit, me);
   if (__syncthreads_or(bad)) return poison_dispatch(d);
 
   if (a.send) {
@@ -337,7 +344,7 @@ cudaError_t launch_dispatch_as(const LLDispatchArgs& d, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_ll_dispatch(const LLDispatchArgs& d, cudaStream_t stream) {
-  const bool fp8 = d.a.fp8 != 0;
+  const bool fp8 = d.a.payload == ncclEpPayloadFloat8e4m3;
   switch (d.a.dtype) {
     case ncclBfloat16:
       return fp8 ? launch_dispatch_as<__nv_bfloat16, true>(d, stream)

@@ -31,8 +31,9 @@
 
 namespace nccl_ep {
 
-constexpr int kMaxRanks = 64;     // barrier flags and per-token destination masks (uint64)
-constexpr int kMaxChannels = 1024;  // num_sms: the CTAs of one op
+constexpr int kMaxRanks = NCCL_EP_MAX_RANKS;  // barrier flags, per-token destination masks
+static_assert(kMaxRanks <= 64, "a token's destination ranks are the bits of one uint64");
+constexpr int kMaxChannels = NCCL_EP_MAX_NUM_SMS;  // num_sms: the CTAs of one op
 // Slots of one token on one rank, min(top-k, local experts): one lane each in the warp-level
 // kernels (top-k itself may be larger: they take a token's slots 32 a pass).
 constexpr int kMaxTopk = NCCL_EP_MAX_SLOTS_PER_RANK;
@@ -127,8 +128,23 @@ struct ChannelFlags {
 // Flags only grow (device-side counts: a replayed graph counts on).
 enum LLFlagKind : int { kLLDispReady = 0, kLLDispCredit = 1, kLLCombReady = 2, kLLCombCredit = 3 };
 constexpr int kLLFlagKinds = 4;
-constexpr int kLLGroupElems = 8;  // elements per lane access (a 16-byte bf16 pack)
+constexpr int kLLGroupElems = NCCL_EP_LL_PACK_ELEMS;  // elements per lane access (16 bytes of
+                                                      // bf16; ll_common.cuh's Raw packs)
+// The LL buffer sets (nccl_ep_limits.h): the i-th op of a kind (epochs count from 1) uses set
+// i mod kLLSets, and its send waits until every peer consumed op i - kLLSets (the set's previous
+// op). The window holds kLLSets of every LL area; the host allows as many ops of a kind in flight
+// (ll.cc, check_op).
+constexpr int kLLSets = NCCL_EP_LL_BUFFER_SETS;
+__host__ __device__ inline int ll_set(unsigned long long epoch) {
+  return (int)(epoch % kLLSets);
+}
 constexpr int kFp8Block = NCCL_EP_FP8_BLOCK;  // columns per FP8 scale
+constexpr int kFp8BlockPacks = kFp8Block / kLLGroupElems;  // lanes of one block's packs
+static_assert(kFp8Block % kLLGroupElems == 0 && kFp8BlockPacks <= 32 &&
+                  (kFp8BlockPacks & (kFp8BlockPacks - 1)) == 0,
+              "an FP8 block's packs are a power-of-two group of a warp's lanes");
+constexpr float kFp8Max = NCCL_EP_FP8_MAX;             // the largest finite float8 e4m3
+constexpr float kFp8AmaxFloor = NCCL_EP_FP8_AMAX_FLOOR;  // a block's amax is at least this
 
 struct LLHeader {
   int token;      // the token's index at its source

@@ -9,7 +9,8 @@
  *    ~2 MiB (at least 8, at most 256 tokens). A combine round is R x chunk tokens over a CTA's
  *    warps: the chunk must give enough items to keep every warp busy between the round's
  *    barriers (small chunks leave warps idle at each barrier), while the ring stays
- *    ~channels x 2 x 2 MiB per group whatever R. Default depth 2 (double buffering).
+ *    ~channels x 2 x 2 MiB per group whatever R. Default depth NCCL_EP_DEFAULT_STAGING_DEPTH
+ *    (double buffering).
  */
 #include <string.h>
 
@@ -22,19 +23,19 @@ namespace nccl_ep {
 namespace {
 
 constexpr int kDefaultSms = NCCL_EP_DEFAULT_NUM_SMS;
-constexpr int kDefaultDepth = 2;
+constexpr int kDefaultDepth = NCCL_EP_DEFAULT_STAGING_DEPTH;
 constexpr size_t kChunkTargetBytes = 2 << 20;  // chunk x R x row
 
 struct ConfigRecord {  // all-gathered at creation; int64 fields so the compare is trivial
   long long magic, version, mode, num_experts, hidden, max_tokens, max_topk, token_dtype,
       recv_mode, capacity, align, num_sms, timeout_ms, chunk, depth, expert_capacity, layout,
-      dispatch_fp8, nccl_version, node_size, lsa_size;
+      payload_dtype, nccl_version, node_size, lsa_size;
 };
 const char* kConfigFields[] = {"magic", "version", "mode", "num_experts", "hidden",
                                "max_tokens_per_rank", "max_topk", "token_dtype",
                                "recv_count_mode", "max_recv_tokens_per_rank", "expert_alignment",
                                "num_sms", "timeout_ms", "staging_chunk_tokens", "staging_depth",
-                               "expert_capacity", "layout", "dispatch_fp8", "nccl_version",
+                               "expert_capacity", "layout", "payload_dtype", "nccl_version",
                                "ranks_per_node (as resolved)",
                                "lsa_size"};
 constexpr int kConfigFieldCount = (int)(sizeof(ConfigRecord) / sizeof(long long));
@@ -58,8 +59,16 @@ int default_channels(const ncclEpGroupConfig_t& c) {
   return c.num_sms > 0 ? c.num_sms : kDefaultSms;
 }
 
+PayloadFormat payload_format(const ncclEpGroupConfig_t& c) {
+  switch (c.payload_dtype) {
+    case ncclEpPayloadTokenDtype: return {c.token_dtype, dtype_bytes(c.token_dtype), 0};
+    case ncclEpPayloadFloat8e4m3: return {ncclFloat8e4m3, 1, kFp8Block};
+  }
+  return {c.token_dtype, 0, 0};  // not a payload type: refused by check_ll_config
+}
+
 // LL (protocol.cuh, LLWindow): sync area, flags, count words, per-expert counts (expert-major),
-// two sets of R x T_max messages and of T_max x max_topk combine rows. The HT fields stay 0.
+// kLLSets sets of R x T_max messages and of T_max x max_topk combine rows. The HT fields stay 0.
 static WindowLayout plan_ll_window(const ncclEpGroupConfig_t& c, int nranks) {
   WindowLayout w{};
   const size_t elt = dtype_bytes(c.token_dtype), H = c.hidden, R = nranks;
@@ -71,23 +80,25 @@ static WindowLayout plan_ll_window(const ncclEpGroupConfig_t& c, int nranks) {
   l.max_tokens = c.max_tokens_per_rank;
   l.count_stride = (int)align_up((size_t)(c.num_experts / nranks), 4);
   l.hdr_bytes = align_up(sizeof(LLHeader) + 3 * sizeof(int) * Km, 16);
-  const size_t payload = c.dispatch_fp8 ? H + H / kFp8Block * sizeof(float) : H * elt;
+  const PayloadFormat p = payload_format(c);
+  const size_t payload =
+      H * p.elem_bytes + (p.scale_block > 0 ? H / p.scale_block * sizeof(float) : 0);
   l.msg_bytes = l.hdr_bytes + align_up(payload, 16);
   l.comb_row = align_up(H * elt, 16);
   size_t o = 0;
   w.sync_off = o;
   o += kSyncBytes;
   l.flag_off = o;
-  o = align_up(o + sizeof(unsigned long long) * kLLFlagKinds * 2 * R, 256);
+  o = align_up(o + sizeof(unsigned long long) * kLLFlagKinds * kLLSets * R, 256);
   l.count_word_off = o;
-  o = align_up(o + sizeof(unsigned long long) * 2 * R, 256);
+  o = align_up(o + sizeof(unsigned long long) * kLLSets * R, 256);
   l.count_off = o;
   if (c.layout != ncclEpLayoutRankMajor)
-    o = align_up(o + sizeof(int) * 2 * R * l.count_stride, 256);
+    o = align_up(o + sizeof(int) * kLLSets * R * l.count_stride, 256);
   l.msg_off = o;
-  o = align_up(o + 2 * R * Tm * l.msg_bytes, 256);
+  o = align_up(o + kLLSets * R * Tm * l.msg_bytes, 256);
   l.comb_off = o;
-  o = align_up(o + 2 * Tm * Km * l.comb_row, 256);
+  o = align_up(o + kLLSets * Tm * Km * l.comb_row, 256);
   w.channel_off = w.routing_off = w.ring_off = w.ring_prob_off = o;
   w.bytes = align_up(o, 1 << 21);
   return w;
@@ -109,10 +120,15 @@ static ncclResult_t check_ll_config(const ncclEpGroupConfig_t* c, int nranks, in
            "ncclEpCreateGroup: LL moves rows in packs of %d elements: hidden must be a multiple "
            "of %d, got %d",
            kLLGroupElems, kLLGroupElems, c->hidden);
-  EP_CHECK(!c->dispatch_fp8 || c->hidden % kFp8Block == 0, ncclInvalidArgument,
-           "ncclEpCreateGroup: dispatch_fp8 casts blocks of %d columns: hidden must be a multiple "
-           "of %d, got %d",
-           kFp8Block, kFp8Block, c->hidden);
+  const PayloadFormat p = payload_format(*c);
+  EP_CHECK(p.elem_bytes > 0, ncclInvalidArgument,
+           "ncclEpCreateGroup: payload_dtype %d is invalid (ncclEpPayloadTokenDtype %d, "
+           "ncclEpPayloadFloat8e4m3 %d)",
+           (int)c->payload_dtype, (int)ncclEpPayloadTokenDtype, (int)ncclEpPayloadFloat8e4m3);
+  EP_CHECK(p.scale_block == 0 || c->hidden % p.scale_block == 0, ncclInvalidArgument,
+           "ncclEpCreateGroup: payload_dtype %s casts blocks of %d columns: hidden must be a "
+           "multiple of %d, got %d",
+           dtype_name(p.dtype), p.scale_block, p.scale_block, c->hidden);
   EP_CHECK(c->recv_count_mode == ncclEpRecvCountExact && c->expert_alignment == 1 &&
                c->expert_capacity == 0 && c->staging_chunk_tokens == 0 && c->staging_depth == 0,
            ncclInvalidArgument,
@@ -179,8 +195,9 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
   EP_CHECK(c->num_experts > 0 && c->num_experts % nranks == 0, ncclInvalidArgument,
            "ncclEpCreateGroup: num_experts (%d) must be > 0 and a multiple of the group size (%d)",
            c->num_experts, nranks);
-  EP_CHECK(c->num_experts <= 65535, ncclInvalidArgument,
-           "ncclEpCreateGroup: num_experts must be <= 65535, got %d", c->num_experts);
+  EP_CHECK(c->num_experts <= NCCL_EP_MAX_EXPERTS, ncclInvalidArgument,
+           "ncclEpCreateGroup: num_experts must be <= %d, got %d", NCCL_EP_MAX_EXPERTS,
+           c->num_experts);
   EP_CHECK(c->hidden > 0, ncclInvalidArgument, "ncclEpCreateGroup: hidden must be > 0, got %d",
            c->hidden);
   EP_CHECK(c->max_tokens_per_rank >= 1, ncclInvalidArgument,
@@ -191,13 +208,15 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
   // A token's slots on one rank, min(top-k, local experts), are what a warp holds at once.
   EP_CHECK(std::min(c->max_topk, c->num_experts / nranks) <= kMaxTopk, ncclInvalidArgument,
            "ncclEpCreateGroup: a token may have min(max_topk=%d, local experts=%d) slots on one "
-           "rank, at most %d are supported: lower max_topk or use more ranks",
+           "rank, at most %d are supported (a drop-and-pad routing map, which may name every "
+           "expert, has max_topk = num_experts): lower max_topk or spread the experts over more "
+           "ranks",
            c->max_topk, c->num_experts / nranks, kMaxTopk);
   EP_CHECK(c->token_dtype == ncclBfloat16 || c->token_dtype == ncclFloat16 ||
                c->token_dtype == ncclFloat32,
            ncclInvalidArgument,
-           "ncclEpCreateGroup: token dtype %s is not supported: the cuda backend supports "
-           "bfloat16, float16 and float32 tokens",
+           "ncclEpCreateGroup: token dtype %s is not supported by the cuda backend, which "
+           "supports bfloat16, float16 and float32 tokens",
            dtype_name(c->token_dtype));
   EP_CHECK(c->recv_count_mode == ncclEpRecvCountExact || is_capacity_mode(*c),
            ncclInvalidArgument, "ncclEpCreateGroup: recv_count_mode %d is invalid",
@@ -209,20 +228,23 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
              "got %lld",
              (long long)c->max_recv_tokens_per_rank);
   }
-  EP_CHECK(c->expert_alignment >= 1 && c->expert_alignment <= (1 << 20), ncclInvalidArgument,
-           "ncclEpCreateGroup: expert_alignment must be in [1, 2^20], got %d",
-           c->expert_alignment);
+  EP_CHECK(c->expert_alignment >= 1 && c->expert_alignment <= NCCL_EP_MAX_EXPERT_ALIGNMENT,
+           ncclInvalidArgument, "ncclEpCreateGroup: expert_alignment must be in [1, %d], got %d",
+           NCCL_EP_MAX_EXPERT_ALIGNMENT, c->expert_alignment);
   EP_CHECK(c->num_sms >= 0 && c->num_sms <= kMaxChannels, ncclInvalidArgument,
            "ncclEpCreateGroup: num_sms must be in [0, %d] (0 = default %d), got %d",
            kMaxChannels, kDefaultSms, c->num_sms);
   EP_CHECK(c->timeout_ms > 0, ncclInvalidArgument,
            "ncclEpCreateGroup: timeout_ms must be > 0, got %lld", (long long)c->timeout_ms);
-  // depth >= 2: the combine sends chunk j while it sums chunk j - 1 (exchange.cuh).
-  EP_CHECK(c->staging_chunk_tokens >= 0 && c->staging_chunk_tokens <= (1 << 16) &&
-               (c->staging_depth == 0 || (c->staging_depth >= 2 && c->staging_depth <= 64)),
+  // The least depth: the combine sends chunk j while it sums chunk j - 1 (exchange.cuh).
+  EP_CHECK(c->staging_chunk_tokens >= 0 &&
+               c->staging_chunk_tokens <= NCCL_EP_MAX_STAGING_CHUNK_TOKENS &&
+               (c->staging_depth == 0 || (c->staging_depth >= NCCL_EP_MIN_STAGING_DEPTH &&
+                                          c->staging_depth <= NCCL_EP_MAX_STAGING_DEPTH)),
            ncclInvalidArgument,
-           "ncclEpCreateGroup: staging_chunk_tokens must be in [0, 65536] and staging_depth 0 or "
-           "in [2, 64] (0 = default), got %d and %d",
+           "ncclEpCreateGroup: staging_chunk_tokens must be in [0, %d] and staging_depth 0 or "
+           "in [%d, %d] (0 = default), got %d and %d",
+           NCCL_EP_MAX_STAGING_CHUNK_TOKENS, NCCL_EP_MIN_STAGING_DEPTH, NCCL_EP_MAX_STAGING_DEPTH,
            c->staging_chunk_tokens, c->staging_depth);
   const long long slots = (long long)nranks * c->max_tokens_per_rank * c->max_topk;
   const long long rows = (long long)nranks * c->max_tokens_per_rank *
@@ -256,8 +278,9 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
   EP_CHECK(c->alloc_fn == nullptr || c->free_fn != nullptr, ncclInvalidArgument,
            "alloc_fn and free_fn must be given together");
   if (c->mode == ncclEpModeLowLatency) return check_ll_config(c, nranks, node_size);
-  EP_CHECK(c->layout == ncclEpLayoutExpertMajor && c->dispatch_fp8 == 0, ncclInvalidArgument,
-           "ncclEpCreateGroup: layout and dispatch_fp8 are LL options (mode "
+  EP_CHECK(c->layout == ncclEpLayoutExpertMajor && c->payload_dtype == ncclEpPayloadTokenDtype,
+           ncclInvalidArgument,
+           "ncclEpCreateGroup: layout and payload_dtype are LL options (mode "
            "ncclEpModeLowLatency); HT keeps their initializer values");
   const WindowLayout w = plan_window(*c, node_size);
   const long long per_channel = (c->max_tokens_per_rank + w.channels - 1) / w.channels;
@@ -304,7 +327,8 @@ ncclResult_t agree_config(ncclEpGroup* g, int lsa_size, int nccl_version, cudaSt
                              (long long)c.token_dtype, (long long)c.recv_count_mode,
                              g->capacity, c.expert_alignment, c.num_sms, (long long)c.timeout_ms,
                              c.staging_chunk_tokens, c.staging_depth, c.expert_capacity,
-                             (long long)c.layout, c.dispatch_fp8, nccl_version, g->node_size,
+                             (long long)c.layout, (long long)c.payload_dtype, nccl_version,
+                             g->node_size,
                              lsa_size};
   const int R = g->nranks;
   std::vector<ConfigRecord> all(R);

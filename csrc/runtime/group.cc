@@ -354,10 +354,8 @@ extern "C" ncclResult_t ncclEpGetMemorySize(const ncclEpGroupConfig_t* config, i
            ncclInvalidArgument,
            "ncclEpGetMemorySize: size.size/version do not match this library; initialize it "
            "with NCCL_EP_MEMORY_SIZE_INITIALIZER");
-  EP_CHECK(nranks >= 1 && nranks <= kMaxRanks, ncclInvalidArgument,
-           "ncclEpGetMemorySize: nranks must be in [1, %d], got %d", kMaxRanks, nranks);
   // One node, unless ranks_per_node says otherwise (the rail buffers of HT groups that span
-  // nodes are not counted).
+  // nodes are not counted); nranks is checked with the config (check_config).
   const int node_size = config->ranks_per_node > 0 ? config->ranks_per_node : nranks;
   EP_RETURN_IF(check_config(config, nranks, node_size));
   ncclEpGroup probe;

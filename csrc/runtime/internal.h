@@ -131,6 +131,16 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
 // Sizes and offsets of the window for this config (the same on every rank of a node of nranks).
 WindowLayout plan_window(const ncclEpGroupConfig_t& c, int nranks);
 int default_channels(const ncclEpGroupConfig_t& c);
+// An LL dispatch payload's wire format: its element type and bytes (0: not a payload type) and
+// the columns per fp32 scale (0: no scales). The one statement of what each
+// ncclEpPayloadDtype_t moves: the window's messages, the outputs' checks and the kernel's cast
+// follow it.
+struct PayloadFormat {
+  ncclDataType_t dtype;
+  int elem_bytes;
+  int scale_block;
+};
+PayloadFormat payload_format(const ncclEpGroupConfig_t& c);
 // Capacity mode, whatever it does with an overflow (ncclEpRecvCountCapacity, ...CapacityDrop).
 inline bool is_capacity_mode(const ncclEpGroupConfig_t& c) {
   return c.recv_count_mode == ncclEpRecvCountCapacity ||

@@ -4,14 +4,14 @@
  * per call (kernels/ll_*.cu). No call synchronizes the host or communicates outside its kernel.
  *
  * NOTES:
- *  - Ops of one kind alternate between two buffer sets by a device-side epoch, and a send waits
- *    on the device until every peer consumed the set's op of two epochs before (a rank's own
+ *  - Ops of one kind cycle through kLLSets buffer sets by a device-side epoch, and a send waits
+ *    on the device until every peer consumed the set's op of kLLSets epochs before (a rank's own
  *    consumption is ordered by its stream). So an op may not be issued while one of its kind
- *    issued two or more ops before it is pending (sent with send_only, not completed): it would
- *    wait for a receive that only a later call can start, and overwrite this rank's own rows of
- *    it. That covers a third op while two are pending, an op after a fused one, and one after
- *    an out-of-order ncclEpComplete. It is refused here, before anything is enqueued; the calls
- *    are collective, so every rank refuses it alike.
+ *    issued kLLSets or more ops before it is pending (sent with send_only, not completed): it
+ *    would wait for a receive that only a later call can start, and overwrite this rank's own
+ *    rows of it. That covers an op while kLLSets are pending, an op after a fused one, and one
+ *    after an out-of-order ncclEpComplete. It is refused here (check_op), before anything is
+ *    enqueued; the calls are collective, so every rank refuses it alike.
  *  - send_only keeps the op's launch arguments in the handle: ncclEpComplete relaunches the
  *    kernel with only its receive phase.
  */
@@ -89,7 +89,7 @@ LLArgs ll_args(const ncclEpHandle* h) {
   LLArgs a;
   static_cast<GroupArgs&>(a) = group_args(g);  // one node: the group's ranks
   a.rank_major = g->cfg.layout == ncclEpLayoutRankMajor;
-  a.fp8 = g->cfg.dispatch_fp8 != 0;
+  a.payload = (int)g->cfg.payload_dtype;
   a.dtype = (int)g->cfg.token_dtype;
   a.tokens = h->num_tokens;
   a.topk = h->topk;
@@ -120,16 +120,16 @@ ncclResult_t check_op(ncclEpHandle* h, const ncclEpOpConfig_t* config, int kind,
            "dispatch placed)");
   std::lock_guard<std::mutex> lock(g->mu);
   const char* ops = kind == 0 ? "dispatche" : "combine";
-  EP_CHECK(g->ll_pending_ops[kind].size() < 2, ncclInvalidUsage,
-           "%s: two LL %ss are already in flight on this group (sent with send_only, not "
-           "completed); both buffer sets are taken: complete the older one first",
-           fn, ops);
+  EP_CHECK(g->ll_pending_ops[kind].size() < (size_t)kLLSets, ncclInvalidUsage,
+           "%s: %d LL %ss are already in flight on this group (sent with send_only, not "
+           "completed); all %d buffer sets are taken: complete the oldest one first",
+           fn, kLLSets, ops, kLLSets);
   for (const unsigned long long op : g->ll_pending_ops[kind])
-    EP_CHECK(op + 2 > g->ll_issued[kind], ncclInvalidUsage,
+    EP_CHECK(op + kLLSets > g->ll_issued[kind], ncclInvalidUsage,
              "%s: the LL %s sent with send_only %llu %ss before this one is not completed, and "
-             "this one would write the buffer set it still holds (the ops of a kind alternate "
-             "between two): call ncclEpComplete on that handle first",
-             fn, kind == 0 ? "dispatch" : "combine", g->ll_issued[kind] - op, ops);
+             "this one would write the buffer set it still holds (the ops of a kind cycle "
+             "through %d): call ncclEpComplete on that handle first",
+             fn, kind == 0 ? "dispatch" : "combine", g->ll_issued[kind] - op, ops, kLLSets);
   return ncclSuccess;
 }
 
@@ -195,8 +195,11 @@ ncclResult_t ll_dispatch(ncclEpHandle* h, const ncclEpDispatchInputs_t* in,
   const ncclEpGroupConfig_t& c = g->cfg;
   const long long T = h->num_tokens, K = h->topk, H = c.hidden, L = g->num_local,
                   Km = c.max_topk, RT = (long long)g->nranks * c.max_tokens_per_rank;
-  const bool fp8 = c.dispatch_fp8 != 0, rank_major = c.layout == ncclEpLayoutRankMajor;
-  const ncclDataType_t x_type = fp8 ? ncclFloat8e4m3 : c.token_dtype;
+  const bool rank_major = c.layout == ncclEpLayoutRankMajor;
+  const PayloadFormat payload = payload_format(c);
+  const ncclDataType_t x_type = payload.dtype;
+  const bool scaled = payload.scale_block > 0;
+  const long long blocks = scaled ? H / payload.scale_block : 0;
   EP_RETURN_IF(check_nd(in->tokens, "x", {T, H}, c.token_dtype));
   const bool weights = in->topk_weights.ndim != 0;
   if (weights) EP_RETURN_IF(check_nd(in->topk_weights, "topk_weights", {T, K}, ncclFloat32));
@@ -209,24 +212,24 @@ ncclResult_t ll_dispatch(ncclEpHandle* h, const ncclEpDispatchInputs_t* in,
           check_nd(out->recv_topk_weights, "recv_topk_weights", {RT, Km}, ncclFloat32));
     EP_CHECK(weights || out->recv_topk_weights.ndim == 0, ncclInvalidArgument,
              "recv_topk_weights must be absent (ndim 0) when the dispatch has no topk_weights");
-    if (fp8) EP_RETURN_IF(check_nd(out->recv_scales, "recv_scales", {RT, H / kFp8Block},
-                                   ncclFloat32));
+    if (scaled)
+      EP_RETURN_IF(check_nd(out->recv_scales, "recv_scales", {RT, blocks}, ncclFloat32));
   } else {
     EP_RETURN_IF(check_nd(out->recv_tokens, "recv_x", {L, RT, H}, x_type));
     EP_RETURN_IF(check_nd(out->recv_count, "recv_count", {L}, ncclInt32));
     EP_RETURN_IF(check_nd(out->recv_src, "recv_src", {L, RT}, ncclInt32));
-    if (fp8) EP_RETURN_IF(check_nd(out->recv_scales, "recv_scales", {L, RT, H / kFp8Block},
-                                   ncclFloat32));
+    if (scaled)
+      EP_RETURN_IF(check_nd(out->recv_scales, "recv_scales", {L, RT, blocks}, ncclFloat32));
   }
-  EP_CHECK(fp8 || out->recv_scales.ndim == 0, ncclInvalidArgument,
-           "recv_scales must be absent (ndim 0) without dispatch_fp8");
+  EP_CHECK(scaled || out->recv_scales.ndim == 0, ncclInvalidArgument,
+           "recv_scales must be absent (ndim 0): this group's payload_dtype has no scales");
   LLDispatchArgs d;
   d.a = ll_args(h);
   d.a.recv = !send_only;
   d.x = in->tokens.data;
   d.w = weights ? static_cast<const float*>(in->topk_weights.data) : nullptr;
   d.recv_x = out->recv_tokens.data;
-  d.recv_scales = fp8 ? static_cast<float*>(out->recv_scales.data) : nullptr;
+  d.recv_scales = scaled ? static_cast<float*>(out->recv_scales.data) : nullptr;
   d.recv_count = static_cast<int*>(out->recv_count.data);
   d.recv_src = rank_major ? nullptr : static_cast<int*>(out->recv_src.data);
   d.recv_topk_idx = rank_major ? static_cast<int*>(out->recv_topk_idx.data) : nullptr;

@@ -34,7 +34,9 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: dense, ll_cases, ep_cases
 
-PAYLOADS = {"bf16": ("bfloat16", False), "fp16": ("float16", False), "fp8": ("bfloat16", True)}
+# payload word -> (the token dtype, the LL payload dtype: None = the token dtype), torch names.
+PAYLOADS = {"bf16": ("bfloat16", None), "fp16": ("float16", None),
+            "fp8": ("bfloat16", "float8_e4m3fn")}
 
 
 def configurations() -> list:
@@ -97,11 +99,13 @@ def between(rng: random.Random, device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def ll_expert(out, layout: str, dtype, fp8: bool):
-    """Dequantize (FP8), widen, scale, cast back to the payload dtype."""
+def ll_expert(out, layout: str, dtype):
+    """Dequantize (a payload with scales: FP8), widen, scale, cast back to the token dtype."""
+    from megatron_nccl_ep.config import LL_PAYLOADS
+
     x = out.x.float()
-    if fp8:
-        x = x * out.scales.repeat_interleave(128, dim=-1)
+    if out.scales is not None:
+        x = LL_PAYLOADS[out.x.dtype].dequant(out.x, out.scales)
     return (x * 1.5 - 0.25).to(dtype)
 
 
@@ -132,12 +136,13 @@ def run_ll(cfg: dict, seed: int, reps: int, timeout_s: float, device) -> dict:
     import megatron_nccl_ep as ep
     from megatron_nccl_ep.outputs import LLDispatchOutput
 
-    dtype_name, fp8 = PAYLOADS[cfg["payload"]]
+    dtype_name, payload_name = PAYLOADS[cfg["payload"]]
     dtype, layout, world = getattr(torch, dtype_name), cfg["layout"], cfg["world"]
+    payload = None if payload_name is None else getattr(torch, payload_name)
     em = layout == "expert_major"
     problems = [ll_problem(cfg, seed, rep) for rep in range(reps)]
     weights = [ll_cases.fresh_weights(p, seed + rep) for rep, p in enumerate(problems)]
-    groups = ep.Group.local_team(world, **problems[0].group_fields(layout, fp8), num_sms=16,
+    groups = ep.Group.local_team(world, **problems[0].group_fields(layout, payload), num_sms=16,
                                  timeout_s=timeout_s, device=device)
 
     def step(r, g, rep, rng):
@@ -150,7 +155,7 @@ def run_ll(cfg: dict, seed: int, reps: int, timeout_s: float, device) -> dict:
         if send_only:
             between(rng, device)
             h.complete()
-        expert_out = ll_expert(out, layout, dtype, fp8)
+        expert_out = ll_expert(out, layout, dtype)
         between(rng, device)
         y = h.combine(expert_out, cw)
         h.destroy()

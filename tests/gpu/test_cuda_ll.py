@@ -21,6 +21,7 @@ import torch
 import ll_cases
 import ll_oracle
 import megatron_nccl_ep as ep
+from megatron_nccl_ep.config import LL_PAYLOADS
 from megatron_nccl_ep.outputs import LLDispatchOutput
 from test_cuda_local_team import run_ranks
 
@@ -28,7 +29,7 @@ from gpu_common import requires_gpus
 
 pytestmark = requires_gpus
 
-BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn
 LAYOUTS = ("expert_major", "rank_major")
 
 # name -> make_ll_problem arguments (tokens / topk cycled over the ranks).
@@ -46,8 +47,8 @@ CASES = {
 }
 
 
-def team(world: int, problem: ll_cases.LLProblem, layout: str, fp8: bool, **extra):
-    fields = dict(problem.group_fields(layout, fp8), num_sms=16, timeout_s=20.0)
+def team(world: int, problem: ll_cases.LLProblem, layout: str, payload, **extra):
+    fields = dict(problem.group_fields(layout, payload), num_sms=16, timeout_s=20.0)
     fields.update(extra)
     return ep.Group.local_team(world, **fields)
 
@@ -111,13 +112,13 @@ def run_eager(groups, problem, layout, expert_out, cw):
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("fp8", [False, True])
-def test_ll_bitwise_equals_oracle(world, case, layout, fp8, seed):
+@pytest.mark.parametrize("payload", [None, FP8], ids=["tokens", "fp8"])
+def test_ll_bitwise_equals_oracle(world, case, layout, payload, seed):
     args = dict(CASES[case])
-    if fp8 and args["hidden"] % 128:
+    if payload is not None and args["hidden"] % 128:
         args["hidden"] = 128 * -(-args["hidden"] // 128)
     problem = ll_cases.make_ll_problem(world, seed=seed, **args)
-    groups = team(world, problem, layout, fp8)
+    groups = team(world, problem, layout, payload)
     try:
         for rerun in range(2):  # fresh inputs on reused memory: stale rows would show
             problem = ll_cases.make_ll_problem(world, seed=seed + 17 * rerun, **args)
@@ -137,7 +138,7 @@ def test_ll_combine_of_fp32_rows_equals_the_rounded_rows(world, case, layout, se
     bitwise the oracle's combine of the rows rounded first; with ``send_only`` the own rows go
     through the window too."""
     problem = ll_cases.make_ll_problem(world, seed=seed, **CASES[case])
-    groups = team(world, problem, layout, False)
+    groups = team(world, problem, layout, None)
     try:
         want, expert_out, cw, _ = expected(problem, layout, groups, seed)
         wide = ll_cases.widened_outputs(expert_out, seed + 3)
@@ -166,17 +167,17 @@ def test_ll_combine_of_fp32_rows_equals_the_rounded_rows(world, case, layout, se
         destroy(groups)
 
 
-@pytest.mark.parametrize("world,layout,fp8", [(1, "expert_major", False),
-                                              (1, "rank_major", True),
-                                              (8, "rank_major", False),
-                                              (8, "expert_major", True)])
-def test_ll_bench_shape_bitwise(world, layout, fp8, seed):
+@pytest.mark.parametrize("world,layout,payload", [(1, "expert_major", None),
+                                                  (1, "rank_major", FP8),
+                                                  (8, "rank_major", None),
+                                                  (8, "expert_major", FP8)])
+def test_ll_bench_shape_bitwise(world, layout, payload, seed):
     """The decode shape of the bench (hidden 7168, top-8 of 256), 128 tokens a rank at EP=1 and
     32 a rank at EP=8 (the oracle's expert-major outputs are L x R*T_max rows on the host)."""
     tokens = 128 if world == 1 else 32
     problem = ll_cases.make_ll_problem(world, tokens=tokens, hidden=7168, num_experts=256,
                                        topk=8, dtype=BF16, seed=seed)
-    groups = team(world, problem, layout, fp8)
+    groups = team(world, problem, layout, payload)
     try:
         want, expert_out, cw, want_y = expected(problem, layout, groups, seed)
         results = run_eager(groups, problem, layout, expert_out, cw)
@@ -188,24 +189,24 @@ def test_ll_bench_shape_bitwise(world, layout, fp8, seed):
 # -- CUDA graphs --------------------------------------------------------------------------------
 def expert_fn(out, layout: str, dtype: torch.dtype) -> torch.Tensor:
     """A stand-in for the experts, the same elementwise arithmetic on both sides: the received
-    rows (dequantized with their scales under FP8) times 2."""
+    rows (dequantized with their scales under a payload dtype that has them: FP8) times 2."""
     x = out.x
     if out.scales is not None:
-        x = (x.float() * out.scales.repeat_interleave(128, dim=-1)).to(dtype)
+        x = LL_PAYLOADS[x.dtype].dequant(x, out.scales).to(dtype)
     return x * 2
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("layout,fp8", [("expert_major", False), ("rank_major", False),
-                                        ("expert_major", True)])
-def test_ll_graph_replay_with_new_routing_equals_eager(world, layout, fp8, seed):
+@pytest.mark.parametrize("layout,payload", [("expert_major", None), ("rank_major", None),
+                                            ("expert_major", FP8)])
+def test_ll_graph_replay_with_new_routing_equals_eager(world, layout, payload, seed):
     """Handle creation, dispatch, the experts and combine captured once per rank, replayed with
     new routing, tokens and weights copied into the captured inputs: every replay bitwise equal
     to the oracle and to eager calls on the same inputs. A replay has no gate (nccl_ep.h,
     ncclEpCreateLocalTeam): the ranks' threads meet before and after their replays."""
     args = dict(tokens=24, hidden=512, num_experts=16, topk=4, dtype=BF16)
     rounds = [ll_cases.make_ll_problem(world, seed=seed + i, **args) for i in range(3)]
-    groups = team(world, rounds[0], layout, fp8)
+    groups = team(world, rounds[0], layout, payload)
     cws = [ll_cases.fresh_weights(p, seed + 7 + i) for i, p in enumerate(rounds)]
 
     dev = groups[0].device
@@ -271,14 +272,14 @@ def test_ll_graph_replay_with_new_routing_equals_eager(world, layout, fp8, seed)
 
 # -- staging ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("layout,fp8", [("expert_major", False), ("rank_major", True)])
-def test_ll_two_micro_batches_send_only(world, layout, fp8, seed):
+@pytest.mark.parametrize("layout,payload", [("expert_major", None), ("rank_major", FP8)])
+def test_ll_two_micro_batches_send_only(world, layout, payload, seed):
     """The seed's decode order: dispatch mb0 and mb1 send-only, complete mb0, its experts, combine
     mb0 send-only, complete mb1, ..., complete both combines; bitwise equal to the oracle. A
     third dispatch while two are in flight is refused on every rank, before anything runs."""
     args = dict(tokens=(9, 14), hidden=256, num_experts=16, topk=3, dtype=BF16)
     mbs = [ll_cases.make_ll_problem(world, seed=seed + i, **args) for i in range(3)]
-    groups = team(world, mbs[0], layout, fp8)
+    groups = team(world, mbs[0], layout, payload)
     em = layout == "expert_major"
     cws = [ll_cases.fresh_weights(p, seed + 5 + i) for i, p in enumerate(mbs)]
 
@@ -290,7 +291,7 @@ def test_ll_two_micro_batches_send_only(world, layout, fp8, seed):
         (i0, x0, w0, c0), (i1, x1, w1, c1), (i2, x2, w2, _) = ([v[r] for v in mb] for mb in inputs)
         hs = [g.create_handle(i) for i in (i0, i1, i2)]
         outs = [hs[0].dispatch(x0, w0, send_only=True), hs[1].dispatch(x1, w1, send_only=True)]
-        with pytest.raises(RuntimeError, match="two dispatches are already in flight"):
+        with pytest.raises(RuntimeError, match="2 dispatches are already in flight"):
             hs[2].dispatch(x2, w2, send_only=True)
         ys = []
         for i, cw in enumerate((c0, c1)):
@@ -326,7 +327,7 @@ def test_ll_library_refuses_a_third_op_in_flight(seed):
     ncclInvalidUsage with the reason."""
     problem = ll_cases.make_ll_problem(1, tokens=4, hidden=128, num_experts=4, topk=2,
                                        dtype=BF16, seed=seed)
-    (g,) = team(1, problem, "expert_major", False)
+    (g,) = team(1, problem, "expert_major", None)
     try:
         dev, backend = g.device, g._backend
         states = [backend.ll_create_handle(problem.topk_idx[0].to(dev)) for _ in range(3)]
@@ -365,7 +366,7 @@ def test_ll_routing_value_error_on_every_rank(kind, seed):
     idx = problem.topk_idx[1].clone()
     idx[3, 1] = 8 if kind == "out_of_range" else idx[3, 0]
     problem.topk_idx[1] = idx
-    groups = team(world, problem, "rank_major", False, timeout_s=10.0)
+    groups = team(world, problem, "rank_major", None, timeout_s=10.0)
     idx, x = staged(problem.topk_idx, groups[0].device), staged(problem.x, groups[0].device)
 
     def body(r, g):
@@ -393,7 +394,7 @@ def test_ll_rank_that_never_calls_times_out_naming_it(seed):
     world = 2
     problem = ll_cases.make_ll_problem(world, tokens=5, hidden=128, num_experts=4, topk=2,
                                        dtype=BF16, seed=seed)
-    groups = team(world, problem, "expert_major", False, timeout_s=2.0)
+    groups = team(world, problem, "expert_major", None, timeout_s=2.0)
     idx, x = staged(problem.topk_idx, groups[0].device), staged(problem.x, groups[0].device)
 
     def body(r, g):

@@ -20,7 +20,7 @@ from test_cuda_ll import CASES, LAYOUTS, expert_fn, to_cpu
 
 pytestmark = requires_gpus
 
-BF16 = torch.bfloat16
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 
 
 def nvlink_world_sizes():
@@ -29,9 +29,9 @@ def nvlink_world_sizes():
                                 f"{gpu_count()}")) for n in (2, 4, 8)]
 
 
-def group_of(problem, layout: str, fp8: bool):
+def group_of(problem, layout: str, payload):
     return ep.Group(backend="cuda", num_sms=24, timeout_s=30.0,
-                    **problem.group_fields(layout, fp8))
+                    **problem.group_fields(layout, payload))
 
 
 def oracle(problem, config, layout: str, seed: int, expert=None):
@@ -52,10 +52,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
 
 
-def check_case(case: dict, layout: str, fp8: bool, seed: int) -> str:
+def check_case(case: dict, layout: str, payload, seed: int) -> str:
     rank, world, dev = tdist.get_rank(), tdist.get_world_size(), this_device()
     problem = ll_cases.make_ll_problem(world, seed=seed, **case)
-    g = group_of(problem, layout, fp8)
+    g = group_of(problem, layout, payload)
     try:
         for rerun in range(2):  # fresh inputs on reused memory: stale rows would show
             problem = ll_cases.make_ll_problem(world, seed=seed + 17 * rerun, **case)
@@ -79,30 +79,32 @@ def check_case(case: dict, layout: str, fp8: bool, seed: int) -> str:
 @pytest.mark.parametrize("world", nvlink_world_sizes())
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("fp8", [False, True])
-def test_ll_nvlink_bitwise_equals_oracle(world, case, layout, fp8, seed):
+@pytest.mark.parametrize("payload", [None, FP8], ids=["tokens", "fp8"])
+def test_ll_nvlink_bitwise_equals_oracle(world, case, layout, payload, seed):
     args = dict(CASES[case])
-    if fp8 and args["hidden"] % 128:
+    if payload is not None and args["hidden"] % 128:
         args["hidden"] = 128 * -(-args["hidden"] // 128)
-    assert dist.run(world, check_case, args, layout, fp8, seed, backend="nccl") == ["ok"] * world
+    assert dist.run(world, check_case, args, layout, payload, seed,
+                    backend="nccl") == ["ok"] * world
 
 
 @pytest.mark.parametrize("world", nvlink_world_sizes())
-@pytest.mark.parametrize("layout,fp8", [("expert_major", True), ("rank_major", False)])
-def test_ll_nvlink_decode_shape(world, layout, fp8, seed):
+@pytest.mark.parametrize("layout,payload", [("expert_major", FP8), ("rank_major", None)])
+def test_ll_nvlink_decode_shape(world, layout, payload, seed):
     """128 tokens a rank, hidden 7168, top-8 of 256 (the bench's decode shape)."""
     args = dict(tokens=128, hidden=7168, num_experts=256, topk=8, dtype=BF16)
-    assert dist.run(world, check_case, args, layout, fp8, seed, backend="nccl") == ["ok"] * world
+    assert dist.run(world, check_case, args, layout, payload, seed,
+                    backend="nccl") == ["ok"] * world
 
 
-def check_staged_and_graph(layout: str, fp8: bool, seed: int) -> str:
+def check_staged_and_graph(layout: str, payload, seed: int) -> str:
     """The two-micro-batch send_only order, then one graph of handle + dispatch + experts +
     combine replayed on new routing; every result against the oracle."""
     rank, world, dev = tdist.get_rank(), tdist.get_world_size(), this_device()
     args = dict(tokens=(9, 14, 5, 11), hidden=512, num_experts=32, topk=4, dtype=BF16)
     em = layout == "expert_major"
     mbs = [ll_cases.make_ll_problem(world, seed=seed + i, **args) for i in range(4)]
-    g = group_of(mbs[0], layout, fp8)
+    g = group_of(mbs[0], layout, payload)
     expert = lambda o: expert_fn(o, layout, BF16)  # noqa: E731
     try:
         refs = [oracle(p, g.config, layout, seed + i, expert) for i, p in enumerate(mbs)]
@@ -151,7 +153,7 @@ def check_staged_and_graph(layout: str, fp8: bool, seed: int) -> str:
 
 
 @pytest.mark.parametrize("world", nvlink_world_sizes())
-@pytest.mark.parametrize("layout,fp8", [("expert_major", False), ("rank_major", True)])
-def test_ll_nvlink_send_only_and_graph_replay(world, layout, fp8, seed):
-    assert dist.run(world, check_staged_and_graph, layout, fp8, seed,
+@pytest.mark.parametrize("layout,payload", [("expert_major", None), ("rank_major", FP8)])
+def test_ll_nvlink_send_only_and_graph_replay(world, layout, payload, seed):
+    assert dist.run(world, check_staged_and_graph, layout, payload, seed,
                     backend="nccl") == ["ok"] * world
