@@ -314,3 +314,41 @@ def test_the_library_names_every_payload_dtype():
     c = _C.GroupConfig()
     with pytest.raises(ValueError, match=r"payload_dtype Int is not an LL payload"):
         c.payload_dtype = torch.int32
+
+
+# -- a GroupConfig field reaches the library ------------------------------------------------------
+# Each Python field, a configuration where it matters and another value of it.
+_HT = config.GroupConfig(num_experts=8, hidden=64, max_tokens_per_rank=6, max_topk=3)
+_CAPACITY = config.GroupConfig(num_experts=8, hidden=64, max_tokens_per_rank=6, max_topk=3,
+                               recv_mode="capacity", max_recv_tokens_per_rank=40)
+_LL = config.GroupConfig(num_experts=8, hidden=128, max_tokens_per_rank=6, max_topk=3, mode="ll")
+FIELD_CHANGES = {
+    "num_experts": (_HT, 16), "hidden": (_HT, 128), "max_tokens_per_rank": (_HT, 7),
+    "max_topk": (_HT, 2), "dtype": (_HT, torch.float16), "recv_mode": (_CAPACITY, "exact"),
+    "max_recv_tokens_per_rank": (_CAPACITY, 48), "capacity_overflow": (_CAPACITY, "drop"),
+    "expert_alignment": (_HT, 16), "num_sms": (_HT, 8), "timeout_s": (_HT, 2.5),
+    "staging_chunk_tokens": (_HT, 64), "staging_depth": (_HT, 4), "ranks_per_node": (_HT, 4),
+    "expert_capacity": (_HT, 5), "mode": (_LL, "ht"), "ll_layout": (_LL, "rank_major"),
+    "payload_dtype": (_LL, torch.float8_e4m3fn),
+}
+
+
+def _c_fields(group_config) -> dict:
+    c = cuda_backend._c_config(group_config)
+    return {name: getattr(c, name) for name in dir(c) if not name.startswith("_")}
+
+
+@needs_library
+def test_every_group_config_field_reaches_the_library():
+    # A new GroupConfig field needs an entry here, and cuda_backend._c_config must pass it on
+    # (docs/design.md §1, "a GroupConfig field"); every field of the C struct is set from one.
+    import dataclasses
+
+    assert set(FIELD_CHANGES) == {f.name for f in dataclasses.fields(config.GroupConfig)}
+    set_by = set()
+    for name, (base, value) in FIELD_CHANGES.items():
+        before, after = _c_fields(base), _c_fields(dataclasses.replace(base, **{name: value}))
+        changed = {field for field in before if before[field] != after[field]}
+        assert changed, f"GroupConfig.{name} does not reach the library's configuration"
+        set_by |= changed
+    assert set_by == set(_c_fields(_HT)), "C fields set by no GroupConfig field"
