@@ -138,19 +138,17 @@ def _also(result: dict) -> str:
 def _training(result: dict) -> str:
     """A sentence on the dropless training step, where the run's training records hold it."""
     for record in result.get("training") or []:
-        runs = record["runs"]
-        graphed, eager = runs.get("dropless_full_iteration"), runs.get("dropless")
-        alltoall = runs.get("alltoall_drop_and_pad_full_iteration")
-        if not (graphed and eager and alltoall and "ms" in graphed and "ms" in eager
-                and "ms" in alltoall):
+        graphed, eager, alltoall = (record["runs"].get(name, {}).get("ms") for name in (
+            "dropless_full_iteration", "dropless", "alltoall_drop_and_pad_full_iteration"))
+        if None in (graphed, eager, alltoall):
             continue
         exact = any(c["passed"] and c["label"].startswith("(i)") for c in record["checks"])
         return (f" Training ({record['script']}, examples/check_training.py's GRAPH_MODEL, "
                 f"{record['gpus']} x {record['device']}, the model's own routing): dropless in "
-                f"capacity mode with the grouped experts, {graphed['ms']:.1f} ms per step in a "
-                f"full-iteration CUDA graph ({eager['ms']:.1f} eager"
+                f"capacity mode with the grouped experts, {graphed:.1f} ms per step in a "
+                f"full-iteration CUDA graph ({eager:.1f} eager"
                 + (", bitwise equal over 100 iterations" if exact else "")
-                + f"), against {alltoall['ms']:.1f} for Megatron's alltoall with drop-and-pad "
+                + f"), against {alltoall:.1f} for Megatron's alltoall with drop-and-pad "
                 "(which drops tokens), also in a full-iteration graph.")
     return ""
 

@@ -204,11 +204,17 @@ def print_graph_captures() -> None:
     FullCudaGraphWrapper.__call__ = full_iteration
 
 
-def main() -> None:
-    args = parse_arguments(sys.argv[1:])
+def prepare_run() -> None:
+    """What every run of the example (or of a Megatron-LM script, examples/run_megatron_lm.py)
+    sets up before Megatron trains: the step and graph lines, the built dataset helpers."""
     print_exact_steps()
     print_graph_captures()
     use_built_dataset_helpers()
+
+
+def main() -> None:
+    args = parse_arguments(sys.argv[1:])
+    prepare_run()
     config = pretrain_cfg_container_from_args(args, gpt_config(args))
     pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
     print_budget_high_water()

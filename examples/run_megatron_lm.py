@@ -27,9 +27,7 @@ def main(argv: list) -> None:
     if not argv:
         raise SystemExit(f"usage: {sys.argv[0]} SCRIPT [FLAGS...]")
     script, flags = argv[0], argv[1:]
-    pretrain_gpt_moe.print_exact_steps()
-    pretrain_gpt_moe.print_graph_captures()
-    pretrain_gpt_moe.use_built_dataset_helpers()
+    pretrain_gpt_moe.prepare_run()
     launch([script, *pretrain_gpt_moe.default_arguments(int(os.environ.get("WORLD_SIZE", "1"))),
             *flags])
     pretrain_gpt_moe.print_budget_high_water()
