@@ -202,6 +202,32 @@ def _training(result: dict, out: list) -> None:
                        for name, run in record["runs"].items()], (".1f", ".0f"))
 
 
+def _stress(result: dict, out: list) -> None:
+    """tests/gpu/stress_teams.py's record (``result["stress"]``, put there by
+    ``python -m benchmarks.readme --stress``): each configuration's totals."""
+    record = result.get("stress")
+    if not record:
+        return
+    source = record.get("source") or {}
+    out += ["## Stress: local teams in fresh processes", "",
+            "tests/gpu/stress_teams.py: each configuration first in a fresh process (CUDA module "
+            f"loading {record['module_loading']}), then repeated with fresh uneven routing, a rank "
+            "with no tokens, masked slots and torch work between the ops; every output compared "
+            "bitwise with the reference arithmetic; the groups' timeout "
+            f"{record['timeout_s']:g} s. A team is one process on one GPU (a proxy of EP ranks).",
+            "", f"- machine: {record.get('device')}; sources `{source.get('sources_sha256')}`",
+            f"- command: `{record.get('command')}`"
+            + ("" if record.get("finished") else " (cut short: the configurations it finished)"),
+            ""]
+    configs = record["configurations"]
+    out += _table(["configuration", "outcome", "processes", "repetitions", "timeouts",
+                   "mismatching elements", "seconds"],
+                  [(c["name"], "clean" if c["clean"] else f"FAIL: {c['error'] or 'incomplete'}",
+                    c["processes"], c["reps"], c["timeouts"], c["mismatches"], c["seconds"])
+                   for c in configs], ("d",) * 4 + (".1f",))
+    out += [f"{sum(c['clean'] for c in configs)} of {len(configs)} configurations clean.", ""]
+
+
 def _host(result: dict, out: list) -> None:
     op_rows, step_rows, meg_rows = host_rows(result)
     if not (op_rows or step_rows or meg_rows):
@@ -352,6 +378,7 @@ def render(result: dict) -> str:
     _host(result, out)
     _experts(result, out)
     _training(result, out)
+    _stress(result, out)
     _sweeps(result, out)
     _checks(result, out)
     if result.get("errors"):

@@ -2,12 +2,16 @@
 ``benchmarks/results.json``.
 
     python -m benchmarks.readme [--bench OUT/results.json] [--training OUT/training*.json]
+                                [--stress OUT/stress.json]
 
 ``--bench`` takes a GPU run's results file (and the plot beside it) as the committed one;
-``--training`` puts examples/check_training.py's records (its ``--json``) into it. RESULTS.md is
+``--training`` puts examples/check_training.py's records (its ``--json``) into it, ``--stress``
+tests/gpu/stress_teams.py's (a new bench run keeps the committed ones). RESULTS.md is
 then the bench's rendering of results.json and the README's numbers section (between ``BEGIN``
 and ``END``) this module's text for it, so neither can drift from the results (tests/test_bench.py
-checks that they agree); ``--check`` only says whether both are current.
+checks that they agree); ``--check`` only says whether both are current and whether every record
+in results.json (the bench run, each training record) names the tree's sources
+(``report.source_version``): a library change needs a new GPU run before it lands.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import sys
 import textwrap
 
 from . import markdown
+from .report import source_version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results.json")
@@ -111,7 +116,7 @@ def numbers(result: dict) -> str:
         f"(T_max {result['ll']['memory']['shape']['tokens']}): "
         f"{memory['total_bytes'] / MIB:.0f} MiB per rank, against DeepEP V1's "
         f"{memory['deepep_bytes'] / MIB:.0f} MiB. RESULTS.md also has {_also(result)}.")
-    text += _training(result)
+    text += _training(result) + _stress(result)
     # The README's line width; words such as "top-8" stay whole.
     lines += ["", *textwrap.wrap(text, 100, break_on_hyphens=False, break_long_words=False)]
     return "\n".join(lines)
@@ -153,6 +158,35 @@ def _training(result: dict) -> str:
     return ""
 
 
+def _stress(result: dict) -> str:
+    """A sentence on the stress record, where there is one."""
+    record = result.get("stress")
+    if not record:
+        return ""
+    configs = record["configurations"]
+    return (f" Stress (tests/gpu/stress_teams.py, local teams EP "
+            f"{_sizes(int(c['name'].split('EP=')[1].split()[0]) for c in configs)} in fresh "
+            f"processes, LL and HT, compared bitwise): {sum(c['clean'] for c in configs)} of "
+            f"{len(configs)} configurations clean over {sum(c['reps'] for c in configs)} "
+            f"repetitions, {sum(c['timeouts'] for c in configs)} timeouts, "
+            f"{sum(c['mismatches'] for c in configs)} mismatching elements.")
+
+
+def other_sources(result: dict) -> list:
+    """The records of ``result`` (the bench run, each training record) that name other sources
+    than the tree's, each as a line saying which and what they name."""
+    tree = source_version()["sources_sha256"]
+    named = [("the bench run", result["meta"]["source"]["sources_sha256"])]
+    named += [(f"training record {i + 1} ({record.get('command', '?')})",
+               record["source"]["sources_sha256"])
+              for i, record in enumerate(result.get("training") or [])]
+    if result.get("stress"):
+        named.append((f"the stress record ({result['stress'].get('command', '?')})",
+                      result["stress"]["source"]["sources_sha256"]))
+    return [f"{what} names sources {sources}, the tree's are {tree}"
+            for what, sources in named if sources != tree]
+
+
 def section(readme: str) -> tuple:
     """(before, current section, after) of the README text, split at the markers."""
     start, end = readme.find(BEGIN), readme.find(END)
@@ -169,22 +203,30 @@ def main(argv=None) -> int:
                              "comes too)")
     parser.add_argument("--training", metavar="JSON", nargs="+",
                         help="examples/check_training.py --json records, in this order")
+    parser.add_argument("--stress", metavar="JSON",
+                        help="tests/gpu/stress_teams.py --json's record")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if RESULTS.md or the README's section differs from "
                              "results.json, writing nothing")
     options = parser.parse_args(argv)
-    if options.check and (options.bench or options.training):
-        parser.error("--check writes nothing: it takes neither --bench nor --training")
+    given = options.bench or options.training or options.stress
+    if options.check and given:
+        parser.error("--check writes nothing: it takes no --bench, --training or --stress")
     with open(options.bench or RESULTS) as f:
         result = json.load(f)
+    if options.bench:  # a new run keeps the committed run's records
+        with open(RESULTS) as f:
+            committed = json.load(f)
+        result["training"] = committed.get("training", [])
+        result["stress"] = committed.get("stress")
     if options.training:
         result["training"] = []
         for path in options.training:
             with open(path) as f:
                 result["training"].append(json.load(f))
-    elif options.bench:  # a new run keeps the committed run's training records
-        with open(RESULTS) as f:
-            result["training"] = json.load(f).get("training", [])
+    if options.stress:
+        with open(options.stress) as f:
+            result["stress"] = json.load(f)
     wanted = "\n" + numbers(result) + "\n"
     with open(README) as f:
         before, current, after = section(f.read())
@@ -196,8 +238,14 @@ def main(argv=None) -> int:
         if stale:
             print(f"{' and '.join(stale)} differ from benchmarks/results.json: run "
                   "python -m benchmarks.readme", file=sys.stderr)
-        return 1 if stale else 0
-    if options.bench or options.training:
+        others = other_sources(result)
+        if others:
+            print("benchmarks/results.json is not the tree's run: " + "; ".join(others) +
+                  ". Run the bench and the training checks on a GPU (docs/gpu_tests.md), then "
+                  "python -m benchmarks.readme --bench OUT/results.json --training "
+                  "OUT/training.json", file=sys.stderr)
+        return 1 if stale or others else 0
+    if given:
         with open(RESULTS, "w") as f:
             json.dump(result, f, indent=1)
             f.write("\n")

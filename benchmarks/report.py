@@ -36,11 +36,17 @@ FLOOR_CEILINGS = {
 }
 
 
+# The bench's modules that only render a results file (RESULTS.md, the README's numbers, the
+# plot): left out of the sources hash, so that a rendering change keeps the committed run current.
+RENDERERS = ("markdown.py", "plot.py", "readme.py")
+
+
 def source_version() -> dict:
     """What code ran: ``git describe --dirty`` of the tree (a copy of the tree may carry an older
     .git: "-dirty" then says the files differ from that commit) and a SHA-256 over the library's
-    sources (csrc/, the package's .py files) and the bench's own .py files, which names the code
-    whatever the .git says."""
+    sources (csrc/, the package's .py files) and the bench's own .py files but its renderers
+    (``RENDERERS``: they turn a results file into text and a picture, and the numbers do not
+    depend on them), which names the code whatever the .git says."""
     package = PACKAGE_DIR
     root = os.path.dirname(package)
     bench = os.path.dirname(os.path.abspath(__file__))
@@ -53,7 +59,8 @@ def source_version() -> dict:
     paths = [os.path.join(d, f) for top in (os.path.join(root, "csrc"), package)
              for d, _, files in os.walk(top) for f in files
              if f.endswith((".py", ".cu", ".cuh", ".cc", ".h"))]
-    paths += [os.path.join(bench, f) for f in os.listdir(bench) if f.endswith(".py")]
+    paths += [os.path.join(bench, f) for f in os.listdir(bench)
+              if f.endswith(".py") and f not in RENDERERS]
     for path in sorted(paths):
         digest.update(os.path.relpath(path, root).encode() + b"\0")
         with open(path, "rb") as f:

@@ -20,6 +20,7 @@ import torch
 
 from benchmarks import cli, host, kernels, ll, markdown, plot, report, runner, sweeps, team
 from benchmarks.__main__ import main
+from benchmarks.report import source_version
 from megatron_nccl_ep import config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -753,7 +754,11 @@ def test_readme_numbers_and_results_name_the_committed_run():
 
     assert readme.main(["--check"]) == 0, "run python -m benchmarks.readme"
     with open(readme.RESULTS) as f:
-        sources = json.load(f)["meta"]["source"]["sources_sha256"]
+        result = json.load(f)
+    sources = result["meta"]["source"]["sources_sha256"]
+    assert sources == source_version()["sources_sha256"], "results.json is another tree's run"
+    assert [r["source"]["sources_sha256"] for r in result["training"]] == \
+        [sources] * len(result["training"])
     with open(os.path.join(os.path.dirname(readme.RESULTS), "RESULTS.md")) as f:
         assert f"sources: `{sources}`" in f.read()
     with open(readme.README) as f:
@@ -775,10 +780,12 @@ def test_readme_numbers_follow_the_results(tmp_path):
     assert before != after
 
 
-def training_record(sources: str = "fedcba9876543210", ms: float = 101.25) -> dict:
-    """A record as examples/check_training.py --json writes it."""
+def training_record(sources: str = None, ms: float = 101.25) -> dict:
+    """A record as examples/check_training.py --json writes it (of the tree's sources unless
+    ``sources`` is given)."""
     return {"device": "NVIDIA H100 80GB HBM3", "gpus": 1,
-            "source": {"git": None, "sources_sha256": sources},
+            "source": {"git": None,
+                       "sources_sha256": sources or source_version()["sources_sha256"]},
             "command": "python examples/check_training.py --checks iu",
             "script": "Megatron-LM's pretrain_gpt.py",
             "checks": [{"label": "(i) dropless", "passed": True, "detail": "bits equal"},
@@ -812,7 +819,8 @@ def test_readme_puts_training_records_into_results_and_results_md(results_files,
     with open(readme.RESULTS_MD) as f:
         text = f.read()
     assert "## Training: Megatron's pretrain() end to end" in text
-    assert "sources `fedcba9876543210`; script: Megatron-LM's pretrain_gpt.py" in text
+    assert f"sources `{source_version()['sources_sha256']}`; script: Megatron-LM's " \
+        "pretrain_gpt.py" in text
     assert "| dropless_full_iteration | 100 | yes | 101.2 | 161817 |" in text
     assert "| dropless | 3 | no | - | - |" in text  # a run that logged no step time
     assert "| (u) against alltoall | FAIL: 1.2x |" in text
@@ -839,3 +847,60 @@ def test_readme_check_fails_on_a_hand_edited_results_md(results_files):
         f.write(text.replace("- sources: `", "- sources: `0", 1))
     assert readme.main(["--check"]) == 1
     assert readme.main([]) == 0 and readme.main(["--check"]) == 0  # rewritten from the results
+
+
+def test_readme_check_fails_when_a_record_names_other_sources(results_files, tmp_path, capsys):
+    """results.json rendered faithfully but naming other sources than the tree's (a hand-edited
+    hash, or a run of older code) fails --check, naming the record."""
+    readme = results_files
+    with open(readme.RESULTS) as f:
+        result = json.load(f)
+    result["meta"]["source"]["sources_sha256"] = "0" * 16
+    with open(readme.RESULTS, "w") as f:
+        json.dump(result, f)
+    assert readme.main([]) == 0  # RESULTS.md and the README rendered from it
+    assert readme.main(["--check"]) == 1
+    assert f"the bench run names sources {'0' * 16}" in capsys.readouterr().err
+    record = tmp_path / "training.json"
+    record.write_text(json.dumps(training_record(sources="f" * 16)))
+    result["meta"]["source"] = source_version()
+    with open(readme.RESULTS, "w") as f:
+        json.dump(result, f)
+    assert readme.main(["--training", str(record)]) == 0
+    assert readme.main(["--check"]) == 1
+    assert f"training record 1 (python examples/check_training.py --checks iu) names sources " \
+        f"{'f' * 16}" in capsys.readouterr().err
+
+
+def stress_record(tmp_path, error=None) -> str:
+    """A record as tests/gpu/stress_teams.py --json writes it (its own ``record``), of the tree's
+    sources: two configurations, the second with ``error`` if given."""
+    spec = importlib.util.spec_from_file_location(
+        "stress_teams", os.path.join(REPO_ROOT, "tests", "gpu", "stress_teams.py"))
+    stress = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stress)
+    args = argparse.Namespace(processes=2, reps=3, timeout_s=6.0)
+    totals = {"LL EP=2 rank_major fp8": dict(processes=2, reps=6, timeouts=0, mismatches=0,
+                                             seconds=4.25, error=None),
+              "HT EP=4 capacity": dict(processes=2, reps=5 if error else 6, timeouts=0,
+                                       mismatches=7 if error else 0, seconds=3.5, error=error)}
+    path = tmp_path / "stress.json"
+    stress.write_record(str(path), stress.record(["tests/gpu/stress_teams.py", "--reps", "3"],
+                                                 args, totals, finished=True))
+    return str(path)
+
+
+def test_readme_puts_the_stress_record_into_results_md_and_the_readme(results_files, tmp_path):
+    readme = results_files
+    assert readme.main(["--stress", stress_record(tmp_path, error="ValueError: bad\nmore")]) == 0
+    with open(readme.RESULTS_MD) as f:
+        text = f.read()
+    assert "## Stress: local teams in fresh processes" in text
+    assert "- command: `python tests/gpu/stress_teams.py --reps 3`" in text
+    assert "| LL EP=2 rank_major fp8 | clean | 2 | 6 | 0 | 0 | 4.2 |" in text
+    assert "| HT EP=4 capacity | FAIL: ValueError: bad | 2 | 5 | 0 | 7 | 3.5 |" in text
+    assert "1 of 2 configurations clean." in text
+    with open(readme.README) as f:
+        _, numbers, _ = readme.section(f.read())
+    assert "1 of 2 configurations clean over 11 repetitions" in " ".join(numbers.split())
+    assert readme.main(["--check"]) == 0

@@ -278,7 +278,7 @@ if wants stress; then
     # shellcheck disable=SC2086 # STRESS_ARGS is a list of flags
     CUDA_DEVICE_MAX_CONNECTIONS=32 timeout -k 10 \
         "$(limit "${STRESS_TIMEOUT:-480}")" "$PY" tests/gpu/stress_teams.py ${STRESS_ARGS:-} \
-        >"$OUT/stress.log" 2>&1
+        --json "$OUT/stress.json" >"$OUT/stress.log" 2>&1
     rc=$?
     [ $rc -eq 0 ] || STATUS=1
     note "- stress (local teams, fresh processes): rc $rc ($((SECONDS - start)) s; 124 = timed out)"

@@ -11,13 +11,15 @@ megatron_nccl_ep.ll_reference's steps; HT: tests/dense.py, the oracle the refere
 tested against), the combine on the expert outputs the GPU computed. Timeouts are the groups'
 (``--timeout-s``, 6 s).
 
-    python tests/gpu/stress_teams.py [--processes 2] [--reps 50] [--only SUBSTRING]
+    python tests/gpu/stress_teams.py [--processes 2] [--reps 50] [--only SUBSTRING] [--json PATH]
 
 (CUDA_DEVICE_MAX_CONNECTIONS defaults to 32 here: a local team needs a hardware queue per rank.)
 
 Prints one line per configuration: processes, repetitions, timeouts, mismatching elements (and
 the first error, if any); exits non-zero if any configuration timed out, mismatched, or did not
-run all its repetitions.
+run all its repetitions. ``--json`` writes the same as a record (``record``), rewritten after every
+process so that a run cut short leaves what it finished; ``python -m benchmarks.readme --stress``
+puts it into benchmarks/results.json.
 """
 
 from __future__ import annotations
@@ -317,6 +319,47 @@ def child(cfg: dict, seed: int, reps: int, timeout_s: float, conn) -> None:
     conn.close()
 
 
+def clean(total: dict, reps: int) -> bool:
+    """A configuration ran every repetition of each of its processes, with no timeout, no
+    mismatching element and no error."""
+    return (total["timeouts"] == 0 and total["mismatches"] == 0 and total["error"] is None
+            and total["reps"] == total["processes"] * reps)
+
+
+def record(argv: list, args, totals: dict, finished: bool) -> dict:
+    """What ``--json`` writes: the machine, the sources (the bench's hash of them), the command,
+    the settings, and per configuration its totals (``error``: the first line of the first) and
+    whether it is clean; ``finished``: every process of every configuration ran."""
+    import shlex
+    import subprocess
+
+    from benchmarks.report import source_version
+
+    try:  # nvidia-smi: this process never touches CUDA (its children each make a fresh context)
+        device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+    except (OSError, subprocess.SubprocessError):
+        device = ""
+    return {"device": device.strip() or None, "source": source_version(), "command": shlex.join(["python"] + argv),
+            "processes": args.processes, "reps": args.reps, "timeout_s": args.timeout_s,
+            "module_loading": os.environ.get("CUDA_MODULE_LOADING", "lazy"),
+            "finished": finished,
+            "configurations": [
+                {"name": name, **{k: t[k] for k in ("processes", "reps", "timeouts",
+                                                    "mismatches", "seconds")},
+                 "error": None if t["error"] is None else t["error"].splitlines()[0],
+                 "clean": clean(t, args.reps)}
+                for name, t in totals.items() if t["processes"]]}
+
+
+def write_record(path: str, rec: dict) -> None:
+    import json
+
+    with open(path + ".tmp", "w") as f:
+        json.dump(rec, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=2, help="fresh processes per config")
@@ -324,6 +367,7 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=6.0, help="the groups' timeout")
     parser.add_argument("--only", default="", help="configurations whose name has this")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", metavar="PATH", help="write the totals as a record here")
     args = parser.parse_args()
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     configs = [c for c in configurations() if args.only in c["name"]]
@@ -337,8 +381,8 @@ def main() -> int:
           f"{os.environ.get('CUDA_MODULE_LOADING', '(unset: lazy)')}, "
           f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')}",
           flush=True)
-    totals = {c["name"]: dict(processes=0, reps=0, timeouts=0, mismatches=0, error=None)
-              for c in configs}
+    totals = {c["name"]: dict(processes=0, reps=0, timeouts=0, mismatches=0, seconds=0.0,
+                              error=None) for c in configs}
     limit = team_limit(args.reps) + 90
     for p in range(args.processes):
         for cfg in configs:
@@ -359,7 +403,10 @@ def main() -> int:
             total["processes"] += 1
             for key in ("reps", "timeouts", "mismatches"):
                 total[key] += result[key]
+            total["seconds"] += result.get("seconds", 0.0)
             total["error"] = total["error"] or result["error"]
+            if args.json:
+                write_record(args.json, record(sys.argv, args, totals, finished=False))
             print(f"  process {p + 1}: {cfg['name']}: {result['reps']} reps, "
                   f"{result.get('seconds', 0):.1f} s, timeouts {result['timeouts']}, "
                   f"mismatches {result['mismatches']}"
@@ -368,13 +415,14 @@ def main() -> int:
     failed = 0
     print("== stress: configuration | processes | repetitions | timeouts | mismatching elements")
     for name, t in totals.items():
-        ok = (t["timeouts"] == 0 and t["mismatches"] == 0 and t["error"] is None
-              and t["reps"] == args.processes * args.reps)
+        ok = clean(t, args.reps)
         failed += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name} | {t['processes']} | {t['reps']} | "
               f"{t['timeouts']} | {t['mismatches']}"
               + ("" if t["error"] is None else f" | {t['error'].splitlines()[0]}"))
     print(f"== stress: {len(totals) - failed} of {len(totals)} configurations clean")
+    if args.json:
+        write_record(args.json, record(sys.argv, args, totals, finished=True))
     return 1 if failed else 0
 
 
