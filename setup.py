@@ -342,11 +342,14 @@ class BuildExt(build_ext):
         # rpath to the wheel's lib dir as found now and to its place relative to an installed
         # package (site-packages/megatron_nccl_ep/ -> site-packages/nvidia/nccl/lib).
         # Exported: the header's functions under their names and their private names (aliases:
-        # one address each); -Bsymbolic binds the library's own calls to its own definitions.
+        # one address each), and for _C alone the ops' argument checks (csrc/runtime/
+        # call_checks.h, megatron_nccl_ep_check_*); -Bsymbolic binds the library's own calls to
+        # its own definitions.
         lib = os.path.join(out_dir, LIBRARY)
         version_script = os.path.join(build_dir, "exports.map")
         with open(version_script, "w") as f:
-            f.write(f"{{ global: ncclEp*; {PRIVATE_PREFIX}ncclEp*; local: *; }};\n")
+            f.write(f"{{ global: ncclEp*; {PRIVATE_PREFIX}ncclEp*; {PRIVATE_PREFIX}check_*; "
+                    "local: *; };\n")
         aliases = [f"-Wl,--defsym={PRIVATE_PREFIX}{name}={name}" for name in functions]
         link = [cxx, "-shared", "-o", lib, f"-Wl,-soname,{LIBRARY}", "-Wl,-Bsymbolic",
                 f"-Wl,--version-script={version_script}"] + aliases + library_objects + [

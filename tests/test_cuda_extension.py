@@ -20,6 +20,7 @@ if NOT_BUILT is not None:  # the whole file, in one line of the skip summary
     pytest.skip(NOT_BUILT, allow_module_level=True)
 
 HEADER = os.path.join(os.path.dirname(__file__), "..", "csrc", "include", "nccl_ep.h")
+CALL_CHECKS = os.path.join(os.path.dirname(__file__), "..", "csrc", "runtime", "call_checks.h")
 
 
 @pytest.fixture(scope="module")
@@ -91,15 +92,19 @@ def test_local_team_size_is_checked(ext):
 def test_shared_library_exports_only_the_c_api():
     """libmegatron_nccl_ep.so (next to the module) is the C product: its dynamic symbols are the
     public header's functions, each also under its private name (megatron_nccl_ep_ncclEp*, what
-    _C calls), and nothing else (no CUDA runtime, no C++ internals)."""
+    _C calls), the ops' argument checks that _C runs on host tensors (call_checks.h,
+    megatron_nccl_ep_check_*), and nothing else (no CUDA runtime, no C++ internals)."""
     lib = os.path.join(build_info.PACKAGE_DIR, "libmegatron_nccl_ep.so")
     assert os.path.exists(lib), f"{lib} was not built"
     symbols = elf_dynamic.read(lib).symbols
     exported = sorted(s.name for s in symbols if s.defined and s.name)
     with open(HEADER) as f:
         declared = sorted(set(re.findall(r"\b(ncclEp[A-Za-z]+)\(", f.read())))
-    assert exported == sorted(declared + ["megatron_nccl_ep_" + d for d in declared]), (
-        f"exported {exported}, header declares {declared}")
+    with open(CALL_CHECKS) as f:
+        checks = sorted(set(re.findall(r"\b(megatron_nccl_ep_check_[a-z_]+)\(", f.read())))
+    assert checks, f"{CALL_CHECKS} declares no check"
+    assert exported == sorted(declared + ["megatron_nccl_ep_" + d for d in declared] + checks), (
+        f"exported {exported}, header declares {declared}, call_checks.h {checks}")
     # nvcc compiles a host call into a __device__-only function (legal in a template) to
     # exit(1): the library must never end the caller's process.
     imported = {s.name for s in symbols if not s.defined}

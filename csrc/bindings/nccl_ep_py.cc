@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "../include/nccl_ep.h"
+#include "../runtime/call_checks.h"
 #include "py_backward.h"
 
 namespace py = pybind11;
@@ -137,10 +138,12 @@ ncclEpTensor_t tensor(const OptTensor& t, ncclEpTensorTag_t tag, int device, con
   return t.has_value() ? tensor(*t, tag, device, name) : ncclEpTensor_t{};
 }
 
-// An op's output: the tensor at::empty returns, straight from the caching allocator (an op's
-// host time is mostly per allocation; the dispatcher's part is skipped), except where torch's
-// deterministic mode fills new memory: at::empty does that.
+// An op's output (device -1: a host tensor, for a Target's checks): the tensor at::empty
+// returns, straight from the caching allocator (an op's host time is mostly per allocation; the
+// dispatcher's part is skipped), except where torch's deterministic mode fills new memory:
+// at::empty does that.
 at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype, int device) {
+  if (device < 0) return at::empty(sizes, at::TensorOptions().dtype(dtype));  // a Target's checks
   const at::Device where(at::kCUDA, static_cast<c10::DeviceIndex>(device));
   const at::Context& ctx = at::globalContext();
   if (ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory())
@@ -244,7 +247,8 @@ void allocate(const LLOutputs& o, int device, std::array<OptTensor, kLLFields>& 
   for (int i = 0; i < kLLFields; ++i) {
     if (!o.present[i]) continue;
     at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
-        c10::Storage(block.storage()), c10::DispatchKeySet(c10::DispatchKey::CUDA),
+        c10::Storage(block.storage()),
+        c10::DispatchKeySet(device < 0 ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA),
         c10::scalarTypeToTypeMeta(o.dtypes[i]));
     t.unsafeGetTensorImpl()->set_sizes_contiguous(o.sizes[i]);
     t.unsafeGetTensorImpl()->set_storage_offset(o.offsets[i] /
@@ -267,6 +271,182 @@ OptTensor out_field(const py::handle& out, const char* name) {
   if (!THPVariable_Check(v.ptr()))
     throw py::type_error(std::string("out.") + name + " must be a torch.Tensor or None");
   return THPVariable_Unpack(v.ptr());
+}
+
+
+// Where an op binding's C call goes: the op on `ptr` (its handle, or its group for handle
+// creation), its tensors on CUDA device `device`; or, with `shape`, the library's checks of the
+// same call (call_checks.h: those the op runs before it enqueues anything) on host tensors
+// (device -1), its outputs allocated on the host. Everything else an op binding does (the
+// tensors' conversion and device check, its own refusals, the outputs it allocates) is the same
+// code for both, so the check_* bindings refuse a call exactly where the op would.
+struct Target {
+  uintptr_t ptr = 0;
+  const nccl_ep::CallShape* shape = nullptr;
+  int device = -1;
+};
+
+// A CallShape for the check_* bindings, holding the configuration it points to.
+struct HostShape {
+  ncclEpGroupConfig_t cfg{};
+  nccl_ep::CallShape shape;
+  HostShape(const ncclEpGroupConfig_t& c, int nranks, long long num_tokens, long long topk,
+            long long num_recv)
+      : cfg(c) {
+    shape.cfg = &cfg;
+    shape.nranks = nranks;
+    shape.num_tokens = num_tokens;
+    shape.topk = topk;
+    shape.num_recv = num_recv;
+  }
+  HostShape(const HostShape&) = delete;  // shape points into this object
+  HostShape& operator=(const HostShape&) = delete;
+};
+
+// routing: topk_idx [T, K] (is_map false) or a routing map [T, E], contiguous (the library reads
+// strides too; the package hands it contiguous copies, as it always has). Returns the handle (0
+// for a Target's checks).
+uintptr_t create_handle_call(const Target& to, const at::Tensor& routing, bool is_map) {
+  const char* name = is_map ? "routing_map" : "topk_idx";
+  const ncclEpTensor_t r = tensor(
+      routing, is_map ? NCCL_EP_TENSOR_ROUTING_MAP : NCCL_EP_TENSOR_TOPK_IDX, to.device, name);
+  if (!routing.is_contiguous()) throw ValueErrorEx(std::string(name) + " must be contiguous");
+  if (to.shape != nullptr) {
+    check(megatron_nccl_ep_check_routing(to.shape, &r), "ncclEpCreateHandle");
+    return 0;
+  }
+  ncclEpHandle_t h = nullptr;
+  check(ncclEpCreateHandle(&h, as_ptr<ncclEpGroup>(to.ptr), &r, nullptr,
+                           current_stream(to.device)),
+        "ncclEpCreateHandle");
+  return reinterpret_cast<uintptr_t>(h);
+}
+
+// HT dispatch without the GIL: x [T, H]; probs [T, K] in slot order, or dense [T, E]; None:
+// no probs. Returns (recv_x [N, H] of x's dtype, recv_probs [N] of the probs' dtype or None).
+std::pair<at::Tensor, OptTensor> dispatch_call(const Target& to, const at::Tensor& x,
+                                               const OptTensor& probs, bool dense) {
+  ncclEpDispatchInputs_t in{};
+  ncclEpDispatchOutputs_t out{};
+  in.tokens = tensor(x, NCCL_EP_TENSOR_TOKENS, to.device, "x");
+  in.topk_weights = tensor(probs, weights_tag(dense), to.device, "probs");
+  if (x.dim() != 2) throw ValueErrorEx("x must be 2-D [T, H]");
+  int64_t n = 0;  // exact mode: the handle's first call waits here for its layout
+  if (to.shape != nullptr)
+    n = to.shape->num_recv;
+  else
+    check(ncclEpHandleGetNumRecvTokens(as_ptr<ncclEpHandle>(to.ptr), &n),
+          "ncclEpHandleGetNumRecvTokens");
+  at::Tensor recv_x = empty({n, x.size(1)}, x.scalar_type(), to.device);
+  OptTensor recv_probs;
+  if (probs.has_value()) recv_probs = empty({n}, probs->scalar_type(), to.device);
+  out.recv_tokens = tensor(recv_x, NCCL_EP_TENSOR_TOKENS, to.device, "recv_x");
+  out.recv_topk_weights = tensor(recv_probs, NCCL_EP_TENSOR_TOPK_WEIGHTS, to.device,
+                                 "recv_probs");
+  const ncclEpOpConfig_t cfg = op_config(false);
+  check(to.shape != nullptr
+            ? megatron_nccl_ep_check_dispatch(to.shape, &in, &out)
+            : ncclEpDispatch(as_ptr<ncclEpHandle>(to.ptr), &in, &out, &cfg,
+                             current_stream(to.device)),
+        "ncclEpDispatch");
+  return {recv_x, recv_probs};
+}
+
+// HT combine without the GIL: expert_out [N, H] -> y [num_tokens, H] of y_dtype.
+at::Tensor combine_call(const Target& to, const at::Tensor& expert_out, int64_t num_tokens,
+                        at::ScalarType y_dtype) {
+  ncclEpCombineInputs_t in{};
+  ncclEpCombineOutputs_t out{};
+  in.expert_tokens = tensor(expert_out, NCCL_EP_TENSOR_TOKENS, to.device, "expert_out");
+  if (expert_out.dim() < 1) throw ValueErrorEx("expert_out must have a hidden dimension");
+  at::Tensor y = empty({num_tokens, expert_out.size(-1)}, y_dtype, to.device);
+  out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, to.device, "y");
+  const ncclEpOpConfig_t cfg = op_config(false);
+  check(to.shape != nullptr
+            ? megatron_nccl_ep_check_combine(to.shape, &in, &out)
+            : ncclEpCombine(as_ptr<ncclEpHandle>(to.ptr), &in, &out, &cfg,
+                            current_stream(to.device)),
+        "ncclEpCombine");
+  return y;
+}
+
+// grad_recv [N] -> [num_tokens, cols] of its dtype: cols K in slot order, or E dense.
+at::Tensor combine_topk_weights_call(const Target& to, const at::Tensor& grad_recv,
+                                     int64_t num_tokens, int64_t cols, bool dense) {
+  ncclEpTensor_t in = tensor(grad_recv, NCCL_EP_TENSOR_TOPK_WEIGHTS, to.device,
+                             "grad_recv_probs");
+  at::Tensor grad = empty({num_tokens, cols}, grad_recv.scalar_type(), to.device);
+  ncclEpTensor_t out = tensor(grad, weights_tag(dense), to.device, "grad_probs");
+  check(to.shape != nullptr
+            ? megatron_nccl_ep_check_combine_probs(to.shape, &in, &out)
+            : ncclEpCombineTopkWeights(as_ptr<ncclEpHandle>(to.ptr), &in, &out,
+                                       current_stream(to.device)),
+        "ncclEpCombineTopkWeights");
+  return grad;
+}
+
+// LL dispatch: x [T, H]; topk_weights [T, K] fp32 or None. given: None, to allocate `outputs`
+// (returns the LLDispatchOutput fields, in order, tensors or None); or an LLDispatchOutput with
+// exactly the fields `outputs` has, written in place (returns None). Takes the GIL as it comes
+// (it reads `given`'s fields) and releases it for the rest.
+py::object ll_dispatch_call(const Target& to, const at::Tensor& x,
+                            const OptTensor& topk_weights, bool send_only,
+                            const LLOutputs& outputs, const py::object& given) {
+  const bool fresh = given.is_none();
+  std::array<OptTensor, kLLFields> made;
+  for (int i = 0; i < kLLFields && !fresh; ++i) {
+    const char* name = outputs.slots[i]->name;
+    made[i] = out_field(given, name);
+    if (made[i].has_value() != outputs.present[i])
+      throw ValueErrorEx(std::string("out.") + name +
+                         (outputs.present[i] ? " is required" : " must be None") +
+                         " for this group's layout and weights");
+  }
+  {
+    py::gil_scoped_release nogil;
+    ncclEpDispatchInputs_t in{};
+    ncclEpDispatchOutputs_t out{};
+    in.tokens = tensor(x, NCCL_EP_TENSOR_TOKENS, to.device, "x");
+    in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS, to.device,
+                             "topk_weights");
+    if (fresh) allocate(outputs, to.device, made);
+    for (int i = 0; i < kLLFields; ++i) {
+      const LLSlot& f = *outputs.slots[i];
+      out.*f.slot = tensor(made[i], f.tag, to.device, f.name);
+    }
+    const ncclEpOpConfig_t cfg = op_config(send_only);
+    check(to.shape != nullptr
+              ? megatron_nccl_ep_check_dispatch(to.shape, &in, &out)
+              : ncclEpDispatch(as_ptr<ncclEpHandle>(to.ptr), &in, &out, &cfg,
+                               current_stream(to.device)),
+          "ncclEpDispatch");
+  }
+  if (!fresh) return py::object(py::none());
+  return py::object(as_fields(made));
+}
+
+// LL combine without the GIL: expert_out in the dispatch's layout (the token dtype or fp32);
+// topk_weights: expert-major [T, K] fp32, rank-major None; given: None, or a [num_tokens, H]
+// tensor of y_dtype to write. Returns y [num_tokens, H] of y_dtype (`given` when given).
+at::Tensor ll_combine_call(const Target& to, const at::Tensor& expert_out,
+                           const OptTensor& topk_weights, bool send_only, const OptTensor& given,
+                           int64_t num_tokens, at::ScalarType y_dtype) {
+  ncclEpCombineInputs_t in{};
+  ncclEpCombineOutputs_t out{};
+  in.expert_tokens = tensor(expert_out, NCCL_EP_TENSOR_TOKENS, to.device, "expert_out");
+  in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS, to.device, "topk_weights");
+  if (expert_out.dim() < 1) throw ValueErrorEx("expert_out must have a hidden dimension");
+  const at::Tensor y = given.has_value()
+                           ? *given
+                           : empty({num_tokens, expert_out.size(-1)}, y_dtype, to.device);
+  out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, to.device, "out");
+  const ncclEpOpConfig_t cfg = op_config(send_only);
+  check(to.shape != nullptr
+            ? megatron_nccl_ep_check_combine(to.shape, &in, &out)
+            : ncclEpCombine(as_ptr<ncclEpHandle>(to.ptr), &in, &out, &cfg,
+                            current_stream(to.device)),
+        "ncclEpCombine");
+  return y;
 }
 
 }  // namespace
@@ -453,19 +633,9 @@ PYBIND11_MODULE(_C, m) {
   // --- handle --------------------------------------------------------------------------------
   m.def(
       "create_handle",
-      // routing: topk_idx [T, K] (is_map false) or a routing map [T, E], contiguous (the
-      // library reads strides too; the package hands it contiguous copies, as it always has).
       [](uintptr_t group, const at::Tensor& routing, bool is_map, int device) {
         EP_RECORD_OP("nccl_ep::create_handle");
-        const char* name = is_map ? "routing_map" : "topk_idx";
-        const ncclEpTensor_t r = tensor(
-            routing, is_map ? NCCL_EP_TENSOR_ROUTING_MAP : NCCL_EP_TENSOR_TOPK_IDX, device, name);
-        if (!routing.is_contiguous()) throw ValueErrorEx(std::string(name) + " must be contiguous");
-        ncclEpHandle_t h = nullptr;
-        check(ncclEpCreateHandle(&h, as_ptr<ncclEpGroup>(group), &r, nullptr,
-                                 current_stream(device)),
-              "ncclEpCreateHandle");
-        return reinterpret_cast<uintptr_t>(h);
+        return create_handle_call(Target{group, nullptr, device}, routing, is_map);
       },
       py::arg("group"), py::arg("routing"), py::arg("is_map"), py::arg("device"), NoGil());
   m.def(
@@ -514,50 +684,30 @@ PYBIND11_MODULE(_C, m) {
   // --- HT operations (docs/design.md sections 3 and 4) ----------------------------------------
   m.def(
       "dispatch",
-      // x [T, H]; probs: [T, K] in slot order, or dense [T, E]; None: no probs. Returns (recv_x
-      // [N, H] of x's dtype, recv_probs [N] of the probs' dtype or None). backward: None, or
-      // (grad recv_x, grad recv_probs) -> (grad x, grad probs), the outputs' grad_fn where
-      // autograd records (py_backward.h).
+      // dispatch_call's; backward: None, or (grad recv_x, grad recv_probs) -> (grad x, grad
+      // probs), the outputs' grad_fn where autograd records (py_backward.h).
       [](uintptr_t handle, const at::Tensor& x, const OptTensor& probs, bool dense, int device,
          const py::object& backward) {
         EP_RECORD_OP("nccl_ep::dispatch");
         const bool record =
             nccl_ep_py::records_backward(backward, {x, probs.value_or(at::Tensor())});
-        at::Tensor recv_x;
-        OptTensor recv_probs;
+        std::pair<at::Tensor, OptTensor> recv;
         {
           py::gil_scoped_release nogil;
-          ncclEpDispatchInputs_t in{};
-          ncclEpDispatchOutputs_t out{};
-          in.tokens = tensor(x, NCCL_EP_TENSOR_TOKENS, device, "x");
-          in.topk_weights = tensor(probs, weights_tag(dense), device, "probs");
-          if (x.dim() != 2) throw ValueErrorEx("x must be 2-D [T, H]");
-          int64_t n = 0;  // exact mode: the handle's first call waits here for its layout
-          check(ncclEpHandleGetNumRecvTokens(as_ptr<ncclEpHandle>(handle), &n),
-                "ncclEpHandleGetNumRecvTokens");
-          recv_x = empty({n, x.size(1)}, x.scalar_type(), device);
-          if (probs.has_value()) recv_probs = empty({n}, probs->scalar_type(), device);
-          out.recv_tokens = tensor(recv_x, NCCL_EP_TENSOR_TOKENS, device, "recv_x");
-          out.recv_topk_weights = tensor(recv_probs, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
-                                         "recv_probs");
-          const ncclEpOpConfig_t cfg = op_config(false);
-          check(ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
-                               current_stream(device)),
-                "ncclEpDispatch");
+          recv = dispatch_call(Target{handle, nullptr, device}, x, probs, dense);
         }
         if (record)
           nccl_ep_py::attach_backward("NcclEpDispatchBackward", backward,
                                       {x, probs.value_or(at::Tensor())},
-                                      {recv_x, recv_probs.value_or(at::Tensor())});
-        return py::make_tuple(recv_x, recv_probs);
+                                      {recv.first, recv.second.value_or(at::Tensor())});
+        return py::make_tuple(recv.first, recv.second);
       },
       py::arg("handle"), py::arg("x"), py::arg("probs"), py::arg("dense"), py::arg("device"),
       py::arg("backward") = py::none());
   m.def(
       "combine",
-      // expert_out [N, H]. Returns y [num_tokens, H] of y_dtype, the group's token dtype.
-      // backward: None, or (grad y) -> (grad expert_out,), y's grad_fn where autograd records
-      // (py_backward.h).
+      // combine_call's; y_dtype: the group's token dtype. backward: None, or (grad y) -> (grad
+      // expert_out,), y's grad_fn where autograd records (py_backward.h).
       [](uintptr_t handle, const at::Tensor& expert_out, int64_t num_tokens,
          at::ScalarType y_dtype, int device, const py::object& backward) {
         EP_RECORD_OP("nccl_ep::combine");
@@ -565,16 +715,7 @@ PYBIND11_MODULE(_C, m) {
         at::Tensor y;
         {
           py::gil_scoped_release nogil;
-          ncclEpCombineInputs_t in{};
-          ncclEpCombineOutputs_t out{};
-          in.expert_tokens = tensor(expert_out, NCCL_EP_TENSOR_TOKENS, device, "expert_out");
-          if (expert_out.dim() < 1) throw ValueErrorEx("expert_out must have a hidden dimension");
-          y = empty({num_tokens, expert_out.size(-1)}, y_dtype, device);
-          out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "y");
-          const ncclEpOpConfig_t cfg = op_config(false);
-          check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
-                              current_stream(device)),
-                "ncclEpCombine");
+          y = combine_call(Target{handle, nullptr, device}, expert_out, num_tokens, y_dtype);
         }
         if (record)
           nccl_ep_py::attach_backward("NcclEpCombineBackward", backward, {expert_out}, {y});
@@ -584,18 +725,11 @@ PYBIND11_MODULE(_C, m) {
       py::arg("device"), py::arg("backward") = py::none());
   m.def(
       "combine_topk_weights",
-      // grad_recv [N] -> [num_tokens, cols] of its dtype: cols K in slot order, or E dense.
       [](uintptr_t handle, const at::Tensor& grad_recv, int64_t num_tokens, int64_t cols,
          bool dense, int device) {
         EP_RECORD_OP("nccl_ep::combine_topk_weights");
-        ncclEpTensor_t in = tensor(grad_recv, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
-                                   "grad_recv_probs");
-        at::Tensor grad = empty({num_tokens, cols}, grad_recv.scalar_type(), device);
-        ncclEpTensor_t out = tensor(grad, weights_tag(dense), device, "grad_probs");
-        check(ncclEpCombineTopkWeights(as_ptr<ncclEpHandle>(handle), &in, &out,
-                                       current_stream(device)),
-              "ncclEpCombineTopkWeights");
-        return grad;
+        return combine_topk_weights_call(Target{handle, nullptr, device}, grad_recv, num_tokens,
+                                         cols, dense);
       },
       py::arg("handle"), py::arg("grad_recv"), py::arg("num_tokens"), py::arg("cols"),
       py::arg("dense"), py::arg("device"), NoGil());
@@ -613,68 +747,22 @@ PYBIND11_MODULE(_C, m) {
       });
   m.def(
       "ll_dispatch",
-      // x [T, H]; topk_weights [T, K] fp32 or None. out: None, to allocate `outputs` (returns
-      // the LLDispatchOutput fields, in order, tensors or None); or an LLDispatchOutput with
-      // exactly the fields `outputs` has, written in place (returns None).
       [](uintptr_t handle, const at::Tensor& x, const OptTensor& topk_weights, bool send_only,
          const LLOutputs& outputs, const py::object& given, int device) {
         EP_RECORD_OP("nccl_ep::ll_dispatch");
-        const bool fresh = given.is_none();
-        std::array<OptTensor, kLLFields> made;
-        for (int i = 0; i < kLLFields && !fresh; ++i) {
-          const char* name = outputs.slots[i]->name;
-          made[i] = out_field(given, name);
-          if (made[i].has_value() != outputs.present[i])
-            throw ValueErrorEx(std::string("out.") + name +
-                               (outputs.present[i] ? " is required" : " must be None") +
-                               " for this group's layout and weights");
-        }
-        {
-          py::gil_scoped_release nogil;
-          ncclEpDispatchInputs_t in{};
-          ncclEpDispatchOutputs_t out{};
-          in.tokens = tensor(x, NCCL_EP_TENSOR_TOKENS, device, "x");
-          in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
-                                   "topk_weights");
-          if (fresh) allocate(outputs, device, made);
-          for (int i = 0; i < kLLFields; ++i) {
-            const LLSlot& f = *outputs.slots[i];
-            out.*f.slot = tensor(made[i], f.tag, device, f.name);
-          }
-          const ncclEpOpConfig_t cfg = op_config(send_only);
-          check(ncclEpDispatch(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
-                               current_stream(device)),
-                "ncclEpDispatch");
-        }
-        if (!fresh) return py::object(py::none());
-        return py::object(as_fields(made));
+        return ll_dispatch_call(Target{handle, nullptr, device}, x, topk_weights, send_only,
+                                outputs, given);
       },
       py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("send_only"),
       py::arg("outputs"), py::arg("out"), py::arg("device"));
   m.def(
       "ll_combine",
-      // expert_out in the dispatch's layout (the token dtype or fp32); topk_weights: expert-major
-      // [T, K] fp32, rank-major None; out: None, or a [num_tokens, H] tensor of y_dtype to write.
-      // Returns y [num_tokens, H] of y_dtype, the group's token dtype (`out` when given).
       [](uintptr_t handle, const at::Tensor& expert_out, const OptTensor& topk_weights,
          bool send_only, const OptTensor& given, int64_t num_tokens, at::ScalarType y_dtype,
          int device) {
         EP_RECORD_OP("nccl_ep::ll_combine");
-        ncclEpCombineInputs_t in{};
-        ncclEpCombineOutputs_t out{};
-        in.expert_tokens = tensor(expert_out, NCCL_EP_TENSOR_TOKENS, device, "expert_out");
-        in.topk_weights = tensor(topk_weights, NCCL_EP_TENSOR_TOPK_WEIGHTS, device,
-                                 "topk_weights");
-        if (expert_out.dim() < 1) throw ValueErrorEx("expert_out must have a hidden dimension");
-        const at::Tensor y = given.has_value()
-                                 ? *given
-                                 : empty({num_tokens, expert_out.size(-1)}, y_dtype, device);
-        out.tokens = tensor(y, NCCL_EP_TENSOR_TOKENS, device, "out");
-        const ncclEpOpConfig_t cfg = op_config(send_only);
-        check(ncclEpCombine(as_ptr<ncclEpHandle>(handle), &in, &out, &cfg,
-                            current_stream(device)),
-              "ncclEpCombine");
-        return y;
+        return ll_combine_call(Target{handle, nullptr, device}, expert_out, topk_weights,
+                               send_only, given, num_tokens, y_dtype);
       },
       py::arg("handle"), py::arg("expert_out"), py::arg("topk_weights"), py::arg("send_only"),
       py::arg("out"), py::arg("num_tokens"), py::arg("y_dtype"), py::arg("device"), NoGil());
@@ -696,4 +784,58 @@ PYBIND11_MODULE(_C, m) {
               "ncclEpComplete");
       },
       py::arg("handle"), py::arg("device"), NoGil());
+
+  // --- the ops' argument checks on host tensors (call_checks.h) -------------------------------
+  // Each check_* binding is its op's binding run to the library's checks of the call, with
+  // host tensors (device -1) and the handle's shape given instead of a handle: the same
+  // conversions, refusals and messages, and nothing enqueued. Returns None; raises as the op.
+  py::class_<HostShape>(m, "CallShape")
+      .def(py::init<const ncclEpGroupConfig_t&, int, long long, long long, long long>(),
+           py::arg("config"), py::arg("nranks"), py::arg("num_tokens") = 0,
+           py::arg("topk") = 0, py::arg("num_recv") = 0,
+           "What an op's arguments are checked against: the group's configuration and size, "
+           "the handle's T, K and (HT) dispatch rows.");
+  m.def(
+      "check_create_handle",
+      [](const HostShape& s, const at::Tensor& routing, bool is_map) {
+        create_handle_call(Target{0, &s.shape, -1}, routing, is_map);
+      },
+      py::arg("shape"), py::arg("routing"), py::arg("is_map"));
+  m.def(
+      "check_dispatch",
+      [](const HostShape& s, const at::Tensor& x, const OptTensor& probs, bool dense) {
+        dispatch_call(Target{0, &s.shape, -1}, x, probs, dense);
+      },
+      py::arg("shape"), py::arg("x"), py::arg("probs"), py::arg("dense"));
+  m.def(
+      "check_combine",
+      [](const HostShape& s, const at::Tensor& expert_out, at::ScalarType y_dtype) {
+        combine_call(Target{0, &s.shape, -1}, expert_out, s.shape.num_tokens, y_dtype);
+      },
+      py::arg("shape"), py::arg("expert_out"), py::arg("y_dtype"));
+  m.def(
+      "check_combine_topk_weights",
+      [](const HostShape& s, const at::Tensor& grad_recv, bool dense) {
+        const int64_t cols = dense ? s.cfg.num_experts : s.shape.topk;
+        combine_topk_weights_call(Target{0, &s.shape, -1}, grad_recv, s.shape.num_tokens, cols,
+                                  dense);
+      },
+      py::arg("shape"), py::arg("grad_recv"), py::arg("dense"));
+  m.def(
+      "check_ll_dispatch",
+      [](const HostShape& s, const at::Tensor& x, const OptTensor& topk_weights, bool send_only,
+         const LLOutputs& outputs, const py::object& given) {
+        ll_dispatch_call(Target{0, &s.shape, -1}, x, topk_weights, send_only, outputs, given);
+      },
+      py::arg("shape"), py::arg("x"), py::arg("topk_weights"), py::arg("send_only"),
+      py::arg("outputs"), py::arg("out"));
+  m.def(
+      "check_ll_combine",
+      [](const HostShape& s, const at::Tensor& expert_out, const OptTensor& topk_weights,
+         bool send_only, const OptTensor& given, at::ScalarType y_dtype) {
+        ll_combine_call(Target{0, &s.shape, -1}, expert_out, topk_weights, send_only, given,
+                        s.shape.num_tokens, y_dtype);
+      },
+      py::arg("shape"), py::arg("expert_out"), py::arg("topk_weights"), py::arg("send_only"),
+      py::arg("out"), py::arg("y_dtype"));
 }

@@ -110,25 +110,10 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   const ncclEpGroupConfig_t& c = g->cfg;
   const bool from_map = routing->tag == NCCL_EP_TENSOR_ROUTING_MAP;
   const char* name = from_map ? "routing_map" : "topk_idx";
-  EP_CHECK(routing->ndim == 2, ncclInvalidArgument, "%s must be 2-D, got %d dimensions", name,
-           routing->ndim);
-  if (from_map) {
-    EP_CHECK(routing->dtype == ncclUint8 || routing->dtype == ncclInt8, ncclInvalidArgument,
-             "routing_map must be bool (uint8/int8 elements), got %s",
-             dtype_name(routing->dtype));
-    EP_CHECK(routing->sizes[1] == c.num_experts, ncclInvalidArgument,
-             "routing_map must have num_experts=%d columns, got %lld", c.num_experts,
-             (long long)routing->sizes[1]);
-  } else {
-    EP_CHECK(routing->dtype == ncclInt32 || routing->dtype == ncclInt64, ncclInvalidArgument,
-             "topk_idx must be int32 or int64, got %s", dtype_name(routing->dtype));
-  }
+  const CallShape shape{&c, g->nranks};
+  EP_RETURN_IF(megatron_nccl_ep_check_routing(&shape, routing));
   // A routing map fills max_topk slots per token.
   const long long T = routing->sizes[0], K = from_map ? c.max_topk : routing->sizes[1];
-  EP_CHECK(T >= 0 && K >= 0, ncclInvalidArgument, "%s sizes must be >= 0", name);
-  EP_CHECK(routing->strides[0] >= 0 && routing->strides[1] >= 0, ncclInvalidArgument,
-           "%s strides must be >= 0", name);
-  EP_CHECK(routing->data != nullptr || T == 0, ncclInvalidArgument, "%s data is NULL", name);
   // NOTES: T or K beyond the group's bounds still joins the exchange, with an empty record
   // whose header holds the real shape, so every rank reports the error together (kErrShape)
   // instead of leaving its peers in the collective.

@@ -20,6 +20,7 @@
 #include "../include/nccl_ep.h"
 #include "../kernels/api.cuh"
 #include "buffer_plan.h"
+#include "call_checks.h"
 #include "errors.h"
 #include "team_gate.h"
 
@@ -206,7 +207,11 @@ ncclResult_t ll_combine(ncclEpHandle* h, const ncclEpCombineInputs_t* inputs,
 ncclResult_t ll_complete(ncclEpHandle* h, cudaStream_t stream);
 // Forgets a destroyed handle's pending op (caller holds g->mu).
 void ll_forget(ncclEpHandle* h);
-inline bool is_ll(const ncclEpGroup* g) { return g->cfg.mode == ncclEpModeLowLatency; }
+inline bool is_ll(const ncclEpGroupConfig_t& c) { return c.mode == ncclEpModeLowLatency; }
+inline bool is_ll(const ncclEpGroup* g) { return is_ll(g->cfg); }
+
+// call_checks.cc: what handle h's ops check their tensors against (call_checks.h).
+CallShape call_shape(const ncclEpHandle* h);
 
 // errors.cc
 const char* dtype_name(ncclDataType_t dtype);

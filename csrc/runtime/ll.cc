@@ -1,7 +1,7 @@
 /*
  * ll.cc: the LL mode (docs/design.md section 9) behind ncclEpCreateHandle, ncclEpDispatch,
- * ncclEpCombine and ncclEpComplete: argument checks, the double-buffering rule, then one kernel
- * per call (kernels/ll_*.cu). No call synchronizes the host or communicates outside its kernel.
+ * ncclEpCombine and ncclEpComplete: argument checks (call_checks.h), the double-buffering rule,
+ * then one kernel per call (kernels/ll_*.cu). No call synchronizes the host or communicates outside its kernel.
  *
  * NOTES:
  *  - Ops of one kind cycle through kLLSets buffer sets by a device-side epoch, and a send waits
@@ -27,41 +27,6 @@ namespace nccl_ep {
 namespace {
 
 const char* const kKind[2] = {"ncclEpDispatch", "ncclEpCombine"};
-
-std::string shape_text(int ndim, const long long* sizes) {
-  std::string s = "(";
-  for (int i = 0; i < ndim; ++i)
-    s += std::to_string(sizes[i]) + (i + 1 < ndim ? ", " : ndim == 1 ? ",)" : ")");
-  return s;
-}
-
-// A contiguous row-major tensor of `ndim` dimensions `sizes`, of `dtype`, 16-byte aligned. A
-// valid call's checks are integer compares: the expected shape is written out only for a message.
-ncclResult_t check_nd(const ncclEpTensor_t& t, const char* name, int ndim, const long long* sizes,
-                      ncclDataType_t dtype) {
-  EP_CHECK(t.ndim == ndim, ncclInvalidArgument, "%s must be %d-D %s, got %d dimensions", name,
-           ndim, shape_text(ndim, sizes).c_str(), t.ndim);
-  long long stride = 1, n = 1;
-  for (int i = ndim - 1; i >= 0; --i) {
-    EP_CHECK(t.sizes[i] == sizes[i], ncclInvalidArgument, "%s must have shape %s, got size %lld "
-             "in dimension %d", name, shape_text(ndim, sizes).c_str(), (long long)t.sizes[i], i);
-    EP_CHECK(t.sizes[i] <= 1 || t.strides[i] == stride, ncclInvalidArgument,
-             "%s must be contiguous (row-major)", name);
-    stride *= sizes[i];
-    n *= sizes[i];
-  }
-  EP_CHECK(t.dtype == dtype, ncclInvalidArgument, "%s must have dtype %s, got %s", name,
-           dtype_name(dtype), dtype_name(t.dtype));
-  EP_CHECK(t.data != nullptr || n == 0, ncclInvalidArgument, "%s data is NULL", name);
-  EP_CHECK(((uintptr_t)t.data & 15u) == 0, ncclInvalidArgument,
-           "%s must be 16-byte aligned (its rows move in 16-byte packs)", name);
-  return ncclSuccess;
-}
-
-ncclResult_t check_nd(const ncclEpTensor_t& t, const char* name,
-                      std::initializer_list<long long> sizes, ncclDataType_t dtype) {
-  return check_nd(t, name, (int)sizes.size(), sizes.begin(), dtype);
-}
 
 LLHandleViews views_of(const HandleSlot* s) {
   LLHandleViews v;
@@ -150,24 +115,9 @@ void mark_sent(ncclEpHandle* h, int kind, bool send_only) {
 ncclResult_t ll_create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing,
                               cudaStream_t stream) {
   ncclEpGroup* g = h->group;
-  const ncclEpGroupConfig_t& c = g->cfg;
-  EP_CHECK(routing->tag == NCCL_EP_TENSOR_TOPK_IDX, ncclInvalidArgument,
-           "an LL handle is made from topk_idx [T, K] (tag TOPK_IDX), got tag %d",
-           (int)routing->tag);
-  EP_CHECK(routing->ndim == 2, ncclInvalidArgument, "topk_idx must be 2-D, got %d dimensions",
-           routing->ndim);
-  EP_CHECK(routing->dtype == ncclInt32 || routing->dtype == ncclInt64, ncclInvalidArgument,
-           "topk_idx must be int32 or int64, got %s", dtype_name(routing->dtype));
+  const CallShape shape{&g->cfg, g->nranks};
+  EP_RETURN_IF(megatron_nccl_ep_check_routing(&shape, routing));
   const long long T = routing->sizes[0], K = routing->sizes[1];
-  EP_CHECK(T >= 0 && T <= c.max_tokens_per_rank, ncclInvalidArgument,
-           "topk_idx has %lld tokens, expected 0 <= T <= max_tokens_per_rank (T_max)=%d of this "
-           "LL group",
-           T, c.max_tokens_per_rank);
-  EP_CHECK(K >= 1 && K <= c.max_topk, ncclInvalidArgument,
-           "topk_idx has top-k %lld, expected 1 <= top-k <= max_topk=%d", K, c.max_topk);
-  EP_CHECK(routing->strides[0] >= 0 && routing->strides[1] >= 0, ncclInvalidArgument,
-           "topk_idx strides must be >= 0");
-  EP_CHECK(routing->data != nullptr || T == 0, ncclInvalidArgument, "topk_idx data is NULL");
   h->num_tokens = (int)T;
   h->topk = (int)K;
   {
@@ -191,38 +141,12 @@ ncclResult_t ll_dispatch(ncclEpHandle* h, const ncclEpDispatchInputs_t* in,
                          cudaStream_t stream) {
   bool send_only = false;
   EP_RETURN_IF(check_op(h, config, 0, &send_only));
-  const ncclEpGroup* g = h->group;
-  const ncclEpGroupConfig_t& c = g->cfg;
-  const long long T = h->num_tokens, K = h->topk, H = c.hidden, L = g->num_local,
-                  Km = c.max_topk, RT = (long long)g->nranks * c.max_tokens_per_rank;
+  const ncclEpGroupConfig_t& c = h->group->cfg;
+  const CallShape shape = call_shape(h);
+  EP_RETURN_IF(megatron_nccl_ep_check_dispatch(&shape, in, out));
   const bool rank_major = c.layout == ncclEpLayoutRankMajor;
-  const PayloadFormat payload = payload_format(c);
-  const ncclDataType_t x_type = payload.dtype;
-  const bool scaled = payload.scale_block > 0;
-  const long long blocks = scaled ? H / payload.scale_block : 0;
-  EP_RETURN_IF(check_nd(in->tokens, "x", {T, H}, c.token_dtype));
+  const bool scaled = payload_format(c).scale_block > 0;
   const bool weights = in->topk_weights.ndim != 0;
-  if (weights) EP_RETURN_IF(check_nd(in->topk_weights, "topk_weights", {T, K}, ncclFloat32));
-  if (rank_major) {
-    EP_RETURN_IF(check_nd(out->recv_tokens, "recv_x", {RT, H}, x_type));
-    EP_RETURN_IF(check_nd(out->recv_count, "recv_count", {1}, ncclInt32));
-    EP_RETURN_IF(check_nd(out->recv_topk_idx, "recv_topk_idx", {RT, Km}, ncclInt32));
-    if (weights)
-      EP_RETURN_IF(
-          check_nd(out->recv_topk_weights, "recv_topk_weights", {RT, Km}, ncclFloat32));
-    EP_CHECK(weights || out->recv_topk_weights.ndim == 0, ncclInvalidArgument,
-             "recv_topk_weights must be absent (ndim 0) when the dispatch has no topk_weights");
-    if (scaled)
-      EP_RETURN_IF(check_nd(out->recv_scales, "recv_scales", {RT, blocks}, ncclFloat32));
-  } else {
-    EP_RETURN_IF(check_nd(out->recv_tokens, "recv_x", {L, RT, H}, x_type));
-    EP_RETURN_IF(check_nd(out->recv_count, "recv_count", {L}, ncclInt32));
-    EP_RETURN_IF(check_nd(out->recv_src, "recv_src", {L, RT}, ncclInt32));
-    if (scaled)
-      EP_RETURN_IF(check_nd(out->recv_scales, "recv_scales", {L, RT, blocks}, ncclFloat32));
-  }
-  EP_CHECK(scaled || out->recv_scales.ndim == 0, ncclInvalidArgument,
-           "recv_scales must be absent (ndim 0): this group's payload_dtype has no scales");
   LLDispatchArgs d;
   d.a = ll_args(h);
   d.a.recv = !send_only;
@@ -247,34 +171,17 @@ ncclResult_t ll_combine(ncclEpHandle* h, const ncclEpCombineInputs_t* in,
                         cudaStream_t stream) {
   bool send_only = false;
   EP_RETURN_IF(check_op(h, config, 1, &send_only));
-  const ncclEpGroup* g = h->group;
-  const ncclEpGroupConfig_t& c = g->cfg;
-  const long long T = h->num_tokens, K = h->topk, H = c.hidden, L = g->num_local,
-                  RT = (long long)g->nranks * c.max_tokens_per_rank;
+  const ncclEpGroupConfig_t& c = h->group->cfg;
+  const CallShape shape = call_shape(h);
+  EP_RETURN_IF(megatron_nccl_ep_check_combine(&shape, in, out));
   const bool rank_major = c.layout == ncclEpLayoutRankMajor;
-  // fp32 rows are rounded to the token dtype as the kernel reads them (design section 9).
-  const ncclDataType_t given = in->expert_tokens.dtype;
-  const ncclDataType_t rows = given == ncclFloat32 ? ncclFloat32 : c.token_dtype;
-  EP_CHECK(given == rows || c.token_dtype == ncclFloat32, ncclInvalidArgument,
-           "expert_out must have dtype %s or float32 (rounded to %s as read), got %s",
-           dtype_name(c.token_dtype), dtype_name(c.token_dtype), dtype_name(given));
-  if (rank_major) {
-    EP_RETURN_IF(check_nd(in->expert_tokens, "expert_out", {RT, H}, rows));
-    EP_CHECK(in->topk_weights.ndim == 0, ncclInvalidArgument,
-             "topk_weights must be absent (ndim 0) in a rank-major LL combine: each rank's "
-             "partial rows are already weighted");
-  } else {
-    EP_RETURN_IF(check_nd(in->expert_tokens, "expert_out", {L, RT, H}, rows));
-    EP_RETURN_IF(check_nd(in->topk_weights, "topk_weights", {T, K}, ncclFloat32));
-  }
-  EP_RETURN_IF(check_nd(out->tokens, "y", {T, H}, c.token_dtype));
   LLCombineArgs cb;
   cb.a = ll_args(h);
   cb.a.recv = !send_only;
   cb.expert_out = in->expert_tokens.data;
   cb.w = rank_major ? nullptr : static_cast<const float*>(in->topk_weights.data);
   cb.y = out->tokens.data;
-  cb.expert_fp32 = rows != c.token_dtype;
+  cb.expert_fp32 = in->expert_tokens.dtype != c.token_dtype;  // fp32 rows (checked)
   EP_CUDA(launch_ll_combine(cb, stream));
   h->ll_combine = cb;
   mark_sent(h, 1, send_only);

@@ -1,6 +1,7 @@
 /*
- * ops.cc: ncclEpDispatch, ncclEpCombine, ncclEpCombineTopkWeights: argument checks, then one
- * kernel on the exchange engine (kernels/exchange.cuh), filled by one driver (exchange_args):
+ * ops.cc: ncclEpDispatch, ncclEpCombine, ncclEpCombineTopkWeights: argument checks
+ * (call_checks.h), then one kernel on the exchange engine (kernels/exchange.cuh), filled by one
+ * driver (exchange_args):
  * no host synchronization (exact mode: the handle's first op waits for its layout, once).
  * Groups that span nodes run the engine once per node of sources, with the rail around it
  * (nodes.cc).
@@ -22,49 +23,6 @@
 namespace nccl_ep {
 
 namespace {
-
-bool is_float_dtype(ncclDataType_t d) {
-  return d == ncclFloat16 || d == ncclBfloat16 || d == ncclFloat32 || d == ncclFloat64;
-}
-
-// A contiguous row-major tensor of the given shape (d1 < 0: 1-D).
-ncclResult_t check_tensor(const ncclEpTensor_t& t, const char* name, long long d0, long long d1,
-                          ncclDataType_t dtype) {
-  const int ndim = d1 < 0 ? 1 : 2;
-  EP_CHECK(t.ndim == ndim, ncclInvalidArgument, "%s must be %d-D, got %d dimensions", name, ndim,
-           t.ndim);
-  if (ndim == 1) {
-    EP_CHECK(t.sizes[0] == d0, ncclInvalidArgument, "%s must have shape (%lld,), got (%lld,)",
-             name, d0, (long long)t.sizes[0]);
-    EP_CHECK(t.sizes[0] <= 1 || t.strides[0] == 1, ncclInvalidArgument,
-             "%s must be contiguous", name);
-  } else {
-    EP_CHECK(t.sizes[0] == d0 && t.sizes[1] == d1, ncclInvalidArgument,
-             "%s must have shape (%lld, %lld), got (%lld, %lld)", name, d0, d1,
-             (long long)t.sizes[0], (long long)t.sizes[1]);
-    EP_CHECK((t.sizes[1] <= 1 || t.strides[1] == 1) && (t.sizes[0] <= 1 || t.strides[0] == d1),
-             ncclInvalidArgument, "%s must be contiguous (row-major)", name);
-  }
-  EP_CHECK(t.dtype == dtype, ncclInvalidArgument, "%s must have dtype %s, got %s", name,
-           dtype_name(dtype), dtype_name(t.dtype));
-  const long long n = d0 * (d1 < 0 ? 1 : d1);
-  EP_CHECK(t.data != nullptr || n == 0, ncclInvalidArgument, "%s data is NULL", name);
-  return ncclSuccess;
-}
-
-// Routing weights in slot order [T, K] (TOPK_WEIGHTS) or dense [T, E] (ROUTING_PROBS).
-ncclResult_t check_weights(const ncclEpTensor_t& t, const char* name, const ncclEpHandle* h,
-                           int* dense) {
-  const ncclEpGroup* g = h->group;
-  EP_CHECK(is_float_dtype(t.dtype), ncclInvalidArgument,
-           "%s must have a floating dtype (float16, bfloat16, float32, float64), got %s", name,
-           dtype_name(t.dtype));
-  EP_CHECK(t.tag == NCCL_EP_TENSOR_TOPK_WEIGHTS || t.tag == NCCL_EP_TENSOR_ROUTING_PROBS,
-           ncclInvalidArgument, "%s must be tagged TOPK_WEIGHTS [T, K] or ROUTING_PROBS [T, E]",
-           name);
-  *dense = t.tag == NCCL_EP_TENSOR_ROUTING_PROBS;
-  return check_tensor(t, name, h->num_tokens, *dense ? g->cfg.num_experts : h->topk, t.dtype);
-}
 
 bool aligned16(const void* p) { return ((uintptr_t)p & 15u) == 0; }
 
@@ -135,21 +93,13 @@ ncclResult_t ht_dispatch(ncclEpHandle_t handle, const ncclEpDispatchInputs_t* in
   DeferredError sticky;
   EP_RETURN_IF(check_entry(handle, config, "ncclEpDispatch", &sticky));
   ncclEpGroup* g = handle->group;
-  const long long T = handle->num_tokens, H = g->cfg.hidden, N = handle->num_recv;
-  EP_RETURN_IF(check_tensor(inputs->tokens, "x", T, H, g->cfg.token_dtype));
-  EP_RETURN_IF(check_tensor(outputs->recv_tokens, "recv_x", N, H, g->cfg.token_dtype));
-  // Presence is ndim, not data: a rank with no tokens passes an empty probs tensor (data may be
-  // NULL) and must still write the probs of the rows it receives.
-  const bool with_probs = inputs->topk_weights.ndim != 0;
+  const long long N = handle->num_recv;
+  const CallShape shape = call_shape(handle);
+  EP_RETURN_IF(megatron_nccl_ep_check_dispatch(&shape, inputs, outputs));
+  const bool with_probs = inputs->topk_weights.ndim != 0;  // presence is ndim (call_checks.cc)
   DispatchArgs a;
-  a.prob_bytes = 4;
-  a.probs_dense = 0;
-  if (with_probs) {
-    EP_RETURN_IF(check_weights(inputs->topk_weights, "probs", handle, &a.probs_dense));
-    EP_RETURN_IF(check_tensor(outputs->recv_topk_weights, "recv_probs", N, -1,
-                              inputs->topk_weights.dtype));
-    a.prob_bytes = dtype_bytes(inputs->topk_weights.dtype);
-  }
+  a.prob_bytes = with_probs ? dtype_bytes(inputs->topk_weights.dtype) : 4;
+  a.probs_dense = with_probs && inputs->topk_weights.tag == NCCL_EP_TENSOR_ROUTING_PROBS;
   a.dtype = (int)g->cfg.token_dtype;
   a.x = inputs->tokens.data;
   a.probs = with_probs ? inputs->topk_weights.data : nullptr;
@@ -174,9 +124,9 @@ ncclResult_t ht_combine(ncclEpHandle_t handle, const ncclEpCombineInputs_t* inpu
   DeferredError sticky;
   EP_RETURN_IF(check_entry(handle, config, "ncclEpCombine", &sticky));
   ncclEpGroup* g = handle->group;
-  const long long T = handle->num_tokens, H = g->cfg.hidden, N = handle->num_recv;
-  EP_RETURN_IF(check_tensor(inputs->expert_tokens, "expert_out", N, H, g->cfg.token_dtype));
-  EP_RETURN_IF(check_tensor(outputs->tokens, "y", T, H, g->cfg.token_dtype));
+  const long long T = handle->num_tokens;
+  const CallShape shape = call_shape(handle);
+  EP_RETURN_IF(megatron_nccl_ep_check_combine(&shape, inputs, outputs));
   CombineArgs a;
   a.dtype = (int)g->cfg.token_dtype;
   a.expert_out = inputs->expert_tokens.data;
@@ -197,19 +147,12 @@ ncclResult_t ht_combine_probs(ncclEpHandle_t handle,
                               ncclEpTensor_t* grad_topk_weights, cudaStream_t stream) {
   DeferredError sticky;
   EP_RETURN_IF(check_entry(handle, nullptr, "ncclEpCombineTopkWeights", &sticky));
-  EP_CHECK(grad_recv_topk_weights != nullptr && grad_topk_weights != nullptr,
-           ncclInvalidArgument, "ncclEpCombineTopkWeights: a tensor argument is NULL");
+  const CallShape shape = call_shape(handle);
+  EP_RETURN_IF(
+      megatron_nccl_ep_check_combine_probs(&shape, grad_recv_topk_weights, grad_topk_weights));
   const ncclDataType_t pd = grad_recv_topk_weights->dtype;
-  EP_CHECK(is_float_dtype(pd), ncclInvalidArgument,
-           "grad_recv_probs must have a floating dtype (float16, bfloat16, float32, float64), "
-           "got %s",
-           dtype_name(pd));
-  EP_RETURN_IF(check_tensor(*grad_recv_topk_weights, "grad_recv_probs", handle->num_recv, -1, pd));
   CombineProbsArgs a;
-  EP_RETURN_IF(check_weights(*grad_topk_weights, "grad_probs", handle, &a.grad_dense));
-  EP_CHECK(grad_topk_weights->dtype == pd, ncclInvalidArgument,
-           "grad_probs must have the dtype of grad_recv_probs (%s), got %s", dtype_name(pd),
-           dtype_name(grad_topk_weights->dtype));
+  a.grad_dense = grad_topk_weights->tag == NCCL_EP_TENSOR_ROUTING_PROBS;
   a.prob_bytes = dtype_bytes(pd);
   a.grad_recv = grad_recv_topk_weights->data;
   a.grad = grad_topk_weights->data;
