@@ -338,6 +338,33 @@ def _c_fields(group_config) -> dict:
     return {name: getattr(c, name) for name in dir(c) if not name.startswith("_")}
 
 
+# The fields of ncclEpGroupConfig_t each rank may set for itself: the struct's own size and the
+# allocator (its callbacks and context are this process's).
+RANK_LOCAL_FIELDS = {"size", "alloc_fn", "free_fn", "alloc_ctx"}
+
+
+def _struct_fields(text: str, name: str) -> list:
+    end = text.index("} " + name + ";")
+    body = text[text.rindex("typedef struct {", 0, end):end]
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    return re.findall(r"(\w+)(?:\[[^\]]*\])?\s*;", body)
+
+
+def test_every_group_config_field_is_agreed_on_at_creation():
+    # A field that changes what ranks exchange must be equal on every rank: group creation
+    # all-gathers a record of them and refuses a mismatch naming the field (config.cc,
+    # ConfigRecord and kConfigFields, whose lengths a static_assert ties). A new
+    # ncclEpGroupConfig_t field goes there, or into RANK_LOCAL_FIELDS with its reason.
+    header = (ROOT / "csrc" / "include" / "nccl_ep.h").read_text()
+    fields = _struct_fields(header, "ncclEpGroupConfig_t")
+    assert {"num_experts", "payload_dtype", "alloc_fn"} <= set(fields)
+    source = (ROOT / "csrc" / "runtime" / "config.cc").read_text()
+    names = re.search(r"kConfigFields\[\]\s*=\s*\{(.*?)\};", source, re.S).group(1)
+    agreed = {n.split(" (")[0] for n in re.findall(r'"([^"]+)"', names)}
+    missing = [f for f in fields if f not in agreed and f not in RANK_LOCAL_FIELDS]
+    assert not missing, f"ncclEpGroupConfig_t fields not agreed on at creation: {missing}"
+
+
 @needs_library
 def test_every_group_config_field_reaches_the_library():
     # A new GroupConfig field needs an entry here, and cuda_backend._c_config must pass it on
