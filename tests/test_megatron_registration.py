@@ -446,3 +446,23 @@ def test_documented_patches_are_the_table():
         rows = re.findall(r"^\| `(megatron\.[\w.]+)` \| [^|]+ \| ([^|]+) \|$", f.read(),
                           re.MULTILINE)
     assert rows == [(p.target, ", ".join(p.checked)) for p in PATCHES], rows
+
+
+def test_every_plugin_option_is_read_where_megatron_runs():
+    # A --nccl-ep-* flag whose NcclEpOptions field no dispatcher reads would be accepted and
+    # ignored: each field is read as ``options.<field>`` (or ``options().<field>``) by the
+    # modules that run inside Megatron (docs/design.md §1, "a Megatron plugin flag":
+    # dispatcher_common.group_spec where it reaches a Group, else where it is used).
+    import dataclasses
+    import pathlib
+    import re
+
+    import megatron_nccl_ep
+    from megatron_nccl_ep.options import NcclEpOptions
+
+    package = pathlib.Path(megatron_nccl_ep.__file__).parent
+    text = "\n".join((package / f"{name}.py").read_text() for name in (
+        "dispatcher", "dispatcher_common", "inference", "megatron", "overflow", "experts"))
+    unread = [f.name for f in dataclasses.fields(NcclEpOptions)
+              if not re.search(rf"\boptions(\(\))?\.{f.name}\b", text)]
+    assert not unread, f"NcclEpOptions fields no dispatcher reads: {unread}"
