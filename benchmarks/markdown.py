@@ -23,12 +23,22 @@ from .team import PROXY_NOTE
 
 
 def _table(header: list, rows: list, specs: tuple = ()) -> list:
-    """A table; the last cells of each row are numbers, formatted by ``specs`` (report.fmt)."""
+    """A table; the last cells of each row are numbers, formatted by ``specs`` (report.fmt).
+    A column of numbers (or dashes) is aligned right, any other left; the first always left."""
     n = len(header) - len(specs)
+    body = [list(map(str, row[:n])) + cells(row[n:], specs) for row in rows]
+
+    def numeric(cell: str) -> bool:
+        try:
+            float(cell.strip().rstrip("x%").replace(",", ""))
+            return True
+        except ValueError:
+            return cell.strip() in ("-", "")
+
+    right = [i > 0 and all(numeric(r[i]) for r in body) for i in range(len(header))]
     lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join(" --- " if i == 0 else " ---: " for i in range(len(header))) + "|"]
-    lines += ["| " + " | ".join(list(map(str, row[:n])) + cells(row[n:], specs)) + " |"
-              for row in rows]
+             "|" + "|".join(" ---: " if r else " --- " for r in right) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
     return lines + [""]
 
 
