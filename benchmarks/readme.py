@@ -101,8 +101,8 @@ def numbers(result: dict) -> str:
     text = (
         f"Of each fwd+bwd, the bench's stand-in expert (`rows * probs` and its backward) takes "
         f"{megatron['nccl_ep.expert_fwd_bwd']['median_ms']:.2f} ms. "
-        f"HT at small batches does not pay for a larger SM budget: 128 tokens "
-        f"{dc(128, shape['num_sms'])} us (dispatch / combine kernels) at {shape['num_sms']} SMs, "
+        f"HT's dispatch / combine kernels by SM budget: 128 tokens "
+        f"{dc(128, shape['num_sms'])} us at {shape['num_sms']} SMs, "
         f"{dc(128, every_sm)} at {every_sm}; 1024 tokens {dc(1024, shape['num_sms'])} at "
         f"{shape['num_sms']}, {dc(1024, every_sm)} at {every_sm}. "
         f"LL at EP=1, 128 tokens (us), rank-major: dispatch {ll(ll_all, 'rank_major', 'dispatch')}, "
@@ -137,7 +137,9 @@ def _also(result: dict) -> str:
     if any(teams):
         also += (f"; {' and '.join(t for t in teams if t)} as local teams on that one GPU "
                  "(proxies: no NVLink, one HBM)")
-    return also + "; multi-GPU numbers wait for a multi-GPU machine"
+    if result["meta"]["gpu_count"] == 1:
+        also += "; multi-GPU numbers wait for a multi-GPU machine"
+    return also
 
 
 def _training(result: dict) -> str:
@@ -243,7 +245,7 @@ def main(argv=None) -> int:
             print("benchmarks/results.json is not the tree's run: " + "; ".join(others) +
                   ". Run the bench and the training checks on a GPU (docs/gpu_tests.md), then "
                   "python -m benchmarks.readme --bench OUT/results.json --training "
-                  "OUT/training.json", file=sys.stderr)
+                  "OUT/training.json --stress OUT/stress.json", file=sys.stderr)
         return 1 if stale or others else 0
     if given:
         with open(RESULTS, "w") as f:

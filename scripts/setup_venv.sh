@@ -7,7 +7,8 @@
 # Idempotent: reinstalls only when requirements.txt, setup.py, csrc/, or what decides the build
 # (the nvcc found, NCCL_EP_BUILD_EXT, CUDA_HOME, the NCCL and arch knobs) changed since the last
 # successful run, or setup's record of the build is gone. First run: ~3 min and ~5.5 GB (torch
-# and its CUDA libraries), plus ~30 s for the CUDA compile when it happens.
+# and its CUDA libraries), plus the CUDA compile when it happens (about a minute and a half on 2
+# cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
@@ -42,7 +43,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ] ||
     step "installing requirements.txt (first time ~3 min, ~5.5 GB)"
     .venv/bin/python -m pip install --quiet -r requirements.txt
     step "installing megatron_nccl_ep (NCCL_EP_BUILD_EXT=${NCCL_EP_BUILD_EXT:-auto}," \
-         "nvcc: ${nvcc}; the CUDA compile, when it happens: ~30 s)"
+         "nvcc: ${nvcc}; the CUDA compile, when it happens: ~1.5 min on 2 cores)"
     .venv/bin/python -m pip install --quiet --no-build-isolation -e .
     echo "$wanted" > "$stamp"
     step "done"
