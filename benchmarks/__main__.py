@@ -2,9 +2,9 @@
 reports.
 
 Each section (``ceilings``, ``kernels``, ``megatron``, ``host``), each team world size, each LL
-point and each sweep point runs in its own fresh set of processes with its own deadline within
-``--time-budget``; the table is printed last, after the JSON is written, then the plot and the
-markdown.
+point, each nodes point and each sweep point runs in its own fresh set of processes with its own
+deadline within ``--time-budget``; the table is printed last, after the JSON is written, then the
+plot and the markdown.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import shlex
 import sys
 import time
 
-from . import (ceilings, dispatchers, experts, host, kernels, ll, markdown, plot, report, sweeps,
-               team)
+from . import (ceilings, dispatchers, experts, host, kernels, ll, markdown, nodes, plot, report,
+               sweeps, team)
 from .cli import parse_args, sweep_points
 from .machine import machine_info
 from .runner import run_into
@@ -63,7 +63,8 @@ def main(argv=None) -> int:
         print(f"plan: sections {args.sections} on {args.nproc} {args.device} processes, "
               f"{args.warmup} warm-up + {args.iters} timed iterations over {args.rotate} input "
               f"sets; megatron dispatchers {args.megatron_dispatchers}; team sizes "
-              f"{args.team_sizes if 'team' in args.sections else []}; sweep points "
+              f"{args.team_sizes if 'team' in args.sections else []}; nodes shapes "
+              f"{args.nodes_shapes if 'nodes' in args.sections else []}; sweep points "
               f"{[sweeps.point_label(*point) for point in sweep_points(args)]}")
         print(report.format_table(result))
         return 0
@@ -78,6 +79,9 @@ def main(argv=None) -> int:
             continue
         if section == "host":
             host.run(result, args, budget_end)
+            continue
+        if section == "nodes":
+            nodes.run(result, args, budget_end)
             continue
         result[section], checks, _ = run_into(result, section, SECTION_FUNCTIONS[section],
                                               args, budget_end)
@@ -102,7 +106,7 @@ def main(argv=None) -> int:
         print(f"markdown: {args.markdown}", flush=True)
     measured = (any(result.get(s) for s in (*SECTION_FUNCTIONS, "host"))
                 or any(p.get("items") for p in result["sweeps"] + result["team"]
-                       + ll.points(result)))
+                       + ll.points(result) + nodes.points(result)))
     return 0 if measured and not result["errors"] else 1
 
 

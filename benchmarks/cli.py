@@ -7,7 +7,7 @@ import os
 
 from megatron_nccl_ep.options import NcclEpOptions  # no torch: parsing stays light
 
-SECTIONS = ("ceilings", "kernels", "megatron", "team", "ll", "host", "experts")
+SECTIONS = ("ceilings", "kernels", "megatron", "team", "ll", "host", "experts", "nodes")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # The LL section's payloads: the token dtype, or a payload dtype of the library's by its word (the
 # group's payload_dtype: a key of megatron_nccl_ep.config.LL_PAYLOADS, by torch name). Its layouts
@@ -17,6 +17,12 @@ LL_FP8 = "fp8"
 LL_PAYLOAD_DTYPES = {LL_FP8: "float8_e4m3fn"}
 LL_FLAGS = ("ll_tokens", "ll_sizes", "ll_num_sms", "ll_payloads", "ll_layouts")
 HOST_FLAGS = ("host_ht_tokens", "host_ll_tokens")
+NODES_FLAGS = ("nodes_shapes", "nodes_routings")
+# The nodes section's routings; node-limited: groups of experts, and how many of them a token picks
+# (docs/internode.md's table: 8 groups, 4 picked).
+ROUTINGS = ("uniform", "node_limited")
+NODE_LIMITED_GROUPS = 8
+NODE_LIMITED_PICKS = 4
 
 # Flags left out take their device's value. On CPU the reference backend runs over gloo, so the
 # shape is one that takes seconds there, and what measures GPU hardware is left out. The team
@@ -27,12 +33,13 @@ DEVICE_DEFAULTS = {
              "sections": "ceilings,kernels,megatron",
              "megatron_dispatchers": "nccl_ep,alltoall", "team_sizes": [2, 4],
              "ll_tokens": [1, 8, 32, 128, 256], "ll_sizes": [1, 2, 4, 8], "ll_num_sms": [24],
-             "host_ht_tokens": [128, 4096], "host_ll_tokens": [1, 128]},
+             "host_ht_tokens": [128, 4096], "host_ll_tokens": [1, 128],
+             "nodes_shapes": [(2, 2), (4, 1)]},
     "cpu": {"tokens": 256, "hidden": 256, "topk": 2, "experts": 16, "warmup": 2, "iters": 10,
             "rotate": 2, "copy_mib": 64, "num_sms": None, "sections": "kernels,megatron",
             "megatron_dispatchers": "nccl_ep", "team_sizes": [],
             "ll_tokens": [1, 8, 32, 128, 256], "ll_sizes": [1, 2, 4, 8], "ll_num_sms": None,
-            "host_ht_tokens": None, "host_ll_tokens": None},
+            "host_ht_tokens": None, "host_ll_tokens": None, "nodes_shapes": [(2, 2), (4, 1)]},
 }
 
 
@@ -66,6 +73,26 @@ def _word_list(choices):
                 f"expected comma-separated words of {','.join(allowed)}: {text!r}")
         return list(dict.fromkeys(words))
     return parse
+
+
+def _node_shapes(text: str) -> list:
+    """An argparse type: '2x2,4x1' -> [(2, 2), (4, 1)], (nodes >= 2, ranks per node >= 1)."""
+    found = []
+    for word in (w for w in text.split(",") if w):
+        nodes, _, per_node = word.partition("x")
+        if not (nodes.isdigit() and per_node.isdigit() and int(nodes) >= 2
+                and int(per_node) >= 1):
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated NODESxRANKS_PER_NODE, nodes >= 2 and ranks per node "
+                f">= 1: {text!r}")
+        found.append((int(nodes), int(per_node)))
+    if not found:
+        raise argparse.ArgumentTypeError(f"expected at least one NODESxRANKS_PER_NODE: {text!r}")
+    return list(dict.fromkeys(found))
+
+
+def _node_routings() -> tuple:
+    return ROUTINGS
 
 
 def _ll_layouts() -> tuple:
@@ -158,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the host section's LL tokens per rank (EP=1, every SM, the layouts of "
                         "--ll-layouts); default "
                         f"{','.join(map(str, DEVICE_DEFAULTS['cuda']['host_ll_tokens']))}")
+    p.add_argument("--nodes-shapes", type=_node_shapes, default=None, metavar="2x2,4x1",
+                   help="the nodes section's groups, one point each: NODES x ranks per node, a "
+                        "process per rank (GPUs: one GPU each, the group option ranks_per_node "
+                        "emulating the nodes); default 2x2,4x1")
+    p.add_argument("--nodes-routings", type=_word_list(_node_routings), default=None,
+                   metavar="uniform,node_limited",
+                   help="the nodes section's routings: uniform top-k, and/or node-limited (the "
+                        "experts in 8 groups, 4 picked per token); default both")
     p.add_argument("--sweep-sms", type=_int_list(1, allow_all=True), default=[],
                    metavar="16,24,...,all",
                    help="after the sections, the kernels section once per SM budget (at --tokens;"
@@ -211,6 +246,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ll_given = [f"--{key.replace('_', '-')}" for key in LL_FLAGS if getattr(args, key) is not None]
     host_given = [f"--{key.replace('_', '-')}" for key in HOST_FLAGS
                   if getattr(args, key) is not None]
+    nodes_given = [f"--{key.replace('_', '-')}" for key in NODES_FLAGS
+                   if getattr(args, key) is not None]
     sections_given = args.sections is not None
     for key, value in DEVICE_DEFAULTS[args.device].items():
         if getattr(args, key) is None:
@@ -248,6 +285,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--sections team needs the built extension: {problem}")
     elif team_sizes_given:
         p.error("--team-sizes needs the team section (add team to --sections)")
+    if "nodes" in args.sections:
+        _check_nodes(p, args)
+    elif nodes_given:
+        p.error(f"{', '.join(nodes_given)}: the nodes section's flags (add nodes to --sections)")
     if "ll" in args.sections:
         _check_ll(p, args)
     else:
@@ -318,6 +359,25 @@ def _check_ll(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 f"of {uneven})")
     if max(args.ll_tokens) > LL_MAX_TOKENS:
         p.error(f"--ll-tokens: an LL group takes at most {LL_MAX_TOKENS} tokens per rank")
+
+
+def _check_nodes(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.nodes_routings is None:
+        args.nodes_routings = list(ROUTINGS)
+    for nodes, per_node in args.nodes_shapes:
+        if args.experts % (nodes * per_node):
+            p.error(f"--experts ({args.experts}) must be a multiple of every --nodes-shapes "
+                    f"group's ranks (not of {nodes} x {per_node})")
+    if "node_limited" in args.nodes_routings:
+        group_size = args.experts // NODE_LIMITED_GROUPS
+        if args.experts % NODE_LIMITED_GROUPS or args.topk > NODE_LIMITED_PICKS * group_size:
+            p.error(f"--nodes-routings node_limited: --experts ({args.experts}) must be a "
+                    f"multiple of {NODE_LIMITED_GROUPS} groups and --topk ({args.topk}) at most "
+                    f"the experts of {NODE_LIMITED_PICKS} groups")
+        split = [nodes for nodes, _ in args.nodes_shapes if NODE_LIMITED_GROUPS % nodes]
+        if split:
+            p.error(f"--nodes-routings node_limited: every node holds whole groups, so the "
+                    f"nodes of --nodes-shapes must divide {NODE_LIMITED_GROUPS} (not {split})")
 
 
 def _check_host(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -15,7 +15,7 @@ from .kernels import HANDLE, RANK_MAJOR
 from .report import (LL_TARGET_TOKENS, cells, ceiling_rows, check_rows, first_line, floor_rates,
                      host_floor_us, host_rows, kernel_cells, ll_check_summary, ll_header,
                      ll_memory_rows, ll_rows, ll_target_text, ll_targets, megatron_rows,
-                     experts_rows,
+                     experts_rows, NODES_COLUMNS, nodes_check_summary, nodes_header, nodes_rows,
                      shape_extras, sweep_rows, team_rows, times_us)
 from .runner import e2e_mode, item_name, kernel_mode
 from .sweeps import sweep_mode
@@ -335,6 +335,33 @@ def _ll(result: dict, out: list) -> None:
         out += [""] if bad else []
 
 
+def _nodes(result: dict, out: list) -> None:
+    if not result.get("nodes"):
+        return
+    times, rows, skipped = nodes_rows(result)
+    out += ["## Nodes: HT over emulated nodes, what the rail carries", "",
+            nodes_header(result) + ".", "",
+            "Per op and routing, per token of a rank and per call: the rows and bytes this rank "
+            "handed the rail (the deltas of `Group.info()`'s `rail_rows_sent` / "
+            "`rail_bytes_sent` over the timed calls); p counted = those rows / ((N - 1) T), the "
+            "share of a token's slots on a given other node; p formula = docs/internode.md's; "
+            "every token = the bytes of a rail that carried every token to every remote node "
+            "(the dispatch's weights as max(E, K) slots of 8 bytes); packed / every token = "
+            "the counted bytes over those.", ""]
+    if rows:
+        out += _table(["NxG", "routing", "op", *times, *NODES_COLUMNS], rows,
+                      (".1f" if len(times) > 1 else ".2f",) * len(times)
+                      + (".3f", ".1f", ".3f", ".3f", ".1f", ".3f"))
+    if skipped:
+        out += [f"- {shape}: skipped, {why}" for shape, why in skipped] + [""]
+    passed, done, bad = nodes_check_summary(result)
+    if done:
+        out += [f"Checks (every rank's counted rail rows equal its routing's messages, its bytes "
+                f"those rows x their row bytes, per op): {passed} of {done} ok.", ""]
+        out += [f"- {shape}, {name}, rank {rank}: {value}" for shape, name, rank, value in bad]
+        out += [""] if bad else []
+
+
 def _ll_memory(result: dict, out: list) -> None:
     shape, rows, why = ll_memory_rows(result)
     out += ["### LL memory per rank", ""]
@@ -385,6 +412,7 @@ def render(result: dict) -> str:
     _megatron(result, out)
     _team(result, out)
     _ll(result, out)
+    _nodes(result, out)
     _host(result, out)
     _experts(result, out)
     _training(result, out)

@@ -22,7 +22,11 @@ from .host import FLOOR, FLOOR_OP, HOST_KINDS, HOST_OPS, ht_prefix, megatron_pre
 from .ll import LL_OPS, ht_item, ll_item
 from .ll import add_floors as ll_add_floors
 from .ll import points as ll_points
-from .runner import item_name, kernel_mode
+from .nodes import OPS as NODES_OPS
+from .nodes import item as nodes_item
+from .nodes import points as nodes_points
+from .nodes import shape_label as nodes_shape
+from .runner import e2e_mode, item_name, kernel_mode
 from .sweeps import sweep_mode
 from .team import OPS as TEAM_OPS
 from .team import PROXY_NOTE
@@ -280,6 +284,76 @@ def check_rows(result: dict) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------------
+# the nodes section's rows (nodes.py): the text table and the markdown render these
+
+NODES_COLUMNS = ("rows/token", "bytes/token", "p counted", "p formula", "every token B/token",
+                 "packed / every token")
+
+
+def nodes_rows(result: dict) -> tuple:
+    """(time columns, rows, skipped): rows (shape NxG, routing, op, *times, *NODES_COLUMNS'
+    values): times in us on GPUs (kernel, e2e) and ms on cpu (host wall); per token of a rank
+    (its rows and bytes per call / its tokens); p counted = the rows / ((N - 1) T), p formula
+    docs/internode.md's; every token = what a rail that carried every token sent; None where
+    not measured. skipped: (shape, why) of the points that did not run."""
+    cuda = result["meta"]["device"] == "cuda"
+    modes = (kernel_mode("cuda"), e2e_mode("cuda")) if cuda else (kernel_mode("cpu"),)
+    scale = 1e3 if cuda else 1.0
+    rows, skipped = [], []
+    for point in nodes_points(result):
+        shape = nodes_shape(point["nodes"], point["ranks_per_node"])
+        if point.get("skipped"):
+            skipped.append((shape, point["skipped"]))
+            continue
+        for routing, formula in point["share_formula"].items():
+            for op in NODES_OPS:
+                found = [point["items"].get(nodes_item(routing, op, mode)) for mode in modes]
+                if not any(found):
+                    continue
+                counted = next(row for row in found if row)
+                tokens = counted["tokens"]
+                rows.append((shape, routing, op,
+                             *(row["median_ms"] * scale if row else None for row in found),
+                             counted["rail_rows"] / tokens, counted["rail_bytes"] / tokens,
+                             counted["share"], formula,
+                             counted["every_token_bytes"] / tokens,
+                             counted["rail_bytes"] / counted["every_token_bytes"]))
+    times = ("kernel (us)", "e2e (us)") if cuda else ("host wall (ms)",)
+    return times, rows, skipped
+
+
+def nodes_check_summary(result: dict) -> tuple:
+    """(checks passed, checks in all, [(shape, check, rank, value)] of those that did not
+    pass)."""
+    done, bad = 0, []
+    for point in nodes_points(result):
+        for name, per_rank in (point.get("checks") or {}).items():
+            for rank, value in sorted(per_rank.items()):
+                done += 1
+                if not str(value).startswith("ok"):
+                    bad.append((nodes_shape(point["nodes"], point["ranks_per_node"]), name, rank,
+                                value))
+    return done - len(bad), done, bad
+
+
+def nodes_header(result: dict) -> str:
+    """What the nodes rows are: the shape, backend, processes, timing and routings."""
+    shape, section = result["shape"], result.get("nodes") or {}
+    limited = section.get("node_limited") or {}
+    backend = result["meta"].get("backend_resolved", shape["backend"])
+    text = (f"HT over emulated nodes (docs/internode.md), backend {backend}, exact mode: "
+            f"{shape['tokens']} tokens per rank, hidden {shape['hidden']}, top-{shape['topk']} "
+            f"of {shape['experts']} experts, {shape['dtype']}; NxG = N nodes of G ranks, a "
+            f"process per rank; routings: uniform, node_limited = {limited.get('groups')} "
+            f"groups of experts, {limited.get('picks')} picked per token")
+    if result["meta"]["device"] == "cuda":
+        return (text + "; one GPU per rank, the nodes emulated by the group option "
+                "ranks_per_node: the rail runs over NVLink, not a network (a proxy of the "
+                "protocol's cost, not of a network's)")
+    return text + "; the reference backend over gloo, host wall time"
+
+
+# ------------------------------------------------------------------------------------------------
 # the LL section's rows (ll.py): the text table and the markdown render these
 
 # Printed against the numbers, never asserted: EP=1, bf16, T=128 (us), and HT / LL graph.
@@ -516,6 +590,29 @@ def _ll(result: dict, cuda: bool) -> list:
     return lines
 
 
+def _nodes(result: dict) -> list:
+    if not result.get("nodes"):
+        return []
+    times, rows, skipped = nodes_rows(result)
+    names = [name.replace(" (", "_").rstrip(")").replace(" ", "_") for name in times] + [
+        "rows/tok", "B/tok", "p", "p_formula", "every_B/tok", "packed/every"]
+    lines = [nodes_header(result), "per token of a rank, per call: rail rows and bytes "
+             "(Group.info()'s counters); p = rows / ((N-1) T); every = a rail that carried "
+             "every token"] + _text_table(
+        f"{'NxG':>4s} {'routing':12s} {'op':13s}", 32, names,
+        tuple(f"{max(len(n), 9)}.{2 if 'ms' in n else 1}f" for n in names[:len(times)])
+        + ("8.3f", "9.1f", "6.3f", "9.3f", "11.1f", "12.3f"),
+        [(f"{shape:>4s} {routing:12s} {op:13s}", *values)
+         for shape, routing, op, *values in rows])
+    lines += [f"{shape:>4s} skipped: {why}" for shape, why in skipped]
+    passed, done, bad = nodes_check_summary(result)
+    if done:
+        lines.append(f"nodes checks (rail counters against the routing): {passed} of {done} ok")
+    lines += [f"nodes check {shape} {name} rank {rank}: {value}"
+              for shape, name, rank, value in bad]
+    return lines
+
+
 def _experts(result: dict) -> list:
     factor_rows, layer_rows = experts_rows(result)
     lines = []
@@ -596,6 +693,7 @@ def format_table(result: dict) -> str:
                              ("12.0f" if cuda else "12.2f",) * 2 + ("12.2f", "10.2f"), rows)
     lines += _team(result)
     lines += _ll(result, cuda)
+    lines += _nodes(result)
     lines += _host(result)
     lines += _experts(result)
     lines += [f"check team EP={world} {name}: " + ", ".join(map(str, values))

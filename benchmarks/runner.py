@@ -304,11 +304,14 @@ class Rank:
     def measure(self, item: str, fn: Callable[[int], object], *, mode: str,
                 setup: Optional[Callable[[int], None]] = None,
                 after: Optional[Callable[[int, object], None]] = None,
-                collective: bool = True, extra: Optional[dict] = None) -> None:
+                collective: bool = True,
+                extra: "Optional[dict | Callable[[], dict]]" = None) -> None:
         """Times ``fn(i)`` (i = iteration; inputs rotate on i) and reports per-iteration ms.
 
         ``mode`` is one of this device's ``modes`` (module doc); ``setup``/``after`` run outside
-        the timed region; ``collective=False`` for single-GPU work (no cross-rank alignment).
+        the timed region; ``collective=False`` for single-GPU work (no cross-rank alignment);
+        ``extra``: numbers reported with the times, or a function that gives them once every
+        call has been made (e.g. what counters counted over the calls).
         """
         if mode not in self.modes:
             raise ValueError(f"timing mode {mode!r} does not exist on {self.args.device}")
@@ -346,7 +349,8 @@ class Rank:
             del out
         self.sync()
         times.extend(start.elapsed_time(end) for start, end in pending)
-        self.emit("times", item, times_ms=times, extra=extra or {})
+        numbers = extra() if callable(extra) else extra
+        self.emit("times", item, times_ms=times, extra=numbers or {})
 
 
 def _quiet_dependencies() -> None:
@@ -401,6 +405,20 @@ def random_topk(gen: "torch.Generator", tokens: int, experts: int, topk: int) ->
     import torch
 
     return torch.rand(tokens, experts, generator=gen, device=gen.device).topk(topk, dim=1).indices
+
+
+def node_limited_topk(gen: "torch.Generator", tokens: int, experts: int, groups: int,
+                      picks: int, topk: int) -> "torch.Tensor":
+    """Node-limited routing as DeepSeek-V3's router draws it: the experts in ``groups`` equal
+    groups of consecutive ids; each token picks ``picks`` groups at random, then ``topk``
+    distinct experts among theirs."""
+    import torch
+
+    size = experts // groups
+    picked = torch.rand(tokens, groups, generator=gen, device=gen.device).topk(picks, 1).indices
+    ids = (picked.unsqueeze(2) * size + torch.arange(size, device=gen.device)).flatten(1)
+    choice = torch.rand(ids.shape, generator=gen, device=gen.device).topk(topk, 1).indices
+    return ids.gather(1, choice)
 
 
 def random_tokens(gen: "torch.Generator", rows: int, hidden: int, dtype) -> "torch.Tensor":

@@ -230,7 +230,10 @@ class Group:
 
     def info(self) -> dict:
         """What the backend allocated and chose (the cuda backend: staging bytes, channels,
-        chunk, depth, ranks per node); an empty dict for the reference backend."""
+        chunk, depth, ranks per node), and, for both backends, what this rank handed the rail
+        between nodes since the group's creation, per op: ``rail_rows_sent`` and
+        ``rail_bytes_sent``, ``{"dispatch", "combine", "combine_probs"}`` (0 on one node;
+        docs/internode.md)."""
         self._require_alive()
         return self._backend.info()
 

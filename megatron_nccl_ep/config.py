@@ -82,6 +82,11 @@ class GroupConfig:
     # block; a source's slots past the C-th for an expert (in token order) are dropped, unused
     # rows are zero (prob 0). 0 = off (the exact layout).
     expert_capacity: int = 0
+    # Groups that span nodes in capacity mode (docs/internode.md): every rail message carries
+    # this many tokens (B), whatever the routing; a source with more tokens with a slot on a
+    # remote node is an error on every rank, whatever capacity_overflow says. 0 =
+    # max_tokens_per_rank (never overflows); exact mode sizes each message to its tokens (0).
+    rail_capacity: int = 0
     # The algorithm (docs/design.md §9): "ht" (high throughput: training, prefill) or "ll" (low
     # latency: decode). LL reads max_tokens_per_rank as T_max and adds:
     mode: str = "ht"
@@ -186,8 +191,10 @@ class GroupConfig:
         """The library's rules of a configuration for a group of ``world_size`` ranks, as the
         reference backend applies them (the cuda backend runs the library's own: config.cc
         ``check_config``): shapes, bounds (nccl_ep_limits.h's, through ``limits``) and which
-        fields go together. Implementation limits of the CUDA kernels alone (group size, slots
-        per rank, expert count) are not the reference's. Expects ``check_fields`` passed."""
+        fields go together. What only the cuda backend lacks is not the reference's: its kernels'
+        limits (group size, slots per rank, expert count, float64 tokens) and LL groups that span
+        nodes (designed, not built there: docs/internode.md), which the library refuses (config.cc
+        ``check_ll_config``). Expects ``check_fields`` passed."""
         _need(self.num_experts > 0, f"num_experts must be > 0, got {self.num_experts}")
         _need(self.num_experts % world_size == 0,
               f"num_experts ({self.num_experts}) must be a multiple of the group size "
@@ -219,6 +226,11 @@ class GroupConfig:
               f"from 1 to {world_size}, got {self.ranks_per_node}")
         _need(self.expert_capacity >= 0,
               f"expert_capacity must be >= 0 (0 = off), got {self.expert_capacity}")
+        _need(0 <= self.rail_capacity <= self.max_tokens_per_rank
+              and (self.rail_capacity == 0 or self.recv_mode == "capacity"),
+              f"rail_capacity must be in [0, max_tokens_per_rank={self.max_tokens_per_rank}] (0 = "
+              "max_tokens_per_rank) and 0 in exact mode (its rail messages have the size of their "
+              f"tokens), got {self.rail_capacity}")
         if self.mode == "ll":
             self._check_ll_rules(world_size)
         else:
@@ -254,9 +266,6 @@ class GroupConfig:
               and self.expert_capacity == 0 and self.capacity_overflow == "error",
               "mode='ll' has its own layouts: recv_mode, expert_alignment, expert_capacity and "
               "capacity_overflow keep their defaults ('exact', 1, 0, 'error')")
-        _need(self.ranks_per_node in (0, world_size),
-              f"mode='ll' runs on one node (ranks_per_node 0 or {world_size}), got "
-              f"{self.ranks_per_node}")
 
 
 def _need(ok: bool, what: str) -> None:

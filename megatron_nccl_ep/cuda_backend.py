@@ -114,6 +114,7 @@ def _c_config(config: GroupConfig):
     c.staging_chunk_tokens, c.staging_depth = config.staging_chunk_tokens, config.staging_depth
     c.ranks_per_node = config.ranks_per_node
     c.expert_capacity = config.expert_capacity
+    c.rail_capacity = config.rail_capacity
     c.mode = _C.MODE_LOW_LATENCY if config.mode == "ll" else _C.MODE_HIGH_THROUGHPUT
     if config.mode == "ll":
         c.layout = (_C.LAYOUT_RANK_MAJOR if config.ll_layout == "rank_major" else

@@ -11,7 +11,13 @@ rank's outputs at once). The steps:
    order, placed into the layout's outputs; ``receive_record`` keeps where each slot went;
 3. the combine's destination (``pack_combine``): one row per (message, local slot) in slot order
    (expert-major) or the caller's partial row per message (rank-major), back to the source;
-4. the combine's source (``finish_combine``): the ordered fp32 sums, rounded once.
+4. the combine's source (``finish_combine``): the ordered fp32 sums, rounded once; in a group
+   that spans nodes, node partials rounded, then summed over the nodes in ascending order.
+
+Every step but the last is the same whatever ``ranks_per_node`` is: an LL group that spans
+nodes dispatches exactly as a one-node group of the same size (the cuda backend's rail and
+forwarding change where bytes travel, not what arrives), and only the combine's order of
+summation follows the nodes.
 
 Rows of the outputs that the contract leaves unspecified hold poison, never data: NaN (a payload
 dtype's: the byte 0x7f, NaN in float8) in ``x`` and ``scales`` past the counts, -1 in ``src``
@@ -241,15 +247,27 @@ def finish_combine(y: torch.Tensor, config: GroupConfig, world_size: int,
                    plan: List[torch.Tensor], returned: torch.Tensor,
                    recv_counts: Sequence[int]) -> None:
     """Writes ``y [T, H]`` at the source from the rows returned by every destination (in rank
-    order, ``recv_counts[d]`` from d). Expert-major: ``y[t] = sum over k ascending, slot valid,
-    of w[t, k] * fp32(out(t, k))``; rank-major: ``y[t] = sum over d ascending of fp32(partial)``;
-    from +0.0, one add at a time, rounded once."""
+    order, ``recv_counts[d]`` from d). Each term: expert-major ``w[t, k] * fp32(out(t, k))`` per
+    valid slot k, one rounded fp32 product; rank-major ``fp32(partial_d)`` per destination d
+    that received t. One node (``ranks_per_node`` 0 or R): ``y[t]`` = the terms summed in
+    ascending k (expert-major) or d (rank-major), rounded once. Nodes of G < R ranks: per node n
+    ascending, the node partial ``np_n(t)`` = the terms of n's ranks in that order, rounded to
+    the token dtype; ``y[t]`` = the fp32 sum of the token's node partials, rounded. Every sum
+    from +0.0, one add at a time (docs/design.md §9, "Combine across nodes")."""
     tokens, topk = topk_idx.shape
-    acc = torch.zeros((tokens, config.hidden), dtype=torch.float32, device=y.device)
+    G = config.node_size(world_size)
+    zeros = torch.zeros((tokens, config.hidden), dtype=torch.float32, device=y.device)
     parts = torch.split(returned, list(recv_counts))
+    # The terms in the order of one node, each with its rank: (rank, tokens it covers, fp32 rows
+    # of those tokens). Slots k ascending (expert-major) or ranks ascending (rank-major).
+    terms = []
     if config.ll_layout == "rank_major":
-        for idx, part in zip(plan, parts):
-            acc[idx] = acc[idx] + part.to(torch.float32)
+        for d, (idx, part) in enumerate(zip(plan, parts)):
+            rows = zeros.clone()
+            rows[idx] = part.to(torch.float32)
+            has = torch.zeros(tokens, dtype=torch.bool, device=y.device)
+            has[idx] = True
+            terms.append((torch.full((tokens,), d, device=y.device), has, rows))
     else:
         owner = owners(topk_idx, config.num_experts, world_size)
         out = torch.zeros((tokens, topk, config.hidden), dtype=torch.float32, device=y.device)
@@ -258,5 +276,20 @@ def finish_combine(y: torch.Tensor, config: GroupConfig, world_size: int,
             out[t, k] = part.to(torch.float32)
         for k in range(topk):
             product = weights[:, k:k + 1] * out[:, k]  # one rounded fp32 product
-            acc = torch.where((owner[:, k] >= 0).unsqueeze(1), acc + product, acc)
+            terms.append((owner[:, k], owner[:, k] >= 0, product))
+    if G == world_size:
+        acc = zeros
+        for _, has, value in terms:
+            acc = torch.where(has.unsqueeze(1), acc + value, acc)
+        y.copy_(acc.to(y.dtype))
+        return
+    acc = zeros
+    for n in range(world_size // G):
+        node, on_node = zeros, torch.zeros(tokens, dtype=torch.bool, device=y.device)
+        for rank, has, value in terms:
+            here = has & (rank // G == n)
+            node = torch.where(here.unsqueeze(1), node + value, node)
+            on_node = on_node | here
+        rounded = node.to(y.dtype).to(torch.float32)
+        acc = torch.where(on_node.unsqueeze(1), acc + rounded, acc)
     y.copy_(acc.to(y.dtype))

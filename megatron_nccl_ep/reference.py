@@ -88,6 +88,30 @@ def drop_past_capacity(routing: torch.Tensor, num_experts: int, capacity: int) -
     return routing
 
 
+#: The ops that send over the rail, as ``Group.info()`` names them (ncclEpGroupInfo_t's order).
+RAIL_OPS = ("dispatch", "combine", "combine_probs")
+#: Bytes of one routing weight (or its gradient) on the rail: a slot of max_topk per token,
+#: whatever the dtype (docs/internode.md).
+RAIL_SLOT_BYTES = 8
+
+
+def rail_message_tokens(routing: torch.Tensor, config: GroupConfig,
+                        world_size: int) -> Optional[torch.Tensor]:
+    """Groups that span nodes (docs/internode.md): ``[R, N]`` int64, the tokens of source s
+    with a slot on node n != node(s) (0 at its own node): its rail message to n, from every
+    rank's routing ``[R, T, K]`` as gathered (masked slots and padding -1; before any
+    fixed-capacity drop). None for a group of one node."""
+    G = config.node_size(world_size)
+    if G == world_size:
+        return None
+    N, per_node = world_size // G, G * (config.num_experts // world_size)
+    node_of = torch.where(routing >= 0, routing // per_node, -1)  # [R, T, K]
+    counts = torch.stack([(node_of == n).any(2).sum(1) for n in range(N)], 1)  # [R, N]
+    home = torch.arange(world_size, device=routing.device) // G
+    counts[torch.arange(world_size, device=routing.device), home] = 0
+    return counts.to(torch.int64)
+
+
 @dataclasses.dataclass
 class ReferenceHandleState:
     num_recv_tokens: int
@@ -96,6 +120,9 @@ class ReferenceHandleState:
     send_tokens: List[torch.Tensor]  # per destination rank: token indices with a slot there, asc.
     recv_counts: List[int]  # per source rank: tokens received (one per token, not per slot)
     recv_rows: torch.Tensor  # [sum(recv_counts), K] int64: output row of each slot here, or -1
+    # Groups that span nodes: the tokens this rank hands the rail per op, as the cuda backend's
+    # messages carry them (docs/internode.md): (dispatch, combine and combine_probs).
+    rail_rows: tuple = (0, 0)
     # Creation read its shapes on the host (.tolist()) after converting the routing.
     routing_released: ClassVar[bool] = True
 
@@ -148,6 +175,8 @@ class ReferenceBackend:
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self._calls = 0  # collectives entered, the same count on every rank of a healthy group
         self._stopped: Optional[str] = None
+        # What the rail carried from this rank, per op (the cuda backend's ncclEpGroupGetInfo).
+        self._rail_sent = {op: [0, 0] for op in RAIL_OPS}
         if self.world_size > 1:
             prefix, seq = rendezvous.next_scope(process_group, "progress")
             self._progress = f"{prefix}/{seq}"
@@ -159,8 +188,14 @@ class ReferenceBackend:
                            "a torch.distributed group (Group.local_team runs the cuda backend)")
 
     def info(self) -> dict:
-        """Nothing allocated or chosen beyond the configuration."""
-        return {}
+        """Nothing allocated or chosen beyond the configuration; what a group that spans nodes
+        handed the rail, counted as the cuda backend's messages carry it (0 on one node)."""
+        return {"rail_rows_sent": {op: rows for op, (rows, _) in self._rail_sent.items()},
+                "rail_bytes_sent": {op: size for op, (_, size) in self._rail_sent.items()}}
+
+    def _count_rail(self, op: str, rows: int, row_bytes: int) -> None:
+        self._rail_sent[op][0] += rows
+        self._rail_sent[op][1] += rows * row_bytes
 
     # -- collectives (identity with a single rank) -------------------------------------------------
     def _collective(self, op: str, launch) -> None:
@@ -338,6 +373,7 @@ class ReferenceBackend:
         padded = torch.full((t_pad, topk), -1, dtype=torch.int64, device=device)
         padded[:tokens] = topk_idx
         routing = self._all_gather("create_handle", padded)  # [R, t_pad, K]: all routing
+        rail_counts = rail_message_tokens(routing, cfg, R)  # before the drop, as the library
         C = cfg.expert_capacity
         if C:  # fixed capacity: dropped slots are masked from here on
             routing = drop_past_capacity(routing, cfg.num_experts, C)
@@ -366,6 +402,7 @@ class ReferenceBackend:
                     f"capacity overflow: rank {d} would receive {n} rows but "
                     f"max_recv_tokens_per_rank={cfg.max_recv_tokens_per_rank}; raise the capacity "
                     "(or capacity factor) or use exact mode")
+        rail_rows = self._rail_rows(rail_counts)
         me = self.rank
         base = torch.cumsum(blocks[me], 0) - blocks[me]  # [L] first row of each local expert
 
@@ -399,7 +436,33 @@ class ReferenceBackend:
         tokens_per_expert = (tokens_per_expert.cpu() if cfg.recv_mode == "exact"
                              else tokens_per_expert.to(device))
         return ReferenceHandleState(num_recv, tokens_per_expert, topk_idx, send_tokens,
-                                    recv_counts, recv_rows)
+                                    recv_counts, recv_rows, rail_rows)
+
+    def _rail_rows(self, counts: Optional[torch.Tensor]) -> tuple:
+        """(dispatch, return) rows this rank hands the rail per op, from ``counts`` [R, N] (the
+        tokens of source s with a slot on node n): exact mode its own tokens per remote node in
+        the dispatch, and per remote node m those of the rank of its index there in the combine
+        and combine_probs; capacity mode ``rail_capacity`` rows per remote node, after checking
+        every pair against it (an error on every rank: each computes every pair)."""
+        if counts is None:
+            return (0, 0)
+        cfg, R = self.config, self.world_size
+        G = cfg.node_size(R)
+        N, home, q = R // G, self.rank // G, self.rank % G
+        if cfg.recv_mode == "capacity":
+            budget = cfg.rail_capacity or cfg.max_tokens_per_rank
+            for s, row in enumerate(counts.tolist()):
+                for n, c in enumerate(row):
+                    if c > budget:
+                        raise NcclEpError(
+                            f"rail capacity overflow: rank {s} has {c} tokens with a slot on node "
+                            f"{n} but rail_capacity={budget} tokens per message between nodes; "
+                            "raise rail_capacity (0 = max_tokens_per_rank, which never "
+                            "overflows) or use exact mode")
+            return ((N - 1) * budget, (N - 1) * budget)
+        remote = [n for n in range(N) if n != home]
+        return (sum(int(counts[self.rank, n]) for n in remote),
+                sum(int(counts[m * G + q, home]) for m in remote))
 
     def check_errors(self) -> None:
         """Nothing is ever pending: the reference raises every error in the call itself."""
@@ -431,6 +494,8 @@ class ReferenceBackend:
             payload.append(probs[send_idx].view(torch.uint8))
         received = self._all_to_all_rows("dispatch", torch.cat(payload, 1),
                                          self._send_counts(state), state.recv_counts)
+        weights = 0 if probs is None else RAIL_SLOT_BYTES * self.config.max_topk
+        self._count_rail("dispatch", state.rail_rows[0], hidden_bytes + weights)
         recv_tokens = _bytes_as(received[:, :hidden_bytes], x.dtype)
 
         recv_x = torch.zeros((state.num_recv_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
@@ -461,6 +526,7 @@ class ReferenceBackend:
         partial = partial.to(expert_out.dtype)
         returned = self._all_to_all_rows("combine", partial, state.recv_counts,
                                          self._send_counts(state))
+        self._count_rail("combine", state.rail_rows[1], hidden * expert_out.element_size())
         # Stage 2, at the source, node by node: 2a each node's partials summed over its ranks in
         # ascending order, rounded; 2b those summed over the nodes in ascending order, rounded.
         # The bits do not depend on where 2a runs. One node: its sum is the output (rounding an
@@ -503,6 +569,8 @@ class ReferenceBackend:
         per_slot[slot_valid] = grad_recv_probs[state.recv_rows[slot_valid]]
         returned = self._all_to_all_rows("combine_probs", per_slot, state.recv_counts,
                                          self._send_counts(state))
+        self._count_rail("combine_probs", state.rail_rows[1],
+                         RAIL_SLOT_BYTES * self.config.max_topk)
         grad = torch.zeros(state.topk_idx.shape, dtype=grad_recv_probs.dtype,
                            device=grad_recv_probs.device)
         L, start = self.num_local_experts, 0

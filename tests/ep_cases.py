@@ -151,3 +151,56 @@ def group_pair(device, *, experts: int, hidden: int, max_tokens: int, max_topk: 
     return [ep.Group(num_experts=experts, hidden=hidden, max_tokens_per_rank=max(1, max_tokens),
                      max_topk=max_topk, dtype=dtype, backend=backend, device=device, **extra)
             for backend in backends]
+
+
+# -- routing that spans nodes (docs/internode.md: what a rail message carries) --------------------
+def uniform_routing(gen: torch.Generator, tokens: int, num_experts: int,
+                    topk: int) -> torch.Tensor:
+    """[tokens, topk] int64: top-k of E experts uniformly at random (distinct per token)."""
+    return torch.rand(tokens, num_experts, generator=gen).topk(topk, dim=1).indices
+
+
+def group_limited_routing(gen: torch.Generator, tokens: int, num_experts: int, groups: int,
+                          groups_per_token: int, topk: int) -> torch.Tensor:
+    """[tokens, topk] int64, node-limited routing as DeepSeek-V3's router: experts in ``groups``
+    equal groups of consecutive ids; each token picks ``groups_per_token`` groups at random, then
+    ``topk`` distinct experts among theirs."""
+    size = num_experts // groups
+    picked = torch.rand(tokens, groups, generator=gen).topk(groups_per_token, dim=1).indices
+    experts = (picked.unsqueeze(2) * size + torch.arange(size)).flatten(1)
+    choice = torch.rand(experts.shape, generator=gen).topk(topk, dim=1).indices
+    return experts.gather(1, choice)
+
+
+def rail_counts_by_token(routing: list, ranks_per_node: int, experts_per_node: int) -> list:
+    """c[s][n]: the tokens of rank s (``routing[s]`` [T_s, K], -1 masked) with a slot on node
+    n != node(s), counted token by token (0 at s's own node): the rows of s's rail message to
+    n."""
+    nodes = len(routing) // ranks_per_node
+    counts = [[0] * nodes for _ in routing]
+    for s, idx in enumerate(routing):
+        for row in idx.tolist():
+            for n in {e // experts_per_node for e in row if e >= 0}:
+                if n != s // ranks_per_node:
+                    counts[s][n] += 1
+    return counts
+
+
+def rail_rows_sent(counts: list, rank: int, ranks_per_node: int, budget=None) -> tuple:
+    """(dispatch, combine) token rows that ``rank`` hands the rail: its own tokens per remote
+    node, and per remote node m those of the rank of its index there that have a slot on this
+    node; with a capacity-mode ``budget``, that many per remote node."""
+    G = ranks_per_node
+    home, q, nodes = rank // G, rank % G, len(counts) // G
+    remote = [n for n in range(nodes) if n != home]
+    if budget is not None:
+        return len(remote) * budget, len(remote) * budget
+    return (sum(counts[rank][n] for n in remote), sum(counts[m * G + q][home] for m in remote))
+
+
+def rail_bytes_sent(rows: tuple, hidden_bytes: int, max_topk: int, with_probs: bool) -> dict:
+    """Group.info()["rail_bytes_sent"] after one dispatch, combine and combine_probs of
+    ``rows`` = (dispatch, combine) rows: token rows, and weights as max_topk 8-byte slots."""
+    slots = 8 * max_topk
+    return {"dispatch": rows[0] * (hidden_bytes + (slots if with_probs else 0)),
+            "combine": rows[1] * hidden_bytes, "combine_probs": rows[1] * slots}

@@ -3,7 +3,13 @@
 by the reference backend's own per-rank steps (megatron_nccl_ep.ll_reference). The CUDA tests of
 local teams and over NVLink (tests/gpu/test_cuda_ll.py, test_cuda_ll_nvlink.py, stress_teams.py)
 compare with it bitwise; tests/test_ll_reference.py checks it against the reference backend
-over gloo and an independent per-token computation."""
+over gloo and an independent per-token computation.
+
+``ll_combine_by_contract`` is such an independent computation of the combine, here for groups
+that span nodes (``ranks_per_node``): written token by token from §9's formulas, it shares no
+code with ll_reference (where each slot's row is, the order of the terms, the node partials).
+tests/test_ll_nodes_reference.py holds the reference backend to it, and the GPU tests of LL
+across nodes may too."""
 
 from __future__ import annotations
 
@@ -59,7 +65,8 @@ def ll_combine_all(config: GroupConfig, world_size: int, topk_idx_list, expert_o
                    weights_list=None) -> List[torch.Tensor]:
     """Every rank's combine output ``y [T_s, H]`` (token dtype) from every rank's routing (the
     layout is a function of it), every rank's ``expert_out`` in the group's layout, and (expert-
-    major) every rank's ``weights [T_s, K_s]``."""
+    major) every rank's ``weights [T_s, K_s]``; summed in the node order where ``config`` has
+    nodes of ``ranks_per_node < world_size`` ranks (``finish_combine``)."""
     _check_routing_all(config, topk_idx_list)
     R, K = world_size, config.max_topk
     plans = [send_plan(idx, config.num_experts, R) for idx in topk_idx_list]
@@ -86,5 +93,69 @@ def ll_combine_all(config: GroupConfig, world_size: int, topk_idx_list, expert_o
         parts = [back[d][s] for d in range(R)]
         finish_combine(y, config, R, idx, w, plans[s], torch.cat(parts),
                        [len(p) for p in parts])
+        ys.append(y)
+    return ys
+
+
+def received(topk_idx_list, num_experts: int, world_size: int, d: int):
+    """Rank d's dispatch, from the contract: its tokens (s, t) in (source, token) order, and per
+    local expert the (s, t) naming it, in the same order."""
+    L = num_experts // world_size
+    tokens, per_expert = [], [[] for _ in range(L)]
+    for s, idx in enumerate(topk_idx_list):
+        for t, slots in enumerate(idx.tolist()):
+            here = [e for e in slots if e >= 0 and e // L == d]
+            if here:
+                tokens.append((s, t))
+            for e in here:
+                per_expert[e - d * L].append((s, t))
+    return tokens, per_expert
+
+
+def ll_combine_by_contract(config: GroupConfig, world_size: int, topk_idx_list, expert_out_list,
+                           weights_list=None) -> List[torch.Tensor]:
+    """Every rank's combine output ``y [T_s, H]`` (token dtype, on the CPU) by docs/design.md §9
+    token by token: the terms (expert-major: per valid slot k, ``w[t, k] * fp32(row)``, the
+    product rounded to fp32; rank-major: per rank d that received t, ``fp32(row)``) summed from
+    +0.0 in ascending k (d), rounded once, in a group of one node; in a group of nodes of
+    ``G = config.ranks_per_node < R`` ranks, per node n ascending that holds a term of t, the
+    terms of its ranks summed so and rounded to the token dtype (the node partial), and those
+    summed from +0.0 in fp32, rounded once. Rows are read in the token dtype (fp32 rows rounded
+    to it)."""
+    R, dtype, H = world_size, config.dtype, config.hidden
+    G = config.node_size(R)
+    L = config.num_experts // R
+    received_by = [received(topk_idx_list, config.num_experts, R, d) for d in range(R)]
+    ys = []
+    for s, idx in enumerate(topk_idx_list):
+        y = torch.empty((idx.shape[0], H), dtype=dtype)
+        for t, slots in enumerate(idx.tolist()):
+            terms = []  # (rank the term comes from, fp32 row), in one node's order
+            if config.ll_layout == "expert_major":
+                for k, e in enumerate(slots):
+                    if e >= 0:
+                        d, l = e // L, e % L
+                        row = expert_out_list[d][l, received_by[d][1][l].index((s, t))]
+                        w = weights_list[s][t, k].to(torch.float32).cpu()
+                        terms.append((d, w * row.cpu().to(dtype).to(torch.float32)))
+            else:
+                for d in range(R):
+                    if (s, t) in received_by[d][0]:
+                        row = expert_out_list[d][received_by[d][0].index((s, t))]
+                        terms.append((d, row.cpu().to(dtype).to(torch.float32)))
+            acc = torch.zeros(H, dtype=torch.float32)
+            if G == R:
+                for _, value in terms:
+                    acc = acc + value
+            else:
+                for n in range(R // G):
+                    mine = [value for d, value in terms if d // G == n]
+                    if not mine:
+                        continue
+                    node = torch.zeros(H, dtype=torch.float32)
+                    for value in mine:
+                        node = node + value
+                    acc = acc + node.to(dtype).to(torch.float32)
+            y[t] = acc.to(dtype)
         ys.append(y)
     return ys

@@ -18,7 +18,9 @@ import pytest
 
 import torch
 
-from benchmarks import cli, host, kernels, ll, markdown, plot, report, runner, sweeps, team
+import ep_cases
+from benchmarks import (cli, host, kernels, ll, markdown, nodes, plot, report, runner, sweeps,
+                        team)
 from benchmarks.__main__ import main
 from benchmarks.report import source_version
 from megatron_nccl_ep import config
@@ -429,6 +431,16 @@ def test_explicit_flags_win_over_cpu_defaults():
     (["--team-sizes", "2"], "--team-sizes: the team section needs a GPU"),
     (["--sections", "host"], "--sections host times the host next to the GPU"),
     (["--host-ll-tokens", "1"], "--host-ll-tokens: the host section's flags (add host"),
+    (["--nodes-shapes", "2x2"], "--nodes-shapes: the nodes section's flags (add nodes"),
+    (["--sections", "nodes", "--nodes-shapes", "1x4"], "nodes >= 2 and ranks per node >= 1"),
+    (["--sections", "nodes", "--nodes-shapes", "2x"], "expected comma-separated NODESxRANKS"),
+    (["--sections", "nodes", "--nodes-routings", "skewed"], "--nodes-routings: expected comma"),
+    (["--sections", "nodes", "--nodes-shapes", "3x2", "--experts", "16",
+      "--nodes-routings", "uniform"], "must be a multiple of every --nodes-shapes group's"),
+    (["--sections", "nodes", "--nodes-shapes", "3x1", "--experts", "24"],
+     "the nodes of --nodes-shapes must divide 8 (not [3])"),
+    (["--sections", "nodes", "--experts", "16", "--topk", "9"],
+     "--topk (9) at most the experts of 4 groups"),
 ])
 def test_bad_flags_are_refused_with_a_reason(argv, says, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -904,3 +916,176 @@ def test_readme_puts_the_stress_record_into_results_md_and_the_readme(results_fi
         _, numbers, _ = readme.section(f.read())
     assert "1 of 2 configurations clean over 11 repetitions" in " ".join(numbers.split())
     assert readme.main(["--check"]) == 0
+
+
+# -- the nodes section: HT over emulated nodes, what the rail carries -----------------------------
+# E = 32 in 8 groups of 4, top-4: at 4 nodes node-limited routing's share (0.622) is far below
+# uniform's (0.705) against the counted shares' spread over 64 tokens x 4 ranks x 2 routings.
+NODES_FLAGS = ["--sections", "nodes", "--experts", "32", "--topk", "4", "--tokens", "64",
+               "--hidden", "32", "--iters", "2", "--warmup", "1"]
+
+
+@pytest.fixture(scope="module")
+def nodes_cpu_run(tmp_path_factory):
+    """The nodes section on CPU (its default shapes 2x2 and 4x1, both routings), its table, JSON
+    and markdown."""
+    folder = tmp_path_factory.mktemp("nodes")
+    out, md = folder / "nodes.json", folder / "nodes.md"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--device", "cpu", *NODES_FLAGS,
+                           "--json", str(out), "--markdown", str(md)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    with open(out) as f:
+        result = json.load(f)
+    return {"table": proc.stdout[proc.stdout.index(report.TABLE_MARKER):], "result": result,
+            "md": md.read_text()}
+
+
+def test_nodes_cpu_section_counts_what_the_routing_sends(nodes_cpu_run):
+    result = nodes_cpu_run["result"]
+    assert result["errors"] == []
+    section = result["nodes"]
+    assert section["routings"] == list(nodes.ROUTINGS) and section["recv_mode"] == "exact"
+    assert [(p["nodes"], p["ranks_per_node"], p["world"]) for p in section["points"]] == [
+        (2, 2, 4), (4, 1, 4)]
+    hidden_bytes, topk, experts = 32 * 2, 4, 32
+    row_bytes = {"dispatch": hidden_bytes + 8 * topk, "combine": hidden_bytes,
+                 "combine_probs": 8 * topk}
+    before_row = {"dispatch": hidden_bytes + 8 * experts, "combine": hidden_bytes,
+                  "combine_probs": 8 * topk}
+    shares = {}
+    for point in section["points"]:
+        checks = point["checks"]
+        assert sorted(checks) == [f"{r}: rail rows / the routing's, bytes / rows x row bytes"
+                                  for r in sorted(nodes.ROUTINGS)]
+        for per_rank in checks.values():
+            assert sorted(per_rank) == ["0", "1", "2", "3"]
+            assert all(v.startswith("ok dispatch rows ") for v in per_rank.values()), per_rank
+        remote = point["nodes"] - 1
+        for routing in nodes.ROUTINGS:
+            rows = {}
+            for op in nodes.OPS:
+                row = point["items"][nodes.item(routing, op, "host wall")]
+                assert row["median_ms"] > 0 and row["iters"] == 2
+                assert row["rail_rows"] == pytest.approx(row["routing_rows"])
+                assert row["row_bytes"] == row_bytes[op]
+                assert row["rail_bytes"] == pytest.approx(row["rail_rows"] * row_bytes[op])
+                assert row["share"] == pytest.approx(row["rail_rows"] / (remote * 64))
+                assert row["every_token_bytes"] == remote * 64 * before_row[op]
+                assert 0 < row["rail_rows"] < remote * 64  # some tokens stay off some nodes
+                rows[op] = row["rail_rows"]
+            # Rank averages: every rank's combine returns what its rail peers' dispatch sent.
+            assert rows["combine"] == pytest.approx(rows["dispatch"])
+            assert rows["combine_probs"] == rows["combine"]
+            share = point["items"][nodes.item(routing, "dispatch", "host wall")]["share"]
+            assert share == pytest.approx(point["share_formula"][routing], abs=0.05)
+            shares[(point["nodes"], routing)] = share
+    # At 4 nodes of 2 groups each, a node-limited token reaches fewer nodes.
+    assert shares[(4, "node_limited")] < shares[(4, "uniform")] - 0.03, shares
+    formula = section["points"][1]["share_formula"]
+    assert formula["node_limited"] < formula["uniform"]
+
+
+def test_nodes_cpu_table_and_markdown_show_the_json(nodes_cpu_run):
+    result, table, md = nodes_cpu_run["result"], nodes_cpu_run["table"], nodes_cpu_run["md"]
+    point = result["nodes"]["points"][1]
+    row = point["items"][nodes.item("node_limited", "dispatch", "host wall")]
+    printed = next(line.split() for line in table.splitlines()
+                   if line.split()[:3] == ["4x1", "node_limited", "dispatch"])
+    want = [row["median_ms"], row["rail_rows"] / 64, row["rail_bytes"] / 64, row["share"],
+            point["share_formula"]["node_limited"], row["every_token_bytes"] / 64,
+            row["rail_bytes"] / row["every_token_bytes"]]
+    digits = (2, 3, 1, 3, 3, 1, 3)  # the table's precision per column
+    assert len(printed) == 3 + len(want), printed
+    for text, value, places in zip(printed[3:], want, digits):
+        assert float(text) == pytest.approx(value, abs=0.6 * 10**-places), (printed, want)
+    assert "nodes checks (rail counters against the routing): 16 of 16 ok" in table
+    assert "## Nodes: HT over emulated nodes, what the rail carries" in md
+    cells = next(line for line in md.splitlines()
+                 if line.startswith("| 4x1 | node_limited | dispatch |")).strip("| ").split(" | ")
+    assert float(cells[-1]) == pytest.approx(row["rail_bytes"] / row["every_token_bytes"],
+                                             abs=6e-4)
+    assert "16 of 16 ok." in md
+
+
+def test_nodes_counts_are_the_messages_counted_token_by_token(seed):
+    """The bench's message counts against the tests' own count, token by token, with masked
+    slots, for nodes of 1 and 2 ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    for ranks_per_node in (1, 2):
+        routing = [runner.node_limited_topk(gen, 40 + 3 * r, 32, 8, 4, 4) for r in range(4)]
+        routing[1][::5, 1] = -1
+        counts = nodes.rail_counts(routing, ranks_per_node, 32)
+        experts_per_node = 32 // (4 // ranks_per_node)
+        by_token = ep_cases.rail_counts_by_token(routing, ranks_per_node, experts_per_node)
+        assert counts == by_token
+        for rank in range(4):
+            want = ep_cases.rail_rows_sent(by_token, rank, ranks_per_node)
+            got = nodes.message_rows(counts, rank, ranks_per_node)
+            assert (got["dispatch"], got["combine"], got["combine_probs"]) == (*want, want[1])
+
+
+def test_node_limited_routing_picks_distinct_experts_of_few_groups(seed):
+    gen = torch.Generator().manual_seed(seed)
+    topk = runner.node_limited_topk(gen, 500, 64, 8, 4, 6)
+    assert topk.shape == (500, 6)
+    assert all(len(set(row)) == 6 for row in topk.tolist())
+    groups = topk // 8
+    assert all(len(set(row)) <= 4 for row in groups.tolist())
+    assert set(groups.flatten().tolist()) == set(range(8))  # every group gets picked
+
+
+def test_nodes_share_formula_is_the_design_table():
+    """docs/internode.md's table: top-8 of 256 experts, 8 groups of 32 with 4 picked."""
+    table = {2: (0.997, 0.963), 4: (0.904, 0.732), 8: (0.662, 0.454)}
+    for n, (uniform, limited) in table.items():
+        assert nodes.share_formula("uniform", 256, 8, n) == pytest.approx(uniform, abs=5e-4)
+        assert nodes.share_formula("node_limited", 256, 8, n) == pytest.approx(limited, abs=5e-4)
+    # The dispatch's bytes, packed over every token: (r + 64) / (r + 2048) x p at H = 7168 bf16.
+    r = 7168 * 2
+    packed = nodes.row_bytes("dispatch", r, 8, 8)
+    every = nodes.every_token_bytes("dispatch", 1, 2, r, 256, 8, 8)
+    assert packed / every * 0.997 == pytest.approx(0.876, abs=5e-4)
+
+
+def test_nodes_flags_and_gpu_skips():
+    args = cli.parse_args(["--device", "cpu", "--sections", "nodes", "--nodes-shapes", "2x1,2x1",
+                           "--nodes-routings", "node_limited"])
+    assert (args.nodes_shapes, args.nodes_routings) == ([(2, 1)], ["node_limited"])
+    bare = cli.parse_args(["--device", "cpu", "--sections", "nodes"])
+    assert bare.nodes_shapes == [(2, 2), (4, 1)] and bare.nodes_routings == list(nodes.ROUTINGS)
+    assert nodes.skip_reason(4, "cuda", 2) == "4 ranks need 4 GPUs (one process each), 2 visible"
+    assert nodes.skip_reason(4, "cuda", 4) == "" and nodes.skip_reason(4, "cpu", 0) == ""
+
+
+def test_nodes_gpu_report_has_kernel_and_e2e_times_and_skips():
+    """A made-up GPU result: kernel and e2e times in us, the NVLink proxy named, skipped
+    shapes."""
+    counted = {"rail_rows": 96.0, "rail_bytes": 96.0 * (14336 + 64), "routing_rows": 96.0,
+               "row_bytes": 14400, "share": 0.75, "every_token_bytes": 128 * (14336 + 2048),
+               "tokens": 128}
+    items = {nodes.item("uniform", "dispatch", mode): {"median_ms": ms, **counted}
+             for mode, ms in (("kernel", 0.25), ("e2e", 0.5))}
+    result = {"meta": {"device": "cuda", "backend_resolved": "cuda"},
+              "shape": {"tokens": 128, "hidden": 7168, "topk": 8, "experts": 256,
+                        "dtype": "bf16", "backend": "cuda"},
+              "nodes": {"routings": ["uniform"], "node_limited": {"groups": 8, "picks": 4},
+                        "points": [{"nodes": 2, "ranks_per_node": 1, "world": 2,
+                                    "share_formula": {"uniform": 0.997}, "items": items,
+                                    "checks": {"c": {"0": "ok", "1": "MISMATCH x"}}},
+                                   {"nodes": 4, "ranks_per_node": 1, "world": 4,
+                                    "skipped": nodes.skip_reason(4, "cuda", 2)}]}}
+    times, rows, skipped = report.nodes_rows(result)
+    assert times == ("kernel (us)", "e2e (us)")
+    assert rows == [("2x1", "uniform", "dispatch", 250.0, 500.0, 0.75, 96 * 14400 / 128, 0.75,
+                     0.997, 14336 + 2048, 96 * 14400 / (128 * (14336 + 2048)))]
+    assert skipped == [("4x1", "4 ranks need 4 GPUs (one process each), 2 visible")]
+    assert report.nodes_check_summary(result) == (1, 2, [("2x1", "c", "1", "MISMATCH x")])
+    lines = report._nodes(result)
+    assert "the rail runs over NVLink, not a network" in lines[0]
+    assert any(line.split()[:2] == ["4x1", "skipped:"] for line in lines)
+    out = []
+    markdown._nodes(result, out)
+    assert "| 2x1 | uniform | dispatch | 250.0 | 500.0 | 0.750 |" in "\n".join(out)
+    assert "- 4x1: skipped, 4 ranks need 4 GPUs" in "\n".join(out)

@@ -207,16 +207,8 @@ def payload(problem, s: int, t: int, payload_dtype):
 
 def dense_received(problem, d: int):
     """Rank d's received tokens in (source, token) order, and per local expert its (s, t)."""
-    L = problem.num_local_experts
-    tokens, per_expert = [], [[] for _ in range(L)]
-    for s in range(problem.world_size):
-        for t, slots in enumerate(problem.topk_idx[s].tolist()):
-            here = [e for e in slots if e >= 0 and e // L == d]
-            if here:
-                tokens.append((s, t))
-            for e in here:
-                per_expert[e - d * L].append((s, t))
-    return tokens, per_expert
+    return ll_oracle.received(problem.topk_idx, problem.num_local_experts * problem.world_size,
+                              problem.world_size, d)
 
 
 def dense_dispatch(problem, d: int, layout: str, payload_dtype, with_weights: bool):

@@ -192,6 +192,8 @@ AT_BOUND = [
     (dict(LL, hidden=limits.LL_PACK_ELEMS), 2),
     (dict(LL, hidden=limits.FP8_BLOCK, payload_dtype=FP8), 2),
     (dict(BASE, recv_mode="capacity", expert_capacity=3, expert_alignment=8), 4),
+    (dict(BASE, recv_mode="capacity", max_recv_tokens_per_rank=40, rail_capacity=16), 2),
+    (dict(BASE, recv_mode="capacity", max_recv_tokens_per_rank=40, rail_capacity=1), 2),
 ]
 PAST_BOUND = [
     (dict(BASE, num_sms=limits.MAX_NUM_SMS + 1), 2),
@@ -206,10 +208,12 @@ PAST_BOUND = [
     (dict(BASE, payload_dtype=FP8), 2),
     (dict(BASE, num_experts=7), 2),
     (dict(BASE, ranks_per_node=3), 4),
-    (dict(LL, ranks_per_node=1), 2),
     (dict(LL, expert_alignment=2), 2),
     (dict(BASE, recv_mode="capacity", expert_capacity=3, expert_alignment=8,
           max_recv_tokens_per_rank=2 * 16 + 1), 4),
+    (dict(BASE, recv_mode="capacity", max_recv_tokens_per_rank=40, rail_capacity=17), 2),
+    (dict(BASE, recv_mode="capacity", max_recv_tokens_per_rank=40, rail_capacity=-1), 2),
+    (dict(BASE, rail_capacity=4), 2),
 ]
 
 
@@ -236,6 +240,28 @@ def test_both_backends_refuse_a_configuration_past_a_bound(fields, world):
     with pytest.raises(ValueError, match=r"^ncclEpCreateGroup: ") as refused:
         cuda_backend.CudaBackend.check(cfg, world, None)
     assert "GroupConfig" not in str(refused.value)
+
+
+# (fields, world size): what the cuda backend alone lacks, so the library refuses it and the
+# reference runs it (GroupConfig.check_rules leaves it out): its kernels' limits, and LL groups
+# that span nodes (designed, not built in the library: docs/internode.md). The refusal's one
+# owner is config.cc (check_config, check_ll_config).
+CUDA_BACKEND_ONLY = [
+    (dict(BASE, dtype=torch.float64), 2),
+    (dict(LL, ranks_per_node=1), 2),
+    (dict(LL, num_experts=16, ranks_per_node=2), 4),
+]
+
+
+@needs_library
+@pytest.mark.parametrize("fields, world", CUDA_BACKEND_ONLY)
+def test_the_library_alone_refuses_what_the_cuda_backend_lacks(fields, world):
+    cfg = _built(fields, world)
+    cfg.check_rules(world)  # the reference runs it
+    with pytest.raises(ValueError, match=r"^ncclEpCreateGroup: ") as refused:
+        cuda_backend.CudaBackend.check(cfg, world, None)
+    if cfg.mode == "ll":
+        assert "LL runs on one node" in str(refused.value), refused.value
 
 
 def test_the_reference_backend_runs_the_python_rules():
@@ -328,8 +354,8 @@ FIELD_CHANGES = {
     "max_recv_tokens_per_rank": (_CAPACITY, 48), "capacity_overflow": (_CAPACITY, "drop"),
     "expert_alignment": (_HT, 16), "num_sms": (_HT, 8), "timeout_s": (_HT, 2.5),
     "staging_chunk_tokens": (_HT, 64), "staging_depth": (_HT, 4), "ranks_per_node": (_HT, 4),
-    "expert_capacity": (_HT, 5), "mode": (_LL, "ht"), "ll_layout": (_LL, "rank_major"),
-    "payload_dtype": (_LL, torch.float8_e4m3fn),
+    "expert_capacity": (_HT, 5), "rail_capacity": (_CAPACITY, 3), "mode": (_LL, "ht"),
+    "ll_layout": (_LL, "rank_major"), "payload_dtype": (_LL, torch.float8_e4m3fn),
 }
 
 

@@ -536,6 +536,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("staging_depth", &ncclEpGroupConfig_t::staging_depth)
       .def_readwrite("ranks_per_node", &ncclEpGroupConfig_t::ranks_per_node)
       .def_readwrite("expert_capacity", &ncclEpGroupConfig_t::expert_capacity)
+      .def_readwrite("rail_capacity", &ncclEpGroupConfig_t::rail_capacity)
       .def_property(
           "mode", [](const ncclEpGroupConfig_t& c) { return (int)c.mode; },
           [](ncclEpGroupConfig_t& c, int v) { c.mode = static_cast<ncclEpMode_t>(v); })
@@ -614,6 +615,15 @@ PYBIND11_MODULE(_C, m) {
         d["handle_bytes"] = info.handle_bytes;
         d["ranks_per_node"] = info.ranks_per_node;
         d["rail_bytes"] = info.rail_bytes;
+        // What the rail carried from this rank, per op (ncclEpGroupInfo_t's order).
+        py::dict rows, bytes;
+        const char* ops[3] = {"dispatch", "combine", "combine_probs"};
+        for (int op = 0; op < 3; ++op) {
+          rows[ops[op]] = info.rail_rows_sent[op];
+          bytes[ops[op]] = info.rail_bytes_sent[op];
+        }
+        d["rail_rows_sent"] = rows;
+        d["rail_bytes_sent"] = bytes;
         return d;
       },
       py::arg("group"));

@@ -31,8 +31,9 @@
  *    progress or follow it.
  *  - Nodes: ranks_per_node = G consecutive ranks per node (default: NCCL's LSA team, the ranks
  *    that reach each other's memory over NVLink). G < group size: tokens cross between nodes
- *    once per remote node over NCCL send/receive on a rail communicator (the ranks of the same
- *    index in every node) and fan out over NVLink inside the node; combine sums node by node
+ *    once per remote node that holds one of their experts over NCCL send/receive on a rail
+ *    communicator (the ranks of the same index in every node) and fan out over NVLink inside the
+ *    node; combine sums node by node
  *    (docs/design.md section 4). Those rail transfers and the routing all-gather are NCCL's:
  *    a watchdog thread of the group aborts its communicators (ncclCommAbort) when one has not
  *    finished timeout_ms after it started on the GPU, or when NCCL reports an error on its
@@ -80,7 +81,8 @@ extern "C" {
 #pragma GCC visibility push(default)
 #endif
 
-#define NCCL_EP_API_VERSION 5 /* 5: ncclEpGroupConfig_t.payload_dtype (was int dispatch_fp8) */
+#define NCCL_EP_API_VERSION 6 /* 6: ncclEpGroupConfig_t.rail_capacity, ncclEpGroupInfo_t's rail
+                                 counters */
 #define NCCL_EP_MAX_NDIM 4
 
 typedef struct ncclEpGroup* ncclEpGroup_t;
@@ -192,6 +194,13 @@ typedef struct {
    * NCCL_EP_FP8_BLOCK columns, hidden a multiple of it); combine stays in token_dtype. */
   ncclEpLayout_t layout;
   ncclEpPayloadDtype_t payload_dtype;
+  /* B: groups that span nodes in capacity mode: every rail message of the dispatch (and the
+   * messages back) has B token rows, whatever the routing (no host read). A source's tokens
+   * with a slot on a remote node beyond B are an error on every rank (reported like capacity
+   * overflow, whatever recv_count_mode says about the dispatch output). 0 = max_tokens_per_rank
+   * (never overflows); at most max_tokens_per_rank. Exact mode sizes each message to its tokens
+   * (0 there). */
+  int rail_capacity;
 } ncclEpGroupConfig_t;
 
 #define NCCL_EP_GROUP_CONFIG_INITIALIZER                                                  \
@@ -199,7 +208,7 @@ typedef struct {
     sizeof(ncclEpGroupConfig_t), NCCL_EP_API_VERSION, ncclEpModeHighThroughput, 0, 0, 0, \
         0, ncclBfloat16, ncclEpRecvCountExact, 0, 1, 0, NCCL_EP_DEFAULT_TIMEOUT_MS, NULL,   \
         NULL, NULL, 0, 0, 0, 0,                                                           \
-        ncclEpLayoutExpertMajor, ncclEpPayloadTokenDtype                                  \
+        ncclEpLayoutExpertMajor, ncclEpPayloadTokenDtype, 0                               \
   }
 
 /* What a group allocated (ncclEpGroupGetInfo). */
@@ -218,10 +227,19 @@ typedef struct {
   size_t handle_bytes;       /* device memory of one handle (pooled, reused) */
   int ranks_per_node;        /* G as resolved (the group size: one node) */
   size_t rail_bytes;         /* G < group size: the buffers of the rail transfers */
+  /* G < group size: what this rank's ops handed to NCCL on the rail since group creation, per
+   * op (0 dispatch, 1 combine, 2 combine of the weights): token rows (one per token and remote
+   * node, probs included) and bytes (rows, and the probs' 8-byte slots). Exact mode counts the
+   * tokens with a slot on the remote node; capacity mode rail_capacity rows per remote node. */
+  uint64_t rail_rows_sent[3];
+  uint64_t rail_bytes_sent[3];
 } ncclEpGroupInfo_t;
 
-#define NCCL_EP_GROUP_INFO_INITIALIZER \
-  { sizeof(ncclEpGroupInfo_t), NCCL_EP_API_VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+#define NCCL_EP_GROUP_INFO_INITIALIZER                                                  \
+  {                                                                                     \
+    sizeof(ncclEpGroupInfo_t), NCCL_EP_API_VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \
+        {0, 0, 0}, {0, 0, 0}                                                            \
+  }
 
 /* Bytes a configuration allocates on each rank (ncclEpGetMemorySize), without a communicator. */
 typedef struct {

@@ -20,8 +20,9 @@
  *  - Groups that span nodes (G ranks per node < R): the engine runs over the node's G ranks, once
  *    per node of sources ("pass" m: node peer p stands for source m * G + p, whose tokens reached
  *    it over the rail), with recv_row / tokens_of offset to that node's sources and expert_base
- *    = this node's first expert; combine_nodes and merge_probs finish at the source
- *    (runtime/nodes.cc).
+ *    = this node's first expert; a remote source's tokens sit at their packed rows in the rail's
+ *    message (rail_rows, from the layout's rail kernel); combine_nodes and merge_probs finish at
+ *    the source (runtime/nodes.cc).
  */
 #pragma once
 
@@ -66,6 +67,7 @@ struct PackArgs {
   int* hist;              // [num_experts] = 0
   ErrorInfo* meta_err;    // = 0
   unsigned* blocks_done;  // = 0 (validate's finished blocks)
+  unsigned* rail_done;    // = 0 (the rail kernel's finished blocks; nullptr on one node)
   // Groups that span nodes: the record's `stopped` word from this rank's state (nullptr: 0).
   const DeviceState* state;
   const ErrorInfo* err;   // the group's error word
@@ -118,6 +120,33 @@ struct LayoutArgs {
   int* kept_routing;
   int* records_rw;
   int node_size, node_rank, num_nodes;
+  // Groups that span nodes: the rail kernel (after validate, before the scatter and the drop
+  // pass, so it reads the records as gathered, the same on every rank). Token t of source s is
+  // in the message to node n != node(s) iff its record names an expert of n; its packed row is
+  // the number of such tokens before it (ascending token order).
+  int* rail_out;          // [N][Tmax]: this rank's token t's row in its message to node n, -1
+  int* rail_in;           // [N][Tmax]: token t of source m * G + node_rank, its row in the
+                          // message that source sends this node (row m), -1
+  int* rail_counts;       // [R][N]: c(s, n), the tokens of s in its message to n (0 at node(s))
+  unsigned* rail_done;    // the rail kernel's finished blocks (its last checks the budget)
+  long long rail_capacity;  // capacity mode: B, the rows of every message (an error past it:
+                            // a.err); -1 in exact mode
+};
+
+// Groups that span nodes, before the dispatch's rail step: per remote node n, this rank's tokens
+// with a slot on n, at their packed rows (rail_out), and their weights as max_topk 8-byte slots
+// (the prob's bits first, zero elsewhere and where the slot's expert is not on n).
+struct RailPackArgs {
+  const int* rail_out;      // [N][Tmax]
+  const int* routing;       // [T][topk] this rank's routing as the ops follow it
+  int tokens, topk, max_topk, max_tokens, num_nodes, node, experts_per_node, num_experts;
+  long long rail_rows;      // rows per message (a row past it is never written)
+  const void* x;
+  size_t row_bytes;
+  const void* probs;        // nullptr: no weights
+  int prob_bytes, probs_dense;
+  char* rows_out;           // per remote node (m < node ? m : m - 1): rail_rows rows
+  char* probs_out;          // per remote node: rail_rows x max_topk 8-byte slots
 };
 
 struct BarrierArgs {
@@ -176,6 +205,10 @@ struct DispatchArgs {
   int probs_dense;          // 0: [T, K] in slot order; 1: dense [T, E] (the expert's column)
   void* recv_x;
   void* recv_probs;
+  // Groups that span nodes, the pass of a remote node's source: x and probs are the rail's
+  // message, token t at row rail_rows[t] (-1: not in it), probs as max_topk 8-byte slots per row
+  // (probs_dense unused). nullptr: row t of x and probs.
+  const int* rail_rows;
 };
 
 struct CombineArgs {
@@ -183,6 +216,9 @@ struct CombineArgs {
   int dtype;
   const void* expert_out;
   void* y;
+  // Groups that span nodes, the pass of a remote node's source: token t's node partial goes to
+  // row rail_rows[t] of y (the rail's message), none for -1. nullptr: row t.
+  const int* rail_rows;
 };
 
 // Groups that span nodes: every node's values for this rank's tokens, back at the source, and
@@ -193,6 +229,8 @@ struct NodeParts {
   int experts_per_node;     // G * L
   int num_nodes;
   const void* parts[kMaxRanks];  // node n's values for this rank's tokens
+  const int* rows[kMaxRanks];    // token t's row in parts[n]: rows[n][t] (-1: absent, only past
+                                 // a rail overflow), nullptr: row t
   const DeviceState* state;      // a stopped group: the output is poisoned (0xFF), as every
                                  // op's output
 };
@@ -223,6 +261,9 @@ struct CombineProbsArgs {
   int grad_dense;           // 0: [T, K]; 1: dense [T, E], zero where unrouted
   const void* grad_recv;    // [rows]
   void* grad;
+  // Groups that span nodes, the pass of a remote node's source: token t's values go to row
+  // rail_rows[t] of grad (the rail's message), none for -1. nullptr: row t.
+  const int* rail_rows;
 };
 
 // LL (docs/design.md section 9). One handle's device views: what its layout kernel computes
@@ -311,7 +352,10 @@ cudaError_t launch_layout(const LayoutArgs& args, cudaEvent_t published, cudaStr
 cudaError_t launch_copy_topk(const int* ids, long long count, void* out, int out_is_64,
                              cudaStream_t stream);
 
-// dispatch.cu, combine.cu: one kernel each.
+// Groups that span nodes: the dispatch's rail messages (RailPackArgs).
+cudaError_t launch_rail_pack(const RailPackArgs& args, cudaStream_t stream);
+
+// dispatch.cu, combine.cu: one kernel each (the ops).
 cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream);
 cudaError_t launch_combine_probs(const CombineProbsArgs& args, cudaStream_t stream);

@@ -148,6 +148,10 @@ struct CombineOp {
         __syncwarp();  // rows_sh and the sources are rewritten by the next item
         continue;
       }
+      // A remote source's node partial goes to the token's row in the rail's message; a token
+      // not in it has no slot on this node (its source reads no partial from here).
+      const long long out_row = a.rail_rows != nullptr ? a.rail_rows[t] : t;
+      if (out_row < 0) continue;  // (warp-uniform)
       // The row map's and the routing's loads are independent: both in flight at once.
       const int row = slot_row(e, e.rank, t, lane);
       const unsigned long long mask =
@@ -173,7 +177,7 @@ struct CombineOp {
       clock.lap(kPhaseSetup);
       clock.count_item();
       sum_token<T, N, true>({src, n_own, __popcll(others), own_at}, ws,
-                            reinterpret_cast<P*>(a.y) + (size_t)t * packs, col, cols, e.vec,
+                            reinterpret_cast<P*>(a.y) + out_row * packs, col, cols, e.vec,
                             lane);
       clock.restart();
       __syncwarp();  // rows_sh and the sources are rewritten by the next item
@@ -181,7 +185,8 @@ struct CombineOp {
   }
 };
 
-// The rows of the probs' gradient of n tokens (m < n: row_out_of(m), routing_of(m)), warp-wide:
+// The rows of the probs' gradient of n tokens (m < n: row_out_of(m), nullptr: none;
+// routing_of(m)), warp-wide:
 // slot k's value (value_of(m, k, expert): where it is, nullptr: 0) at column k ([T, K]), or in
 // its expert's column with 0 in every other column (dense [T, E]).
 // NOTES: the lanes take the slots of all n tokens flat (lane i: slot i % topk of token i / topk),
@@ -194,6 +199,7 @@ EP_DEVICE void write_slot_probs(int n, RowOutOf row_out_of, int cols, bool dense
   if (dense) {
     for (int m = 0; m < n; ++m) {
       char* row_out = row_out_of(m);
+      if (row_out == nullptr) continue;
       for (int col = lane; col < cols; col += 32)
         zero_prob(row_out + (size_t)col * prob_bytes, prob_bytes);
     }
@@ -201,9 +207,10 @@ EP_DEVICE void write_slot_probs(int n, RowOutOf row_out_of, int cols, bool dense
   }
   for (int i = lane; i < n * topk; i += 32) {
     const int m = i / topk, k = i - m * topk;
+    char* row_out = row_out_of(m);
+    if (row_out == nullptr) continue;
     const int expert = routing_of(m)[k];
     const char* from = value_of(m, k, expert);
-    char* row_out = row_out_of(m);
     if (dense) {
       if (from != nullptr) copy_prob(row_out + (size_t)expert * prob_bytes, from, prob_bytes);
     } else {
@@ -260,8 +267,10 @@ struct CombineProbsOp {
     auto token = [&](int m) { return first + m * nwarps; };
     write_slot_probs(
         n,
-        [&](int m) {
-          return reinterpret_cast<char*>(a.grad) + (size_t)token(m) * cols * a.prob_bytes;
+        [&](int m) -> char* {
+          // A remote source's values go to the token's row in the rail's message (none: -1).
+          const long long r = a.rail_rows != nullptr ? a.rail_rows[token(m)] : token(m);
+          return r >= 0 ? reinterpret_cast<char*>(a.grad) + r * cols * a.prob_bytes : nullptr;
         },
         cols, a.grad_dense, [&](int m) { return e.own_routing + (size_t)token(m) * e.topk; },
         e.topk, a.prob_bytes, lane, [&](int m, int k, int expert) -> const char* {
@@ -322,7 +331,8 @@ __global__ void combine_nodes_kernel(const CombineNodesArgs a) {
     for (int q = 0; q < N; ++q) acc[q] = 0.0f;
     for (unsigned long long m = nodes; m; m &= m - 1) {
       const int n = __ffsll((long long)m) - 1;
-      accumulate(acc, reinterpret_cast<const P*>(p.parts[n])[t * packs + j]);
+      const long long r = p.rows[n] != nullptr ? p.rows[n][t] : t;
+      if (r >= 0) accumulate(acc, reinterpret_cast<const P*>(p.parts[n])[r * packs + j]);
     }
     out[j] = round_pack<T>(acc);
   }
@@ -346,9 +356,11 @@ __global__ void merge_probs_kernel(const MergeProbsArgs a) {
       [&](int) { return p.own_routing + t * p.topk; }, p.topk, a.prob_bytes, lane,
       [&](int, int k, int expert) -> const char* {
         const int node = rank_of_expert(expert, 0, p.experts_per_node, p.num_nodes);
-        return node >= 0 ? reinterpret_cast<const char*>(p.parts[node]) +
-                               ((size_t)t * p.topk + k) * a.prob_bytes
-                         : nullptr;
+        if (node < 0) return nullptr;
+        const long long r = p.rows[node] != nullptr ? p.rows[node][t] : t;
+        return r >= 0 ? reinterpret_cast<const char*>(p.parts[node]) +
+                            ((size_t)r * p.topk + k) * a.prob_bytes
+                      : nullptr;
       });
 }
 

@@ -11,6 +11,10 @@
  *           its prob. Rows of no slot (alignment padding, the capacity tail) get zeros (prob 0),
  *           spread over the op's active CTAs.
  *
+ * rail_pack (groups that span nodes): this rank's tokens with a slot on each remote node, packed
+ *   into the rail's messages with their weights as max_topk 8-byte slots (runtime/nodes.cc); a
+ *   node pass of a remote source reads token t at its packed row (rail_rows).
+ *
  * NOTES:
  *  - Rows come from recv_row / src_of_row (layout.cu); nothing here decides placement.
  *  - The vector path moves 16-byte packs; the host picks it only when the row size and every
@@ -38,11 +42,23 @@ struct DispatchOp {
     return a.ex.hidden * elt_bytes(a.dtype) / (int)sizeof(U);
   }
 
-  // This rank's prob of slot k of its token t (routing[k] >= 0).
+  // This rank's prob of slot k of its token t (routing[k] >= 0); a remote source's from the
+  // rail's message (8-byte slots at the token's packed row, its bits first).
   static __device__ const char* own_prob(const Args& a, int t, int k, int expert) {
+    if (a.rail_rows != nullptr)
+      return reinterpret_cast<const char*>(a.probs) +
+             ((size_t)a.rail_rows[t] * a.ex.max_topk + k) * 8;
     const size_t at = a.probs_dense ? (size_t)t * a.ex.num_experts + expert
                                     : (size_t)t * a.ex.topk + k;
     return reinterpret_cast<const char*>(a.probs) + at * a.prob_bytes;
+  }
+
+  // Token t's row in x: row t, or a remote source's packed row in the rail's message (nullptr:
+  // not in it, which a token with a slot here only is past a rail overflow, an error that stops
+  // the op). Warp-uniform.
+  static __device__ const char* own_row(const Args& a, long long t, int row_bytes) {
+    const long long r = a.rail_rows != nullptr ? a.rail_rows[t] : t;
+    return r >= 0 ? reinterpret_cast<const char*>(a.x) + r * row_bytes : nullptr;
   }
 
   static __device__ void send_round(const Args& a, ExchangeShared& sh, int b, int j, int warp,
@@ -56,7 +72,8 @@ struct DispatchOp {
       unsigned long long mask =
           dest_mask(routing, e.topk, e.expert_base, e.num_local, e.num_ranks, lane) &
           ~(1ull << e.rank);
-      const char* src = reinterpret_cast<const char*>(a.x) + (size_t)t * row_bytes;
+      const char* src = mask != 0 ? own_row(a, t, row_bytes) : nullptr;
+      if (src == nullptr) continue;
       for (; mask; mask &= mask - 1) {
         const int d = __ffsll((long long)mask) - 1;
         const int q = ring_index(e.rank, d, e.num_ranks);
@@ -141,8 +158,10 @@ struct DispatchOp {
       const long long t = (long long)__shfl_sync(0xffffffffu, drawn, 0);
       if (t >= tokens) return;
       const int* routing = e.own_routing + t * e.topk;
-      expand(a, sh, e.rank, (int)t, reinterpret_cast<const char*>(a.x) + t * row_bytes,
-             [&](int k) { return own_prob(a, (int)t, k, routing[k]); }, lane);
+      const char* src = own_row(a, t, row_bytes);
+      if (src != nullptr)
+        expand(a, sh, e.rank, (int)t, src,
+               [&](int k) { return own_prob(a, (int)t, k, routing[k]); }, lane);
       if (t + 1 >= stop) return;
     }
   }
@@ -169,11 +188,64 @@ struct DispatchOp {
   }
 };
 
+// The dispatch's rail messages (RailPackArgs): one warp per token, for every remote node n
+// whose message holds it: the row (16-byte packs where row, x and buffers allow, else bytes),
+// then lane k < max_topk writes slot k's 8 bytes.
+__global__ void rail_pack_kernel(const RailPackArgs a, int vec) {
+  const int lane = threadIdx.x & 31;
+  const long long t = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (t >= a.tokens) return;
+  const char* src = reinterpret_cast<const char*>(a.x) + t * a.row_bytes;
+  const int* routing = a.routing + t * a.topk;
+  for (int n = 0; n < a.num_nodes; ++n) {
+    if (n == a.node) continue;
+    const long long j = a.rail_out[(size_t)n * a.max_tokens + t];
+    if (j < 0 || j >= a.rail_rows) continue;  // (warp-uniform)
+    const size_t i = (size_t)(n < a.node ? n : n - 1);
+    char* dst = a.rows_out + (i * a.rail_rows + j) * a.row_bytes;
+    if (vec) {
+      const uint4* from = reinterpret_cast<const uint4*>(src);
+      uint4* to = reinterpret_cast<uint4*>(dst);
+      for (size_t u = lane; u < a.row_bytes / 16; u += 32) to[u] = from[u];
+    } else {
+      for (size_t b = lane; b < a.row_bytes; b += 32) dst[b] = src[b];
+    }
+    if (a.probs == nullptr) continue;
+    for (int k = lane; k < a.max_topk; k += 32) {
+      unsigned long long slot = 0;  // the prob's bits in its first bytes
+      const int expert = k < a.topk ? routing[k] : -1;
+      if (expert >= 0 && expert / a.experts_per_node == n) {
+        const size_t at = a.probs_dense ? (size_t)t * a.num_experts + expert
+                                        : (size_t)t * a.topk + k;
+        const char* p = reinterpret_cast<const char*>(a.probs) + at * a.prob_bytes;
+        for (int b = 0; b < a.prob_bytes; ++b)
+          reinterpret_cast<char*>(&slot)[b] = p[b];
+      }
+      reinterpret_cast<unsigned long long*>(a.probs_out)[(i * a.rail_rows + j) * a.max_topk + k] =
+          slot;
+    }
+  }
+}
+
+cudaError_t launch_rail_pack(const RailPackArgs& a, cudaStream_t stream) {
+  if (a.tokens <= 0) return cudaSuccess;
+  constexpr int kThreads = 256;  // 8 tokens per block
+  const auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  const int vec = a.row_bytes % 16 == 0 && aligned(a.x) && aligned(a.rows_out);
+  const int grid = (int)(((long long)a.tokens * 32 + kThreads - 1) / kThreads);
+  rail_pack_kernel<<<grid, kThreads, 0, stream>>>(a, vec);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_dispatch(const DispatchArgs& a, cudaStream_t stream) {
   EP_LAUNCH_BY_UNIT(a.ex.vec, a.dtype, U, return launch_exchange<DispatchOp<U>>(a, stream));
 }
 
 cudaError_t preload_dispatch() {
+  cudaFuncAttributes attr;
+  const cudaError_t pe =
+      cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(rail_pack_kernel));
+  if (pe != cudaSuccess) return pe;
   for (int vec = 0; vec < 2; ++vec) {
     for (int dtype : {(int)ncclBfloat16, (int)ncclFloat32}) {
       cudaError_t e;

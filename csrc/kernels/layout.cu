@@ -19,6 +19,9 @@
  *             blocks, tokens_per_expert, off[s][l], N_d, src_of_row = -1 on padding rows, the
  *             capacity check; in exact mode it writes the meta (error, N_d, counts) into the
  *             handle's mapped host buffer, and the count read waits for this kernel only
+ *   rail      groups that span nodes: which tokens each rail message carries and its count
+ *             (rail_kernel); exact mode's message sizes go into the readback too, and the event
+ *             the count read waits for follows this kernel instead of the bases
  *   scatter   one block per tile of a source: a stable sort of its slots by local expert ->
  *             recv_row[s][t][k], src_of_row[row] (the tile's first positions from the bases)
  *   drop      expert_capacity only: one block per (expert, node) masks the dropped slots in the
@@ -111,6 +114,7 @@ __device__ __forceinline__ void pack_header(const PackArgs& a, size_t off) {
   if (threadIdx.x == 0) {
     *a.err_key = ~0ull;
     *a.blocks_done = 0;
+    if (a.rail_done != nullptr) *a.rail_done = 0;
     memset(a.meta_err, 0, sizeof(ErrorInfo));
   }
   for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) a.hist[e] = 0;
@@ -667,6 +671,95 @@ __global__ void __launch_bounds__(kLayoutThreads) drop_kernel(LayoutArgs a) {
   });
 }
 
+// Groups that span nodes: which tokens each rail message carries (LayoutArgs, docs/internode.md).
+// One block per source s, a tile of kLayoutThreads tokens at a time (a thread per token): the
+// token's nodes (a mask over its record's ids), then per node a block scan of the mask's bit in
+// token order gives the packed rows. The last block to finish checks capacity mode's budget for
+// every pair in (s, n) order, so every rank reports the same pair.
+// NOTES: it reads the records as gathered (before the drop pass masks some of them in place),
+// which every rank holds alike: every rank computes the same c(s, n) for every pair. A slot that
+// the fixed-capacity drop masks later may still select its token (its bytes travel unread).
+__global__ void __launch_bounds__(kLayoutThreads) rail_kernel(LayoutArgs a) {
+  a.gathered = routing_records(a);
+  using Scan = cub::BlockScan<int, kLayoutThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ int run[kMaxRanks];  // per node: the tokens selected so far
+  const int s = blockIdx.x, G = a.node_size, N = a.num_nodes, node = a.rank / G;
+  const int home = s / G, experts_per_node = G * a.num_local;
+  const int* rec = a.gathered + (size_t)s * a.rec_ints;
+  // Tokens as the scatter counts them: none for a record out of bounds or of another top-k.
+  const int ts = rec[1] == a.topk ? record_tokens(rec, a.max_tokens, a.max_topk) : 0;
+  const int ks = clamp_topk(rec, a.max_topk);
+  // The maps this rank keeps: its own tokens' (every remote node), and those of the source whose
+  // tokens its rail brings here (this node only).
+  const bool own = s == a.rank, brought = !own && home != node && s % G == a.node_rank;
+  const long long budget = a.rail_capacity >= 0 ? a.rail_capacity : (long long)a.max_tokens;
+  for (int n = threadIdx.x; n < N; n += blockDim.x) run[n] = 0;
+  __syncthreads();
+  for (int t0 = 0; t0 < ts; t0 += kLayoutThreads) {
+    const int t = t0 + (int)threadIdx.x;
+    unsigned long long mask = 0;
+    if (t < ts) {
+      const int* row = rec + kRecordHeader + (size_t)t * ks;
+      for (int k = 0; k < ks; ++k) {
+        const int id = row[k];
+        if (id >= 0 && id < a.num_experts) mask |= 1ull << (id / experts_per_node);
+      }
+    }
+    for (int n = 0; n < N; ++n) {
+      if (n == home) continue;  // (block-uniform) no message to its own node
+      const int bit = (int)((mask >> n) & 1ull);
+      int before, total;
+      Scan(tmp).ExclusiveSum(bit, before, total);
+      const int r = run[n] + before;
+      int* map = own ? a.rail_out + (size_t)n * a.max_tokens
+                     : (brought && n == node ? a.rail_in + (size_t)home * a.max_tokens : nullptr);
+      // A row past the budget is not in the message (an error, below): nothing writes it.
+      if (map != nullptr && t < ts) map[t] = bit && r < budget ? r : -1;
+      __syncthreads();  // every thread read run[n] (and tmp is reused)
+      if (threadIdx.x == 0) run[n] += total;
+      __syncthreads();
+    }
+  }
+  for (int n = threadIdx.x; n < N; n += blockDim.x) {
+    const int c = n == home ? 0 : run[n];
+    a.rail_counts[(size_t)s * N + n] = c;
+    // Exact mode's message sizes, into the readback the first op waits for.
+    if (own) {
+      a.meta->rail_send[n] = c;
+      if (a.host_meta != nullptr) a.host_meta->rail_send[n] = c;
+    }
+    if (brought && n == node) {
+      a.meta->rail_recv[home] = c;
+      if (a.host_meta != nullptr) a.host_meta->rail_recv[home] = c;
+    }
+  }
+  if (own && threadIdx.x == 0) {
+    a.meta->rail_recv[home] = 0;
+    if (a.host_meta != nullptr) a.host_meta->rail_recv[home] = 0;
+  }
+  if (a.rail_capacity < 0) return;
+  // Capacity mode: the last block checks every pair against the budget.
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(a.rail_done, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last || threadIdx.x != 0) return;
+  __threadfence();
+  for (int src = 0; src < a.num_ranks; ++src) {
+    for (int n = 0; n < N; ++n) {
+      const int c = __ldcg(&a.rail_counts[(size_t)src * N + n]);
+      if (c > a.rail_capacity) {
+        raise_error(a.err, kErrRailCapacity, src, n, -1, c, a.rail_capacity);
+        return;
+      }
+    }
+  }
+}
+
 cudaError_t preload_layout() {
   cudaFuncAttributes attr;
   const void* kernels[] = {
@@ -676,7 +769,8 @@ cudaError_t preload_layout() {
       reinterpret_cast<const void*>(copy_topk_kernel),
       reinterpret_cast<const void*>(validate_kernel),
       reinterpret_cast<const void*>(scatter_kernel),
-      reinterpret_cast<const void*>(drop_kernel)};
+      reinterpret_cast<const void*>(drop_kernel),
+      reinterpret_cast<const void*>(rail_kernel)};
   for (const void* k : kernels) {
     const cudaError_t e = cudaFuncGetAttributes(&attr, k);
     if (e != cudaSuccess) return e;
@@ -690,6 +784,8 @@ cudaError_t launch_layout(const LayoutArgs& a, cudaEvent_t published, cudaStream
   // (At least one block: its last block sets the bases.)
   validate_kernel<<<dim3(a.tiles, a.num_ranks), kLayoutThreads,
                     tabled ? counters * sizeof(int) : 0, stream>>>(a, tabled);
+  // Over nodes the rail's maps and counts come with the meta (exact mode's message sizes).
+  if (a.num_nodes > 1) rail_kernel<<<a.num_ranks, kLayoutThreads, 0, stream>>>(a);
   if (published != nullptr) {
     const cudaError_t e = cudaEventRecord(published, stream);
     if (e != cudaSuccess) return e;

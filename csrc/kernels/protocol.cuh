@@ -220,6 +220,9 @@ enum ErrorCode : int {
                            // one), slot = OpKind, aux = NcclStep, value = the timeout in ms
   kErrNcclFailed = 11,     // the same, when NCCL reported an asynchronous error (a peer's
                            // process gone, its sockets closed) first: value = the ncclResult_t
+  kErrRailCapacity = 12,   // groups that span nodes, capacity mode: rank = the source, token =
+                           // the remote node, value = its tokens with a slot there, extra =
+                           // rail_capacity
 };
 
 // Written once per error word: the single winner of `claim` fills the fields, then publishes
@@ -245,6 +248,11 @@ struct LayoutMeta {
   int ks[kMaxRanks];       // K of every rank (for the top-k mismatch message)
   int ts[kMaxRanks];       // T of every rank as given (may be out of bounds: an error)
   int tokens[kMaxRanks];   // T of every rank that the ops use (0 for a record out of bounds)
+  // Groups that span nodes (the rail kernel, layout.cu): per node n, the tokens of this rank
+  // with a slot on n (rail_send[n]), and those of source n * G + node_rank with a slot on this
+  // rank's node (rail_recv[n]): exact mode's message sizes. 0 at this rank's own node.
+  int rail_send[kMaxRanks];
+  int rail_recv[kMaxRanks];
   long long tokens_per_expert[1];  // [L], flexible tail
 };
 

@@ -9,7 +9,8 @@
 #include <initializer_list>
 #include <string>
 
-#include "internal.h"
+#include "config_traits.h"  // is_ll, payload_format: the configuration alone, no group state
+#include "errors.h"
 
 namespace nccl_ep {
 
@@ -236,17 +237,6 @@ ncclResult_t check_combine_probs(const CallShape& s, const ncclEpTensor_t* grad_
 }
 
 }  // namespace
-
-CallShape call_shape(const ncclEpHandle* h) {
-  const ncclEpGroup* g = h->group;
-  CallShape s;
-  s.cfg = &g->cfg;
-  s.nranks = g->nranks;
-  s.num_tokens = h->num_tokens;
-  s.topk = h->topk;
-  s.num_recv = h->num_recv;
-  return s;
-}
 
 }  // namespace nccl_ep
 

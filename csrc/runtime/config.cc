@@ -16,6 +16,7 @@
 
 #include <algorithm>
 
+#include "config_traits.h"
 #include "internal.h"
 
 namespace nccl_ep {
@@ -29,13 +30,14 @@ constexpr size_t kChunkTargetBytes = 2 << 20;  // chunk x R x row
 struct ConfigRecord {  // all-gathered at creation; int64 fields so the compare is trivial
   long long magic, version, mode, num_experts, hidden, max_tokens, max_topk, token_dtype,
       recv_mode, capacity, align, num_sms, timeout_ms, chunk, depth, expert_capacity, layout,
-      payload_dtype, nccl_version, node_size, lsa_size;
+      payload_dtype, rail_capacity, nccl_version, node_size, lsa_size;
 };
 const char* kConfigFields[] = {"magic", "version", "mode", "num_experts", "hidden",
                                "max_tokens_per_rank", "max_topk", "token_dtype",
                                "recv_count_mode", "max_recv_tokens_per_rank", "expert_alignment",
                                "num_sms", "timeout_ms", "staging_chunk_tokens", "staging_depth",
-                               "expert_capacity", "layout", "payload_dtype", "nccl_version",
+                               "expert_capacity", "layout", "payload_dtype", "rail_capacity",
+                               "nccl_version",
                                "ranks_per_node (as resolved)",
                                "lsa_size"};
 constexpr int kConfigFieldCount = (int)(sizeof(ConfigRecord) / sizeof(long long));
@@ -277,6 +279,15 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
   }
   EP_CHECK(c->alloc_fn == nullptr || c->free_fn != nullptr, ncclInvalidArgument,
            "alloc_fn and free_fn must be given together");
+  // The rail's budget per (source, remote node) message: capacity mode's fixed message size;
+  // exact mode sizes every message to its tokens (docs/internode.md).
+  EP_CHECK(c->rail_capacity >= 0 && c->rail_capacity <= c->max_tokens_per_rank &&
+               (c->rail_capacity == 0 || is_capacity_mode(*c)),
+           ncclInvalidArgument,
+           "ncclEpCreateGroup: rail_capacity must be in [0, max_tokens_per_rank=%d] (0 = "
+           "max_tokens_per_rank) and 0 in exact mode (its rail messages have the size of their "
+           "tokens), got %d",
+           c->max_tokens_per_rank, c->rail_capacity);
   if (c->mode == ncclEpModeLowLatency) return check_ll_config(c, nranks, node_size);
   EP_CHECK(c->layout == ncclEpLayoutExpertMajor && c->payload_dtype == ncclEpPayloadTokenDtype,
            ncclInvalidArgument,
@@ -327,7 +338,8 @@ ncclResult_t agree_config(ncclEpGroup* g, int lsa_size, int nccl_version, cudaSt
                              (long long)c.token_dtype, (long long)c.recv_count_mode,
                              g->capacity, c.expert_alignment, c.num_sms, (long long)c.timeout_ms,
                              c.staging_chunk_tokens, c.staging_depth, c.expert_capacity,
-                             (long long)c.layout, (long long)c.payload_dtype, nccl_version,
+                             (long long)c.layout, (long long)c.payload_dtype, c.rail_capacity,
+                             nccl_version,
                              g->node_size,
                              lsa_size};
   const int R = g->nranks;

@@ -1,6 +1,8 @@
 /*
  * errors.h: how a runtime call fails: the thread-local message that ncclEpGetLastError returns,
- * the check macros every runtime file uses, and the NCCL_EP_DEBUG lines (errors.cc).
+ * the check macros every runtime file uses, the dtype helpers their messages and sizes use, and
+ * the NCCL_EP_DEBUG lines (errors.cc). It includes only nccl_ep.h: every runtime file stands
+ * above it.
  *
  * NOTES:
  *  - EP_CHECK(cond, result, fmt, ...) sets the message and returns result; EP_CUDA / EP_NCCL wrap
@@ -17,6 +19,8 @@ void set_error(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 // A line on stderr when NCCL_EP_DEBUG=1 (read once): the lifecycle steps that can wait on peers
 // (the watchdog's steps and stops, group destroy), so that a hang names the step it is in.
 void debug_log(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+const char* dtype_name(ncclDataType_t dtype);
+int dtype_bytes(ncclDataType_t dtype);  // 0 for dtypes the library does not move
 
 }  // namespace nccl_ep
 

@@ -393,5 +393,9 @@ extern "C" ncclResult_t ncclEpGroupGetInfo(ncclEpGroup_t group, ncclEpGroupInfo_
   info->handle_bytes = slot_device_bytes(group);
   info->ranks_per_node = group->node_size;
   info->rail_bytes = rail_buffer_bytes(group);
+  for (int op = 0; op < 3; ++op) {
+    info->rail_rows_sent[op] = group->rail.rows_sent[op].load();
+    info->rail_bytes_sent[op] = group->rail.bytes_sent[op].load();
+  }
   return ncclSuccess;
 }

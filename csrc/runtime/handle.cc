@@ -7,7 +7,8 @@
  * handle's record buffer instead and all-gathers it with NCCL over the whole group (nodes.cc,
  * gather_routing). In exact
  * mode the layout's bases (validate's last block) write [error, N_d, tokens_per_expert] into
- * the slot's pinned, mapped buffer, and an event follows (the scatter runs on behind it): the
+ * the slot's pinned, mapped buffer (over nodes the rail kernel adds the rail's message sizes),
+ * and an event follows (the scatter runs on behind it): the
  * first call that needs the count waits for that event (read_layout), as late as the caller
  * allows. Capacity mode reports errors through the group's mapped error word (a rank whose own
  * shape is out of bounds waits for it and raises at once).
@@ -31,6 +32,7 @@
  */
 #include <string.h>
 
+#include "call_checks.h"
 #include "internal.h"
 #include "nodes.h"
 #include "pool.h"
@@ -54,6 +56,17 @@ ncclResult_t check_ht_handle(const ncclEpHandle* h, const char* fn) {
            "counts on the device: docs/design.md section 9)",
            fn);
   return ncclSuccess;
+}
+
+CallShape call_shape(const ncclEpHandle* h) {
+  const ncclEpGroup* g = h->group;
+  CallShape s;
+  s.cfg = &g->cfg;
+  s.nranks = g->nranks;
+  s.num_tokens = h->num_tokens;
+  s.topk = h->topk;
+  s.num_recv = h->num_recv;
+  return s;
 }
 
 // Caller holds g->mu.
@@ -181,6 +194,7 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   p.hist = s->hist.ptr;
   p.meta_err = &s->meta.ptr->err;
   p.blocks_done = s->blocks_done.ptr;
+  p.rail_done = one_node ? nullptr : s->rail_done.ptr;
   p.state = one_node ? nullptr : g->d_state;  // one node: its barrier carries errors
   p.err = g->d_err;
   p.rank = g->rank;
@@ -230,6 +244,11 @@ static ncclResult_t create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing
   a.node_size = G;
   a.node_rank = g->node_rank;
   a.num_nodes = g->num_nodes;
+  a.rail_out = s->rail_out.ptr;
+  a.rail_in = s->rail_in.ptr;
+  a.rail_counts = s->rail_counts.ptr;
+  a.rail_done = s->rail_done.ptr;
+  a.rail_capacity = g->capacity >= 0 ? g->rail.rows : -1;
   // Exact mode: meta_ready follows the bases, which write the count into host_meta; the
   // scatter runs on meanwhile (read_layout waits for the count only).
   EP_CUDA(launch_layout(a, g->capacity < 0 ? s->meta_ready : nullptr, stream));

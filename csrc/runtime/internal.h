@@ -1,17 +1,20 @@
 /*
  * internal.h: host-side state of groups and handles, and the declarations that several runtime
  * files share. Parts that serve a few files have their own header: errors.h (the check macros),
- * buffer_plan.h (View, BufferPlan), pool.h (HandleSlot, device memory), watchdog.h
- * (NcclWatchdog), nodes.h (the path between nodes).
+ * config_traits.h (what a configuration implies by itself), buffer_plan.h (View, BufferPlan),
+ * pool.h (HandleSlot, device memory), watchdog.h (NcclWatchdog), call_checks.h (CallShape and
+ * the argument checks), nodes.h (the path between nodes).
  *
  * NOTES:
  *  - A group's host state is guarded by its mutex: handles may be destroyed from another thread
  *    (a garbage collector, autograd's thread) while this one creates handles or runs ops.
- *  - HandleSlot and NcclWatchdog are only named here: a file that reads a slot includes pool.h;
- *    group.cc, which creates and deletes groups (and so their watchdog), includes watchdog.h.
+ *  - HandleSlot, NcclWatchdog and CallShape are only named here: a file that reads a slot
+ *    includes pool.h; group.cc, which creates and deletes groups (and so their watchdog),
+ *    includes watchdog.h; a file that runs the argument checks includes call_checks.h.
  */
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -20,7 +23,7 @@
 #include "../include/nccl_ep.h"
 #include "../kernels/api.cuh"
 #include "buffer_plan.h"
-#include "call_checks.h"
+#include "config_traits.h"
 #include "errors.h"
 #include "team_gate.h"
 
@@ -29,6 +32,7 @@ namespace nccl_ep {
 struct HandleSlot;    // pool.h
 struct GraphSlotOwner;  // pool.h
 class NcclWatchdog;   // watchdog.h
+struct CallShape;     // call_checks.h
 
 // Windows of a local team (ncclEpCreateLocalTeam): freed when the last member goes. A team of
 // several members has a gate that its collective calls pass (team_gate.h).
@@ -43,15 +47,20 @@ struct LocalTeam {
 
 // Groups that span nodes: what travels between rail peers (ranks with the same index in their
 // node), one buffer per remote node of Tmax token rows / prob rows, plus this rank's own.
+// A message holds at most `rows` tokens (packed: only those with a slot on the receiving node).
 struct RailBuffers {
   void* base = nullptr;
-  View<char> rows_in;            // [nodes - 1][Tmax rows]: dispatch tokens / combine partials in
-  View<char> rows_out;           // [nodes - 1][Tmax rows]: combine partials out
-  View<char> rows_own;           // [Tmax rows]: own node partial; capacity-mode send staging
-  View<char> probs_in;           // [nodes - 1][Tmax][max(E, Kmax)] 8-byte probs in
-  View<char> probs_out;          // [nodes - 1][Tmax][Kmax] 8-byte probs' gradients out
-  View<char> probs_own;          // [Tmax][max(E, Kmax)]: own probs' gradients; send staging
-  size_t row_bytes = 0, prob_row_bytes = 0, grad_row_bytes = 0;  // per token, in each view
+  View<char> rows_in;            // [nodes - 1][rows]: dispatch tokens / combine partials in
+  View<char> rows_out;           // [nodes - 1][rows]: dispatch tokens / combine partials out
+  View<char> rows_own;           // [Tmax rows]: own node's combine partials
+  View<char> probs_in;           // [nodes - 1][rows][Kmax] 8-byte slots: weights / gradients in
+  View<char> probs_out;          // [nodes - 1][rows][Kmax] 8-byte slots: weights / gradients out
+  View<char> probs_own;          // [Tmax][Kmax] 8-byte slots: own node's probs' gradients
+  long long rows = 0;            // per message: rail_capacity (capacity mode), else Tmax
+  size_t row_bytes = 0, prob_row_bytes = 0;  // per token: a row; Kmax 8-byte slots
+  // What the ops handed to NCCL, per OpKind (dispatch, combine, combine_probs): rows, bytes
+  // (ncclEpGroupGetInfo).
+  std::atomic<unsigned long long> rows_sent[3] = {}, bytes_sent[3] = {};
 };
 
 }  // namespace nccl_ep
@@ -132,23 +141,6 @@ ncclResult_t check_config(const ncclEpGroupConfig_t* c, int nranks, int node_siz
 // Sizes and offsets of the window for this config (the same on every rank of a node of nranks).
 WindowLayout plan_window(const ncclEpGroupConfig_t& c, int nranks);
 int default_channels(const ncclEpGroupConfig_t& c);
-// An LL dispatch payload's wire format: its element type and bytes (0: not a payload type) and
-// the columns per fp32 scale (0: no scales). The one statement of what each
-// ncclEpPayloadDtype_t moves: the window's messages, the outputs' checks and the kernel's cast
-// follow it.
-struct PayloadFormat {
-  ncclDataType_t dtype;
-  int elem_bytes;
-  int scale_block;
-};
-PayloadFormat payload_format(const ncclEpGroupConfig_t& c);
-// Capacity mode, whatever it does with an overflow (ncclEpRecvCountCapacity, ...CapacityDrop).
-inline bool is_capacity_mode(const ncclEpGroupConfig_t& c) {
-  return c.recv_count_mode == ncclEpRecvCountCapacity ||
-         c.recv_count_mode == ncclEpRecvCountCapacityDrop;
-}
-// expert_capacity: roundup(nranks x C, expert_alignment), the rows of a local expert's block.
-long long expert_block_rows(const ncclEpGroupConfig_t& c, int nranks);
 // Checks that every rank of an NCCL group has the same configuration (collective).
 ncclResult_t agree_config(ncclEpGroup* g, int lsa_size, int nccl_version, cudaStream_t stream);
 // All-gathers one small host record per rank into all[n] over comm (n ranks, this one `rank`;
@@ -195,6 +187,8 @@ ncclResult_t check_op_config(const ncclEpOpConfig_t* config, const char* fn);
 ncclResult_t check_ht_handle(const ncclEpHandle* h, const char* fn);
 // Exact mode: waits for the handle's layout readback (once) and returns its result.
 ncclResult_t read_layout(ncclEpHandle* h);
+// What handle h's ops check their tensors against (call_checks.h, which its callers include).
+CallShape call_shape(const ncclEpHandle* h);
 
 // ll.cc: the LL mode (docs/design.md section 9) behind the public entry points.
 ncclResult_t ll_create_handle(ncclEpHandle* h, const ncclEpTensor_t* routing, cudaStream_t stream);
@@ -207,15 +201,9 @@ ncclResult_t ll_combine(ncclEpHandle* h, const ncclEpCombineInputs_t* inputs,
 ncclResult_t ll_complete(ncclEpHandle* h, cudaStream_t stream);
 // Forgets a destroyed handle's pending op (caller holds g->mu).
 void ll_forget(ncclEpHandle* h);
-inline bool is_ll(const ncclEpGroupConfig_t& c) { return c.mode == ncclEpModeLowLatency; }
 inline bool is_ll(const ncclEpGroup* g) { return is_ll(g->cfg); }
 
-// call_checks.cc: what handle h's ops check their tensors against (call_checks.h).
-CallShape call_shape(const ncclEpHandle* h);
-
-// errors.cc
-const char* dtype_name(ncclDataType_t dtype);
-int dtype_bytes(ncclDataType_t dtype);  // 0 for dtypes the library does not move
+// error_words.cc
 // Formats a device error word into the thread-local message and returns its ncclResult_t.
 ncclResult_t report_error(const ncclEpGroup* g, const ErrorInfo& e, const LayoutMeta* meta);
 

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 
+#include "call_checks.h"
 #include "internal.h"
 #include "pool.h"
 

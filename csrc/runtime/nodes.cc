@@ -13,16 +13,19 @@
  *    the place of the device-side timeout: a peer that never calls makes every rank raise within
  *    the group's timeout, never hang.
  *  - The ops:
- *      dispatch  rail: this rank's tokens (and probs) to the rank of its index in every other
- *                node, theirs here; then one engine pass per node m of sources, ascending: node
- *                peer p sends the tokens of source m * G + p (its own, or what its rail brought).
+ *      dispatch  rail_pack: per other node, this rank's tokens with a slot there (packed in
+ *                token order, the layout's rail_out) and their weights as max_topk 8-byte
+ *                slots; rail: each to the rank of its index on that node, theirs here; then one
+ *                engine pass per node m of sources, ascending: node peer p sends the tokens of
+ *                source m * G + p (its own, or what its rail brought, read at packed rows).
  *      combine   one engine pass per node m: the node partials (step 2a) of source m * G +
- *                node_rank's tokens, here; rail: each to its source; combine_nodes (step 2b).
- *      probs     passes as combine's, [T, K] per node; rail; merge_probs.
- *    Rail messages have sizes every rank knows: exact mode the all-gathered token counts (read
- *    with the layout), capacity mode max_tokens_per_rank rows (sent from a staging copy), so no
- *    rank can wait for bytes that never come; probs travel as max(E, max_topk) x 8 bytes per
- *    token whatever their dtype.
+ *                node_rank's tokens, here (a remote source's at their packed rows); rail: each
+ *                to its source; combine_nodes (step 2b) reads them at the packed rows.
+ *      probs     passes as combine's, [rows, K] per node; rail; merge_probs.
+ *    Rail messages have sizes both sides compute alike: exact mode the layout's counts of every
+ *    pair (from the all-gathered records, read with the layout), capacity mode rail_capacity
+ *    rows, so no rank can wait for bytes that never come; weights travel as max_topk 8-byte
+ *    slots per token whatever their dtype.
  *  - A device-side error does not skip this rank's NCCL calls (DeferredError, nodes.h): its
  *    kernels stop and poison their outputs, the calls are made, the error is returned after them.
  */
@@ -99,31 +102,45 @@ void release_comm(ncclComm_t c, const char* name, int rank, bool failed) {
   debug_log("rank %d: group destroy: %s released", rank, name);
 }
 
-// One buffer per remote node for what the rail brings in (tokens and probs, or node partials and
-// probs' gradients), the partials it takes out, and this rank's own.
+// One buffer per remote node for what the rail brings in (tokens and weights, or node partials
+// and probs' gradients) and what it takes out, of `rows` tokens each, and this node's own
+// values for this rank's tokens (combine, probs' backward).
 ncclResult_t alloc_rail(ncclEpGroup* g) {
   RailBuffers& b = g->rail;
   const size_t T = (size_t)g->cfg.max_tokens_per_rank, remote = (size_t)g->num_nodes - 1;
+  b.rows = g->capacity >= 0 && g->cfg.rail_capacity > 0 ? g->cfg.rail_capacity : (long long)T;
+  const size_t M = (size_t)b.rows;
   b.row_bytes = g->row_bytes;
-  b.prob_row_bytes = 8 * (size_t)std::max(g->cfg.num_experts, g->cfg.max_topk);
-  b.grad_row_bytes = 8 * (size_t)g->cfg.max_topk;
+  b.prob_row_bytes = 8 * (size_t)g->cfg.max_topk;
   BufferPlan plan;
-  plan.add(&b.rows_in, remote * T * b.row_bytes);
-  plan.add(&b.rows_out, remote * T * b.row_bytes);
+  plan.add(&b.rows_in, remote * M * b.row_bytes);
+  plan.add(&b.rows_out, remote * M * b.row_bytes);
   plan.add(&b.rows_own, T * b.row_bytes);
-  plan.add(&b.probs_in, remote * T * b.prob_row_bytes);
-  plan.add(&b.probs_out, remote * T * b.grad_row_bytes);
+  plan.add(&b.probs_in, remote * M * b.prob_row_bytes);
+  plan.add(&b.probs_out, remote * M * b.prob_row_bytes);
   plan.add(&b.probs_own, T * b.prob_row_bytes);
   EP_RETURN_IF(alloc_device(g, &b.base, plan.bytes()));
   plan.bind(b.base);
   return ncclSuccess;
 }
 
-// Tokens of source s as the rail moves them: exact mode the all-gathered count (the layout was
-// read), capacity mode max_tokens_per_rank (no host read; the tail is never used).
-long long rail_tokens(const ncclEpHandle* h, int s) {
+// Tokens in this rank's message to remote node n, and in the message that the rank of its index
+// on node n sends here: exact mode the layout's counts (read with it), capacity mode the budget
+// (no host read; rows past the selected ones are never used).
+long long rail_send_tokens(const ncclEpHandle* h, int n) {
   const ncclEpGroup* g = h->group;
-  return g->capacity >= 0 ? g->cfg.max_tokens_per_rank : h->slot->host_meta->tokens[s];
+  return g->capacity >= 0 ? g->rail.rows : h->slot->host_meta->rail_send[n];
+}
+long long rail_recv_tokens(const ncclEpHandle* h, int n) {
+  const ncclEpGroup* g = h->group;
+  return g->capacity >= 0 ? g->rail.rows : h->slot->host_meta->rail_recv[n];
+}
+
+// Counts what an op hands to NCCL (ncclEpGroupGetInfo).
+void count_sent(ncclEpGroup* g, OpKind op, long long rows, long long bytes) {
+  const int i = op == kOpDispatch ? 0 : (op == kOpCombine ? 1 : 2);
+  g->rail.rows_sent[i] += (unsigned long long)rows;
+  g->rail.bytes_sent[i] += (unsigned long long)bytes;
 }
 
 // What the kernels that finish an op at the source read of handle h.
@@ -136,12 +153,14 @@ NodeParts node_parts(const ncclEpHandle* h) {
   p.experts_per_node = g->node_size * g->num_local;
   p.num_nodes = g->num_nodes;
   p.state = g->d_state;
+  for (int n = 0; n < kMaxRanks; ++n) p.rows[n] = nullptr;
   return p;
 }
 
 // Where an op that sends values back to their sources keeps them: this node's values for this
-// rank's tokens (own), per remote node the values computed here for its source (out) and those
-// it computed for this rank (in), `token_bytes` of message per token.
+// rank's tokens (own, row t), per remote node the values computed here for its source (out) and
+// those it computed for this rank (in), at the tokens' packed rows, `token_bytes` of message per
+// token.
 struct ReturnBuffers {
   char* own;
   char* out;
@@ -151,27 +170,34 @@ struct ReturnBuffers {
   size_t token_bytes;
 };
 
-// The ops whose values go back to the sources (combine, the probs' backward): run_pass(m, dst)
-// computes node m's sources' values here (the source m * G + node_rank's, into dst); the rail
-// takes each to its source and brings this rank's from every node; parts[n] = node n's values
-// for this rank's tokens.
+// The ops whose values go back to the sources (combine, the probs' backward): run_pass(m, dst,
+// rows) computes node m's sources' values here (the source m * G + node_rank's, into dst, token
+// t at rows[t]; nullptr: row t); the rail takes each to its source and brings this rank's from
+// every node; parts[n] = node n's values for this rank's tokens, token t at rows[n][t].
 template <typename RunPass>
 ncclResult_t return_to_sources(ncclEpHandle* h, OpKind op, const ReturnBuffers& b,
                                RunPass run_pass, NodeParts* parts, cudaStream_t stream) {
   ncclEpGroup* g = h->group;
+  const size_t Tm = (size_t)g->cfg.max_tokens_per_rank;
   std::vector<RailMessage> msgs;
+  long long rows = 0;
   for (int m = 0; m < g->num_nodes; ++m) {
     const size_t i = remote_node_index(g, m);
-    char* dst = m == g->node ? b.own : b.out + i * b.out_stride;
-    EP_RETURN_IF(run_pass(m, dst));
+    const bool own = m == g->node;
+    char* dst = own ? b.own : b.out + i * b.out_stride;
+    EP_RETURN_IF(run_pass(m, dst, own ? nullptr : h->slot->rail_in.ptr + m * Tm));
     parts->parts[m] = dst;
-    if (m == g->node) continue;
-    char* in = b.in + i * b.in_stride;
-    msgs.push_back({m, dst, rail_tokens(h, m * g->node_size + g->node_rank) * b.token_bytes, in,
-                    rail_tokens(h, g->rank) * b.token_bytes});
-    parts->parts[m] = in;
+    if (own) continue;
+    const long long sent = rail_recv_tokens(h, m);  // the tokens source m * G + q sent here
+    msgs.push_back({m, dst, sent * b.token_bytes, b.in + i * b.in_stride,
+                    rail_send_tokens(h, m) * b.token_bytes});
+    rows += sent;
+    parts->parts[m] = b.in + i * b.in_stride;
+    parts->rows[m] = h->slot->rail_out.ptr + m * Tm;
   }
-  return watched_rail(g, op, msgs, stream);
+  EP_RETURN_IF(watched_rail(g, op, msgs, stream));
+  count_sent(g, op, rows, rows * (long long)b.token_bytes);
+  return ncclSuccess;
 }
 
 }  // namespace
@@ -251,9 +277,10 @@ ncclResult_t connect_nodes(ncclEpGroup* g, cudaStream_t stream) {
   std::vector<RailMessage> msgs;
   for (int m = 0; m < g->num_nodes; ++m) {
     if (m == g->node) continue;
-    msgs.push_back({m, g->rail.rows_own.ptr, 1, g->rail.rows_in.ptr + remote_node_index(g, m) *
-                                                   (size_t)g->cfg.max_tokens_per_rank *
-                                                   g->rail.row_bytes, 1});
+    msgs.push_back({m, g->rail.rows_own.ptr, 1,
+                    g->rail.rows_in.ptr + remote_node_index(g, m) * (size_t)g->rail.rows *
+                                              g->rail.row_bytes,
+                    1});
   }
   EP_RETURN_IF(g->watchdog->run(kOpCreateHandle, kStepConnect, stream, [&]() -> ncclResult_t {
     EP_RETURN_IF(rail_exchange(g, msgs, stream));
@@ -323,44 +350,54 @@ bool nodes_stopped(ncclEpGroup* g) { return g->watchdog->aborted(); }
 
 // ---- ops ---------------------------------------------------------------------------------------
 
-// Dispatch over nodes: the rail, then the engine once per node of sources.
-ncclResult_t dispatch_nodes(ncclEpHandle* h, DispatchArgs a, bool with_probs, int probs_cols,
-                            cudaStream_t stream) {
+// Dispatch over nodes: the messages packed, the rail, then the engine once per node of sources.
+ncclResult_t dispatch_nodes(ncclEpHandle* h, DispatchArgs a, bool with_probs, cudaStream_t stream) {
   ncclEpGroup* g = h->group;
   const RailBuffers& r = g->rail;
-  const size_t Tm = (size_t)g->cfg.max_tokens_per_rank, T = (size_t)h->num_tokens;
-  const size_t prob_bytes = (size_t)probs_cols * a.prob_bytes;  // of one token's probs
-  const long long mine = rail_tokens(h, g->rank);
-  const void* x = a.x != nullptr ? a.x : r.rows_own.ptr;  // (no tokens: a valid, empty send)
-  const void* probs = a.probs;
-  if (g->capacity >= 0) {  // fixed-size messages: from staging copies
-    if (T > 0)
-      EP_CUDA(cudaMemcpyAsync(r.rows_own.ptr, x, T * g->row_bytes, cudaMemcpyDeviceToDevice,
-                              stream));
-    x = r.rows_own.ptr;
-  }
-  if (with_probs && T > 0) {  // always staged: the message has the fixed size max(E, Kmax) x 8
-    EP_CUDA(cudaMemcpyAsync(r.probs_own.ptr, probs, T * prob_bytes, cudaMemcpyDeviceToDevice,
-                            stream));
-  }
+  const size_t Tm = (size_t)g->cfg.max_tokens_per_rank, M = (size_t)r.rows;
+  const size_t row_bytes = r.row_bytes + (with_probs ? r.prob_row_bytes : 0);  // per token sent
+  RailPackArgs pack;
+  pack.rail_out = h->slot->rail_out.ptr;
+  pack.routing = h->slot->op_routing();
+  pack.tokens = h->num_tokens;
+  pack.topk = h->topk;
+  pack.max_topk = g->cfg.max_topk;
+  pack.max_tokens = g->cfg.max_tokens_per_rank;
+  pack.num_nodes = g->num_nodes;
+  pack.node = g->node;
+  pack.experts_per_node = g->node_size * g->num_local;
+  pack.num_experts = g->cfg.num_experts;
+  pack.rail_rows = r.rows;
+  pack.x = a.x;
+  pack.row_bytes = r.row_bytes;
+  pack.probs = with_probs ? a.probs : nullptr;
+  pack.prob_bytes = a.prob_bytes;
+  pack.probs_dense = a.probs_dense;
+  pack.rows_out = r.rows_out.ptr;
+  pack.probs_out = r.probs_out.ptr;
+  EP_CUDA(launch_rail_pack(pack, stream));
   std::vector<RailMessage> msgs;
+  long long rows = 0;
   for (int m = 0; m < g->num_nodes; ++m) {
     if (m == g->node) continue;
-    const long long theirs = rail_tokens(h, m * g->node_size + g->node_rank);
+    const long long mine = rail_send_tokens(h, m), theirs = rail_recv_tokens(h, m);
     const size_t i = remote_node_index(g, m);
-    msgs.push_back({m, x, mine * g->row_bytes, r.rows_in.ptr + i * Tm * r.row_bytes,
-                    theirs * g->row_bytes});
+    msgs.push_back({m, r.rows_out.ptr + i * M * r.row_bytes, mine * r.row_bytes,
+                    r.rows_in.ptr + i * M * r.row_bytes, theirs * r.row_bytes});
     if (with_probs)
-      msgs.push_back({m, r.probs_own.ptr, mine * r.prob_row_bytes,
-                      r.probs_in.ptr + i * Tm * r.prob_row_bytes, theirs * r.prob_row_bytes});
+      msgs.push_back({m, r.probs_out.ptr + i * M * r.prob_row_bytes, mine * r.prob_row_bytes,
+                      r.probs_in.ptr + i * M * r.prob_row_bytes, theirs * r.prob_row_bytes});
+    rows += mine;
   }
   EP_RETURN_IF(watched_rail(g, kOpDispatch, msgs, stream));
+  count_sent(g, kOpDispatch, rows, rows * (long long)row_bytes);
   for (int m = 0; m < g->num_nodes; ++m) {
     DispatchArgs pass = a;
     if (m != g->node) {
       const size_t i = remote_node_index(g, m);
-      pass.x = r.rows_in.ptr + i * Tm * r.row_bytes;
-      if (with_probs) pass.probs = r.probs_in.ptr + i * Tm * r.prob_row_bytes;
+      pass.x = r.rows_in.ptr + i * M * r.row_bytes;
+      if (with_probs) pass.probs = r.probs_in.ptr + i * M * r.prob_row_bytes;
+      pass.rail_rows = h->slot->rail_in.ptr + m * Tm;
     }
     pass.ex = exchange_args(h, kOpDispatch, with_probs ? a.prob_bytes : 0, a.ex.vec != 0, m);
     pass.ex.outputs[0] = a.ex.outputs[0];
@@ -374,7 +411,7 @@ ncclResult_t dispatch_nodes(ncclEpHandle* h, DispatchArgs a, bool with_probs, in
 ncclResult_t combine_nodes(ncclEpHandle* h, const CombineArgs& a, cudaStream_t stream) {
   ncclEpGroup* g = h->group;
   const RailBuffers& r = g->rail;
-  const size_t node_bytes = (size_t)g->cfg.max_tokens_per_rank * r.row_bytes;
+  const size_t node_bytes = (size_t)r.rows * r.row_bytes;  // a message's buffer
   CombineNodesArgs fin;
   fin.nodes = node_parts(h);
   fin.dtype = a.dtype;
@@ -385,11 +422,14 @@ ncclResult_t combine_nodes(ncclEpHandle* h, const CombineArgs& a, cudaStream_t s
                         r.row_bytes};
   EP_RETURN_IF(return_to_sources(
       h, kOpCombine, b,
-      [&](int m, char* dst) -> ncclResult_t {
+      [&](int m, char* dst, const int* rows) -> ncclResult_t {
         CombineArgs pass = a;
         pass.y = dst;
+        pass.rail_rows = rows;
         pass.ex = exchange_args(h, kOpCombine, 0, a.ex.vec != 0, m);
-        pass.ex.outputs[0] = OutputSpan{dst, (long long)node_bytes};
+        // (this node's own: T_max rows; a message's: rows)
+        const size_t bytes = rows == nullptr ? r.rows_own.bytes() : node_bytes;
+        pass.ex.outputs[0] = OutputSpan{dst, (long long)bytes};
         EP_CUDA(launch_combine(pass, stream));
         return ncclSuccess;
       },
@@ -403,23 +443,25 @@ ncclResult_t combine_probs_nodes(ncclEpHandle* h, const CombineProbsArgs& a,
                                  cudaStream_t stream) {
   ncclEpGroup* g = h->group;
   const RailBuffers& r = g->rail;
-  const size_t Tm = (size_t)g->cfg.max_tokens_per_rank;
+  const size_t node_bytes = (size_t)r.rows * r.prob_row_bytes;  // a message's buffer
   MergeProbsArgs fin;
   fin.nodes = node_parts(h);
   fin.prob_bytes = a.prob_bytes;
   fin.grad_dense = a.grad_dense;
   fin.num_experts = g->cfg.num_experts;
   fin.grad = a.grad;
-  const ReturnBuffers b{r.probs_own.ptr, r.probs_out.ptr, Tm * r.grad_row_bytes, r.probs_in.ptr,
-                        Tm * r.prob_row_bytes, r.grad_row_bytes};
+  const ReturnBuffers b{r.probs_own.ptr, r.probs_out.ptr, node_bytes, r.probs_in.ptr,
+                        node_bytes, r.prob_row_bytes};
   EP_RETURN_IF(return_to_sources(
       h, kOpCombineProbs, b,
-      [&](int m, char* dst) -> ncclResult_t {
+      [&](int m, char* dst, const int* rows) -> ncclResult_t {
         CombineProbsArgs pass = a;
         pass.grad = dst;
-        pass.grad_dense = 0;  // [T, K] per node; merged into the caller's layout at the end
+        pass.grad_dense = 0;  // [rows, K] per node; merged into the caller's layout at the end
+        pass.rail_rows = rows;
         pass.ex = exchange_args(h, kOpCombineProbs, a.prob_bytes, false, m);
-        pass.ex.outputs[0] = OutputSpan{dst, (long long)(Tm * r.grad_row_bytes)};
+        const size_t bytes = rows == nullptr ? r.probs_own.bytes() : node_bytes;
+        pass.ex.outputs[0] = OutputSpan{dst, (long long)bytes};
         EP_CUDA(launch_combine_probs(pass, stream));
         return ncclSuccess;
       },

@@ -66,7 +66,7 @@ bool nodes_stopped(ncclEpGroup* g);  // the watchdog stopped the communicators
 
 // The ops between nodes: the engine once per node of sources, with the rail around it. `a` is
 // the op as ops.cc checked and filled it for one node.
-ncclResult_t dispatch_nodes(ncclEpHandle* h, DispatchArgs a, bool with_probs, int probs_cols,
+ncclResult_t dispatch_nodes(ncclEpHandle* h, DispatchArgs a, bool with_probs,
                             cudaStream_t stream);
 ncclResult_t combine_nodes(ncclEpHandle* h, const CombineArgs& a, cudaStream_t stream);
 ncclResult_t combine_probs_nodes(ncclEpHandle* h, const CombineProbsArgs& a, cudaStream_t stream);

@@ -16,6 +16,7 @@
  */
 #include <stdint.h>
 
+#include "call_checks.h"
 #include "internal.h"
 #include "nodes.h"
 #include "pool.h"
@@ -105,13 +106,13 @@ ncclResult_t ht_dispatch(ncclEpHandle_t handle, const ncclEpDispatchInputs_t* in
   a.probs = with_probs ? inputs->topk_weights.data : nullptr;
   a.recv_x = outputs->recv_tokens.data;
   a.recv_probs = with_probs ? outputs->recv_topk_weights.data : nullptr;
+  a.rail_rows = nullptr;
   const bool vec = g->row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv_x);
   a.ex = exchange_args(handle, kOpDispatch, with_probs ? a.prob_bytes : 0, vec);
   a.ex.outputs[0] = OutputSpan{a.recv_x, N * (long long)g->row_bytes};
   if (with_probs) a.ex.outputs[1] = OutputSpan{a.recv_probs, N * a.prob_bytes};
   if (g->num_nodes > 1) {
-    EP_RETURN_IF(dispatch_nodes(handle, a, with_probs,
-                                a.probs_dense ? g->cfg.num_experts : handle->topk, stream));
+    EP_RETURN_IF(dispatch_nodes(handle, a, with_probs, stream));
     return sticky.result();
   }
   EP_CUDA(launch_dispatch(a, stream));
@@ -131,6 +132,7 @@ ncclResult_t ht_combine(ncclEpHandle_t handle, const ncclEpCombineInputs_t* inpu
   a.dtype = (int)g->cfg.token_dtype;
   a.expert_out = inputs->expert_tokens.data;
   a.y = outputs->tokens.data;
+  a.rail_rows = nullptr;
   const bool vec = g->row_bytes % 16 == 0 && aligned16(a.expert_out) && aligned16(a.y);
   a.ex = exchange_args(handle, kOpCombine, 0, vec);
   a.ex.outputs[0] = OutputSpan{a.y, T * (long long)g->row_bytes};
@@ -156,6 +158,7 @@ ncclResult_t ht_combine_probs(ncclEpHandle_t handle,
   a.prob_bytes = dtype_bytes(pd);
   a.grad_recv = grad_recv_topk_weights->data;
   a.grad = grad_topk_weights->data;
+  a.rail_rows = nullptr;
   a.ex = exchange_args(handle, kOpCombineProbs, a.prob_bytes, false);
   const long long cols = a.grad_dense ? handle->group->cfg.num_experts : handle->topk;
   a.ex.outputs[0] = OutputSpan{a.grad, handle->num_tokens * cols * a.prob_bytes};

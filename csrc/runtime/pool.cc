@@ -58,6 +58,11 @@ size_t plan_slot(const ncclEpGroup* g, HandleSlot* s, void* base) {
   plan.add(&s->blocks_done, 1);
   plan.add_bytes(&s->meta, layout_meta_bytes(L));
   plan.add(&s->records, g->num_nodes > 1 ? (size_t)R * g->win.rec_ints : 0);
+  const size_t N = g->num_nodes > 1 ? (size_t)g->num_nodes : 0;
+  plan.add(&s->rail_out, N * Tm);
+  plan.add(&s->rail_in, N * Tm);
+  plan.add(&s->rail_counts, (size_t)R * N);
+  plan.add(&s->rail_done, N > 0 ? 1 : 0);
   if (base != nullptr) plan.bind(base);
   return plan.bytes();
 }

@@ -44,6 +44,11 @@ struct HandleSlot {
   View<LayoutMeta> meta;         // LayoutMeta with its [L] tokens_per_expert tail
   View<int> records;             // groups that span nodes: [R][rec_ints], the all-gathered
                                  // routing records (one node: they sit in the window)
+  // Groups that span nodes (the layout's rail kernel, LayoutArgs): packed rows of this rank's
+  // tokens per node [N][Tmax] and of the tokens the rail brings from each node [N][Tmax], every
+  // pair's count [R][N], the kernel's finished blocks.
+  View<int> rail_out, rail_in, rail_counts;
+  View<unsigned> rail_done;
   LayoutMeta* host_meta = nullptr;  // pinned, mapped: the exact-mode readback
   LayoutMeta* host_meta_dev = nullptr;  // its device address (the bases write it)
   cudaEvent_t meta_ready = nullptr; // recorded after the bases (validate_kernel)

@@ -1,7 +1,7 @@
 /*
  * watchdog.h: the NcclWatchdog of a group that spans nodes (watchdog.cc) and the NCCL steps it
  * follows. Used by nodes.cc (every NCCL call between nodes is one of its steps), group.cc (a
- * group owns its watchdog) and errors.cc (its stop names the step).
+ * group owns its watchdog) and error_words.cc (its stop names the step).
  */
 #pragma once
 

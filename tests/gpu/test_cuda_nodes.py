@@ -5,6 +5,10 @@ backend with the same ranks per node G (whose G = 1 is bitwise its flat result:
 tests/test_reference_hierarchy.py). The GPU soak (test_cuda_soak.py) draws G too, with dense
 [T, E] probs among its random calls.
 
+The rail carries to each remote node only the tokens with a slot there (docs/internode.md): the
+library's counters of what it sent equal the reference's and a count token by token, on uniform
+and node-limited routing, and a rail_capacity below a pair's count raises on every rank.
+
 Emulated nodes on one machine, two ways (docs/design.md §7):
 - the group option: ``ranks_per_node=G`` over the normal communicator (NVLink carries the rail);
 - ``NCCL_HOSTID`` set per rank: NCCL sees one host per rank, so its LSA team is one rank and the
@@ -12,6 +16,7 @@ Emulated nodes on one machine, two ways (docs/design.md §7):
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -133,3 +138,111 @@ def test_nccl_hostid_per_rank_bitwise(case_name, seed, summary_line):
     for r in runs:
         assert r.error is None and not r.hung, f"rank {r.rank}: {r.outcome()}\n{r.error}"
     summary_line(runs[0].value)
+
+
+# -- what the rail carries (docs/internode.md: a node gets only what it needs) ---------------------
+# E = 64 experts in 8 groups of 8; node-limited routing picks 4 of the 8 groups per token.
+RAIL_SHAPE = dict(num_experts=64, hidden=7168 // 8, max_tokens=1024, topk=8, groups=8,
+                  groups_per_token=4)
+
+
+def rail_inputs(kind: str, seed: int, world: int):
+    """Every rank's routing (uneven token counts, a masked slot per 5th token), the same on every
+    rank (seeded by rank)."""
+    s = RAIL_SHAPE
+    routing = []
+    for r in range(world):
+        gen = torch.Generator().manual_seed(seed * 131 + r)
+        tokens = s["max_tokens"] - 101 * r
+        if kind == "uniform":
+            idx = ep_cases.uniform_routing(gen, tokens, s["num_experts"], s["topk"])
+        else:
+            idx = ep_cases.group_limited_routing(gen, tokens, s["num_experts"], s["groups"],
+                                                 s["groups_per_token"], s["topk"])
+        idx[::5, -1] = -1
+        routing.append(idx)
+    return routing
+
+
+def check_rail_messages(kind: str, ranks_per_node: int, recv_mode: str, dense_probs: bool,
+                        seed: int, budget_below: int = 0) -> tuple:
+    """The cuda group against the reference (same G) on one dispatch with probs, combine and
+    combine_probs: outputs bitwise equal, and Group.info()'s rail counters equal the reference's
+    and the messages counted token by token. Capacity mode: rail_capacity = the largest pair's
+    count (at the bound), or ``budget_below`` under it (an overflow: every rank raises)."""
+    rank, world = ep_cases.rank_and_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    s, G = RAIL_SHAPE, ranks_per_node
+    E, H, K = s["num_experts"], s["hidden"], s["topk"]
+    routing = rail_inputs(kind, seed, world)
+    counts = ep_cases.rail_counts_by_token(routing, G, E // (world // G))
+    fields = dict(num_experts=E, hidden=H, max_tokens_per_rank=s["max_tokens"], max_topk=K,
+                  dtype=torch.bfloat16, ranks_per_node=G, device=device)
+    budget = None
+    if recv_mode == "capacity":
+        budget = max(max(row) for row in counts) - budget_below
+        fields.update(recv_mode="capacity", max_recv_tokens_per_rank=world * s["max_tokens"] * K,
+                      rail_capacity=budget)
+    ref, cuda = ep.Group(backend="torch", **fields), ep.Group(backend="cuda", **fields)
+    idx = routing[rank].to(device)
+    gen = torch.Generator(device=device).manual_seed(seed * 7 + rank)
+    x = dense.wide_values(gen, (idx.shape[0], H), torch.bfloat16)
+    probs = torch.rand((idx.shape[0], E if dense_probs else K), generator=gen, device=device)
+    if budget_below:
+        # Every rank names the first pair over the budget in (source, node) order, counted here.
+        s0, n0, c0 = next((s, n, c) for s, row in enumerate(counts) for n, c in enumerate(row)
+                          if c > budget)
+        message = re.escape(f"rail capacity overflow: rank {s0} has {c0} tokens with a slot on "
+                            f"node {n0} but rail_capacity={budget} ")
+        with pytest.raises(ep.NcclEpError, match=message):
+            h_cuda = cuda.create_handle(idx)
+            h_cuda.dispatch(x, probs, dense=dense_probs)
+            cuda.check_errors()
+        with pytest.raises(ep.NcclEpError, match=message):
+            ref.create_handle(idx)
+        cuda.destroy()
+        ref.destroy()
+        return "overflow raised"
+    h_ref, h_cuda = ref.create_handle(idx), cuda.create_handle(idx)
+    poison_allocator(device)
+    results = []
+    for h in (h_ref, h_cuda):
+        recv_x, recv_probs = h.dispatch(x, probs, dense=dense_probs)
+        y = h.combine(recv_x)
+        grad = h.combine_probs(recv_probs, dense=dense_probs)
+        results.append((recv_x, recv_probs, y, grad))
+    torch.cuda.synchronize(device)
+    for name, want, got in zip(("recv_x", "recv_probs", "y", "combine_probs"), *results):
+        dense.assert_bitwise_equal(got, want, f"{kind} G={G} {recv_mode}: {name}")
+    rows = ep_cases.rail_rows_sent(counts, rank, G, budget)
+    want_rows = {"dispatch": rows[0], "combine": rows[1], "combine_probs": rows[1]}
+    want_bytes = ep_cases.rail_bytes_sent(rows, H * 2, K, True)
+    for group in (ref, cuda):
+        info = group.info()
+        assert info["rail_rows_sent"] == want_rows, (group.backend_name, info, want_rows)
+        assert info["rail_bytes_sent"] == want_bytes, (group.backend_name, info, want_bytes)
+    for h in (h_ref, h_cuda):
+        h.destroy()
+    ref.destroy()
+    cuda.destroy()
+    return rows[0], idx.shape[0] * (world // G - 1)
+
+
+@pytest.mark.parametrize("world_size,ranks_per_node", world_and_nodes())
+@pytest.mark.parametrize("recv_mode", ["exact", "capacity"])
+@pytest.mark.parametrize("kind,dense_probs", [("uniform", False), ("group_limited", True)])
+def test_rail_carries_only_needed_tokens(kind, dense_probs, recv_mode, world_size,
+                                         ranks_per_node, seed, summary_line):
+    per_rank = dist.run(world_size, check_rail_messages, kind, ranks_per_node, recv_mode,
+                        dense_probs, seed, backend="nccl")
+    sent, possible = (sum(v) for v in zip(*per_rank))
+    summary_line(f"{kind} x{world_size} G={ranks_per_node} {recv_mode}: dispatch rail rows "
+                 f"{sent} of {possible} tokens x remote nodes ({sent / possible:.3f}); outputs "
+                 f"bitwise the reference's, counters equal")
+
+
+@pytest.mark.parametrize("world_size,ranks_per_node", world_and_nodes())
+def test_rail_overflow_raises_on_every_rank(world_size, ranks_per_node, seed):
+    per_rank = dist.run(world_size, check_rail_messages, "group_limited", ranks_per_node,
+                        "capacity", False, seed, 1, backend="nccl")
+    assert per_rank == ["overflow raised"] * world_size

@@ -199,8 +199,14 @@ def check_parity(case_name: str, seed: int, subgroups=None, from_map: bool = Fal
         "expert_out": nan_outside(dense.wide_values(gen, (n, hidden), dtype), used),
         "y": dense.wide_values(gen, tuple(x.shape), dtype),
     }
+    ref_sent = ref.info()  # (the reference's dispatch of `ones` above went over its rail too)
     want = full_pass(h_ref, x, probs, grads, device)
     got = full_pass(h_cuda, x, probs, grads, device)
+    if ranks_per_node:  # the library's rail carried what the reference's messages count
+        after = ref.info()
+        for key in ("rail_rows_sent", "rail_bytes_sent"):
+            ref_delta = {op: n - ref_sent[key][op] for op, n in after[key].items()}
+            assert cuda.info()[key] == ref_delta, (key, cuda.info()[key], ref_delta)
     for name, w in want.items():
         if w is None:
             assert got[name] is None, f"{name}: expected None"
