@@ -105,8 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Benchmark of megatron_nccl_ep: link and memory ceilings, our dispatch and "
-                    "combine, Megatron's dispatcher interface, EP>1 as a local team on one GPU, "
-                    "and sweeps over tokens per rank and SM budget. One process per GPU, each "
+                    "combine (HT kernels and LL), Megatron's dispatcher interface, EP>1 as a "
+                    "local team on one GPU, host time per call, Megatron's experts, HT over "
+                    "emulated nodes and the rail's bytes, and sweeps over tokens per rank and "
+                    "SM budget. One process per GPU (emulated hosts may share one), each "
                     "section in its own processes; without a GPU, the reference backend over "
                     "gloo at a small shape (a check that the code runs, not a measurement).")
     p.add_argument("--nproc", type=int, default=None,

@@ -1,10 +1,10 @@
 """The nodes section: HT groups that span emulated nodes, and what their rail carries.
 
 One point per shape of ``--nodes-shapes`` (``N`` nodes x ``G`` ranks per node), each in its own
-processes (one per rank, as the kernels section runs: on GPUs one GPU per rank and the cuda
-backend over NCCL, the group option ``ranks_per_node = G`` emulating the nodes, so the rail runs
-over NVLink, not a network; on cpu the reference backend over gloo). A local team cannot stand
-in on one GPU: it is one node (``ncclEpCreateLocalTeam``).
+processes (one per rank, as the kernels section runs; ``placement`` says how the nodes are
+emulated on GPUs: the group option ``ranks_per_node = G`` with one GPU per rank, or ranks of
+one-rank nodes sharing GPUs as emulated hosts; on cpu the reference backend over gloo). A local
+team cannot stand in: it is one node (``ncclEpCreateLocalTeam``).
 
 Per routing of ``--nodes-routings`` (``uniform``: top-K of E at random; ``node_limited``: the
 experts in NODE_LIMITED_GROUPS groups, each token picks NODE_LIMITED_PICKS of them, then its K
@@ -208,11 +208,26 @@ def _routing_point(me: Rank, group, routing: str) -> None:
 # parent
 
 
-def skip_reason(world: int, device: str, gpus: int) -> str:
-    """Why a point of ``world`` ranks cannot run here ('' when it can)."""
-    if device == "cuda" and world > gpus:
-        return f"{world} ranks need {world} GPUs (one process each), {gpus} visible"
-    return ""
+def placement(world: int, ranks_per_node: int, device: str, gpus: int) -> tuple:
+    """(why a point of ``world`` ranks cannot run here or '', how its nodes are emulated).
+
+    On GPUs a process per rank: one GPU each where there are enough, the nodes emulated by the
+    group option ``ranks_per_node`` (the rail over NVLink); else, for nodes of one rank, ranks
+    share GPUs as emulated hosts (NCCL_HOSTID per rank, as tests/dist.py does: NCCL's own
+    transport between "hosts" carries the rail, the GPU time-sliced between processes). Ranks of
+    one node cannot share a GPU: NCCL refuses two ranks of one host on one GPU, and a local team
+    is one node."""
+    if device != "cuda":
+        return "", "the reference backend over gloo, a process per rank"
+    if world <= gpus:
+        return "", ("one GPU per rank, the nodes emulated by the group option ranks_per_node: "
+                    "the rail runs over NVLink")
+    if ranks_per_node == 1:
+        return "", (f"{world} processes on {gpus} GPU(s), each rank an emulated host "
+                    f"(NCCL_HOSTID): the rail runs over NCCL's transport between hosts on one "
+                    f"machine, the GPU time-sliced (times are a proxy; rows and bytes are exact)")
+    return (f"{world} ranks of {ranks_per_node} per node need {world} GPUs (NCCL refuses two "
+            f"ranks of one host on one GPU), {gpus} visible"), ""
 
 
 def run(result: dict, args: argparse.Namespace, budget_end: float) -> None:
@@ -232,13 +247,16 @@ def run(result: dict, args: argparse.Namespace, budget_end: float) -> None:
         point = {"nodes": nodes, "ranks_per_node": per_node, "world": world,
                  "share_formula": {r: share_formula(r, args.experts, args.topk, nodes)
                                    for r in args.nodes_routings}}
-        reason = skip_reason(world, args.device, gpus)
+        reason, how = placement(world, per_node, args.device, gpus)
         if reason:
             out["points"].append({**point, "skipped": reason})
             continue
+        point["placement"] = how
         point_args = argparse.Namespace(**{**vars(args), "nproc": world,
                                            "ranks_per_node": per_node, "recv_mode": "exact",
-                                           "capacity_factor": None})
+                                           "capacity_factor": None,
+                                           "emulated_hosts": args.device == "cuda"
+                                           and world > gpus})
         items, checks, _ = run_into(result, f"nodes({shape_label(nodes, per_node)})", section,
                                     point_args, budget_end)
         out["points"].append({**point, "items": items, "checks": checks})

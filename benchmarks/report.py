@@ -346,9 +346,10 @@ def nodes_header(result: dict) -> str:
             f"of {shape['experts']} experts, {shape['dtype']}; NxG = N nodes of G ranks, a "
             f"process per rank; routings: uniform, node_limited = {limited.get('groups')} "
             f"groups of experts, {limited.get('picks')} picked per token")
+    placed = [f"{nodes_shape(point['nodes'], point['ranks_per_node'])} {point['placement']}"
+              for point in nodes_points(result) if point.get("placement")]
     if result["meta"]["device"] == "cuda":
-        return (text + "; one GPU per rank, the nodes emulated by the group option "
-                "ranks_per_node: the rail runs over NVLink, not a network (a proxy of the "
+        return (text + "; " + ("; ".join(placed) or "no shape ran") + " (a proxy of the "
                 "protocol's cost, not of a network's)")
     return text + "; the reference backend over gloo, host wall time"
 

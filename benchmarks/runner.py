@@ -23,6 +23,7 @@ import datetime
 import faulthandler
 import logging
 import math
+import os
 import queue as queue_module
 import socket
 import statistics
@@ -231,8 +232,14 @@ class Rank:
         self.dtype = getattr(torch, DTYPES[args.dtype])
         self.elt = torch.empty((), dtype=self.dtype).element_size()
         if self.cuda:
-            torch.cuda.set_device(rank)
-            self.device = torch.device("cuda", rank)
+            gpu = rank
+            if getattr(args, "emulated_hosts", False):
+                # Ranks outnumber GPUs (nodes of one rank, nodes.placement): each its own host
+                # before the first NCCL call, since NCCL refuses two ranks of one host on a GPU.
+                os.environ["NCCL_HOSTID"] = f"megatron-nccl-ep-bench-host-{rank}"
+                gpu = rank % torch.cuda.device_count()
+            torch.cuda.set_device(gpu)
+            self.device = torch.device("cuda", gpu)
         else:
             self.device = torch.device("cpu")
         self.host_group = None

@@ -1055,8 +1055,15 @@ def test_nodes_flags_and_gpu_skips():
     assert (args.nodes_shapes, args.nodes_routings) == ([(2, 1)], ["node_limited"])
     bare = cli.parse_args(["--device", "cpu", "--sections", "nodes"])
     assert bare.nodes_shapes == [(2, 2), (4, 1)] and bare.nodes_routings == list(nodes.ROUTINGS)
-    assert nodes.skip_reason(4, "cuda", 2) == "4 ranks need 4 GPUs (one process each), 2 visible"
-    assert nodes.skip_reason(4, "cuda", 4) == "" and nodes.skip_reason(4, "cpu", 0) == ""
+    # Nodes of several ranks need a GPU per rank; nodes of one rank share GPUs as emulated hosts.
+    reason, how = nodes.placement(4, 2, "cuda", 2)
+    assert reason.startswith("4 ranks of 2 per node need 4 GPUs") and "2 visible" in reason
+    assert how == ""
+    assert nodes.placement(4, 2, "cuda", 4) == ("", nodes.placement(4, 1, "cuda", 4)[1])
+    assert "group option ranks_per_node" in nodes.placement(4, 2, "cuda", 4)[1]
+    reason, how = nodes.placement(4, 1, "cuda", 1)
+    assert reason == "" and "4 processes on 1 GPU(s)" in how and "NCCL_HOSTID" in how
+    assert nodes.placement(4, 2, "cpu", 0)[0] == ""
 
 
 def test_nodes_gpu_report_has_kernel_and_e2e_times_and_skips():
@@ -1073,19 +1080,20 @@ def test_nodes_gpu_report_has_kernel_and_e2e_times_and_skips():
               "nodes": {"routings": ["uniform"], "node_limited": {"groups": 8, "picks": 4},
                         "points": [{"nodes": 2, "ranks_per_node": 1, "world": 2,
                                     "share_formula": {"uniform": 0.997}, "items": items,
+                                    "placement": nodes.placement(2, 1, "cuda", 2)[1],
                                     "checks": {"c": {"0": "ok", "1": "MISMATCH x"}}},
-                                   {"nodes": 4, "ranks_per_node": 1, "world": 4,
-                                    "skipped": nodes.skip_reason(4, "cuda", 2)}]}}
+                                   {"nodes": 2, "ranks_per_node": 2, "world": 4,
+                                    "skipped": nodes.placement(4, 2, "cuda", 2)[0]}]}}
     times, rows, skipped = report.nodes_rows(result)
     assert times == ("kernel (us)", "e2e (us)")
     assert rows == [("2x1", "uniform", "dispatch", 250.0, 500.0, 0.75, 96 * 14400 / 128, 0.75,
                      0.997, 14336 + 2048, 96 * 14400 / (128 * (14336 + 2048)))]
-    assert skipped == [("4x1", "4 ranks need 4 GPUs (one process each), 2 visible")]
+    assert skipped == [("2x2", nodes.placement(4, 2, "cuda", 2)[0])]
     assert report.nodes_check_summary(result) == (1, 2, [("2x1", "c", "1", "MISMATCH x")])
     lines = report._nodes(result)
-    assert "the rail runs over NVLink, not a network" in lines[0]
-    assert any(line.split()[:2] == ["4x1", "skipped:"] for line in lines)
+    assert "2x1 one GPU per rank" in lines[0] and "the rail runs over NVLink" in lines[0]
+    assert any(line.split()[:2] == ["2x2", "skipped:"] for line in lines)
     out = []
     markdown._nodes(result, out)
     assert "| 2x1 | uniform | dispatch | 250.0 | 500.0 | 0.750 |" in "\n".join(out)
-    assert "- 4x1: skipped, 4 ranks need 4 GPUs" in "\n".join(out)
+    assert "- 2x2: skipped, 4 ranks of 2 per node need 4 GPUs" in "\n".join(out)

@@ -7,7 +7,9 @@
  * the calls differ (ncclEpDispatch: HT's dispatch and LL's ll_dispatch, whose outputs differ;
  * ncclEpCombine: combine and ll_combine, whose arguments do), so no binding takes arguments of
  * the other mode; an op allocates its outputs (from the caching allocator, on the current stream
- * of the group's device) and launches in this one call.
+ * of the group's device) and launches in this one call. Beside each op, a check_* binding runs
+ * the same argument checks (csrc/runtime/call_checks.cc) over the same glue without a group or
+ * a GPU, so the lean path's refusals are tested on CPU machines (tests/test_lean_path.py).
  *
  * NOTES:
  *  - An op refuses bad arguments before it enqueues anything (the C library checks every

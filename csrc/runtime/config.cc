@@ -140,7 +140,7 @@ static ncclResult_t check_ll_config(const ncclEpGroupConfig_t* c, int nranks, in
   EP_CHECK(node_size == nranks, ncclInvalidUsage,
            "ncclEpCreateGroup: LL runs on one node (every rank reaches every peer's window over "
            "NVLink, or a local team); this group has %d ranks in nodes of %d "
-           "(docs/internode.md: how GIN would carry LL)",
+           "(docs/internode.md, \"LL across nodes over the rail\": designed, not built)",
            nranks, node_size);
   return ncclSuccess;
 }
