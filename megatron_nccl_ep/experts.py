@@ -21,7 +21,9 @@ other in every format; only ``forward`` differs:
   with fc1 and fc2 stood in for (``_ActivationOnly``), so SwiGLU, GeLU, the fused kernels, the GLU
   clamp and the probs' rounding are exactly ``SequentialMLP``'s, row by row;
 * float64 (which ``grouped_mm`` does not take) and shapes whose rows are not 16-byte multiples
-  run the same arithmetic as one matmul per expert over host offsets (the CPU tests' models).
+  run the same arithmetic as one matmul and one activation per expert over host offsets (the CPU
+  tests' models; torch's CPU activations may round an element by its place in a vector, so the
+  blocks are SequentialMLP's).
 
 The counts may be a host tensor (exact mode, drop-and-pad's constant blocks) or a device one
 (``nccl_ep``'s packed capacity layout: every expert block whole, the sum the rows the routing
@@ -202,8 +204,16 @@ class GroupedExperts(SequentialMLP):
             # Masked by `where`, whose backward is masked too: no unused row reaches the bias.
             return None if bias is None else torch.where(valid, bias[expert], 0)
 
-        fc1 = grouped_linear(hidden, self._stacked("linear_fc1", "weight"), ends)
-        activated = self._activation(fc1, rows_of(bias1), probs)
+        weight1 = self._stacked("linear_fc1", "weight")
+        fc1 = grouped_linear(hidden, weight1, ends)
+        if _grouped_mm_takes(hidden, weight1):
+            activated = self._activation(fc1, rows_of(bias1), probs)
+        else:  # per expert, as SequentialMLP: torch's CPU activations round by position
+            bounds = [0, *ends.tolist(), hidden.shape[0]]
+            rows1 = rows_of(bias1)
+            activated = torch.cat([
+                self._activation(fc1[a:b], None if rows1 is None else rows1[a:b], probs[a:b])
+                for a, b in zip(bounds, bounds[1:])])
         output = grouped_linear(activated, self._stacked("linear_fc2", "weight"), ends)
         if bias2 is not None:  # MLP.forward's expert bias, scaled by the probs
             output = output + rows_of(bias2) * probs.unsqueeze(-1)
