@@ -24,7 +24,7 @@ import sys
 import textwrap
 
 from . import markdown
-from .report import source_version
+from .report import nodes_check_summary, nodes_rows, source_version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results.json")
@@ -116,7 +116,7 @@ def numbers(result: dict) -> str:
         f"(T_max {result['ll']['memory']['shape']['tokens']}): "
         f"{memory['total_bytes'] / MIB:.0f} MiB per rank, against DeepEP V1's "
         f"{memory['deepep_bytes'] / MIB:.0f} MiB. RESULTS.md also has {_also(result)}.")
-    text += _training(result) + _stress(result)
+    text += _nodes(result) + _training(result) + _stress(result)
     # The README's line width; words such as "top-8" stay whole.
     lines += ["", *textwrap.wrap(text, 100, break_on_hyphens=False, break_long_words=False)]
     return "\n".join(lines)
@@ -140,6 +140,25 @@ def _also(result: dict) -> str:
     if result["meta"]["gpu_count"] == 1:
         also += "; multi-GPU numbers wait for a multi-GPU machine"
     return also
+
+
+def _nodes(result: dict) -> str:
+    """A sentence on the rail's bytes over emulated nodes, where the run has the nodes section."""
+    _, rows, _ = nodes_rows(result) if result.get("nodes") else (None, [], None)
+    dispatch = {(row[0], row[1]): row[-1] for row in rows if row[2] == "dispatch"}
+    if not dispatch:
+        return ""
+    passed, done, _ = nodes_check_summary(result)
+    limited = result["nodes"]["node_limited"]
+    by_shape: dict = {}
+    for (shape, routing), share in dispatch.items():
+        by_shape.setdefault(shape, []).append(f"{routing} {share:.2f}")
+    shares = "; ".join(f"{shape} {', '.join(found)}" for shape, found in by_shape.items())
+    return (f" HT over emulated nodes (NxG, RESULTS.md says how each is emulated): the rail "
+            f"carries only the tokens with a slot on a node, as many rows as the routing's "
+            f"messages ({passed} of {done} checks); a dispatch's rail bytes against a rail that "
+            f"carried every token: {shares} (node_limited: {limited['groups']} groups of "
+            f"experts, {limited['picks']} picked per token).")
 
 
 def _training(result: dict) -> str:

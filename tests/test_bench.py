@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import ep_cases
-from benchmarks import (cli, host, kernels, ll, markdown, nodes, plot, report, runner, sweeps,
-                        team)
+from benchmarks import (cli, host, kernels, ll, markdown, nodes, plot, readme, report, runner,
+                        sweeps, team)
 from benchmarks.__main__ import main
 from benchmarks.report import source_version
 from megatron_nccl_ep import config
@@ -762,7 +762,6 @@ def test_ll_team_times_come_from_every_rank_that_finished():
 def test_readme_numbers_and_results_name_the_committed_run():
     """The README's numbers section is benchmarks.readme's text for the committed results.json,
     and RESULTS.md names the sources hash of that run."""
-    from benchmarks import readme
 
     assert readme.main(["--check"]) == 0, "run python -m benchmarks.readme"
     with open(readme.RESULTS) as f:
@@ -780,7 +779,6 @@ def test_readme_numbers_and_results_name_the_committed_run():
 
 def test_readme_numbers_follow_the_results(tmp_path):
     # A changed figure in results.json changes the README's text (no number is written by hand).
-    from benchmarks import readme
 
     with open(readme.RESULTS) as f:
         result = json.load(f)
@@ -811,7 +809,6 @@ def training_record(sources: str = None, ms: float = 101.25) -> dict:
 @pytest.fixture
 def results_files(tmp_path, monkeypatch):
     """benchmarks.readme's files (results.json, RESULTS.md, README.md) as copies in tmp_path."""
-    from benchmarks import readme
 
     for name in ("RESULTS", "RESULTS_MD", "README", "PLOT"):
         copy = tmp_path / os.path.basename(getattr(readme, name))
@@ -1097,3 +1094,8 @@ def test_nodes_gpu_report_has_kernel_and_e2e_times_and_skips():
     markdown._nodes(result, out)
     assert "| 2x1 | uniform | dispatch | 250.0 | 500.0 | 0.750 |" in "\n".join(out)
     assert "- 2x2: skipped, 4 ranks of 2 per node need 4 GPUs" in "\n".join(out)
+    # The README's sentence: the dispatch's packed / every-token bytes and the checks.
+    share = 96 * 14400 / (128 * (14336 + 2048))
+    sentence = readme._nodes(result)
+    assert f"2x1 uniform {share:.2f}" in sentence and "(1 of 2 checks)" in sentence
+    assert readme._nodes({**result, "nodes": None}) == ""
