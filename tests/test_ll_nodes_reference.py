@@ -53,11 +53,23 @@ def _coincides(y_nodes: torch.Tensor, y_flat: torch.Tensor) -> bool:
     return ep_cases.count_mismatches(y_nodes, want) == 0
 
 
+def _route_a_token_over_nodes(problem, world: int, G: int) -> None:
+    """Token 2 of rank 0 to two terms on node 0 and one on node 1 (experts 0 and L: ranks 0 and
+    1 where G > 1; experts 0 and 1 of rank 0 where G = 1; and node 1's first expert), in every
+    process alike: a node partial of two terms, rounded, in a token that spans nodes, where the
+    node order need not give the flat sum, whatever the draw."""
+    L = problem.num_experts // world
+    first = [0, L] if G > 1 else [0, 1]
+    idx = problem.topk_idx[0]
+    idx[2] = torch.tensor(first + [G * L], dtype=idx.dtype)
+
+
 def check_ll_across_nodes(ranks_per_node: int, layout: str, dtype, payload_dtype,
                           seed: int) -> dict:
     rank, world = ep_cases.rank_and_size()
     G = ranks_per_node
     problem = ll_cases.make_ll_problem(world, dtype=dtype, seed=seed, **CASE)
+    _route_a_token_over_nodes(problem, world, G)
     fields = problem.group_fields(layout, payload_dtype)
     nodes = ep.Group(backend="torch", device="cpu", ranks_per_node=G, **fields)
     flat = ep.Group(backend="torch", device="cpu", **fields)
@@ -136,8 +148,8 @@ def test_ll_across_nodes_bitwise(world_size, ranks_per_node, layout, dtype, payl
         assert differs == 0
     elif dtype != torch.float32:
         # The orders need not meet, and with 16-bit tokens (each node partial rounded to them)
-        # on these inputs they do not: the combine matched the node order, not a flat sum that
-        # happens to be equal. (fp32 tokens: node partials are not rounded, and sums of a few
+        # on a token routed to do so (_route_a_token_over_nodes: 3 x hidden elements) they do
+        # not: the combine matched the node order, not a flat sum that happens to be equal. (fp32 tokens: node partials are not rounded, and sums of a few
         # terms may associate alike.)
         assert differs > 0, "the node order gave the flat sums on every rank"
 
