@@ -231,11 +231,29 @@ def _stress(result: dict, out: list) -> None:
             ""]
     configs = record["configurations"]
     out += _table(["configuration", "outcome", "processes", "repetitions", "timeouts",
-                   "mismatching elements", "seconds"],
-                  [(c["name"], "clean" if c["clean"] else f"FAIL: {c['error'] or 'incomplete'}",
-                    c["processes"], c["reps"], c["timeouts"], c["mismatches"], c["seconds"])
-                   for c in configs], ("d",) * 4 + (".1f",))
+                   "mismatching elements", "seconds"], _stress_rows(configs),
+                  ("d",) * 4 + (".1f",))
     out += [f"{sum(c['clean'] for c in configs)} of {len(configs)} configurations clean.", ""]
+
+
+def _stress_rows(configs: list) -> list:
+    """A row per failed configuration, and one per mode and EP size ("LL EP=2") for the clean
+    ones with the same processes: their variants named, repetitions and seconds summed."""
+    rows, clean = [], {}
+    for c in configs:
+        if not c["clean"]:
+            rows.append((c["name"], f"FAIL: {c['error'] or 'incomplete'}", c["processes"],
+                         c["reps"], c["timeouts"], c["mismatches"], c["seconds"]))
+            continue
+        mode, ep, *variant = c["name"].split()
+        clean.setdefault((f"{mode} {ep}", c["processes"]), []).append((" ".join(variant), c))
+    for (prefix, processes), group in clean.items():
+        name = (f"{prefix} {group[0][0]}" if len(group) == 1
+                else f"{prefix}: {', '.join(variant for variant, _ in group)}")
+        rows.append((name, "clean", processes, *(sum(c[key] for _, c in group)
+                                                 for key in ("reps", "timeouts", "mismatches",
+                                                             "seconds"))))
+    return rows
 
 
 def _host(result: dict, out: list) -> None:

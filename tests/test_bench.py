@@ -1099,3 +1099,18 @@ def test_nodes_gpu_report_has_kernel_and_e2e_times_and_skips():
     sentence = readme._nodes(result)
     assert f"2x1 uniform {share:.2f}" in sentence and "(1 of 2 checks)" in sentence
     assert readme._nodes({**result, "nodes": None}) == ""
+
+
+def test_stress_rows_group_clean_configurations_and_keep_failures_apart():
+    def config(name, clean=True, reps=10, seconds=1.0):
+        return {"name": name, "clean": clean, "error": None if clean else "ValueError: x",
+                "processes": 2, "reps": reps, "timeouts": 0, "mismatches": 0 if clean else 3,
+                "seconds": seconds}
+
+    rows = markdown._stress_rows([config("LL EP=2 expert_major bf16"),
+                                  config("LL EP=2 rank_major fp8", reps=20, seconds=2.5),
+                                  config("HT EP=2 exact", clean=False),
+                                  config("HT EP=2 capacity")])
+    assert rows == [("HT EP=2 exact", "FAIL: ValueError: x", 2, 10, 0, 3, 1.0),
+                    ("LL EP=2: expert_major bf16, rank_major fp8", "clean", 2, 30, 0, 0, 3.5),
+                    ("HT EP=2 capacity", "clean", 2, 10, 0, 0, 1.0)]
