@@ -762,7 +762,6 @@ def test_ll_team_times_come_from_every_rank_that_finished():
 def test_readme_numbers_and_results_name_the_committed_run():
     """The README's numbers section is benchmarks.readme's text for the committed results.json,
     and RESULTS.md names the sources hash of that run."""
-
     assert readme.main(["--check"]) == 0, "run python -m benchmarks.readme"
     with open(readme.RESULTS) as f:
         result = json.load(f)
@@ -779,7 +778,6 @@ def test_readme_numbers_and_results_name_the_committed_run():
 
 def test_readme_numbers_follow_the_results(tmp_path):
     # A changed figure in results.json changes the README's text (no number is written by hand).
-
     with open(readme.RESULTS) as f:
         result = json.load(f)
     before = readme.numbers(result)
@@ -809,7 +807,6 @@ def training_record(sources: str = None, ms: float = 101.25) -> dict:
 @pytest.fixture
 def results_files(tmp_path, monkeypatch):
     """benchmarks.readme's files (results.json, RESULTS.md, README.md) as copies in tmp_path."""
-
     for name in ("RESULTS", "RESULTS_MD", "README", "PLOT"):
         copy = tmp_path / os.path.basename(getattr(readme, name))
         if os.path.exists(getattr(readme, name)):

@@ -149,8 +149,9 @@ def test_ll_across_nodes_bitwise(world_size, ranks_per_node, layout, dtype, payl
     elif dtype != torch.float32:
         # The orders need not meet, and with 16-bit tokens (each node partial rounded to them)
         # on a token routed to do so (_route_a_token_over_nodes: 3 x hidden elements) they do
-        # not: the combine matched the node order, not a flat sum that happens to be equal. (fp32 tokens: node partials are not rounded, and sums of a few
-        # terms may associate alike.)
+        # not: the combine matched the node order, not a flat sum that happens to be equal.
+        # (fp32 tokens: node partials are not rounded, and sums of a few terms may associate
+        # alike.)
         assert differs > 0, "the node order gave the flat sums on every rank"
 
 
